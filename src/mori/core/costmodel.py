@@ -1,0 +1,171 @@
+"""The roofline cost model: seconds per engine iteration, decode runs and KV reloads.
+
+Pure and deterministic: no I/O, no clock. One iteration of a continuous-batching engine
+prefills a chunk of new tokens and decodes one token for each running request. Per GPU,
+with tensor-parallel degree t (COSTMODEL.md):
+
+    tau + max(linear FLOPs / (t eta_gemm FLOPS), (weights read + KV read) / (t eta_mem BW))
+        + prefill attention FLOPs / (t eta_attn FLOPS) + all-reduce (t > 1)
+
+The linear layers of all tokens share one weight read, hence the max (roofline). Decode
+attention is a KV read, so it sits in the memory term; prefill attention is compute.
+The specs and presets live in ``mori.core.hardware`` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mori.core.hardware import (
+    PRESETS,
+    GPUSpec,
+    HardwarePreset,
+    ModelSpec,
+    get_preset,
+)
+
+__all__ = [
+    "PRESETS",
+    "CostModel",
+    "GPUSpec",
+    "HardwarePreset",
+    "ModelSpec",
+    "get_preset",
+    "prefill_attn_ctx",
+]
+
+
+def prefill_attn_ctx(new: int, cached: int) -> float:
+    """Sum over a chunk's ``new`` tokens of the context each attends to.
+
+    Each new token sees the ``cached`` prefix plus (on average) half the chunk:
+    ``new * cached + new * new / 2``.
+    """
+    if new < 0 or cached < 0:
+        raise ValueError("new and cached must be >= 0")
+    return new * cached + new * new / 2
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Step times for one replica described by a ``HardwarePreset``. Immutable."""
+
+    preset: HardwarePreset
+    # Per-unit times, precomputed once (seconds per token / per byte / per FLOP unit).
+    _s_per_linear_token: float = field(init=False, repr=False, compare=False)
+    _s_per_attn_unit: float = field(init=False, repr=False, compare=False)
+    _s_per_hbm_byte: float = field(init=False, repr=False, compare=False)
+    _kv_bytes_gpu: int = field(init=False, repr=False, compare=False)
+    _overhead: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p = self.preset
+        m, g, t = p.model, p.gpu, p.tp
+        set_ = object.__setattr__
+        set_(self, "_s_per_linear_token", m.linear_flops_per_token / (t * p.eta_gemm * g.flops))
+        set_(self, "_s_per_attn_unit", m.attn_flops_per_token_per_ctx / (t * p.eta_attn * g.flops))
+        # Bytes are per GPU already (weights / t, KV shard), so no further / t here.
+        set_(self, "_s_per_hbm_byte", 1.0 / (p.eta_mem * g.mem_bw))
+        set_(self, "_kv_bytes_gpu", p.kv_bytes_per_token_per_gpu)
+        set_(self, "_overhead", p.tau + p.allreduce_s)
+
+    @classmethod
+    def from_preset_name(cls, name: str) -> CostModel:
+        """A cost model for a registered preset (``UnknownNameError`` lists the names)."""
+        return cls(get_preset(name))
+
+    @property
+    def gpu_kv_capacity_tokens(self) -> int:
+        return self.preset.gpu_kv_capacity_tokens
+
+    def iteration_time(
+        self,
+        prefill_new: int,
+        prefill_attn_ctx: float,
+        decode_batch: int,
+        decode_ctx_sum: int,
+    ) -> float:
+        """Seconds for one iteration: prefill ``prefill_new`` tokens whose attended
+        contexts sum to ``prefill_attn_ctx`` (see the module-level helper), and decode
+        one token for each of ``decode_batch`` requests whose contexts sum to
+        ``decode_ctx_sum``. No work costs 0.0 (no fixed overhead)."""
+        if prefill_new < 0 or prefill_attn_ctx < 0 or decode_batch < 0 or decode_ctx_sum < 0:
+            raise ValueError("iteration_time arguments must be >= 0")
+        if prefill_new == 0 and prefill_attn_ctx > 0:
+            raise ValueError("prefill_attn_ctx > 0 without prefill tokens")
+        if decode_batch == 0 and decode_ctx_sum > 0:
+            raise ValueError("decode_ctx_sum > 0 without decode requests")
+        tokens = prefill_new + decode_batch
+        if tokens == 0:
+            return 0.0
+        compute = tokens * self._s_per_linear_token
+        memory = (
+            self.preset.model.weight_bytes_read(tokens) / self.preset.tp
+            + self._kv_bytes_gpu * decode_ctx_sum
+        ) * self._s_per_hbm_byte
+        attention = prefill_attn_ctx * self._s_per_attn_unit
+        return self.preset.tau + max(compute, memory) + attention + self.preset.allreduce_s
+
+    def prefill_chunk_time(self, new: int, cached: int) -> float:
+        """One iteration prefilling ``new`` tokens on top of ``cached`` ones, no decodes."""
+        return self.iteration_time(new, prefill_attn_ctx(new, cached), 0, 0)
+
+    def decode_run_time(self, batch: int, ctx_sum0: int, n: int) -> float:
+        """Seconds for ``n`` pure-decode iterations of a fixed batch, in O(1).
+
+        Equals ``sum(iteration_time(0, 0, batch, ctx_sum0 + i * batch) for i in
+        range(n))``: the compute term C is constant in i and the memory term a + s*i is
+        affine, so the sum splits at the first index where memory reaches compute.
+        """
+        if batch < 0 or ctx_sum0 < 0 or n < 0:
+            raise ValueError("decode_run_time arguments must be >= 0")
+        if batch == 0 and ctx_sum0 > 0:
+            raise ValueError("ctx_sum0 > 0 without decode requests")
+        if batch == 0 or n == 0:
+            return 0.0
+        compute = batch * self._s_per_linear_token
+        a = (
+            self.preset.model.weight_bytes_read(batch) / self.preset.tp
+            + self._kv_bytes_gpu * ctx_sum0
+        ) * self._s_per_hbm_byte
+        s = self._kv_bytes_gpu * batch * self._s_per_hbm_byte  # > 0
+        # k = number of leading iterations where compute dominates (a + s*i < C).
+        k = 0 if a >= compute else min(n, math.ceil((compute - a) / s))
+        m = n - k
+        memory_sum = m * a + s * ((k + n - 1) * m / 2)
+        return n * self._overhead + k * compute + memory_sum
+
+    def decode_iters_within(self, batch: int, ctx_sum0: int, elapsed: float) -> int:
+        """The largest n with ``decode_run_time(batch, ctx_sum0, n) <= elapsed``.
+
+        O(log n): a bracket from the first iteration's time, then bisection over the
+        closed form (which is strictly increasing in n). Negative ``elapsed`` gives 0.
+        """
+        if batch <= 0:
+            raise ValueError("batch must be > 0 (an empty batch decodes forever for free)")
+        if not math.isfinite(elapsed):
+            raise ValueError("elapsed must be finite")
+        if elapsed <= 0:
+            return 0
+        first = self.decode_run_time(batch, ctx_sum0, 1)  # every later iteration is longer
+        lo = 0
+        hi = math.floor(elapsed / first) + 1
+        while self.decode_run_time(batch, ctx_sum0, hi) <= elapsed:  # float safety
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # invariant: run_time(lo) <= elapsed < run_time(hi)
+            mid = (lo + hi) // 2
+            if self.decode_run_time(batch, ctx_sum0, mid) <= elapsed:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def reload_time(self, tokens: int) -> float:
+        """Seconds to copy ``tokens`` tokens of KV from host to GPU over PCIe.
+
+        Per GPU: each TP rank loads its own shard over its own link, in parallel.
+        """
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        return tokens * self._kv_bytes_gpu / self.preset.gpu.pcie_bw

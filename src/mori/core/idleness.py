@@ -1,0 +1,129 @@
+"""Windowed idleness (MORI.md section 3).
+
+    iota = T_acting(k) / (T_reasoning(k) + T_acting(k))
+
+over the last ``k`` reasoning-acting cycles. The window is the cycle in progress (if one
+has started: the program is reasoning or acting) plus the last completed cycles, ``k``
+in all; while the program is gated no cycle is in progress and the window is the last
+``k`` completed cycles. The in-progress part counts: an ongoing tool call's elapsed time
+keeps growing. Time spent gated (queued by the scheduler, or waiting for its KV to
+reload) is excluded from both terms unless ``exclude_gated`` is False (the
+``mori-no-exclusion`` ablation), in which case it is added to the acting term of the
+cycle that preceded it (for a program's very first request there is no such cycle and it
+is dropped). A program with no history has iota = 0 (busy): it is about to run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from enum import Enum
+
+
+class _Phase(Enum):
+    NEW = 0
+    GATED = 1
+    REASONING = 2
+    ACTING = 3
+
+
+class IdlenessTracker:
+    """Feeds on three timestamps per step and answers ``iota(now)``.
+
+    Observations must come in order: ``arrived`` -> ``started`` -> ``finished`` ->
+    ``arrived`` ... with non-decreasing times. ``started`` marks the start of reasoning
+    (the request was forwarded and its KV is ready); calling it again while reasoning
+    moves the start later (the extra interval becomes gated time).
+    """
+
+    __slots__ = (
+        "_k", "_exclude_gated", "_cycles", "_phase", "_t0", "_cur_reason", "_gated_total",
+    )
+
+    def __init__(self, k: int = 5, exclude_gated: bool = True) -> None:
+        if k < 1:
+            raise ValueError(f"idleness window k must be >= 1, got {k}")
+        self._k = k
+        self._exclude_gated = exclude_gated
+        self._cycles: deque[tuple[float, float]] = deque()
+        self._phase = _Phase.NEW
+        self._t0 = 0.0  # start of the current phase
+        self._cur_reason = 0.0  # reasoning time of the cycle in progress (once acting)
+        self._gated_total = 0.0
+
+    # -- observations -------------------------------------------------------------
+    def arrived(self, now: float) -> None:
+        """A request arrived: the tool call (if any) ended, the program is gated."""
+        if self._phase is _Phase.ACTING:
+            self._push(self._cur_reason, max(0.0, now - self._t0))
+        elif self._phase not in (_Phase.NEW,):
+            raise ValueError(f"arrived while {self._phase.name.lower()}")
+        self._phase = _Phase.GATED
+        self._t0 = now
+
+    def started(self, now: float) -> None:
+        """Reasoning starts now (forwarded, KV ready)."""
+        if self._phase is _Phase.GATED:
+            self._end_gated(now)
+        elif self._phase is _Phase.REASONING:
+            # the KV became ready later than the forward: that interval was gated
+            extra = max(0.0, now - self._t0)
+            self._gated_total += extra
+            if not self._exclude_gated and self._cycles:
+                self._add_gated_to_last(extra)
+        else:
+            raise ValueError(f"started while {self._phase.name.lower()}")
+        self._phase = _Phase.REASONING
+        self._t0 = now
+
+    def finished(self, now: float) -> None:
+        """The response ended: the program is acting (in a tool call)."""
+        if self._phase is not _Phase.REASONING:
+            raise ValueError(f"finished while {self._phase.name.lower()}")
+        self._cur_reason = max(0.0, now - self._t0)
+        self._phase = _Phase.ACTING
+        self._t0 = now
+
+    # -- queries --------------------------------------------------------------------
+    def iota(self, now: float) -> float:
+        in_progress = self._phase in (_Phase.REASONING, _Phase.ACTING)
+        window = list(self._cycles)
+        if in_progress and len(window) == self._k:
+            window = window[1:]  # the cycle in progress is one of the k
+        r = sum(c[0] for c in window)
+        a = sum(c[1] for c in window)
+        if self._phase is _Phase.REASONING:
+            r += max(0.0, now - self._t0)
+        elif self._phase is _Phase.ACTING:
+            r += self._cur_reason
+            a += max(0.0, now - self._t0)
+        elif self._phase is _Phase.GATED and not self._exclude_gated and self._cycles:
+            a += max(0.0, now - self._t0)
+        total = r + a
+        return a / total if total > 0.0 else 0.0
+
+    @property
+    def gated_time(self) -> float:
+        """Total seconds spent gated so far (completed gated intervals)."""
+        return self._gated_total
+
+    @property
+    def cycles(self) -> tuple[tuple[float, float], ...]:
+        """The completed cycles in the window, oldest first, as (reasoning, acting)."""
+        return tuple(self._cycles)
+
+    # -- internals -----------------------------------------------------------------
+    def _push(self, reason: float, act: float) -> None:
+        # keep k completed cycles; iota() uses k - 1 of them while a cycle is in progress
+        self._cycles.append((reason, act))
+        if len(self._cycles) > self._k:
+            self._cycles.popleft()
+
+    def _end_gated(self, now: float) -> None:
+        gated = max(0.0, now - self._t0)
+        self._gated_total += gated
+        if not self._exclude_gated and self._cycles:
+            self._add_gated_to_last(gated)
+
+    def _add_gated_to_last(self, gated: float) -> None:
+        r, a = self._cycles[-1]
+        self._cycles[-1] = (r, a + gated)

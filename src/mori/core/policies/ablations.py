@@ -1,0 +1,54 @@
+"""Ablations of MORI (MORI.md sections 1 and 3).
+
+- ``mori-binary``: a fixed busy/idle threshold on iota instead of a ranking. A program
+  is idle when iota >= ``binary_threshold``; idle Acting programs are offloaded to the
+  CPU tier on every round whether or not the GPU needs the room (label decides tier),
+  any idle Acting program may be demoted for any ready one, and a program demoted to a
+  full CPU tier goes to Waiting (no ranking to decide who deserves the CPU).
+- ``mori-no-exclusion``: MORI with the scheduler's gated time counted as acting time in
+  the idleness window, to show the feedback loop the exclusion prevents.
+"""
+
+from __future__ import annotations
+
+from mori.core.decisions import Decision
+from mori.core.ledger import ClusterSpec
+from mori.core.policies.mori import MoriPolicy, _Iota
+from mori.core.policy import PolicyConfig
+from mori.core.program import Program
+from mori.core.types import Status, Tier
+
+
+class MoriBinaryPolicy(MoriPolicy):
+    name = "mori-binary"
+    description = "ablation: fixed busy/idle threshold instead of ranking"
+
+    def _idle(self, iota: float) -> bool:
+        return iota >= self.config.binary_threshold
+
+    def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
+        return self._idle(victim_iota)
+
+    def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
+        for r, gq in enumerate(self.placement.gpu):
+            for pid in list(gq.members):
+                p = self.programs[pid]
+                if p.status is Status.ACTING and self._idle(iota(p)):
+                    self._offload(p, r, out, iota)
+
+    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota) -> None:
+        cq = self.placement.cpu[replica]
+        to = Tier.CPU if cq.capacity and cq.fits(p.kv_bytes) else Tier.NONE
+        self._demote_to(p, to, replica, out)
+
+
+class MoriNoExclusionPolicy(MoriPolicy):
+    name = "mori-no-exclusion"
+    description = "ablation: gated (scheduler-imposed) time counted in idleness"
+
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        base = config or PolicyConfig()
+        super().__init__(cluster, kv_bytes_per_token, PolicyConfig(
+            tick_s=base.tick_s, idleness_window=base.idleness_window, exclude_gated=False,
+            binary_threshold=base.binary_threshold, page_tokens=base.page_tokens))

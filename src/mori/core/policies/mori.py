@@ -1,0 +1,191 @@
+"""MORI: rank by idleness, fill GPU then CPU exactly to capacity (MORI.md section 4).
+
+Every rule of section 4, and where a detail is ours:
+
+- Sticky placement: nothing moves unless a tier is over capacity or a ready program
+  needs room; the control loop runs on every tick and on every event.
+- GPU over capacity (contexts grew): demote Acting programs before held (not yet
+  forwarded) ones, highest iota first. Reasoning programs never grow in the ledger (it
+  accounts a step's output when the step finishes), so they are never needed here.
+- A demoted program goes to its replica's CPU queue if it fits; if not, CPU programs
+  more idle than it are pushed to Waiting to make room (the CPU tier holds the next-best
+  ranked); failing that it goes to Waiting itself. CPU over capacity: highest iota to
+  Waiting first.
+- Promotion order: (0) CPU-queue programs with a held request, (1) Waiting programs that
+  are returning, (2) new programs, smallest context first; lowest iota first within a
+  level; then arrival order.
+- A candidate that fits is promoted (Best-Fit over replicas for a cacheless program;
+  its own replica for a CPU-queue program) and forwarded at once.
+- Proactive demotion: for the first candidate that does not fit, Acting programs on the
+  GPU that are more idle than it are demoted, highest iota first. If that is not enough
+  but Reasoning programs more idle than it would make up the rest, they are marked for
+  lazy demotion (their step finishes first), the Acting ones are demoted now and the
+  replica's free space is reserved for the candidate (later candidates may only use
+  space beyond the reservation). Otherwise nobody is demoted and it waits.
+"""
+
+from __future__ import annotations
+
+from mori.core.decisions import Decision
+from mori.core.policy import EngineProfile, Policy
+from mori.core.program import Program
+from mori.core.types import Status, Tier
+
+
+class MoriPolicy(Policy):
+    name = "mori"
+    description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
+    engine = EngineProfile(cpu_tier=True, typed_eviction=True)
+    uses_cpu_queue = True
+
+    # -- ranking hooks (the ablations override these) --------------------------------
+    def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
+        """May a program with ``victim_iota`` make room for one with ``cand_iota``?"""
+        return victim_iota > cand_iota
+
+    def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
+        """Moves made on every decision round regardless of demand (none for MORI)."""
+
+    # -- the decision round ------------------------------------------------------------
+    def _decide(self, now: float, out: list[Decision]) -> None:
+        iota = _Iota(now)
+        self._rebalance(now, out, iota)
+        self._fix_overflow(out, iota)
+        for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
+            if p.tier is Tier.GPU:
+                self._forward(p, now, out)
+        self._promote_ready(now, out, iota)
+
+    def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
+        pl = self.placement
+        for r, gq in enumerate(pl.gpu):
+            if gq.over():
+                members = [self.programs[pid] for pid in gq.members]
+                acting = [p for p in members if p.status is Status.ACTING]
+                held = [p for p in members if p.status is Status.GATED]
+                order = sorted(acting, key=iota.desc) + sorted(held, key=iota.desc)
+                for p in order:
+                    if not gq.over():
+                        break
+                    self._offload(p, r, out, iota)
+                assert not gq.over(), "reasoning programs alone exceed the GPU tier"
+        for cq in pl.cpu:
+            if cq.over():
+                for p in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
+                    if not cq.over():
+                        break
+                    self._demote_to(p, Tier.NONE, None, out)
+
+    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota) -> None:
+        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit."""
+        cq = self.placement.cpu[replica]
+        if not cq.fits(p.kv_bytes) and cq.capacity:
+            need = p.kv_bytes - int(cq.free())
+            mine = iota(p)
+            victims = []
+            for q in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
+                if need <= 0 or iota(q) <= mine:
+                    break
+                victims.append(q)
+                need -= q.kv_bytes
+            if need <= 0:
+                for q in victims:
+                    self._demote_to(q, Tier.NONE, None, out)
+        to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
+        self._demote_to(p, to, replica, out)
+
+    def _level(self, p: Program) -> int:
+        if p.tier is Tier.CPU:
+            return 0
+        return 1 if p.returning else 2
+
+    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota) -> None:
+        pl = self.placement
+        cap = self.cluster.gpu_bytes
+        cands = [p for p in self._ready.values() if p.tier is not Tier.GPU]
+        if not cands:
+            return
+        cands.sort(key=lambda p: (self._level(p), p.tokens if self._level(p) == 2 else 0,
+                                  iota(p), p.ready_seq))
+        reserve = [0] * len(pl.gpu)
+        blocked = False
+        for c in cands:
+            if cap is not None and c.kv_bytes > cap:
+                continue  # can never run here; refused up front by the simulator
+            r = self._best_fit(c, reserve)
+            if r is not None:
+                self._promote(c, r, out)
+                self._forward(c, now, out)
+                continue
+            if blocked:
+                continue
+            blocked = True
+            self._make_room(c, now, out, iota, reserve)
+
+    def _replicas_for(self, c: Program) -> list[int]:
+        if c.tier is Tier.CPU and c.replica is not None:
+            return [c.replica]  # affinity: reload locally
+        return list(range(len(self.placement.gpu)))
+
+    def _best_fit(self, c: Program, reserve: list[int]) -> int | None:
+        best: tuple[float, int] | None = None
+        for r in self._replicas_for(c):
+            left = self.placement.gpu[r].free() - reserve[r] - c.kv_bytes
+            if left >= 0 and (best is None or left < best[0]):
+                best = (left, r)
+        return None if best is None else best[1]
+
+    def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
+                   reserve: list[int]) -> None:
+        mine = iota(c)
+        plans = []
+        for r in self._replicas_for(c):
+            gq = self.placement.gpu[r]
+            members = [self.programs[pid] for pid in gq.members]
+            acting = sorted((p for p in members if p.status is Status.ACTING
+                             and self._victim_ok(iota(p), mine)), key=iota.desc)
+            reasoning = sorted((p for p in members if p.status is Status.REASONING
+                                and self._victim_ok(iota(p), mine)), key=iota.desc)
+            room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
+            later = sum(p.kv_bytes for p in reasoning)
+            plans.append((room + later, room, r, acting, reasoning))
+        total, room, r, acting, reasoning = max(plans, key=lambda t: (t[0], -t[2]))
+        if total < c.kv_bytes:
+            return  # cannot be made to fit yet: demote nobody, wait
+        gq = self.placement.gpu[r]
+        for p in acting:
+            if gq.free() - reserve[r] >= c.kv_bytes:
+                break
+            self._offload(p, r, out, iota)
+        if gq.free() - reserve[r] >= c.kv_bytes:
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+            return
+        need = c.kv_bytes - (gq.free() - reserve[r])
+        for p in reasoning:
+            if need <= 0:
+                break
+            p.lazy_demote = True
+            need -= p.kv_bytes
+        reserve[r] = max(reserve[r], int(gq.free()))  # hold what is free for c
+
+
+class _Iota:
+    """Idleness of each program, computed once per decision round."""
+
+    __slots__ = ("now", "_memo")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self._memo: dict[str, float] = {}
+
+    def __call__(self, p: Program) -> float:
+        v = self._memo.get(p.program_id)
+        if v is None:
+            v = p.tracker.iota(self.now)
+            self._memo[p.program_id] = v
+        return v
+
+    def desc(self, p: Program) -> tuple[float, int]:
+        """Sort key: highest iota first, then the most recent request last in."""
+        return (-self(p), -p.ready_seq)

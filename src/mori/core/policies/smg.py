@@ -1,0 +1,43 @@
+"""SMG: the SGLang Model Gateway baseline (MORI.md section 8).
+
+No program awareness: every request is forwarded at once and the engine's own plain
+LRU decides whose KV survives. At one replica that is plain forwarding; with several
+a program goes back to the replica it last ran on (its prefix is cached there) unless
+that replica carries more than ``imbalance`` times the lightest one's programs, in
+which case it goes to the lightest (an approximation of SGLang's cache-aware router:
+longest prefix match unless the load imbalance passes a threshold).
+"""
+
+from __future__ import annotations
+
+from mori.core.decisions import Decision
+from mori.core.ledger import ClusterSpec
+from mori.core.policy import EngineProfile, Policy
+from mori.core.types import Tier
+
+
+class SMGPolicy(Policy):
+    name = "smg"
+    description = "SGLang Model Gateway: forward everything, engine LRU decides"
+    engine = EngineProfile(cpu_tier=False, typed_eviction=False)
+    imbalance = 2.0
+
+    @property
+    def tick_interval(self) -> float | None:
+        return None
+
+    def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
+        return ClusterSpec(cluster.replicas, None, 0)  # the engine manages memory
+
+    def _decide(self, now: float, out: list[Decision]) -> None:
+        loads = [len(q.members) for q in self.placement.gpu]
+        for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
+            if p.tier is not Tier.GPU:
+                lightest = min(range(len(loads)), key=lambda r: (loads[r], r))
+                r = lightest
+                if p.replica is not None and loads[p.replica] <= self.imbalance * max(
+                        1, loads[lightest]):
+                    r = p.replica
+                self._promote(p, r, out)
+                loads[r] += 1
+            self._forward(p, now, out)

@@ -1,0 +1,96 @@
+"""The ThunderAgent baselines, as the MORI paper describes them (MORI.md section 8).
+
+ThunderAgent is program-aware: it pins a program's KV on the GPU across tool calls and
+admits programs while they fit. When the GPU is over capacity it pauses programs, the
+smallest-context Acting ones first (cheapest to recompute), dropping their KV: there is
+no CPU queue in the scheduler. Held requests are resumed by Best-Fit-Decreasing (the
+largest first, onto the replica it fits tightest); the first one that does not fit
+pauses Acting programs, smallest first, if that makes enough room, otherwise the free
+space is held for it until running steps finish. It never looks at idleness.
+
+``thunderagent+offload`` is the same scheduler in front of an engine with a CPU KV tier
+managed by plain LRU (HiCache), not coordinated with the scheduler: a paused program's
+KV may survive in the engine's CPU pool and be reloaded instead of recomputed.
+"""
+
+from __future__ import annotations
+
+from mori.core.decisions import Decision
+from mori.core.policy import EngineProfile, Policy
+from mori.core.program import Program
+from mori.core.types import Status, Tier
+
+
+def _small_first(p: Program) -> tuple[int, int]:
+    return (p.kv_bytes, p.ready_seq)
+
+
+class ThunderAgentPolicy(Policy):
+    name = "thunderagent"
+    description = "ThunderAgent: program-aware pinning, smallest-context pause, no offload"
+    engine = EngineProfile(cpu_tier=False, typed_eviction=False)
+
+    def _decide(self, now: float, out: list[Decision]) -> None:
+        pl = self.placement
+        for gq in pl.gpu:
+            if gq.over():
+                members = [self.programs[pid] for pid in gq.members]
+                order = sorted((p for p in members if p.status is Status.ACTING),
+                               key=_small_first)
+                order += sorted((p for p in members if p.status is Status.GATED),
+                                key=_small_first)
+                for p in order:
+                    if not gq.over():
+                        break
+                    self._demote_to(p, Tier.NONE, None, out)
+        for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
+            if p.tier is Tier.GPU:
+                self._forward(p, now, out)
+        cands = sorted((p for p in self._ready.values() if p.tier is not Tier.GPU),
+                       key=lambda p: (-p.kv_bytes, p.ready_seq))
+        reserve = [0] * len(pl.gpu)
+        blocked = False
+        cap = self.cluster.gpu_bytes
+        for c in cands:
+            if cap is not None and c.kv_bytes > cap:
+                continue
+            fits = [(pl.gpu[r].free() - reserve[r] - c.kv_bytes, r) for r in range(len(pl.gpu))]
+            fits = [f for f in fits if f[0] >= 0]
+            if fits:
+                r = min(fits)[1]
+                self._promote(c, r, out)
+                self._forward(c, now, out)
+                continue
+            if blocked:
+                continue
+            blocked = True
+            self._pause_for(c, now, out, reserve)
+
+    def _pause_for(self, c: Program, now: float, out: list[Decision],
+                   reserve: list[int]) -> None:
+        pl = self.placement
+        best = None
+        for r, gq in enumerate(pl.gpu):
+            acting = sorted((self.programs[pid] for pid in gq.members
+                             if self.programs[pid].status is Status.ACTING), key=_small_first)
+            room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
+            if best is None or room > best[0]:
+                best = (room, r, acting)
+        assert best is not None
+        room, r, acting = best
+        gq = pl.gpu[r]
+        if room >= c.kv_bytes:
+            for p in acting:
+                if gq.free() - reserve[r] >= c.kv_bytes:
+                    break
+                self._demote_to(p, Tier.NONE, None, out)
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+        else:
+            reserve[r] = max(reserve[r], int(gq.free()))  # wait for running steps
+
+
+class ThunderAgentOffloadPolicy(ThunderAgentPolicy):
+    name = "thunderagent+offload"
+    description = "ThunderAgent with an uncoordinated LRU CPU tier in the engine (TA+O)"
+    engine = EngineProfile(cpu_tier=True, typed_eviction=False)

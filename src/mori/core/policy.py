@@ -1,0 +1,218 @@
+"""The ``Policy`` interface and the bookkeeping every policy shares.
+
+A policy is pure and synchronous: a world (the simulator, the gateway) reports what
+happened with ``observe(event, now)`` and asks ``decide(now)`` for what to do; decisions
+are data (``mori.core.decisions``) that the world executes in order. The policy updates
+its own ledger as it decides, so after ``decide`` returns, ``placement`` describes the
+state the decisions lead to and ``check_integrity()`` holds, capacities included.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mori.core.decisions import Decision, Demote, Forward, Promote, Release
+from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.idleness import IdlenessTracker
+from mori.core.ledger import ClusterSpec, Placement
+from mori.core.program import Program, StepRecord
+from mori.core.types import Status, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs shared by the policies (each ignores those it has no use for).
+
+    ``tick_s``: period of the control loop (MORI.md section 4: 5 s).
+    ``idleness_window``: k, cycles in the idleness window (MORI.md section 3: 5).
+    ``exclude_gated``: leave scheduler-imposed time out of idleness.
+    ``binary_threshold``: iota at or above which ``mori-binary`` calls a program idle.
+    ``page_tokens``: KV is accounted in whole pages of this many tokens.
+    """
+
+    tick_s: float = 5.0
+    idleness_window: int = 5
+    exclude_gated: bool = True
+    binary_threshold: float = 0.5
+    page_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.tick_s <= 0:
+            raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+        if self.idleness_window < 1:
+            raise ValueError(f"idleness_window must be >= 1, got {self.idleness_window}")
+        if not 0.0 <= self.binary_threshold <= 1.0:
+            raise ValueError(f"binary_threshold must be in [0, 1], got {self.binary_threshold}")
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """What the engine under a policy looks like (the paper's deployments).
+
+    ``cpu_tier``: the engine keeps a CPU KV pool (HiCache / offload connector).
+    ``typed_eviction``: the engine orders eviction and batch admission by MORI's type
+    labels; otherwise plain LRU and first-come admission.
+    """
+
+    cpu_tier: bool
+    typed_eviction: bool
+
+
+class Policy(ABC):
+    """Base class: program table, ledger and the observation handling all share.
+
+    Subclasses implement ``_decide(now, out)``. Contract of ``decide``: every held
+    request of a GPU-resident program is eventually forwarded; nothing is forwarded
+    unless its program is in a GPU queue; no tier is over capacity on return.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    engine: ClassVar[EngineProfile]
+    uses_cpu_queue: ClassVar[bool] = False  # whether the scheduler keeps a CPU queue
+
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        if kv_bytes_per_token <= 0:
+            raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
+        self.config = config or PolicyConfig()
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.cluster = self._ledger_spec(cluster)
+        self.placement = Placement(self.cluster)
+        self.programs: dict[str, Program] = {}
+        self._ready: dict[str, Program] = {}  # programs holding a request
+        self._releases: list[Release] = []
+        self._seq = 0
+        self.decisions_taken = 0
+
+    # -- the interface ----------------------------------------------------------------
+    @property
+    def tick_interval(self) -> float | None:
+        """Seconds between control-loop ticks, or None if the policy needs no tick."""
+        return self.config.tick_s
+
+    def observe(self, event: Event, now: float) -> None:
+        """Record what happened at ``now``; call ``decide`` afterwards."""
+        if isinstance(event, RequestArrived):
+            self._on_arrival(event, now)
+        elif isinstance(event, StepFinished):
+            self._on_finish(event, now)
+        elif isinstance(event, KVReady):
+            p = self.programs[event.program_id]
+            if p.status is Status.REASONING:
+                p.tracker.started(now)
+        elif isinstance(event, ProgramEnded):
+            self._on_end(event, now)
+        else:  # pragma: no cover - exhaustive
+            raise TypeError(f"unknown event {event!r}")
+
+    def decide(self, now: float) -> list[Decision]:
+        """What to do now; the ledger is updated as if the decisions were executed."""
+        out: list[Decision] = list(self._releases)
+        self._releases.clear()
+        self._decide(now, out)
+        self.decisions_taken += 1
+        return out
+
+    def check_integrity(self) -> None:
+        self.placement.check_integrity(capacity=True)
+        for pid, p in self.programs.items():
+            tier, replica = self.placement.where(pid)
+            assert (p.tier, p.replica) == (tier, replica), f"{pid}: program/ledger disagree"
+            assert p.ready == (pid in self._ready), f"{pid}: ready flag disagrees"
+            assert p.ready == (p.status is Status.GATED), f"{pid}: ready but {p.status}"
+        assert len(self.placement) == len(self.programs)
+
+    @property
+    def ready_programs(self) -> list[Program]:
+        return list(self._ready.values())
+
+    # -- helpers for subclasses ---------------------------------------------------------
+    @abstractmethod
+    def _decide(self, now: float, out: list[Decision]) -> None: ...
+
+    def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
+        """The capacities this policy schedules against (a subclass may drop a tier)."""
+        if self.uses_cpu_queue:
+            return cluster
+        return ClusterSpec(cluster.replicas, cluster.gpu_bytes, 0)
+
+    def bytes_for(self, tokens: int) -> int:
+        page = self.config.page_tokens
+        return -(-tokens // page) * page * self.kv_bytes_per_token
+
+    def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
+        assert p.tier is Tier.GPU and p.replica is not None and p.ready
+        out.append(Forward(p.program_id, p.replica))
+        p.ready = False
+        del self._ready[p.program_id]
+        p.status = Status.REASONING
+        p.tracker.started(now)
+        if p.history:
+            p.history[-1].forwarded = now
+
+    def _promote(self, p: Program, replica: int, out: list[Decision]) -> None:
+        out.append(Promote(p.program_id, replica, p.tier))
+        self._move(p, Tier.GPU, replica)
+
+    def _demote_to(self, p: Program, to: Tier, replica: int | None,
+                   out: list[Decision]) -> None:
+        src_replica = p.replica
+        out.append(Demote(p.program_id, src_replica if src_replica is not None else -1,
+                          p.tier, to))
+        self._move(p, to, replica if to is not Tier.NONE else None)
+
+    def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
+        self.placement.move(p.program_id, tier, replica)
+        p.tier, p.replica = tier, replica
+        p.lazy_demote = False
+
+    # -- observation handling -----------------------------------------------------------
+    def _on_arrival(self, ev: RequestArrived, now: float) -> None:
+        p = self.programs.get(ev.program_id)
+        if p is None:
+            p = Program(ev.program_id, IdlenessTracker(self.config.idleness_window,
+                                                       self.config.exclude_gated))
+            self.programs[ev.program_id] = p
+            self.placement.add(ev.program_id, 0)
+        elif p.status is not Status.ACTING:
+            raise ValueError(
+                f"program {ev.program_id!r} sent a request while {p.status.value}: "
+                "a program has at most one request in flight"
+            )
+        p.tracker.arrived(now)
+        p.status = Status.GATED
+        p.ready = True
+        self._seq += 1
+        p.ready_seq = self._seq
+        self._ready[p.program_id] = p
+        self._resize(p, ev.prompt_tokens)
+        p.record(StepRecord(arrived=now))
+
+    def _on_finish(self, ev: StepFinished, now: float) -> None:
+        p = self.programs[ev.program_id]
+        if p.status is not Status.REASONING:
+            raise ValueError(f"program {ev.program_id!r} finished while {p.status.value}")
+        p.tracker.finished(now)
+        p.status = Status.ACTING
+        p.returning = True
+        p.steps_done += 1
+        self._resize(p, ev.context_tokens)
+        if p.history:
+            p.history[-1].finished = now
+
+    def _on_end(self, ev: ProgramEnded, now: float) -> None:
+        p = self.programs.pop(ev.program_id)
+        if p.ready:
+            del self._ready[p.program_id]
+        self.placement.remove(p.program_id)
+        self._releases.append(Release(p.program_id, p.replica))
+
+    def _resize(self, p: Program, tokens: int) -> None:
+        p.tokens = tokens
+        p.kv_bytes = self.bytes_for(tokens)
+        self.placement.resize(p.program_id, p.kv_bytes)

@@ -1,0 +1,1 @@
+"""The discrete-event simulator: engine replicas, closed-loop replay, metrics."""

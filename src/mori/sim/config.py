@@ -1,0 +1,54 @@
+"""The typed configuration of one simulation run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mori.sim.workload import HUMAN_GAP_RULES
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One run. ``cpu_ratio`` R: the CPU tier holds R x the GPU KV capacity of KV that is
+    *not* on the GPU (with write-through the engine's host pool is (1 + R) x the device
+    pool, since it also mirrors what is on the GPU). ``max_context`` None means the
+    model's context window. ``stagger_s``: programs start uniformly spread over this
+    many seconds (seeded) rather than all at t = 0."""
+
+    policy: str = "mori"
+    programs: int = 50
+    hardware: str = "h200-qwen3-30b-a3b"
+    cpu_ratio: float = 1.0
+    replicas: int = 1
+    duration_s: float = 3600.0
+    seed: int = 0
+    human_gap: str = "cap"
+    human_gap_cap_s: float = 60.0
+    max_context: int | None = None
+    share_prefix: bool = False
+    stagger_s: float = 30.0
+    tick_s: float = 5.0
+    idleness_window: int = 5
+    binary_threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.programs < 1:
+            problems.append(f"programs must be >= 1 (got {self.programs})")
+        if self.replicas < 1:
+            problems.append(f"replicas must be >= 1 (got {self.replicas})")
+        if not self.duration_s > 0:
+            problems.append(f"duration must be > 0 seconds (got {self.duration_s})")
+        if self.cpu_ratio < 0:
+            problems.append(f"cpu ratio must be >= 0 (got {self.cpu_ratio})")
+        if self.human_gap not in HUMAN_GAP_RULES:
+            problems.append(f"human-gap rule must be one of {', '.join(HUMAN_GAP_RULES)} "
+                            f"(got {self.human_gap!r})")
+        if self.human_gap_cap_s < 0:
+            problems.append(f"human-gap cap must be >= 0 (got {self.human_gap_cap_s})")
+        if self.max_context is not None and self.max_context < 1:
+            problems.append(f"max context must be >= 1 token (got {self.max_context})")
+        if self.stagger_s < 0:
+            problems.append(f"stagger must be >= 0 (got {self.stagger_s})")
+        if problems:
+            raise ValueError("invalid simulation settings: " + "; ".join(problems))

@@ -1,0 +1,280 @@
+"""A simulated engine replica: continuous batching over a paged GPU/CPU KV cache.
+
+What it models (COSTMODEL.md; the names follow SGLang):
+- Admission: waiting requests enter in order (under typed eviction, busy-labelled before
+  idle-labelled, MORI.md section 5; otherwise first come first served). Admitting one
+  pins its program's pages and reserves pages for prompt + output (the engine is told
+  the output length; a real engine reserves an estimate); if the GPU cannot be made to
+  hold them by evicting unpinned pages, admission stops (head-of-line), as SGLang does.
+- Prefix reuse: only the step's reusable prefix (from the trace's block hashes) can hit;
+  hits on the GPU are free, hits on the CPU are reloaded over PCIe (one host-to-device
+  link per replica, first come first served; it overlaps with compute), the rest of the
+  prompt is prefilled. At least one token is always computed.
+- Iterations: a prefill chunk (``chunk_size`` tokens, first come first served across
+  requests) plus one decode token for every running request, timed by the cost model.
+  Pure-decode stretches are advanced in one event to the next change (a request ends, or
+  a new request becomes ready, which cuts the stretch at the iteration boundary).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mori.core.costmodel import CostModel, prefill_attn_ctx
+from mori.core.types import KVLabel
+from mori.sim.clock import PRIO_ENGINE, EventLoop
+from mori.sim.kvcache import KVEntry, KVPools
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One LLM call inside the simulated engine."""
+
+    program_id: str
+    prompt: int
+    reuse: int
+    output: int
+    arrived: float  # when it reached the scheduler (TTFT counts from here)
+    shared: int = 0  # leading tokens served by the cross-program shared prefix, if modelled
+    seq: int = 0
+    cached: int = 0  # prompt tokens whose KV exists on the GPU
+    remaining: int = 0  # prompt tokens still to prefill
+    decoded: int = 0
+    first_token_at: float | None = None
+    entry: KVEntry | None = field(default=None, repr=False)
+
+
+class EngineListener(Protocol):
+    """What the engine reports to whoever drives it."""
+
+    def kv_ready(self, req: SimRequest, now: float) -> None: ...
+    def first_token(self, req: SimRequest, now: float) -> None: ...
+    def finished(self, req: SimRequest, now: float) -> None: ...
+    def produced(self, tokens: int, now: float) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineStats:
+    busy_s: float = 0.0
+    iterations: int = 0
+    prompt_tokens: int = 0
+    reusable_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0  # reloaded from the CPU pool
+    recomputed_tokens: int = 0  # reusable tokens that had been lost and were prefilled again
+    prefill_tokens: int = 0
+    admitted: int = 0
+
+
+class EngineReplica:
+    def __init__(self, index: int, cost: CostModel, loop: EventLoop, pools: KVPools,
+                 listener: EngineListener, typed_admission: bool) -> None:
+        self.index = index
+        self.cost = cost
+        self.loop = loop
+        self.pools = pools
+        self.listener = listener
+        self.typed_admission = typed_admission
+        self.page = cost.preset.page_tokens
+        self.chunk = cost.preset.chunk_size
+        self.stats = EngineStats()
+        self.waiting: list[SimRequest] = []
+        self.prefill: deque[SimRequest] = deque()
+        self.decode: list[SimRequest] = []
+        self.loading = 0
+        self._link_free = 0.0
+        self._busy = False
+        self._version = 0
+        self._seg: tuple[float, int, int, int] | None = None  # decode run: start, B, S0, n
+        self._seq = 0
+
+    # -- interface used by the driver -------------------------------------------------
+    def submit(self, req: SimRequest) -> None:
+        self._seq += 1
+        req.seq = self._seq
+        self.waiting.append(req)
+        self._kick()
+
+    def set_label(self, program_id: str, label: KVLabel) -> None:
+        self.pools.entry(program_id).label = label
+
+    def evict(self, program_id: str) -> None:
+        """Drop a program's GPU pages now (to the CPU pool if the engine has one)."""
+        self.pools.evict_program_gpu(program_id, self.loop.now)
+
+    def release(self, program_id: str) -> None:
+        e = self.pools.entries.get(program_id)
+        if e is not None:
+            e.label = KVLabel.INACTIVE
+            e.ended = True
+            if not e.gpu and not e.cpu and not e.pinned:
+                self.pools.remove(program_id)
+
+    @property
+    def running(self) -> int:
+        return len(self.prefill) + len(self.decode) + self.loading
+
+    # -- the iteration loop ------------------------------------------------------------
+    def _kick(self) -> None:
+        if not self._busy:
+            self._start()
+        elif self._seg is not None:
+            self._cut_decode_run()
+
+    def _start(self) -> None:
+        now = self.loop.now
+        self._seg = None
+        self._admit(now)
+        if self.prefill:
+            self._mixed_iteration(now)
+        elif self.decode:
+            batch = len(self.decode)
+            ctx0 = sum(r.prompt + r.decoded for r in self.decode)
+            n = min(r.output - r.decoded for r in self.decode)
+            self._seg = (now, batch, ctx0, n)
+            self._schedule(now + self.cost.decode_run_time(batch, ctx0, n), self._end_decode, n)
+        else:
+            self._busy = False
+
+    def _schedule(self, t: float, fn: object, *args: object) -> None:
+        self._busy = True
+        self._version += 1
+        self.loop.at(t, PRIO_ENGINE, self._fire, self._version, fn, args)
+
+    def _fire(self, version: int, fn: object, args: tuple[object, ...]) -> None:
+        if version == self._version:
+            fn(*args)  # type: ignore[operator]
+
+    def _cut_decode_run(self) -> None:
+        """A request became ready mid decode run: end the run at the next boundary."""
+        assert self._seg is not None
+        start, batch, ctx0, n = self._seg
+        done = self.cost.decode_iters_within(batch, ctx0, self.loop.now - start)
+        if done + 1 >= n:
+            return  # the run ends at the next boundary anyway
+        self._seg = (start, batch, ctx0, done + 1)
+        end = start + self.cost.decode_run_time(batch, ctx0, done + 1)
+        self._schedule(max(end, self.loop.now), self._end_decode, done + 1)
+
+    def _end_decode(self, n: int) -> None:
+        assert self._seg is not None
+        start = self._seg[0]
+        now = self.loop.now
+        self.stats.busy_s += now - start
+        self.stats.iterations += n
+        self._advance_decode(n, now)
+        self._start()
+
+    def _advance_decode(self, n: int, now: float) -> None:
+        if not self.decode:
+            return
+        self.listener.produced(n * len(self.decode), now)
+        still = []
+        for r in self.decode:
+            r.decoded += n
+            if r.decoded >= r.output:
+                self._finish(r, now)
+            else:
+                still.append(r)
+        self.decode = still
+
+    def _mixed_iteration(self, now: float) -> None:
+        budget = self.chunk
+        parts: list[tuple[SimRequest, int]] = []
+        attn = 0.0
+        for r in self.prefill:
+            if budget <= 0:
+                break
+            n = min(r.remaining, budget)
+            parts.append((r, n))
+            attn += prefill_attn_ctx(n, r.cached)
+            budget -= n
+        new = sum(n for _, n in parts)
+        batch = len(self.decode)
+        ctx = sum(r.prompt + r.decoded for r in self.decode)
+        dt = self.cost.iteration_time(new, attn, batch, ctx)
+        self._schedule(now + dt, self._end_mixed, parts, dt)
+
+    def _end_mixed(self, parts: list[tuple[SimRequest, int]], dt: float) -> None:
+        now = self.loop.now
+        self.stats.busy_s += dt
+        self.stats.iterations += 1
+        self._advance_decode(1, now)
+        for r, n in parts:
+            r.cached += n
+            r.remaining -= n
+            if r.remaining == 0:
+                self.prefill.remove(r)
+                r.decoded = 1
+                r.first_token_at = now
+                self.listener.first_token(r, now)
+                self.listener.produced(1, now)
+                if r.decoded >= r.output:
+                    self._finish(r, now)
+                else:
+                    self.decode.append(r)
+        self._start()
+
+    def _finish(self, r: SimRequest, now: float) -> None:
+        e = r.entry
+        assert e is not None
+        e.pinned = False
+        e.last_access = now
+        self.listener.finished(r, now)
+
+    # -- admission ---------------------------------------------------------------------
+    def _admit(self, now: float) -> None:
+        if not self.waiting:
+            return
+        if self.typed_admission:
+            rank = {KVLabel.BUSY: 0, KVLabel.IDLE: 1, KVLabel.INACTIVE: 2}
+            self.waiting.sort(key=lambda r: (rank[self.pools.entry(r.program_id).label], r.seq))
+        admitted = 0
+        for r in self.waiting:
+            if not self._try_admit(r, now):
+                break
+            admitted += 1
+        del self.waiting[:admitted]
+
+    def _try_admit(self, r: SimRequest, now: float) -> bool:
+        pools, page = self.pools, self.page
+        e = pools.entry(r.program_id)
+        pools.truncate(e, r.reuse // page)
+        total = -(-(r.prompt + r.output) // page)
+        e.pinned = True
+        if not pools.make_gpu_room(total - e.gpu, now):
+            e.pinned = False
+            return False
+        gpu_hit, cpu_hit = e.gpu * page, e.cpu * page
+        if r.shared > gpu_hit + cpu_hit:  # the shared tools + system prefix is hot
+            gpu_hit, cpu_hit = r.shared, 0
+        reload_pages = pools.take_for_request(e, total)
+        e.last_access = now
+        r.entry = e
+        r.cached = min(r.prompt - 1, gpu_hit + cpu_hit)  # at least one token is computed
+        r.remaining = r.prompt - r.cached
+        st = self.stats
+        st.admitted += 1
+        st.prompt_tokens += r.prompt
+        st.reusable_tokens += r.reuse
+        st.gpu_hit_tokens += gpu_hit
+        st.cpu_hit_tokens += cpu_hit
+        st.recomputed_tokens += max(0, r.reuse - gpu_hit - cpu_hit)
+        st.prefill_tokens += r.remaining
+        if reload_pages:
+            start = max(now, self._link_free)
+            self._link_free = start + self.cost.reload_time(reload_pages * page)
+            self.loading += 1
+            self.loop.at(self._link_free, PRIO_ENGINE, self._loaded, r)
+        else:
+            self.prefill.append(r)
+            self.listener.kv_ready(r, now)
+        return True
+
+    def _loaded(self, r: SimRequest) -> None:
+        self.loading -= 1
+        self.prefill.append(r)
+        self.listener.kv_ready(r, self.loop.now)
+        self._kick()

@@ -1,0 +1,162 @@
+"""KV residency of one engine replica: a GPU pool and a CPU pool of pages.
+
+A program's cached KV is a prefix of its context (block hashes are chained, and a
+radix-tree or paged cache evicts from the leaves, i.e. the tail). So per program we keep
+``gpu`` pages (the prefix on the GPU) and ``cpu`` pages (the pages right after it, held
+only on the CPU). All pages of a program are touched together by each request, so LRU at
+program granularity equals page-level LRU here.
+
+The CPU pool is *exclusive*: it counts only pages not on the GPU. With write-through the
+engine's host pool also mirrors what is on the GPU, so ``cpu_pages`` here is the host
+pool minus the mirror; evicting a page from the GPU moves it to the CPU at no transfer
+cost (its copy was written while it was computed).
+
+Eviction order: with ``typed`` (MORI), by type label first, reversed per tier
+(GPU: inactive, idle, busy; CPU: inactive, busy, idle), then least recently used;
+otherwise plain LRU. Pinned programs (a request running) are never evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mori.core.types import KVLabel
+
+_GPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.IDLE: 1, KVLabel.BUSY: 2}
+_CPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.BUSY: 1, KVLabel.IDLE: 2}
+
+
+@dataclass(slots=True)
+class KVEntry:
+    program_id: str
+    gpu: int = 0
+    cpu: int = 0
+    label: KVLabel = KVLabel.BUSY
+    last_access: float = 0.0
+    pinned: bool = False
+    ended: bool = False  # the program is gone; drop the entry once it holds nothing
+
+
+class KVPools:
+    """Page accounting and eviction for one replica."""
+
+    def __init__(self, gpu_pages: int, cpu_pages: int, typed: bool) -> None:
+        if gpu_pages <= 0:
+            raise ValueError(f"GPU pool must hold at least one page, got {gpu_pages}")
+        self.gpu_cap = gpu_pages
+        self.cpu_cap = max(0, cpu_pages)
+        self.typed = typed
+        self.gpu_used = 0
+        self.cpu_used = 0
+        self.entries: dict[str, KVEntry] = {}
+        self.evicted_gpu_pages = 0
+        self.dropped_pages = 0
+
+    def entry(self, program_id: str) -> KVEntry:
+        e = self.entries.get(program_id)
+        if e is None:
+            e = KVEntry(program_id)
+            self.entries[program_id] = e
+        return e
+
+    def gpu_free(self) -> int:
+        return self.gpu_cap - self.gpu_used
+
+    # -- changes ---------------------------------------------------------------------
+    def truncate(self, e: KVEntry, valid_pages: int) -> None:
+        """Forget pages past ``valid_pages`` (a context that changed: stale branch)."""
+        keep_gpu = min(e.gpu, valid_pages)
+        keep_cpu = min(e.cpu, max(0, valid_pages - keep_gpu))
+        self.gpu_used -= e.gpu - keep_gpu
+        self.cpu_used -= e.cpu - keep_cpu
+        e.gpu, e.cpu = keep_gpu, keep_cpu
+
+    def make_gpu_room(self, pages: int, now: float) -> bool:
+        """Evict unpinned pages until ``pages`` are free on the GPU; False if impossible."""
+        if self.gpu_free() >= pages:
+            return True
+        victims = [e for e in self.entries.values() if e.gpu > 0 and not e.pinned]
+        if self.typed:
+            victims.sort(key=lambda e: (_GPU_RANK[e.label], e.last_access))
+        else:
+            victims.sort(key=lambda e: e.last_access)
+        for e in victims:
+            short = pages - self.gpu_free()
+            if short <= 0:
+                break
+            self._evict_gpu(e, min(short, e.gpu), now)
+        self._sweep()
+        return self.gpu_free() >= pages
+
+    def evict_program_gpu(self, program_id: str, now: float) -> None:
+        """Push all of a program's GPU pages out (to the CPU pool if there is one)."""
+        e = self.entries.get(program_id)
+        if e is not None and e.gpu and not e.pinned:
+            self._evict_gpu(e, e.gpu, now)
+
+    def _evict_gpu(self, e: KVEntry, n: int, now: float) -> None:
+        """Move the last ``n`` GPU pages of ``e`` to the CPU pool (or drop them)."""
+        self.evicted_gpu_pages += n
+        self.gpu_used -= n
+        e.gpu -= n
+        if self.cpu_cap == 0:
+            self.dropped_pages += n + e.cpu
+            self.cpu_used -= e.cpu
+            e.cpu = 0
+            return
+        # the moved pages sit right before e's CPU-only pages
+        e.cpu += n
+        self.cpu_used += n
+        if self.cpu_used > self.cpu_cap:
+            self._shrink_cpu(self.cpu_used - self.cpu_cap)
+        if self.cpu_used > self.cpu_cap:  # only pinned pages left to drop: lose these
+            lose = min(e.cpu, self.cpu_used - self.cpu_cap)
+            e.cpu -= lose
+            self.cpu_used -= lose
+            self.dropped_pages += lose
+
+    def _shrink_cpu(self, pages: int) -> None:
+        victims = [e for e in self.entries.values() if e.cpu > 0 and not e.pinned]
+        if self.typed:
+            victims.sort(key=lambda e: (_CPU_RANK[e.label], e.last_access))
+        else:
+            victims.sort(key=lambda e: e.last_access)
+        for e in victims:
+            if pages <= 0:
+                break
+            n = min(pages, e.cpu)
+            e.cpu -= n
+            self.cpu_used -= n
+            self.dropped_pages += n
+            pages -= n
+        self._sweep()
+
+    def _sweep(self) -> None:
+        dead = [pid for pid, e in self.entries.items() if e.ended and not e.gpu and not e.cpu]
+        for pid in dead:
+            del self.entries[pid]
+
+    def take_for_request(self, e: KVEntry, total_pages: int) -> int:
+        """Bring all of ``e``'s CPU pages onto the GPU and grow it to ``total_pages``.
+
+        The caller has made room. Returns the pages that moved from the CPU (reloaded).
+        """
+        reload = e.cpu
+        self.cpu_used -= e.cpu
+        e.cpu = 0
+        grow = total_pages - e.gpu
+        e.gpu = total_pages
+        self.gpu_used += grow
+        return reload
+
+    def remove(self, program_id: str) -> None:
+        e = self.entries.pop(program_id, None)
+        if e is not None:
+            self.gpu_used -= e.gpu
+            self.cpu_used -= e.cpu
+
+    def check(self) -> None:
+        assert self.gpu_used == sum(e.gpu for e in self.entries.values())
+        assert self.cpu_used == sum(e.cpu for e in self.entries.values())
+        assert 0 <= self.gpu_used <= self.gpu_cap, (self.gpu_used, self.gpu_cap)
+        assert 0 <= self.cpu_used <= self.cpu_cap, (self.cpu_used, self.cpu_cap)

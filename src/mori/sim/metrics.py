@@ -1,0 +1,88 @@
+"""Run metrics: what one simulation measured, with conventional names."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+NONDETERMINISTIC_FIELDS = ("wall_s", "policy_time_per_decision_us", "sim_seconds_per_wall_second")
+"""Fields measured with the wall clock; every other field is a pure function of the inputs."""
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+@dataclass(slots=True)
+class Counters:
+    """Raw counts accumulated during a run."""
+
+    output_tokens: int = 0
+    steps: int = 0
+    requests: int = 0
+    programs_started: int = 0
+    programs_finished: int = 0
+    ttft: list[float] = field(default_factory=list)
+    gate_wait: list[float] = field(default_factory=list)
+    promotions: int = 0
+    demotions_cpu: int = 0
+    demotions_none: int = 0
+    decisions: int = 0
+    policy_time_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    policy: str
+    programs: int
+    hardware: str
+    cpu_ratio: float
+    replicas: int
+    duration_s: float
+    seed: int
+    output_tokens: int
+    output_tokens_per_s: float
+    steps: int
+    steps_per_s: float
+    requests: int
+    programs_started: int
+    programs_finished: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    gate_wait_mean_s: float
+    gpu_busy_frac: float
+    gpu_busy_frac_per_replica: list[float]
+    gpu_hit_rate: float
+    cpu_hit_rate: float
+    prompt_tokens: int
+    prefill_tokens: int
+    recomputed_tokens: int
+    reloaded_tokens: int
+    promotions: int
+    demotions_to_cpu: int
+    demotions_to_none: int
+    decisions: int
+    policy_time_per_decision_us: float
+    gpu_kv_capacity_tokens: int
+    cpu_kv_capacity_tokens: int
+    programs_left_out: int
+    events: int
+    wall_s: float
+    sim_seconds_per_wall_second: float
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k, v in d.items():  # JSON has no NaN: an empty sample is null
+            if isinstance(v, float) and math.isnan(v):
+                d[k] = None
+        return d

@@ -1,0 +1,260 @@
+"""One simulation run: a policy, engine replicas and the closed-loop workload.
+
+The runner is the "world" of ARCHITECTURE.md: it reports events to the policy, asks it
+for decisions and executes them on the simulated engines. Closed loop: a program sends
+its next request only after its previous response and its recorded gap; a finished
+program's slot takes the next trace; a subagent is a program of its own, spawned at its
+recorded delay, while its parent waits for it (its parent's residual gap follows).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from mori.core.costmodel import CostModel, get_preset
+from mori.core.decisions import Decision, Demote, Forward, Promote, Release
+from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.ledger import ClusterSpec
+from mori.core.policies import POLICIES
+from mori.core.policy import Policy, PolicyConfig
+from mori.core.types import KVLabel, Tier
+from mori.sim.clock import PRIO_TICK, PRIO_WORKLOAD, EventLoop
+from mori.sim.config import SimConfig
+from mori.sim.engine import EngineReplica, SimRequest
+from mori.sim.kvcache import KVPools
+from mori.sim.metrics import Counters, RunResult, percentile
+from mori.sim.workload import prepare
+from mori.traces.model import ProgramTrace, TraceSet
+
+
+class SettingsError(ValueError):
+    """The settings cannot be simulated (said before any run starts)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    pid: str
+    trace: ProgramTrace
+    slot: int | None
+    parent: _Live | None = None
+    step: int = 0
+    pending_subs: int = 0
+    req: SimRequest | None = None
+    children: list[_Live] = field(default_factory=list)
+
+
+class Simulation:
+    """Build with ``Simulation(config, traces)``, then ``run()`` once."""
+
+    def __init__(self, config: SimConfig, traces: TraceSet) -> None:
+        self.config = config
+        preset = get_preset(config.hardware)
+        if config.policy not in POLICIES:
+            POLICIES.get(config.policy)  # raises, listing the valid names
+        policy_cls = POLICIES.get(config.policy)
+        self.cost = CostModel(preset)
+        page = preset.page_tokens
+        self.gpu_pages = preset.gpu_kv_capacity_tokens // page
+        cpu_tier = policy_cls.engine.cpu_tier
+        self.cpu_pages = int(self.gpu_pages * config.cpu_ratio) if cpu_tier else 0
+        max_ctx = config.max_context or preset.model.context_window
+        programs, self.left_out = prepare(traces.programs, max_ctx, config.human_gap,
+                                          config.human_gap_cap_s)
+        if not programs:
+            raise SettingsError(
+                f"no program of trace set {traces.name!r} fits a context of {max_ctx} tokens; "
+                "raise --max-context or use other traces")
+        cap_tokens = self.gpu_pages * page
+        for p in programs:
+            for q in p.all_programs():
+                need = -(-q.peak_context_tokens // page) * page
+                if need > cap_tokens:
+                    raise SettingsError(
+                        f"program {q.name!r} needs {need} tokens of KV at its peak but one "
+                        f"replica's GPU tier holds {cap_tokens} tokens on {preset.name}; "
+                        "lower --max-context to cut long programs, or pick a larger preset")
+        self.programs = programs
+        kv_bytes = preset.kv_bytes_per_token_per_gpu * preset.tp
+        self.kv_bytes = kv_bytes
+        cluster = ClusterSpec(config.replicas, self.gpu_pages * page * kv_bytes,
+                              self.cpu_pages * page * kv_bytes)
+        self.policy: Policy = policy_cls(cluster, kv_bytes, PolicyConfig(
+            tick_s=config.tick_s, idleness_window=config.idleness_window,
+            binary_threshold=config.binary_threshold, page_tokens=page))
+        self.loop = EventLoop()
+        typed = policy_cls.engine.typed_eviction
+        self.engines = [
+            EngineReplica(i, self.cost, self.loop, KVPools(self.gpu_pages, self.cpu_pages, typed),
+                          self, typed_admission=typed)
+            for i in range(config.replicas)
+        ]
+        self.rng = random.Random(config.seed)
+        self.order = list(range(len(programs)))
+        self.rng.shuffle(self.order)
+        self.cursor = 0
+        self.instances = 0
+        self.live: dict[str, _Live] = {}
+        self.c = Counters()
+        self._ran = False
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self) -> RunResult:
+        if self._ran:
+            raise RuntimeError("a Simulation runs once; build a new one")
+        self._ran = True
+        cfg = self.config
+        wall0 = time.perf_counter()
+        for slot in range(cfg.programs):
+            start = self.rng.uniform(0.0, cfg.stagger_s) if cfg.stagger_s else 0.0
+            self.loop.at(start, PRIO_WORKLOAD, self._start_slot, slot)
+        tick = self.policy.tick_interval
+        if tick:
+            self.loop.at(tick, PRIO_TICK, self._tick, tick)
+        self.loop.run(cfg.duration_s)
+        return self._result(time.perf_counter() - wall0)
+
+    def _tick(self, period: float) -> None:
+        self._decide()
+        self.loop.at(self.loop.now + period, PRIO_TICK, self._tick, period)
+
+    def _start_slot(self, slot: int) -> None:
+        trace = self.programs[self.order[self.cursor % len(self.order)]]
+        self.cursor += 1
+        self._start(trace, slot, None)
+
+    def _start(self, trace: ProgramTrace, slot: int | None, parent: _Live | None) -> None:
+        self.instances += 1
+        pid = f"{trace.name}#{self.instances}"
+        live = _Live(pid, trace, slot, parent)
+        self.live[pid] = live
+        self.c.programs_started += 1
+        self._send(live)
+
+    def _send(self, live: _Live) -> None:
+        s = live.trace.steps[live.step]
+        now = self.loop.now
+        shared = (min(live.trace.shared_prefix_tokens, s.prompt_tokens)
+                  if self.config.share_prefix else 0)
+        live.req = SimRequest(live.pid, s.prompt_tokens, s.reuse_tokens, s.output_tokens, now,
+                              shared=shared)
+        self.c.requests += 1
+        self.policy.observe(RequestArrived(live.pid, s.prompt_tokens), now)
+        self._decide()
+
+    def _decide(self) -> None:
+        t0 = time.perf_counter()
+        decisions = self.policy.decide(self.loop.now)
+        self.c.policy_time_s += time.perf_counter() - t0
+        self.c.decisions += 1
+        for d in decisions:
+            self._execute(d)
+
+    def _execute(self, d: Decision) -> None:
+        typed = self.policy.engine.typed_eviction
+        if isinstance(d, Forward):
+            live = self.live[d.program_id]
+            assert live.req is not None, f"forward without a held request: {d}"
+            self.c.gate_wait.append(self.loop.now - live.req.arrived)
+            self.engines[d.replica].submit(live.req)
+        elif isinstance(d, Promote):
+            self.c.promotions += 1
+            if typed:
+                self.engines[d.replica].set_label(d.program_id, KVLabel.BUSY)
+        elif isinstance(d, Demote):
+            if d.to is Tier.CPU:
+                self.c.demotions_cpu += 1
+            else:
+                self.c.demotions_none += 1
+            if d.replica < 0:
+                return
+            if typed:
+                label = KVLabel.IDLE if d.to is Tier.CPU else KVLabel.INACTIVE
+                self.engines[d.replica].set_label(d.program_id, label)
+            elif d.source is Tier.GPU:
+                self.engines[d.replica].evict(d.program_id)  # paused: its GPU KV is dropped
+        elif isinstance(d, Release):
+            for e in self.engines:
+                e.release(d.program_id)
+
+    # -- engine listener ----------------------------------------------------------------
+    def kv_ready(self, req: SimRequest, now: float) -> None:
+        self.policy.observe(KVReady(req.program_id), now)
+
+    def first_token(self, req: SimRequest, now: float) -> None:
+        self.c.ttft.append(now - req.arrived)
+
+    def produced(self, tokens: int, now: float) -> None:
+        self.c.output_tokens += tokens
+
+    def finished(self, req: SimRequest, now: float) -> None:
+        live = self.live[req.program_id]
+        live.req = None
+        self.c.steps += 1
+        self.policy.observe(StepFinished(live.pid, req.prompt + req.output), now)
+        step = live.trace.steps[live.step]
+        live.step += 1
+        if live.step >= len(live.trace.steps):
+            self._end(live)
+            return
+        self._decide()
+        if step.subagents:
+            live.pending_subs = len(step.subagents)
+            for sp in step.subagents:
+                self.loop.at(now + sp.delay_s, PRIO_WORKLOAD, self._start, sp.program, None, live)
+        else:
+            self.loop.at(now + step.gap_s, PRIO_WORKLOAD, self._send, live)
+
+    def _end(self, live: _Live) -> None:
+        now = self.loop.now
+        self.policy.observe(ProgramEnded(live.pid), now)
+        self._decide()
+        del self.live[live.pid]
+        self.c.programs_finished += 1
+        parent = live.parent
+        if parent is not None:
+            parent.pending_subs -= 1
+            if parent.pending_subs == 0:
+                gap = parent.trace.steps[parent.step - 1].gap_s
+                self.loop.at(now + gap, PRIO_WORKLOAD, self._send, parent)
+        elif live.slot is not None:
+            self._start_slot(live.slot)
+
+    # -- results ------------------------------------------------------------------------
+    def _result(self, wall: float) -> RunResult:
+        cfg, c = self.config, self.c
+        dur = cfg.duration_s
+        st = [e.stats for e in self.engines]
+        prompt = sum(s.prompt_tokens for s in st)
+        busy = [min(1.0, s.busy_s / dur) for s in st]
+        page = self.cost.preset.page_tokens
+        return RunResult(
+            policy=cfg.policy, programs=cfg.programs, hardware=cfg.hardware,
+            cpu_ratio=cfg.cpu_ratio, replicas=cfg.replicas, duration_s=dur, seed=cfg.seed,
+            output_tokens=c.output_tokens, output_tokens_per_s=c.output_tokens / dur,
+            steps=c.steps, steps_per_s=c.steps / dur, requests=c.requests,
+            programs_started=c.programs_started, programs_finished=c.programs_finished,
+            ttft_mean_s=sum(c.ttft) / len(c.ttft) if c.ttft else float("nan"),
+            ttft_p50_s=percentile(c.ttft, 50), ttft_p90_s=percentile(c.ttft, 90),
+            ttft_p99_s=percentile(c.ttft, 99),
+            gate_wait_mean_s=sum(c.gate_wait) / len(c.gate_wait) if c.gate_wait else float("nan"),
+            gpu_busy_frac=sum(busy) / len(busy), gpu_busy_frac_per_replica=busy,
+            gpu_hit_rate=sum(s.gpu_hit_tokens for s in st) / prompt if prompt else 0.0,
+            cpu_hit_rate=sum(s.cpu_hit_tokens for s in st) / prompt if prompt else 0.0,
+            prompt_tokens=prompt, prefill_tokens=sum(s.prefill_tokens for s in st),
+            recomputed_tokens=sum(s.recomputed_tokens for s in st),
+            reloaded_tokens=sum(s.cpu_hit_tokens for s in st),
+            promotions=c.promotions, demotions_to_cpu=c.demotions_cpu,
+            demotions_to_none=c.demotions_none, decisions=c.decisions,
+            policy_time_per_decision_us=1e6 * c.policy_time_s / max(1, c.decisions),
+            gpu_kv_capacity_tokens=self.gpu_pages * page,
+            cpu_kv_capacity_tokens=self.cpu_pages * page,
+            programs_left_out=self.left_out, events=self.loop.events_run, wall_s=wall,
+            sim_seconds_per_wall_second=dur / wall if wall > 0 else float("inf"),
+        )
+
+
+def simulate(config: SimConfig, traces: TraceSet) -> RunResult:
+    """Run one simulation and return its metrics."""
+    return Simulation(config, traces).run()

@@ -1,0 +1,62 @@
+"""Preparing traces for closed-loop replay: context window, human time, refusals.
+
+Rules (documented in the README):
+- Context window: a program's steps are kept while prompt + output fit the model's
+  context window (``max_context``); the rest is cut (a real session would have compacted
+  there). A program whose first step does not fit is left out.
+- Human time: a gap after a final answer (``GapKind.HUMAN``) is a person reading and
+  typing, not a tool. ``cap`` (default) limits it to ``human_gap_cap_s``; ``replace``
+  substitutes the program's median tool gap (or the cap when it has no tool gaps).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn
+
+HUMAN_GAP_RULES = ("cap", "replace")
+
+
+def prepare_program(p: ProgramTrace, max_context: int, human_gap: str,
+                    human_cap_s: float) -> ProgramTrace | None:
+    """The program as replayed, or None if not even its first step fits."""
+    if human_gap not in HUMAN_GAP_RULES:
+        raise ValueError(f"unknown human-gap rule {human_gap!r}; valid: {', '.join(HUMAN_GAP_RULES)}")
+    steps: list[Step] = []
+    for s in p.steps:
+        if s.prompt_tokens + s.output_tokens > max_context:
+            break
+        steps.append(s)
+    if not steps:
+        return None
+    tool_gaps = [s.gap_s for s in steps if s.gap_kind is GapKind.TOOL]
+    human_sub = statistics.median(tool_gaps) if tool_gaps else human_cap_s
+    out: list[Step] = []
+    for i, s in enumerate(steps):
+        gap, kind = s.gap_s, s.gap_kind
+        if kind is GapKind.HUMAN:
+            gap = min(gap, human_cap_s) if human_gap == "cap" else min(human_sub, human_cap_s)
+        subs = tuple(
+            SubagentSpawn(sp.delay_s, q)
+            for sp in s.subagents
+            if (q := prepare_program(sp.program, max_context, human_gap, human_cap_s)) is not None
+        )
+        if i == len(steps) - 1:
+            gap, kind, subs = 0.0, GapKind.END, ()
+        elif kind is GapKind.SUBAGENT and not subs:
+            kind = GapKind.TOOL
+        out.append(replace(s, prompt_tokens=max(1, s.prompt_tokens),
+                           output_tokens=max(1, s.output_tokens), gap_s=gap, gap_kind=kind,
+                           reuse_tokens=min(s.reuse_tokens, max(1, s.prompt_tokens)),
+                           subagents=subs))
+    return replace(p, steps=tuple(out))
+
+
+def prepare(programs: list[ProgramTrace] | tuple[ProgramTrace, ...], max_context: int,
+            human_gap: str, human_cap_s: float) -> tuple[list[ProgramTrace], int]:
+    """Prepared programs and how many were left out entirely."""
+    kept = [q for p in programs
+            if (q := prepare_program(p, max_context, human_gap, human_cap_s)) is not None]
+    return kept, len(programs) - len(kept)
