@@ -5,6 +5,9 @@
   CPU tier on every round whether or not the GPU needs the room (label decides tier),
   any idle Acting program may be demoted for any ready one, and a program demoted to a
   full CPU tier goes to Waiting (no ranking to decide who deserves the CPU).
+- ``mori-strict``: proactive demotion only of Acting programs *more idle than* the ready
+  one (a literal reading of "a better-ranked program is ready"); it leaves the GPU idle
+  while a ready program waits for a busy one's phase to change.
 - ``mori-no-exclusion``: MORI with the scheduler's gated time counted as acting time in
   the idleness window, to show the feedback loop the exclusion prevents.
 """
@@ -52,3 +55,11 @@ class MoriNoExclusionPolicy(MoriPolicy):
         super().__init__(cluster, kv_bytes_per_token, PolicyConfig(
             tick_s=base.tick_s, idleness_window=base.idleness_window, exclude_gated=False,
             binary_threshold=base.binary_threshold, page_tokens=base.page_tokens))
+
+
+class MoriStrictPolicy(MoriPolicy):
+    name = "mori-strict"
+    description = "ablation: demote only programs more idle than the ready one"
+
+    def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
+        return victim_iota > cand_iota

@@ -17,11 +17,12 @@ Every rule of section 4, and where a detail is ours:
 - A candidate that fits is promoted (Best-Fit over replicas for a cacheless program;
   its own replica for a CPU-queue program) and forwarded at once.
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
-  GPU that are more idle than it are demoted, highest iota first. If that is not enough
-  but Reasoning programs more idle than it would make up the rest, they are marked for
-  lazy demotion (their step finishes first), the Acting ones are demoted now and the
-  replica's free space is reserved for the candidate (later candidates may only use
-  space beyond the reservation). Otherwise nobody is demoted and it waits.
+  GPU are demoted, highest iota first (a ready program outranks an idle one: ours, see
+  ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
+  they are marked for lazy demotion (their step finishes first), the Acting ones are
+  demoted now and the replica's free space is reserved for the candidate (later
+  candidates may only use space beyond the reservation). Otherwise nobody is demoted
+  and it waits.
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ class MoriPolicy(Policy):
 
     # -- ranking hooks (the ablations override these) --------------------------------
     def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
-        """May a program with ``victim_iota`` make room for one with ``cand_iota``?"""
-        return victim_iota > cand_iota
+        """May a program with ``victim_iota`` make room for one with ``cand_iota``?
+
+        In MORI a ready program outranks every Acting one (it is about to reason, the
+        other sits idle in a tool call); the ranking decides *which* Acting program
+        goes: the most idle first. (Requiring ``victim_iota > cand_iota`` instead leaves
+        the GPU idle while a ready program waits for a busy one's phase to change; we
+        measured it: -20% throughput at 20 programs, see the README.)
+        """
+        return True
 
     def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
         """Moves made on every decision round regardless of demand (none for MORI)."""

@@ -1,0 +1,63 @@
+"""``--config FILE.toml``: the options of ``mori simulate`` read from a TOML file.
+
+Keys are the long option names with dashes or underscores (``cpu-ratio`` or
+``cpu_ratio``); list options take an array, a single value or a comma-separated string::
+
+    policy = ["mori", "smg"]
+    programs = [20, 50]
+    duration = 600
+    share_prefix = true
+
+Relative paths (``traces``, ``json``, ``plot``) are taken relative to the file's folder.
+Any problem is a :class:`ConfigError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from mori.cli.options import BY_KEY, OptionError
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read, or a key or value it should not have."""
+
+
+def valid_keys() -> list[str]:
+    """The keys a config file may set, in their dashed spelling, sorted."""
+    return sorted(k.replace("_", "-") for k in BY_KEY)
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """The option values set in the TOML file at ``path``, by option key (underscores)."""
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r}: not valid TOML: {e}") from None
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for name, value in raw.items():
+        key = name.replace("-", "_")
+        opt = BY_KEY.get(key)
+        if opt is None:
+            raise ConfigError(f"config file {str(path)!r}: unknown key {name!r}; valid keys: "
+                              f"{', '.join(valid_keys())}")
+        if key in values:
+            raise ConfigError(f"config file {str(path)!r}: key {name!r} is set twice "
+                              f"(also as {spelled[key]!r})")
+        try:
+            converted = opt.from_toml(value)
+        except OptionError as e:
+            raise ConfigError(f"config file {str(path)!r}: key {name!r}: {e}") from None
+        if opt.kind is Path and not converted.is_absolute():
+            converted = path.parent / converted
+        values[key] = converted
+        spelled[key] = name
+    return values

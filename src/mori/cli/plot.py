@@ -1,0 +1,76 @@
+"""``--plot FILE.png``: the MORI paper's figure layout for a grid of runs.
+
+One row of three panels per (hardware, CPU ratio) setting: output throughput, steps/s and
+TTFT (mean solid, p90 dashed in the same colour) against the number of programs, one
+line with markers per policy. Rendered with matplotlib's Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: no display needed
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from mori.sim.metrics import RunResult  # noqa: E402
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_PANELS: tuple[tuple[str, Callable[[RunResult], float]], ...] = (
+    ("Output throughput (tok/s)", lambda r: r.output_tokens_per_s),
+    ("Steps/s", lambda r: r.steps_per_s),
+    ("TTFT (s): mean, p90 dashed", lambda r: r.ttft_mean_s),
+)
+
+
+def _series(runs: Sequence[RunResult], metric: Callable[[RunResult], float]
+            ) -> tuple[list[int], list[float]]:
+    pts = sorted((r.programs, metric(r)) for r in runs)
+    return [p for p, _ in pts], [v if v is not None else math.nan for _, v in pts]
+
+
+def plot_results(results: Sequence[RunResult], path: Path) -> None:
+    """Draw ``results`` (any grid order) and save them as a PNG at ``path`` (dpi 120)."""
+    settings = list(dict.fromkeys((r.hardware, r.cpu_ratio) for r in results))
+    policies = list(dict.fromkeys(r.policy for r in results))
+    colors = plt.get_cmap("tab10")
+    style = {p: (colors(i % 10), _MARKERS[i % len(_MARKERS)]) for i, p in enumerate(policies)}
+    xs_all = sorted({r.programs for r in results})
+    fig, axes = plt.subplots(len(settings), 3, figsize=(15, 3.9 * len(settings) + 0.8),
+                             squeeze=False)
+    try:
+        for row, (hw, cpu) in enumerate(settings):
+            here = [r for r in results if (r.hardware, r.cpu_ratio) == (hw, cpu)]
+            for col, (label, metric) in enumerate(_PANELS):
+                ax: Axes = axes[row][col]
+                for pol in policies:
+                    runs = [r for r in here if r.policy == pol]
+                    if not runs:
+                        continue
+                    color, marker = style[pol]
+                    x, y = _series(runs, metric)
+                    ax.plot(x, y, marker=marker, color=color, label=pol, linewidth=1.8)
+                    if col == 2:
+                        x, y = _series(runs, lambda r: r.ttft_p90_s)
+                        ax.plot(x, y, marker=marker, color=color, linestyle="--",
+                                linewidth=1.2, markersize=4, alpha=0.8)
+                ax.set_title(f"{hw}, CPU ratio {cpu:g}\n{label}", fontsize=10)
+                ax.set_xlabel("programs")
+                ax.set_xticks(xs_all)
+                ax.set_ylim(bottom=0)
+                ax.grid(True, alpha=0.3)
+        handles = [Line2D([], [], color=style[p][0], marker=style[p][1], label=p)
+                   for p in policies]
+        handles.append(Line2D([], [], color="grey", linestyle="--", label="TTFT p90"))
+        fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False,
+                   bbox_to_anchor=(0.5, 1.0))
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)

@@ -1,0 +1,94 @@
+"""Plain aligned text tables: the results of ``mori simulate`` and the listings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from mori.core.costmodel import get_preset
+from mori.sim.metrics import RunResult
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]],
+                 right: Sequence[bool] | None = None) -> str:
+    """Columns padded to their widest cell, a dashed rule under the header.
+
+    ``right[i]`` right-aligns column i (numbers); by default every column is left-aligned.
+    The last column is not padded, so no line ends in spaces.
+    """
+    align = list(right) if right is not None else [False] * len(headers)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if a else c.ljust(w) for c, w, a in zip(cells, widths, align, strict=True)]
+        return "  ".join(out).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def short_hardware(names: Iterable[str]) -> dict[str, str]:
+    """A short label per preset name: its GPU (x TP when > 1), e.g. ``H200`` or ``B200x2``.
+
+    Falls back to the full preset names when two presets would get the same label.
+    """
+    unique = list(dict.fromkeys(names))
+    labels = {}
+    for name in unique:
+        p = get_preset(name)
+        labels[name] = p.gpu.name + (f"x{p.tp}" if p.tp > 1 else "")
+    if len(set(labels.values())) < len(labels):
+        return {n: n for n in unique}
+    return labels
+
+
+def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    return format(value * scale, fmt)
+
+
+RESULT_HEADERS = ("policy", "programs", "hardware", "cpu", "tok/s", "steps/s", "TTFT mean (s)",
+                  "TTFT p90 (s)", "GPU busy %", "GPU hit %", "CPU hit %", "recomputed (M tok)",
+                  "reloaded (M tok)")
+
+
+def results_table(results: Sequence[RunResult]) -> str:
+    """One row per run, in the order given."""
+    short = short_hardware(r.hardware for r in results)
+    rows = [
+        (r.policy, str(r.programs), short[r.hardware], format(r.cpu_ratio, "g"),
+         _num(r.output_tokens_per_s, ".1f"), _num(r.steps_per_s, ".3f"),
+         _num(r.ttft_mean_s, ".2f"), _num(r.ttft_p90_s, ".2f"),
+         _num(r.gpu_busy_frac, ".1f", 100), _num(r.gpu_hit_rate, ".1f", 100),
+         _num(r.cpu_hit_rate, ".1f", 100), _num(r.recomputed_tokens, ".2f", 1e-6),
+         _num(r.reloaded_tokens, ".2f", 1e-6))
+        for r in results
+    ]
+    right = [False, True, False] + [True] * (len(RESULT_HEADERS) - 3)
+    return format_table(RESULT_HEADERS, rows, right)
+
+
+def left_out_note(results: Sequence[RunResult], trace_set: str, total: int,
+                  max_context: int | None) -> str | None:
+    """One line on the programs the context-window rule left out, or None if none was."""
+    by_hw: dict[str, int] = {}
+    for r in results:
+        if r.programs_left_out:
+            by_hw.setdefault(r.hardware, r.programs_left_out)
+    if not by_hw:
+        return None
+
+    def window(hw: str) -> int:
+        return max_context or get_preset(hw).model.context_window
+
+    if len(set(by_hw.values())) == 1 and len({window(h) for h in by_hw}) == 1:
+        hw = next(iter(by_hw))
+        where = f"{window(hw):,} tokens"
+        if len(by_hw) == 1:
+            where += f" on {hw}"
+        return (f"note: {by_hw[hw]} of the {total} programs of trace set {trace_set!r} were left "
+                f"out: their first step does not fit the context window ({where})")
+    parts = ", ".join(f"{n} on {hw} ({window(hw):,} tokens)" for hw, n in by_hw.items())
+    return (f"note: programs of trace set {trace_set!r} ({total}) were left out because their "
+            f"first step does not fit the context window: {parts}")

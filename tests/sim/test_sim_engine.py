@@ -1,0 +1,150 @@
+"""The simulated engine replica against hand computations with the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx
+from mori.core.types import KVLabel
+from mori.sim.clock import EventLoop
+from mori.sim.engine import EngineReplica, SimRequest
+from mori.sim.kvcache import KVPools
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.ready: list[tuple[str, float]] = []
+        self.first: list[tuple[str, float]] = []
+        self.done: list[tuple[str, float]] = []
+        self.tokens = 0
+
+    def kv_ready(self, req: SimRequest, now: float) -> None:
+        self.ready.append((req.program_id, now))
+
+    def first_token(self, req: SimRequest, now: float) -> None:
+        self.first.append((req.program_id, now))
+
+    def finished(self, req: SimRequest, now: float) -> None:
+        self.done.append((req.program_id, now))
+
+    def produced(self, tokens: int, now: float) -> None:
+        self.tokens += tokens
+
+
+def make(gpu_pages: int = 10_000, cpu_pages: int = 10_000, typed: bool = True):
+    cost = CostModel(get_preset("h200-qwen3-30b-a3b"))
+    loop = EventLoop()
+    rec = Recorder()
+    eng = EngineReplica(0, cost, loop, KVPools(gpu_pages, cpu_pages, typed), rec, typed)
+    return cost, loop, rec, eng
+
+
+def test_single_request_timing_matches_cost_model() -> None:
+    cost, loop, rec, eng = make()
+    eng.submit(SimRequest("a", prompt=1000, reuse=0, output=10, arrived=0.0))
+    loop.run(100.0)
+    t_prefill = cost.iteration_time(1000, prefill_attn_ctx(1000, 0), 0, 0)
+    assert rec.first == [("a", pytest.approx(t_prefill))]
+    # the first token comes with the prefill; 9 more decode iterations over a growing context
+    t_decode = cost.decode_run_time(1, 1001, 9)
+    assert rec.done == [("a", pytest.approx(t_prefill + t_decode))]
+    assert rec.tokens == 10
+    assert eng.stats.prefill_tokens == 1000
+    eng.pools.check()
+
+
+def test_long_prompt_is_chunked() -> None:
+    cost, loop, rec, eng = make()
+    chunk = cost.preset.chunk_size
+    eng.submit(SimRequest("a", prompt=2 * chunk + 100, reuse=0, output=1, arrived=0.0))
+    loop.run(100.0)
+    expect = (cost.iteration_time(chunk, prefill_attn_ctx(chunk, 0), 0, 0)
+              + cost.iteration_time(chunk, prefill_attn_ctx(chunk, chunk), 0, 0)
+              + cost.iteration_time(100, prefill_attn_ctx(100, 2 * chunk), 0, 0))
+    assert rec.first[0][1] == pytest.approx(expect)
+    assert eng.stats.iterations == 3
+
+
+def test_second_request_cuts_a_decode_run_at_the_iteration_boundary() -> None:
+    cost, loop, rec, eng = make()
+    eng.submit(SimRequest("a", prompt=100, reuse=0, output=1000, arrived=0.0))
+    t1 = cost.iteration_time(100, prefill_attn_ctx(100, 0), 0, 0)
+    arrive = t1 + 0.5
+    loop.at(arrive, 1, eng.submit, SimRequest("b", prompt=100, reuse=0, output=1, arrived=arrive))
+    loop.run(1000.0)
+    # a's decode run is cut at the first boundary after `arrive`; b's prefill rides the
+    # next iteration together with one decode token of a
+    done = cost.decode_iters_within(1, 101, arrive - t1)
+    boundary = t1 + cost.decode_run_time(1, 101, done + 1)
+    ctx_a = 100 + 1 + done + 1
+    t_b = boundary + cost.iteration_time(100, prefill_attn_ctx(100, 0), 1, ctx_a)
+    assert dict(rec.first)["b"] == pytest.approx(t_b)
+    assert rec.tokens == 1001
+    # a still produces exactly its 1000 tokens
+    assert [p for p, _ in rec.done] == ["b", "a"]
+
+
+def test_cpu_hit_is_reloaded_over_pcie_before_prefill() -> None:
+    cost, loop, rec, eng = make()
+    eng.submit(SimRequest("a", prompt=6400, reuse=0, output=1, arrived=0.0))
+    loop.run(10.0)
+    eng.evict("a")  # to the CPU pool
+    assert eng.pools.entries["a"].gpu == 0 and eng.pools.entries["a"].cpu == 101
+    loop.at(20.0, 1, eng.submit, SimRequest("a", prompt=7000, reuse=6400, output=1, arrived=20.0))
+    loop.run(100.0)
+    ready_at = rec.ready[-1][1]
+    assert ready_at == pytest.approx(20.0 + cost.reload_time(6400))
+    assert eng.stats.cpu_hit_tokens == 6400
+    assert eng.stats.recomputed_tokens == 0
+    assert eng.stats.prefill_tokens == 6400 + 600
+
+
+def test_without_cpu_tier_evicted_kv_is_recomputed() -> None:
+    cost, loop, rec, eng = make(cpu_pages=0, typed=False)
+    eng.submit(SimRequest("a", prompt=6400, reuse=0, output=1, arrived=0.0))
+    loop.run(10.0)
+    eng.evict("a")
+    loop.at(20.0, 1, eng.submit, SimRequest("a", prompt=7000, reuse=6400, output=1, arrived=20.0))
+    loop.run(100.0)
+    assert eng.stats.cpu_hit_tokens == 0
+    assert eng.stats.recomputed_tokens == 6400
+
+
+def test_typed_eviction_order_is_reversed_between_tiers() -> None:
+    pools = KVPools(gpu_pages=30, cpu_pages=20, typed=True)
+    for pid, label, t in (("busy", KVLabel.BUSY, 0.0), ("idle", KVLabel.IDLE, 1.0),
+                          ("gone", KVLabel.INACTIVE, 2.0)):
+        e = pools.entry(pid)
+        pools.take_for_request(e, 10)
+        e.label, e.last_access = label, t
+    # GPU: inactive first, then idle, and busy last although it is the least recent
+    assert pools.make_gpu_room(10, 3.0)
+    assert pools.entries["gone"].gpu == 0 and pools.entries["busy"].gpu == 10
+    assert pools.make_gpu_room(20, 3.0)
+    assert pools.entries["idle"].gpu == 0 and pools.entries["busy"].gpu == 10
+    # CPU holds gone(10) + idle(10); pushing busy out overflows it: inactive goes first,
+    # and idle is kept last on the CPU
+    assert pools.make_gpu_room(30, 3.0)
+    assert pools.entries["idle"].cpu == 10
+    assert pools.entries["busy"].cpu == 10
+    assert "gone" not in pools.entries or pools.entries["gone"].cpu == 0
+    pools.check()
+
+
+def test_plain_lru_ignores_labels() -> None:
+    pools = KVPools(gpu_pages=20, cpu_pages=0, typed=False)
+    for pid, label, t in (("busy", KVLabel.BUSY, 0.0), ("idle", KVLabel.IDLE, 1.0)):
+        e = pools.entry(pid)
+        pools.take_for_request(e, 10)
+        e.label, e.last_access = label, t
+    assert pools.make_gpu_room(10, 2.0)
+    assert pools.entries["busy"].gpu == 0 and pools.entries["idle"].gpu == 10
+
+
+def test_pinned_pages_are_never_evicted() -> None:
+    pools = KVPools(gpu_pages=10, cpu_pages=0, typed=False)
+    e = pools.entry("a")
+    pools.take_for_request(e, 10)
+    e.pinned = True
+    assert not pools.make_gpu_room(1, 0.0)
+    assert e.gpu == 10
