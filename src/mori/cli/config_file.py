@@ -14,7 +14,6 @@ Any problem is a :class:`ConfigError` naming the file and the key.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,10 @@ def valid_keys() -> list[str]:
 
 def load_config(path: Path) -> dict[str, Any]:
     """The option values set in the TOML file at ``path``, by option key (underscores)."""
+    try:
+        import tomllib  # Python 3.11+
+    except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+        raise ConfigError("--config needs Python 3.11 or later (tomllib)") from None
     try:
         with path.open("rb") as f:
             raw = tomllib.load(f)

@@ -19,9 +19,10 @@ from mori.sim.config import SimConfig
 from mori.sim.workload import HUMAN_GAP_RULES
 
 _SIM = SimConfig()
-_KIND_WORDS: dict[type, str] = {
-    int: "an integer", float: "a number", str: "a string", bool: "true or false",
-    Path: "a path (string)",
+_KIND_WORDS: dict[type, tuple[str, str]] = {
+    int: ("an integer", "integers"), float: ("a number", "numbers"),
+    str: ("a string", "strings"), bool: ("true or false", "booleans"),
+    Path: ("a path (string)", "paths"),
 }
 
 
@@ -54,8 +55,10 @@ class Option:
 
     def what(self) -> str:
         """What a valid value looks like, in words."""
-        word = f"one of {', '.join(self.choices)}" if self.choices else _KIND_WORDS[self.kind]
-        return f"a comma-separated list of {word}" if self.multi else word
+        if self.choices:
+            return f"one of {', '.join(self.choices)}"
+        one, many = _KIND_WORDS[self.kind]
+        return f"a comma-separated list of {many}" if self.multi else one
 
     def parse_text(self, text: str) -> Any:
         """The value of a command-line string (a tuple for list options)."""
@@ -112,15 +115,16 @@ class Option:
 def _default_text(opt: Option) -> str:
     if opt.default is None or opt.default is False:
         return ""
-    value = opt.default
-    shown = ",".join(str(v) for v in value) if isinstance(value, tuple) else str(value)
+    items = opt.default if isinstance(opt.default, tuple) else (opt.default,)
+    shown = ",".join(format(v, "g") if isinstance(v, float) else str(v) for v in items)
     return f" (default: {shown})"
 
 
 OPTIONS: tuple[Option, ...] = (
     Option("policy", str, tuple(PAPER_POLICIES), metavar="A,B,...", multi=True,
            help="policies to compare; one run per policy at every grid point; "
-                f"valid: {', '.join(POLICIES.names())}; default: the paper's four"),
+                f"valid: {', '.join(POLICIES.names())} (default: the paper's four, "
+                f"{','.join(PAPER_POLICIES)})"),
     Option("programs", int, (20, 50, 80), metavar="N,N,...", multi=True,
            help="numbers of concurrent agentic programs (closed-loop slots)"),
     Option("hardware", str, (_SIM.hardware,), metavar="PRESET,...", multi=True,
@@ -156,7 +160,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("window", int, _SIM.idleness_window, metavar="K",
            help="idleness window: the number of recent cycles a program's idleness ranks by"),
     Option("jobs", int, 1, metavar="N",
-           help="runs in parallel processes; results keep the grid order either way"),
+           help="runs in parallel processes (0: one per CPU); results keep the grid order "
+                "either way"),
     Option("quiet", bool, False, help="no progress bar or notes on stderr (default: off)"),
 )
 """Every option of ``mori simulate`` except ``--config``, in help order."""

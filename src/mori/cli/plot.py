@@ -7,7 +7,6 @@ line with markers per policy. Rendered with matplotlib's Agg backend (no display
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,7 +31,7 @@ _PANELS: tuple[tuple[str, Callable[[RunResult], float]], ...] = (
 def _series(runs: Sequence[RunResult], metric: Callable[[RunResult], float]
             ) -> tuple[list[int], list[float]]:
     pts = sorted((r.programs, metric(r)) for r in runs)
-    return [p for p, _ in pts], [v if v is not None else math.nan for _, v in pts]
+    return [p for p, _ in pts], [v for _, v in pts]
 
 
 def plot_results(results: Sequence[RunResult], path: Path) -> None:

@@ -37,6 +37,7 @@ class IdlenessTracker:
 
     __slots__ = (
         "_k", "_exclude_gated", "_cycles", "_phase", "_t0", "_cur_reason", "_gated_total",
+        "_all", "_tail",
     )
 
     def __init__(self, k: int = 5, exclude_gated: bool = True) -> None:
@@ -49,6 +50,8 @@ class IdlenessTracker:
         self._t0 = 0.0  # start of the current phase
         self._cur_reason = 0.0  # reasoning time of the cycle in progress (once acting)
         self._gated_total = 0.0
+        self._all = (0.0, 0.0)  # sums (reasoning, acting) over the completed cycles kept
+        self._tail = (0.0, 0.0)  # the same without the oldest when k are kept
 
     # -- observations -------------------------------------------------------------
     def arrived(self, now: float) -> None:
@@ -85,13 +88,12 @@ class IdlenessTracker:
 
     # -- queries --------------------------------------------------------------------
     def iota(self, now: float) -> float:
-        in_progress = self._phase in (_Phase.REASONING, _Phase.ACTING)
-        window = list(self._cycles)
-        if in_progress and len(window) == self._k:
-            window = window[1:]  # the cycle in progress is one of the k
-        r = sum(c[0] for c in window)
-        a = sum(c[1] for c in window)
-        if self._phase is _Phase.REASONING:
+        phase = self._phase
+        if phase is _Phase.REASONING or phase is _Phase.ACTING:
+            r, a = self._tail  # the cycle in progress is one of the k
+        else:
+            r, a = self._all
+        if phase is _Phase.REASONING:
             r += max(0.0, now - self._t0)
         elif self._phase is _Phase.ACTING:
             r += self._cur_reason
@@ -117,6 +119,14 @@ class IdlenessTracker:
         self._cycles.append((reason, act))
         if len(self._cycles) > self._k:
             self._cycles.popleft()
+        self._resum()
+
+    def _resum(self) -> None:
+        """Cache the window sums (k is small; summing afresh avoids float drift)."""
+        cs = self._cycles
+        self._all = (sum(c[0] for c in cs), sum(c[1] for c in cs))
+        tail = list(cs)[1:] if len(cs) == self._k else cs
+        self._tail = (sum(c[0] for c in tail), sum(c[1] for c in tail))
 
     def _end_gated(self, now: float) -> None:
         gated = max(0.0, now - self._t0)
@@ -127,3 +137,4 @@ class IdlenessTracker:
     def _add_gated_to_last(self, gated: float) -> None:
         r, a = self._cycles[-1]
         self._cycles[-1] = (r, a + gated)
+        self._resum()

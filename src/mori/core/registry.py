@@ -28,6 +28,10 @@ class UnknownNameError(KeyError, ValueError):
         self.message = f"unknown {kind} {name!r}; valid names: {choices}"
         super().__init__(self.message)
 
+    def __reduce__(self) -> tuple[type[UnknownNameError], tuple[str, str, list[str]]]:
+        # picklable, so an error raised in a worker process arrives intact
+        return (type(self), (self.kind, self.name, self.valid))
+
     def __str__(self) -> str:
         # KeyError.__str__ would repr() the message and wrap it in quotes.
         return self.message

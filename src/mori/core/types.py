@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class Status(str, Enum):
+class Status(StrEnum):
     """What a program is doing at an instant (MORI.md section 2)."""
 
     REASONING = "reasoning"  # its request is executing on an engine
@@ -13,7 +13,7 @@ class Status(str, Enum):
     GATED = "gated"  # a request arrived but the scheduler holds it
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     """Where the scheduler keeps a program's KV."""
 
     GPU = "gpu"
@@ -21,7 +21,7 @@ class Tier(str, Enum):
     NONE = "none"  # the global Waiting queue: no cache, a return means recompute
 
 
-class KVLabel(str, Enum):
+class KVLabel(StrEnum):
     """Type label the engine uses above plain LRU (MORI.md section 5)."""
 
     BUSY = "busy"  # GPU queue

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from mori.core.costmodel import PRESETS
+from mori.core.policies import POLICIES
 from mori.sim.workload import HUMAN_GAP_RULES
 
 
@@ -33,6 +36,21 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if self.policy not in POLICIES:
+            problems.append(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
+        if self.hardware not in PRESETS:
+            problems.append(f"unknown hardware preset {self.hardware!r}; "
+                            f"valid: {', '.join(PRESETS.names())}")
+        for name in ("cpu_ratio", "duration_s", "human_gap_cap_s", "stagger_s", "tick_s",
+                     "binary_threshold"):
+            if not math.isfinite(getattr(self, name)):
+                problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
+        if not self.tick_s > 0:
+            problems.append(f"tick must be > 0 seconds (got {self.tick_s})")
+        if self.idleness_window < 1:
+            problems.append(f"idleness window must be >= 1 cycle (got {self.idleness_window})")
+        if not 0.0 <= self.binary_threshold <= 1.0:
+            problems.append(f"binary threshold must be in [0, 1] (got {self.binary_threshold})")
         if self.programs < 1:
             problems.append(f"programs must be >= 1 (got {self.programs})")
         if self.replicas < 1:

@@ -48,6 +48,15 @@ class RunResult:
     replicas: int
     duration_s: float
     seed: int
+    traces: str
+    human_gap: str
+    human_gap_cap_s: float
+    max_context: int
+    share_prefix: bool
+    stagger_s: float
+    tick_s: float
+    idleness_window: int
+    binary_threshold: float
     output_tokens: int
     output_tokens_per_s: float
     steps: int
@@ -81,8 +90,13 @@ class RunResult:
     sim_seconds_per_wall_second: float
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k, v in d.items():  # JSON has no NaN: an empty sample is null
-            if isinstance(v, float) and math.isnan(v):
-                d[k] = None
-        return d
+        return {k: _json_safe(v) for k, v in asdict(self).items()}
+
+
+def _json_safe(v: Any) -> Any:
+    """JSON has no NaN or infinity: an empty sample (or a zero wall time) is null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
+    return v

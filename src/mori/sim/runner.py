@@ -50,9 +50,8 @@ class Simulation:
 
     def __init__(self, config: SimConfig, traces: TraceSet) -> None:
         self.config = config
+        self.trace_name = traces.name
         preset = get_preset(config.hardware)
-        if config.policy not in POLICIES:
-            POLICIES.get(config.policy)  # raises, listing the valid names
         policy_cls = POLICIES.get(config.policy)
         self.cost = CostModel(preset)
         page = preset.page_tokens
@@ -232,6 +231,11 @@ class Simulation:
         return RunResult(
             policy=cfg.policy, programs=cfg.programs, hardware=cfg.hardware,
             cpu_ratio=cfg.cpu_ratio, replicas=cfg.replicas, duration_s=dur, seed=cfg.seed,
+            traces=self.trace_name, human_gap=cfg.human_gap,
+            human_gap_cap_s=cfg.human_gap_cap_s,
+            max_context=cfg.max_context or self.cost.preset.model.context_window,
+            share_prefix=cfg.share_prefix, stagger_s=cfg.stagger_s, tick_s=cfg.tick_s,
+            idleness_window=cfg.idleness_window, binary_threshold=cfg.binary_threshold,
             output_tokens=c.output_tokens, output_tokens_per_s=c.output_tokens / dur,
             steps=c.steps, steps_per_s=c.steps / dur, requests=c.requests,
             programs_started=c.programs_started, programs_finished=c.programs_finished,

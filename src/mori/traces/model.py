@@ -9,10 +9,10 @@ gap; to the parent, the subagent's life is part of one long tool call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class GapKind(str, Enum):
+class GapKind(StrEnum):
     """What the program was doing in the gap after a step."""
 
     TOOL = "tool"  # a tool call (the response stopped for tool_use)

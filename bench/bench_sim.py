@@ -1,0 +1,69 @@
+"""Simulator speed and memory: 80 programs over one simulated hour.
+
+Each run happens in a fresh Python process so its peak resident memory can be read
+(``ru_maxrss`` of the child). Reports wall seconds, simulated seconds per wall second
+and peak RSS per policy, and the wall time as a ratio against ``smg`` (the policy with
+the least work: no scheduling) measured in the same invocation, since these machines are
+shared and noisy. A second figure, ``import``, is the bare interpreter + package import
+cost included in every run.
+
+    python bench/bench_sim.py [--programs 80] [--duration 3600] [--policies smg,mori,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from mori.sim.config import SimConfig
+from mori.sim.runner import simulate
+from mori.traces import default_traces
+cfg = SimConfig(policy=sys.argv[1], programs=int(sys.argv[2]), duration_s=float(sys.argv[3]),
+                hardware=sys.argv[4])
+r = simulate(cfg, default_traces())
+print(json.dumps({"wall": r.wall_s, "steps": r.steps, "events": r.events,
+                  "total": time.perf_counter() - t0}))
+"""
+
+
+def run_child(args: list[str]) -> tuple[dict[str, float], float]:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    out = subprocess.run([sys.executable, "-c", CHILD, *args], check=True,
+                         capture_output=True, text=True).stdout
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # ru_maxrss of children is the max over all children so far (KiB on Linux)
+    return json.loads(out), max(peak, before) / 1024.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", type=int, default=80)
+    ap.add_argument("--duration", type=float, default=3600.0)
+    ap.add_argument("--hardware", default="h200-qwen3-30b-a3b")
+    ap.add_argument("--policies", default="smg,thunderagent,thunderagent+offload,mori")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import mori.sim.runner, mori.traces"], check=True)
+    imp = time.perf_counter() - t0
+    print(f"{args.programs} programs, {args.duration:.0f} simulated s on {args.hardware}")
+    print(f"bare import of the package in a fresh process: {imp:.2f} s")
+    print(f"{'policy':<22} {'sim wall s':>10} {'sim s/wall s':>13} {'events':>8} "
+          f"{'peak RSS MiB':>13} {'wall vs smg':>12}")
+    base = None
+    for pol in args.policies.split(","):
+        res, rss = run_child([pol, str(args.programs), str(args.duration), args.hardware])
+        base = base or res["wall"]
+        print(f"{pol:<22} {res['wall']:>10.2f} {args.duration / res['wall']:>13.0f} "
+              f"{int(res['events']):>8} {rss:>13.0f} {res['wall'] / base:>12.2f}")
+    print("(peak RSS is the running maximum over the child processes so far)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The ``mori`` command: ``simulate``, ``policies``, ``presets`` and ``--version``.
+
+``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
+one line on stderr, no traceback), 1 when an output file cannot be written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from mori import __version__
+from mori.cli.config_file import ConfigError, load_config, valid_keys
+from mori.cli.options import OPTIONS, Option, OptionError, help_text
+from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
+from mori.cli.table import format_table
+from mori.core.costmodel import PRESETS
+from mori.core.policies import PAPER_POLICIES, POLICIES
+
+_NO_CPU_TIER = [n for n in POLICIES.names() if not POLICIES.get(n).engine.cpu_tier]
+
+SIMULATE_EPILOG = f"""\
+grid:
+  One run per hardware x cpu ratio x programs x policy, in that order (policy varies
+  fastest); the table, --json and --plot keep this order whatever --jobs is. With no
+  options: the paper's comparison (4 policies x 20/50/80 programs, h200-qwen3-30b-a3b,
+  cpu ratio 1, one simulated hour).
+
+cpu ratio R:
+  The CPU KV tier holds R x the GPU KV capacity of KV that is *not* on the GPU. The
+  engine writes through, so its host pool is (1 + R) x the device pool (it also mirrors
+  what is on the GPU). R = 0: no CPU tier. Policies whose engine has no CPU tier
+  ({', '.join(_NO_CPU_TIER)}) ignore R.
+
+human gap (--human-gap, --human-gap-cap):
+  A gap after a final answer is a person reading and typing, not a tool. "cap" (the
+  default) limits it to --human-gap-cap seconds; "replace" substitutes the program's
+  median tool gap (itself at most the cap; the cap when the program has no tool gaps).
+
+context window (--max-context):
+  A program's steps are kept while prompt + output fit the context window (the model's,
+  or --max-context); the rest is cut, as a real session would have compacted there. A
+  program whose first step does not fit is left out; a note after the table says how
+  many were.
+
+config file (--config FILE.toml):
+{textwrap.fill("Keys are the long options above, with dashes or underscores: "
+                + ", ".join(valid_keys()) + ".", 88, initial_indent="  ", subsequent_indent="  ")}
+  List options take arrays (policy = ["mori", "smg"], programs = [20, 50]); flags on the
+  command line override the file; relative paths are relative to the file's folder.
+
+examples:
+  mori simulate
+  mori simulate --policy mori,smg --programs 20,50 --duration 600 --json out.json
+  mori simulate --hardware h200-qwen3-30b-a3b,b200-llama3.1-70b-tp2 --cpu-ratio 0.5,1,2 \\
+      --jobs 8 --plot grid.png
+"""
+
+
+def _arg_type(opt: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return opt.parse_text(text)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = opt.key  # argparse names the type in some messages
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line, with a pointer to ``--help``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mori`` argument parser with its subcommands."""
+    parser = _Parser(
+        prog="mori", description="MORI: idleness-ranked KV-cache tiering for agentic LLM "
+        "programs. Run `mori COMMAND --help` for a command's options.")
+    parser.add_argument("--version", action="version", version=f"mori {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    sim = sub.add_parser(
+        "simulate", help="run the discrete-event simulator over a grid of settings",
+        description="Replay agentic programs closed-loop against simulated LLM engine\n"
+        "replicas under each KV-cache policy; print one table row per run.",
+        epilog=SIMULATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for opt in OPTIONS:
+        if opt.kind is bool:
+            sim.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None,
+                             help=help_text(opt))
+        else:
+            sim.add_argument(opt.flag, type=_arg_type(opt), default=None, metavar=opt.metavar,
+                             help=help_text(opt))
+    sim.add_argument("--config", type=Path, metavar="FILE.toml",
+                     help="read options from a TOML file (see below); flags given here win")
+    sub.add_parser("policies", help="list the registered policies",
+                   description="List the registered scheduling policies.")
+    sub.add_parser("presets", help="list the hardware presets",
+                   description="List the hardware presets (one engine replica each).")
+    return parser
+
+
+def list_policies() -> str:
+    """The policy listing: name, whether the paper compares it, description."""
+    rows = [(n, "*" if n in PAPER_POLICIES else "", POLICIES.get(n).description)
+            for n in POLICIES.names()]
+    table = format_table(("policy", "paper", "description"), rows)
+    return table + "\n\n* the paper's main comparison (the default of `mori simulate`)"
+
+
+def list_presets() -> str:
+    """The preset listing: GPU, model, tensor parallelism, KV capacity, context window."""
+    rows = []
+    for name in PRESETS.names():
+        p = PRESETS.get(name)
+        rows.append((name, p.gpu.name, p.model.name, str(p.tp),
+                     f"{p.gpu_kv_capacity_tokens:,}", f"{p.model.context_window:,}"))
+    headers = ("preset", "GPU", "model", "TP", "GPU KV (tokens)", "context (tokens)")
+    return format_table(headers, rows, (False, False, False, True, True, True))
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    cli = {o.key: getattr(args, o.key) for o in OPTIONS}
+    config = load_config(args.config) if args.config is not None else {}
+    return run_simulate(resolve_settings(cli, config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``mori`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or argparse's own usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.command == "policies":
+        print(list_policies())
+        return 0
+    if args.command == "presets":
+        print(list_presets())
+        return 0
+    try:
+        return _simulate(args)
+    except (UsageError, ConfigError) as e:
+        print(f"mori simulate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mori simulate: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

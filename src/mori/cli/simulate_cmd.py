@@ -1,0 +1,199 @@
+"""``mori simulate``: run the grid hardware x CPU ratio x programs x policy.
+
+Everything the user can get wrong is checked before the first run starts: names, values,
+the trace set, and whether each grid point can be simulated at all (by building its
+:class:`~mori.sim.runner.Simulation`). Such problems are :class:`UsageError`s, which
+``main`` reports in one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from mori.cli.options import OPTIONS
+from mori.cli.table import left_out_note, results_table
+from mori.core.costmodel import get_preset
+from mori.core.policies import POLICIES
+from mori.core.registry import UnknownNameError
+from mori.sim.config import SimConfig
+from mori.sim.metrics import RunResult
+from mori.sim.runner import SettingsError, Simulation, simulate
+from mori.traces import TraceError, TraceSet, default_traces, load_traces
+
+
+class UsageError(ValueError):
+    """A problem with what the user asked for: one line on stderr, exit status 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The resolved options of one ``mori simulate`` invocation (see ``options.OPTIONS``)."""
+
+    policy: tuple[str, ...]
+    programs: tuple[int, ...]
+    hardware: tuple[str, ...]
+    cpu_ratio: tuple[float, ...]
+    replicas: int
+    duration: float
+    traces: Path | None
+    seed: int
+    json: Path | None
+    plot: Path | None
+    human_gap: str
+    human_gap_cap: float
+    max_context: int | None
+    share_prefix: bool
+    tick: float
+    window: int
+    jobs: int
+    quiet: bool
+
+
+def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> Settings:
+    """Defaults, overridden by the config file, overridden by flags given (not None)."""
+    values: dict[str, Any] = {o.key: o.default for o in OPTIONS}
+    values.update(config)
+    values.update({k: v for k, v in cli.items() if v is not None})
+    return Settings(**values)
+
+
+def build_grid(s: Settings) -> list[SimConfig]:
+    """One :class:`SimConfig` per run, in grid order (policy varies fastest)."""
+    for name in s.policy:
+        POLICIES.get(name)  # UnknownNameError lists the valid names
+    for name in s.hardware:
+        get_preset(name)
+    if not s.tick > 0:
+        raise UsageError(f"--tick must be > 0 seconds (got {s.tick:g})")
+    if s.window < 1:
+        raise UsageError(f"--window must be >= 1 (got {s.window})")
+    if s.jobs < 0:
+        raise UsageError(f"--jobs must be >= 1, or 0 for one per CPU (got {s.jobs})")
+    return [
+        SimConfig(policy=pol, programs=n, hardware=hw, cpu_ratio=cpu, replicas=s.replicas,
+                  duration_s=s.duration, seed=s.seed, human_gap=s.human_gap,
+                  human_gap_cap_s=s.human_gap_cap, max_context=s.max_context,
+                  share_prefix=s.share_prefix, tick_s=s.tick, idleness_window=s.window)
+        for hw in s.hardware for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
+    ]
+
+
+def _check_output(path: Path | None, option: str) -> None:
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: folder {str(path.parent)!r} does not exist")
+
+
+def prepare(s: Settings) -> tuple[list[SimConfig], TraceSet]:
+    """The grid and the trace set, after checking every run can start (else UsageError)."""
+    try:
+        configs = build_grid(s)
+        traces = load_traces(s.traces) if s.traces is not None else default_traces()
+        for config in configs:
+            Simulation(config, traces)  # raises SettingsError / ValueError; cheap to build
+    except (UnknownNameError, TraceError, SettingsError, ValueError) as e:
+        if isinstance(e, UsageError):
+            raise
+        raise UsageError(str(e)) from None
+    _check_output(s.json, "--json")
+    _check_output(s.plot, "--plot")
+    return configs, traces
+
+
+_WORKER_TRACES: TraceSet | None = None
+
+
+def _init_worker(traces: TraceSet) -> None:
+    global _WORKER_TRACES
+    _WORKER_TRACES = traces
+
+
+def _run_in_worker(config: SimConfig) -> RunResult:
+    assert _WORKER_TRACES is not None, "worker not initialised"
+    return simulate(config, _WORKER_TRACES)
+
+
+def _progress(total: int, quiet: bool) -> tqdm[Any]:
+    return tqdm(total=total, desc="simulating", unit="run", file=sys.stderr, disable=quiet,
+                dynamic_ncols=True)
+
+
+def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool
+             ) -> list[RunResult]:
+    """Every run's result, in the order of ``configs``; ``jobs`` > 1 uses processes.
+
+    A progress bar goes to stderr unless ``quiet``.
+    """
+    if jobs <= 1:
+        results = []
+        with _progress(len(configs), quiet) as bar:
+            for c in configs:
+                bar.set_postfix_str(f"{c.policy} n={c.programs}", refresh=False)
+                results.append(simulate(c, traces))
+                bar.update()
+        return results
+    with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(traces,)) as pool:
+        futures: list[Future[RunResult]] = [pool.submit(_run_in_worker, c) for c in configs]
+        # the bar (and its monitor thread) only after the workers have started
+        with _progress(len(configs), quiet) as bar:
+            for f in as_completed(futures):
+                error = f.exception()
+                if error is not None:
+                    pool.shutdown(cancel_futures=True)
+                    raise error
+                bar.update()
+        return [f.result() for f in futures]
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: a non-finite float becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(results: list[RunResult], path: Path) -> None:
+    """The runs' ``to_dict()`` as a JSON list (sorted keys, indent 2)."""
+    rows = [{k: _finite(v) for k, v in r.to_dict().items()} for r in results]
+    path.write_text(json.dumps(rows, sort_keys=True, indent=2, allow_nan=False) + "\n",
+                    encoding="utf-8")
+
+
+def run_simulate(s: Settings) -> int:
+    """Run the grid, print the table (stdout), write the optional JSON and plot."""
+    configs, traces = prepare(s)
+    jobs = min(s.jobs or os.cpu_count() or 1, len(configs))
+    try:
+        results = run_grid(configs, traces, jobs, s.quiet)
+    except SettingsError as e:
+        raise UsageError(str(e)) from None
+    print(results_table(results))
+    note = left_out_note(results, traces.name, len(traces.programs), s.max_context)
+    if note:
+        print(note)
+    written = []
+    try:
+        if s.json is not None:
+            write_json(results, s.json)
+            written.append(str(s.json))
+        if s.plot is not None:
+            from mori.cli.plot import plot_results  # matplotlib only when asked for
+
+            plot_results(results, s.plot)
+            written.append(str(s.plot))
+    except OSError as e:
+        print(f"mori simulate: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
+    if written and not s.quiet:
+        print(f"wrote {', '.join(written)}", file=sys.stderr)
+    return 0

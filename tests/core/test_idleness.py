@@ -1,0 +1,226 @@
+"""IdlenessTracker against hand-computed windows (MORI.md section 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mori.core.idleness import IdlenessTracker
+from mori.core.policy import PolicyConfig
+
+
+def run_cycles(t: IdlenessTracker, cycles: list[tuple[float, float]], start: float = 0.0) -> float:
+    """Feed complete cycles (reasoning, acting) with no gating; return the time reached.
+
+    After the call the tracker is gated (the request that ends the last tool call has
+    arrived and is not yet started).
+    """
+    now = start
+    t.arrived(now)
+    for reason, act in cycles:
+        t.started(now)
+        now += reason
+        t.finished(now)
+        now += act
+        t.arrived(now)
+    return now
+
+
+# -- a new program ------------------------------------------------------------------
+def test_new_program_is_busy() -> None:
+    t = IdlenessTracker()
+    assert t.iota(0.0) == 0.0
+    assert t.iota(100.0) == 0.0
+    t.arrived(1.0)
+    assert t.iota(50.0) == 0.0  # gated, no history
+    t.started(2.0)
+    assert t.iota(3.0) == 0.0  # reasoning only
+    assert t.cycles == ()
+
+
+def test_no_exclusion_first_gated_interval_is_dropped() -> None:
+    t = IdlenessTracker(exclude_gated=False)
+    t.arrived(0.0)
+    assert t.iota(1.5) == 0.0  # no previous cycle to charge the gated time to
+    t.started(2.0)
+    assert t.gated_time == 2.0
+    t.finished(3.0)
+    assert t.iota(3.0) == 0.0
+    assert t.iota(5.0) == pytest.approx(2.0 / 3.0)  # 1 s reasoning, 2 s acting
+
+
+# -- one cycle ----------------------------------------------------------------------
+def test_one_cycle_one_second_reasoning_three_acting() -> None:
+    t = IdlenessTracker()
+    t.arrived(0.0)
+    t.started(0.0)
+    t.finished(1.0)
+    assert t.iota(4.0) == pytest.approx(0.75)
+    t.arrived(4.0)
+    assert t.cycles == ((1.0, 3.0),)
+    assert t.iota(4.0) == pytest.approx(0.75)
+    assert t.iota(9.0) == pytest.approx(0.75)  # gated time does not count
+
+
+def test_in_progress_gap_counts() -> None:
+    t = IdlenessTracker()
+    t.arrived(0.0)
+    t.started(0.0)
+    t.finished(1.0)
+    assert t.iota(1.0) == 0.0
+    assert t.iota(2.0) == pytest.approx(0.5)
+    assert t.iota(3.0) == pytest.approx(2.0 / 3.0)
+    assert t.iota(4.0) == pytest.approx(0.75)
+    assert t.iota(11.0) == pytest.approx(10.0 / 11.0)
+    values = [t.iota(1.0 + 0.5 * i) for i in range(40)]
+    assert values == sorted(values)
+    assert len(set(values)) == len(values)  # strictly rising
+
+
+def test_reasoning_in_progress_counts() -> None:
+    t = IdlenessTracker()
+    run_cycles(t, [(1.0, 3.0)])  # ends gated at 4
+    t.started(4.0)
+    assert t.iota(4.0) == pytest.approx(3.0 / 4.0)
+    assert t.iota(6.0) == pytest.approx(3.0 / 6.0)  # reasoning 1 + 2, acting 3
+
+
+# -- the window ---------------------------------------------------------------------
+SIX = [(1.0, 1.0), (1.0, 2.0), (1.0, 3.0), (1.0, 4.0), (1.0, 5.0), (1.0, 6.0)]
+
+
+def test_k5_window_drops_the_oldest_cycle() -> None:
+    t = IdlenessTracker(k=5)
+    end = run_cycles(t, SIX)
+    assert end == 27.0
+    # gated: the last five completed cycles: acting 2+3+4+5+6 = 20, reasoning 5
+    assert t.cycles == tuple(SIX[1:])
+    assert t.iota(end) == pytest.approx(20.0 / 25.0)
+    # all six would give 21/27
+    assert t.iota(end) != pytest.approx(21.0 / 27.0)
+
+
+def test_while_acting_the_in_progress_cycle_is_one_of_k() -> None:
+    t = IdlenessTracker(k=5)
+    end = run_cycles(t, SIX[:5])  # five completed cycles, gated at 20
+    assert end == 20.0
+    t.started(20.0)
+    # reasoning: window = cycles 2..5 (acting 2+3+4+5 = 14, reasoning 4) + current
+    assert t.iota(20.5) == pytest.approx(14.0 / (4.0 + 0.5 + 14.0))
+    t.finished(21.0)
+    # acting x seconds: (14 + x) / (4 + 1 + 14 + x)
+    for x in (0.0, 1.0, 3.5, 6.0):
+        assert t.iota(21.0 + x) == pytest.approx((14.0 + x) / (19.0 + x))
+    t.arrived(27.0)
+    assert t.iota(27.0) == pytest.approx(20.0 / 25.0)
+
+
+def test_window_smaller_than_k() -> None:
+    t = IdlenessTracker(k=5)
+    run_cycles(t, [(2.0, 2.0), (1.0, 5.0)])  # gated at 10
+    assert t.iota(10.0) == pytest.approx(7.0 / 10.0)
+    t.started(10.0)
+    t.finished(13.0)  # reasoning 3
+    assert t.iota(14.0) == pytest.approx((7.0 + 1.0) / (10.0 + 3.0 + 1.0))
+
+
+def test_k1_only_the_current_cycle() -> None:
+    t = IdlenessTracker(k=1)
+    run_cycles(t, [(1.0, 9.0)])  # gated at 10: window = last completed cycle
+    assert t.iota(10.0) == pytest.approx(0.9)
+    t.started(10.0)
+    assert t.iota(12.0) == 0.0  # the in-progress cycle is the whole window
+    t.finished(12.0)
+    assert t.iota(14.0) == pytest.approx(0.5)
+
+
+# -- gated time ---------------------------------------------------------------------
+def _gated_history(t: IdlenessTracker) -> None:
+    t.arrived(0.0)
+    t.started(0.0)
+    t.finished(1.0)
+    t.arrived(4.0)  # cycle (1, 3)
+    t.started(10.0)  # gated 6 s
+    t.finished(11.0)  # reasoning 1
+
+
+def test_gated_time_is_excluded() -> None:
+    t = IdlenessTracker()
+    t.arrived(0.0)
+    t.started(0.0)
+    t.finished(1.0)
+    t.arrived(4.0)
+    assert t.iota(8.0) == pytest.approx(0.75)  # while gated: unchanged
+    t.started(10.0)
+    assert t.gated_time == 6.0
+    assert t.iota(10.0) == pytest.approx(0.75)
+    t.finished(11.0)
+    assert t.iota(11.0) == pytest.approx(3.0 / 5.0)
+    assert t.cycles == ((1.0, 3.0),)
+
+
+def test_gated_time_added_to_previous_acting_without_exclusion() -> None:
+    t = IdlenessTracker(exclude_gated=False)
+    t.arrived(0.0)
+    t.started(0.0)
+    t.finished(1.0)
+    t.arrived(4.0)
+    # while gated the gap in progress counts as acting of the previous cycle
+    assert t.iota(8.0) == pytest.approx(7.0 / 8.0)
+    t.started(10.0)
+    assert t.cycles == ((1.0, 9.0),)
+    assert t.gated_time == 6.0
+    t.finished(11.0)
+    assert t.iota(11.0) == pytest.approx(9.0 / 11.0)
+
+
+def test_kv_ready_after_forward_moves_start_and_counts_as_gated() -> None:
+    for exclude, cycle, expected in ((True, (1.0, 3.0), 3.0 / 5.0),
+                                     (False, (1.0, 5.0), 5.0 / 7.0)):
+        t = IdlenessTracker(exclude_gated=exclude)
+        t.arrived(0.0)
+        t.started(0.0)
+        t.finished(1.0)
+        t.arrived(4.0)
+        t.started(4.0)  # forwarded
+        assert t.iota(5.0) == pytest.approx(3.0 / 5.0)  # provisional: reasoning since 4
+        t.started(6.0)  # KV ready: 4..6 was gated
+        assert t.gated_time == 2.0
+        assert t.cycles == (cycle,)
+        t.finished(7.0)  # reasoning 6..7
+        assert t.iota(7.0) == pytest.approx(expected)
+
+
+def test_kv_ready_on_first_step() -> None:
+    t = IdlenessTracker()
+    t.arrived(0.0)
+    t.started(0.0)
+    t.started(3.0)
+    assert t.gated_time == 3.0
+    t.finished(4.0)
+    assert t.iota(5.0) == pytest.approx(0.5)  # reasoning 1 (3..4), acting 1
+
+
+# -- misuse -------------------------------------------------------------------------
+@pytest.mark.parametrize("calls", [
+    ["started"],
+    ["finished"],
+    ["arrived", "finished"],
+    ["arrived", "arrived"],
+    ["arrived", "started", "arrived"],
+    ["arrived", "started", "finished", "started"],
+    ["arrived", "started", "finished", "finished"],
+])
+def test_out_of_order_observations_raise(calls: list[str]) -> None:
+    t = IdlenessTracker()
+    for name in calls[:-1]:
+        getattr(t, name)(0.0)
+    with pytest.raises(ValueError):
+        getattr(t, calls[-1])(1.0)
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_k_below_one_raises(k: int) -> None:
+    with pytest.raises(ValueError):
+        IdlenessTracker(k=k)
+    with pytest.raises(ValueError):
+        PolicyConfig(idleness_window=k)

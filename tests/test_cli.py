@@ -1,0 +1,162 @@
+"""Tests for the ``mori`` command line (run in-process through ``main``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mori import __version__
+from mori.cli.main import main
+from mori.core.costmodel import PRESETS
+from mori.core.policies import POLICIES
+from mori.sim.metrics import NONDETERMINISTIC_FIELDS
+
+SMALL = ["simulate", "--duration", "120", "--programs", "2,3", "--policy", "mori,smg", "--quiet"]
+REQUIRED_KEYS = {"policy", "programs", "hardware", "cpu_ratio", "replicas", "duration_s",
+                 "output_tokens_per_s", "steps_per_s", "ttft_mean_s", "ttft_p90_s",
+                 "gpu_busy_frac", "recomputed_tokens", "reloaded_tokens"}
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def run_json(tmp_path: Path, *extra: str, name: str = "out.json") -> list[dict[str, Any]]:
+    out = tmp_path / name
+    assert main([*SMALL, "--json", str(out), *extra]) == 0
+    data: list[dict[str, Any]] = json.loads(out.read_text())
+    return data
+
+
+def deterministic(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in NONDETERMINISTIC_FIELDS} for r in rows]
+
+
+def test_small_grid_json_in_grid_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_json(tmp_path, "--cpu-ratio", "0.5,1")
+    grid = [(cpu, n, pol) for cpu in (0.5, 1.0) for n in (2, 3) for pol in ("mori", "smg")]
+    assert [(r["cpu_ratio"], r["programs"], r["policy"]) for r in rows] == grid
+    for r in rows:
+        assert r.keys() >= REQUIRED_KEYS
+        assert r["hardware"] == "h200-qwen3-30b-a3b"
+        assert r["duration_s"] == 120
+        assert r["replicas"] == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["policy", "programs", "hardware", "cpu"]
+    assert "TTFT p90 (s)" in lines[0] and "reloaded (M tok)" in lines[0]
+    assert [ln.split()[0] for ln in lines[2:2 + len(grid)]] == [g[2] for g in grid]
+    assert sum("left out" in ln for ln in lines) == 1  # the default set has too-long programs
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    png = tmp_path / "fig.png"
+    args = [*SMALL, "--cpu-ratio", "0,1", "--plot", str(png)]
+    assert main(args) == 0
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+@pytest.mark.parametrize(("flag", "bad", "registry"),
+                         [("--policy", "mori,nope", POLICIES), ("--hardware", "tpu-v9", PRESETS)])
+def test_unknown_name_lists_valid_names(flag: str, bad: str, registry: Any,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, flag, bad]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    for name in registry.names():
+        assert name in err
+
+
+def test_bad_values_exit_2_before_running(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--programs", "2,0"]) == 2
+    assert "programs must be >= 1" in capsys.readouterr().err
+    assert main([*SMALL, "--tick", "0"]) == 2
+    assert "--tick" in capsys.readouterr().err
+    assert main([*SMALL, "--programs", "two"]) == 2  # argparse's own error
+    assert "--programs" in capsys.readouterr().err
+    assert main([*SMALL, "--max-context", "1000"]) == 2  # SettingsError: nothing fits
+    assert "--max-context" in capsys.readouterr().err
+
+
+def test_broken_trace_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere.jsonl"
+    assert main([*SMALL, "--traces", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "Traceback" not in err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    assert main([*SMALL, "--traces", str(broken)]) == 2
+    assert str(broken) in capsys.readouterr().err
+
+
+def test_toml_config_and_cli_override(tmp_path: Path) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('policy = ["smg"]\nprograms = [2, 3]\nduration = 60\n'
+                   'cpu-ratio = 0.5\nhuman_gap = "replace"\njson = "from_config.json"\n')
+    assert main(["simulate", "--quiet", "--config", str(cfg)]) == 0
+    rows = json.loads((tmp_path / "from_config.json").read_text())  # relative to the file
+    assert [(r["policy"], r["programs"], r["duration_s"], r["cpu_ratio"]) for r in rows] == [
+        ("smg", 2, 60, 0.5), ("smg", 3, 60, 0.5)]
+    out = tmp_path / "cli.json"
+    assert main(["simulate", "--quiet", "--config", str(cfg), "--programs", "4",
+                 "--duration", "30", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["programs"], r["duration_s"], r["cpu_ratio"]) for r in rows] == [
+        ("smg", 4, 30, 0.5)]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("polcy = ['mori']\n", "unknown key 'polcy'"),
+    ("programs = 'x'\n", "key 'programs'"),
+    ("duration = [1, 2]\n", "key 'duration'"),
+    ("programs = [2\n", "not valid TOML"),
+])
+def test_bad_toml_config(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                         expected: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    assert main(["simulate", "--quiet", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and str(cfg) in err
+    if "unknown key" in expected:
+        assert "cpu-ratio" in err and "programs" in err  # the valid keys are listed
+
+
+def test_jobs_give_the_same_results(tmp_path: Path) -> None:
+    serial = run_json(tmp_path, "--jobs", "1", name="serial.json")
+    parallel = run_json(tmp_path, "--jobs", "2", name="parallel.json")
+    assert deterministic(parallel) == deterministic(serial)
+
+
+def test_policies_and_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in POLICIES.names():
+        assert name in out
+        assert POLICIES.get(name).description in out
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in PRESETS.names():
+        assert name in out
+        assert f"{PRESETS.get(name).gpu_kv_capacity_tokens:,}" in out
+
+
+def test_version_help_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert __version__ in capsys.readouterr().out
+    assert main(["simulate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu ratio R" in out and "human gap" in out and "(default: 20,50,80)" in out
+    assert main([]) == 2
+
+
+def test_python_dash_m_mori() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "mori", "--version"], capture_output=True,
+                          text=True, env=env, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"mori {__version__}"
