@@ -1,12 +1,14 @@
 """The ThunderAgent baselines, as the MORI paper describes them (MORI.md section 8).
 
 ThunderAgent is program-aware: it pins a program's KV on the GPU across tool calls and
-admits programs while they fit. When the GPU is over capacity it pauses programs, the
-smallest-context Acting ones first (cheapest to recompute), dropping their KV: there is
-no CPU queue in the scheduler. Held requests are resumed by Best-Fit-Decreasing (the
-largest first, onto the replica it fits tightest); the first one that does not fit
-pauses Acting programs, smallest first, if that makes enough room, otherwise the free
-space is held for it until running steps finish. It never looks at idleness.
+admits programs while they fit. When the active programs' KV is over capacity (their
+contexts grew) it pauses programs, the smallest-context Acting ones first (cheapest to
+recompute), dropping their KV: there is no CPU queue in the scheduler. Paused and new
+programs with a held request are resumed when memory allows, by Best-Fit-Decreasing
+(the largest first, onto the replica where it fits tightest); it never pauses a program
+to make room for another, and never looks at idleness. (This follows the MORI paper's
+description and the port of ThunderAgent's scheduler in NVIDIA Dynamo: pause Acting
+programs under memory pressure, resume when utilisation drops.)
 
 ``thunderagent+offload`` is the same scheduler in front of an engine with a CPU KV tier
 managed by plain LRU (HiCache), not coordinated with the scheduler: a paused program's
@@ -48,46 +50,18 @@ class ThunderAgentPolicy(Policy):
                 self._forward(p, now, out)
         cands = sorted((p for p in self._ready.values() if p.tier is not Tier.GPU),
                        key=lambda p: (-p.kv_bytes, p.ready_seq))
-        reserve = [0] * len(pl.gpu)
-        blocked = False
         cap = self.cluster.gpu_bytes
-        for c in cands:
+        for c in cands:  # Best-Fit-Decreasing: largest first, tightest replica
             if cap is not None and c.kv_bytes > cap:
                 continue
-            fits = [(pl.gpu[r].free() - reserve[r] - c.kv_bytes, r) for r in range(len(pl.gpu))]
+            fits = [(pl.gpu[r].free() - c.kv_bytes, r) for r in range(len(pl.gpu))]
             fits = [f for f in fits if f[0] >= 0]
             if fits:
                 r = min(fits)[1]
                 self._promote(c, r, out)
                 self._forward(c, now, out)
-                continue
-            if blocked:
-                continue
-            blocked = True
-            self._pause_for(c, now, out, reserve)
-
-    def _pause_for(self, c: Program, now: float, out: list[Decision],
-                   reserve: list[int]) -> None:
-        pl = self.placement
-        best = None
-        for r, gq in enumerate(pl.gpu):
-            acting = sorted((self.programs[pid] for pid in gq.members
-                             if self.programs[pid].status is Status.ACTING), key=_small_first)
-            room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
-            if best is None or room > best[0]:
-                best = (room, r, acting)
-        assert best is not None
-        room, r, acting = best
-        gq = pl.gpu[r]
-        if room >= c.kv_bytes:
-            for p in acting:
-                if gq.free() - reserve[r] >= c.kv_bytes:
-                    break
-                self._demote_to(p, Tier.NONE, None, out)
-            self._promote(c, r, out)
-            self._forward(c, now, out)
-        else:
-            reserve[r] = max(reserve[r], int(gq.free()))  # wait for running steps
+            # a program that does not fit stays paused until memory frees up: programs
+            # end, or active ones grow past capacity and the smallest Acting is paused
 
 
 class ThunderAgentOffloadPolicy(ThunderAgentPolicy):
