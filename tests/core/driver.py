@@ -5,8 +5,8 @@ the ledger taken just before, asserting at every point of the list that:
 
 - a Release names a program that ended, with the replica it was on;
 - a Demote names the tier and replica the program is on, never a Reasoning program;
-- a Promote names the tier it comes from, and leaves the GPU of its replica within
-  capacity (the Demotes that made room precede it); a Demote to CPU leaves the CPU
+- a Promote names the tier it comes from (GPU only for a move to another replica),
+  and leaves the GPU of its replica within capacity (the Demotes that made room precede it); a Demote to CPU leaves the CPU
   within capacity;
 - a Forward names a program that is in a GPU queue at that point of the list, on that
   replica, and that holds a request (each held request is forwarded once);
@@ -86,7 +86,7 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
             else:
                 state[d.program_id] = (Tier.NONE, None, size)
         elif isinstance(d, Promote):
-            if tier is Tier.GPU or tier is not d.source:
+            if tier is not d.source or (tier is Tier.GPU and replica == d.replica):
                 raise fail(i, f"program is in {tier.value}[{replica}]")
             if d.source is Tier.CPU and replica != d.replica:
                 raise fail(i, "CPU promotion to another replica")

@@ -110,8 +110,6 @@ def test_bad_replica_rejected() -> None:
     assert pl.where("a") == (Tier.GPU, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="Placement.move with a bad replica raises after "
-                   "_take has already removed the program: the ledger loses it")
 def test_failed_move_keeps_program() -> None:
     pl = make(replicas=2)
     pl.add("a", 7)

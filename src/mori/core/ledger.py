@@ -93,6 +93,8 @@ class Placement:
         self._where[program_id] = (Tier.NONE, None)
 
     def move(self, program_id: str, tier: Tier, replica: int | None) -> None:
+        if tier is not Tier.NONE and (replica is None or not 0 <= replica < self.spec.replicas):
+            raise ValueError(f"bad replica {replica!r} for tier {tier.value}")
         nbytes = self._take(program_id)
         self._put(program_id, tier, replica, nbytes)
 

@@ -39,7 +39,8 @@ class MoriBinaryPolicy(MoriPolicy):
                 if p.status is Status.ACTING and self._idle(iota(p)):
                     self._offload(p, r, out, iota)
 
-    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota) -> None:
+    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
+                 keep: Program | None = None) -> None:
         cq = self.placement.cpu[replica]
         to = Tier.CPU if cq.capacity and cq.fits(p.kv_bytes) else Tier.NONE
         self._demote_to(p, to, replica, out)

@@ -84,8 +84,12 @@ class MoriPolicy(Policy):
                         break
                     self._demote_to(p, Tier.NONE, None, out)
 
-    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota) -> None:
-        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit."""
+    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
+                 keep: Program | None = None) -> None:
+        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit.
+
+        ``keep`` (the program being made room for) is never pushed out of the CPU.
+        """
         cq = self.placement.cpu[replica]
         if not cq.fits(p.kv_bytes) and cq.capacity:
             need = p.kv_bytes - int(cq.free())
@@ -94,6 +98,8 @@ class MoriPolicy(Policy):
             for q in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
                 if need <= 0 or iota(q) <= mine:
                     break
+                if q is keep:
+                    continue
                 victims.append(q)
                 need -= q.kv_bytes
             if need <= 0:
@@ -164,7 +170,7 @@ class MoriPolicy(Policy):
         for p in acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break
-            self._offload(p, r, out, iota)
+            self._offload(p, r, out, iota, keep=c)
         if gq.free() - reserve[r] >= c.kv_bytes:
             self._promote(c, r, out)
             self._forward(c, now, out)

@@ -32,12 +32,14 @@ class SMGPolicy(Policy):
     def _decide(self, now: float, out: list[Decision]) -> None:
         loads = [len(q.members) for q in self.placement.gpu]
         for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
-            if p.tier is not Tier.GPU:
-                lightest = min(range(len(loads)), key=lambda r: (loads[r], r))
-                r = lightest
-                if p.replica is not None and loads[p.replica] <= self.imbalance * max(
-                        1, loads[lightest]):
-                    r = p.replica
+            lightest = min(range(len(loads)), key=lambda r: (loads[r], r))
+            r = lightest
+            if p.replica is not None and loads[p.replica] <= self.imbalance * max(
+                    1, loads[lightest]):
+                r = p.replica  # its prefix is cached there
+            if p.tier is not Tier.GPU or p.replica != r:
+                if p.replica is not None:
+                    loads[p.replica] -= 1
                 self._promote(p, r, out)
                 loads[r] += 1
             self._forward(p, now, out)
