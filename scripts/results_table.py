@@ -13,7 +13,8 @@ SHORT = {"smg": "SMG", "thunderagent": "TA", "thunderagent+offload": "TA+O", "mo
 
 
 def main(path: str) -> None:
-    runs = json.load(open(path))
+    with open(path) as f:
+        runs = json.load(f)
     by: dict[tuple[str, float, int], dict[str, dict[str, float]]] = defaultdict(dict)
     for r in runs:
         by[(r["hardware"], r["cpu_ratio"], r["programs"])][r["policy"]] = r
