@@ -9,7 +9,6 @@ the trace set, and whether each grid point can be simulated at all (by building 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
@@ -153,18 +152,9 @@ def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool
         return [f.result() for f in futures]
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no NaN or infinity: a non-finite float becomes null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def write_json(results: list[RunResult], path: Path) -> None:
     """The runs' ``to_dict()`` as a JSON list (sorted keys, indent 2)."""
-    rows = [{k: _finite(v) for k, v in r.to_dict().items()} for r in results]
+    rows = [r.to_dict() for r in results]  # to_dict() maps NaN / infinity to null
     path.write_text(json.dumps(rows, sort_keys=True, indent=2, allow_nan=False) + "\n",
                     encoding="utf-8")
 

@@ -18,6 +18,7 @@ otherwise plain LRU. Pinned programs (a request running) are never evicted.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mori.core.types import KVLabel
@@ -75,12 +76,7 @@ class KVPools:
         """Evict unpinned pages until ``pages`` are free on the GPU; False if impossible."""
         if self.gpu_free() >= pages:
             return True
-        victims = [e for e in self.entries.values() if e.gpu > 0 and not e.pinned]
-        if self.typed:
-            victims.sort(key=lambda e: (_GPU_RANK[e.label], e.last_access))
-        else:
-            victims.sort(key=lambda e: e.last_access)
-        for e in victims:
+        for e in self._eviction_order(_GPU_RANK, lambda e: e.gpu > 0 and not e.pinned):
             short = pages - self.gpu_free()
             if short <= 0:
                 break
@@ -116,12 +112,7 @@ class KVPools:
             self.dropped_pages += lose
 
     def _shrink_cpu(self, pages: int) -> None:
-        victims = [e for e in self.entries.values() if e.cpu > 0 and not e.pinned]
-        if self.typed:
-            victims.sort(key=lambda e: (_CPU_RANK[e.label], e.last_access))
-        else:
-            victims.sort(key=lambda e: e.last_access)
-        for e in victims:
+        for e in self._eviction_order(_CPU_RANK, lambda e: e.cpu > 0 and not e.pinned):
             if pages <= 0:
                 break
             n = min(pages, e.cpu)
@@ -130,6 +121,17 @@ class KVPools:
             self.dropped_pages += n
             pages -= n
         self._sweep()
+
+    def _eviction_order(self, rank: dict[KVLabel, int],
+                        holds: Callable[[KVEntry], bool]) -> list[KVEntry]:
+        """Entries that ``holds`` pages in a tier, first to evict first: by type label
+        (this tier's ``rank``) then LRU when typed, plain LRU otherwise."""
+        victims = [e for e in self.entries.values() if holds(e)]
+        if self.typed:
+            victims.sort(key=lambda e: (rank[e.label], e.last_access))
+        else:
+            victims.sort(key=lambda e: e.last_access)
+        return victims
 
     def _sweep(self) -> None:
         dead = [pid for pid, e in self.entries.items() if e.ended and not e.gpu and not e.cpu]
