@@ -224,3 +224,10 @@ def test_k_below_one_raises(k: int) -> None:
         IdlenessTracker(k=k)
     with pytest.raises(ValueError):
         PolicyConfig(idleness_window=k)
+
+
+def test_time_going_backwards_is_refused() -> None:
+    t = IdlenessTracker()
+    t.arrived(5.0)
+    with pytest.raises(ValueError, match="backwards"):
+        t.started(4.0)

@@ -24,7 +24,8 @@ class Forward:
 @dataclass(frozen=True, slots=True)
 class Promote:
     """The program joins the GPU queue of ``replica``; ``source`` is where its KV was
-    (CPU: reload over PCIe; NONE: recompute)."""
+    (CPU: reload over PCIe; NONE: recompute; GPU: it was on another replica's GPU and is
+    re-routed here, leaving that copy behind, so it recomputes)."""
 
     program_id: str
     replica: int

@@ -54,8 +54,13 @@ class IdlenessTracker:
         self._tail = (0.0, 0.0)  # the same without the oldest when k are kept
 
     # -- observations -------------------------------------------------------------
+    def _check_time(self, now: float) -> None:
+        if now < self._t0:
+            raise ValueError(f"time went backwards: {now} < {self._t0}")
+
     def arrived(self, now: float) -> None:
         """A request arrived: the tool call (if any) ended, the program is gated."""
+        self._check_time(now)
         if self._phase is _Phase.ACTING:
             self._push(self._cur_reason, max(0.0, now - self._t0))
         elif self._phase not in (_Phase.NEW,):
@@ -65,6 +70,7 @@ class IdlenessTracker:
 
     def started(self, now: float) -> None:
         """Reasoning starts now (forwarded, KV ready)."""
+        self._check_time(now)
         if self._phase is _Phase.GATED:
             self._end_gated(now)
         elif self._phase is _Phase.REASONING:
@@ -80,6 +86,7 @@ class IdlenessTracker:
 
     def finished(self, now: float) -> None:
         """The response ended: the program is acting (in a tool call)."""
+        self._check_time(now)
         if self._phase is not _Phase.REASONING:
             raise ValueError(f"finished while {self._phase.name.lower()}")
         self._cur_reason = max(0.0, now - self._t0)
