@@ -70,10 +70,20 @@ def test_a_two_programs_fit(name: str) -> None:
 def test_a_simultaneous_arrivals_order(name: str) -> None:
     p = make(name)
     out = step(p, 0.0, arrive("X", 30), arrive("Y", 40), arrive("Z", 20))
-    order = {"smg": "XYZ",  # arrival order
-             "thunderagent": "YXZ", "thunderagent+offload": "YXZ"}.get(  # largest first
-        name, "ZXY")  # MORI: new arrivals smallest context first
+    # smg: arrival order; ThunderAgent: largest first; MORI: all three are admitted (they
+    # fit together) and placed Best-Fit-Decreasing, the largest first
+    order = {"smg": "XYZ"}.get(name, "YXZ")
     assert out == [d for pid in order for d in (Promote(pid, 0, NONE), Forward(pid, 0))]
+
+
+@pytest.mark.parametrize("name", ["mori", "mori-strict", "mori-no-exclusion", "mori-binary"])
+def test_a_new_arrivals_admitted_smallest_first_placed_largest_first(name: str) -> None:
+    p = make(name)
+    out = step(p, 0.0, arrive("X", 30), arrive("Y", 40), arrive("W", 50), arrive("Z", 20))
+    # priority (smallest context first) admits Z, X, Y (90 of 100); W (50) must wait even
+    # though it arrived before Z; the admitted three are placed largest first
+    assert out == [d for pid in "YXZ" for d in (Promote(pid, 0, NONE), Forward(pid, 0))]
+    assert p.programs["W"].status is Status.GATED and where(p, "W") == (NONE, None)
 
 
 # -- (b) a third program needs room ---------------------------------------------------------
@@ -213,10 +223,14 @@ def test_c_returning_before_new_smallest_new_first() -> None:
         Demote("R", 0, GPU, NONE), Promote("Y", 0, NONE), Forward("Y", 0)]
     step(p, 3.0, fin("Y", 100))
     step(p, 4.0, ProgramEnded("Y"))
-    out = step(p, 5.0, arrive("N3", 30), arrive("N1", 10), arrive("R", 35), arrive("N2", 20))
-    assert out == [Promote("R", 0, NONE), Forward("R", 0), Promote("N1", 0, NONE),
-                   Forward("N1", 0), Promote("N2", 0, NONE), Forward("N2", 0),
-                   Promote("N3", 0, NONE), Forward("N3", 0)]
+    out = step(p, 5.0, arrive("N4", 6), arrive("N3", 40), arrive("N1", 5), arrive("R", 35),
+               arrive("N2", 20))
+    # returning R first, then the new ones smallest first: R 35, N1 5, N4 6, N2 20 (66);
+    # N3 (40) would pass 100: it waits. Placement is largest first.
+    assert out == [Promote("R", 0, NONE), Forward("R", 0), Promote("N2", 0, NONE),
+                   Forward("N2", 0), Promote("N4", 0, NONE), Forward("N4", 0),
+                   Promote("N1", 0, NONE), Forward("N1", 0)]
+    assert where(p, "N3") == (NONE, None)
 
 
 def test_c_candidate_not_evicted_from_cpu_two_replicas() -> None:

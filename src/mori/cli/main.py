@@ -1,4 +1,4 @@
-"""The ``mori`` command: ``simulate``, ``policies``, ``presets`` and ``--version``.
+"""The ``mori`` command: ``simulate``, ``sweep``, ``policies``, ``presets`` and ``--version``.
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
 one line on stderr, no traceback), 1 when an output file cannot be written.
@@ -17,6 +17,7 @@ from mori import __version__
 from mori.cli.config_file import ConfigError, load_config, valid_keys
 from mori.cli.options import OPTIONS, Option, OptionError, help_text
 from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
+from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
 from mori.core.costmodel import PRESETS
 from mori.core.policies import PAPER_POLICIES, POLICIES
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help=help_text(opt))
     sim.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="read options from a TOML file (see below); flags given here win")
+    add_sweep_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
     sub.add_parser("presets", help="list the hardware presets",
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "presets":
         print(list_presets())
         return 0
+    if args.command == "sweep":
+        return run_sweep(args)
     try:
         return _simulate(args)
     except (UsageError, ConfigError) as e:

@@ -43,6 +43,7 @@ class SimRequest:
     remaining: int = 0  # prompt tokens still to prefill
     decoded: int = 0
     first_token_at: float | None = None
+    switched: bool = False  # forwarded to another replica than the program's last step
     entry: KVEntry | None = field(default=None, repr=False)
 
 
@@ -66,6 +67,8 @@ class EngineStats:
     recomputed_tokens: int = 0  # reusable tokens that had been lost and were prefilled again
     prefill_tokens: int = 0
     admitted: int = 0
+    switch_recomputed_tokens: int = 0  # of recomputed_tokens, those lost to a replica switch
+    running_area: float = 0.0  # integral of running requests over busy time
 
 
 class EngineReplica:
@@ -163,6 +166,7 @@ class EngineReplica:
         start = self._seg[0]
         now = self.loop.now
         self.stats.busy_s += now - start
+        self.stats.running_area += self.running * (now - start)
         self.stats.iterations += n
         self._advance_decode(n, now)
         self._start()
@@ -200,6 +204,7 @@ class EngineReplica:
     def _end_mixed(self, parts: list[tuple[SimRequest, int]], dt: float) -> None:
         now = self.loop.now
         self.stats.busy_s += dt
+        self.stats.running_area += self.running * dt
         self.stats.iterations += 1
         self._advance_decode(1, now)
         for r, n in parts:
@@ -262,6 +267,8 @@ class EngineReplica:
         st.gpu_hit_tokens += gpu_hit
         st.cpu_hit_tokens += cpu_hit
         st.recomputed_tokens += max(0, r.reuse - gpu_hit - cpu_hit)
+        if r.switched:
+            st.switch_recomputed_tokens += max(0, r.reuse - gpu_hit - cpu_hit)
         st.prefill_tokens += r.remaining
         if reload_pages:
             start = max(now, self._link_free)

@@ -37,6 +37,31 @@ class Counters:
     demotions_none: int = 0
     decisions: int = 0
     policy_time_s: float = 0.0
+    churn: ChurnCounter = field(default_factory=lambda: ChurnCounter())
+
+
+class ChurnCounter:
+    """Replica switches: a program's step forwarded to another replica than its last."""
+
+    __slots__ = ("_last", "switched", "switches")
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+        self.switched: set[str] = set()
+        self.switches = 0
+
+    def forwarded(self, program_id: str, replica: int) -> bool:
+        """Record a forward; True if it is a switch."""
+        prev = self._last.get(program_id)
+        self._last[program_id] = replica
+        if prev is None or prev == replica:
+            return False
+        self.switches += 1
+        self.switched.add(program_id)
+        return True
+
+    def ended(self, program_id: str) -> None:
+        self._last.pop(program_id, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +96,10 @@ class RunResult:
     gate_wait_mean_s: float
     gpu_busy_frac: float
     gpu_busy_frac_per_replica: list[float]
+    running_requests_per_replica: list[float]
+    churn_programs_frac: float
+    switches_per_program: float
+    switch_recomputed_tokens: int
     gpu_hit_rate: float
     cpu_hit_rate: float
     prompt_tokens: int

@@ -156,6 +156,7 @@ class Simulation:
             live = self.live[d.program_id]
             assert live.req is not None, f"forward without a held request: {d}"
             self.c.gate_wait.append(self.loop.now - live.req.arrived)
+            live.req.switched = self.c.churn.forwarded(d.program_id, d.replica)
             self.engines[d.replica].submit(live.req)
         elif isinstance(d, Promote):
             self.c.promotions += 1
@@ -210,6 +211,7 @@ class Simulation:
         self.policy.observe(ProgramEnded(live.pid), now)
         self._decide()
         del self.live[live.pid]
+        self.c.churn.ended(live.pid)
         self.c.programs_finished += 1
         parent = live.parent
         if parent is not None:
@@ -244,6 +246,10 @@ class Simulation:
             ttft_p99_s=percentile(c.ttft, 99),
             gate_wait_mean_s=sum(c.gate_wait) / len(c.gate_wait) if c.gate_wait else float("nan"),
             gpu_busy_frac=sum(busy) / len(busy), gpu_busy_frac_per_replica=busy,
+            running_requests_per_replica=[s.running_area / dur for s in st],
+            churn_programs_frac=len(c.churn.switched) / max(1, c.programs_started),
+            switches_per_program=c.churn.switches / max(1, c.programs_started),
+            switch_recomputed_tokens=sum(s.switch_recomputed_tokens for s in st),
             gpu_hit_rate=sum(s.gpu_hit_tokens for s in st) / prompt if prompt else 0.0,
             cpu_hit_rate=sum(s.cpu_hit_tokens for s in st) / prompt if prompt else 0.0,
             prompt_tokens=prompt, prefill_tokens=sum(s.prefill_tokens for s in st),

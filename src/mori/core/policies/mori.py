@@ -14,8 +14,11 @@ Every rule of section 4, and where a detail is ours:
 - Promotion order: (0) CPU-queue programs with a held request, (1) Waiting programs that
   are returning, (2) new programs, smallest context first; lowest iota first within a
   level; then arrival order.
-- A candidate that fits is promoted (Best-Fit over replicas for a cacheless program;
-  its own replica for a CPU-queue program) and forwarded at once.
+- A candidate that fits is promoted and forwarded at once. A CPU-queue program goes back
+  to its own replica (affinity: it reloads locally). Cacheless (Waiting) programs are
+  admitted in priority order while the replicas' free space together holds them, and
+  placed by Best-Fit-Decreasing: the largest first, each onto the replica where it fits
+  most tightly.
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
   GPU are demoted, highest iota first (a ready program outranks an idle one: ours, see
   ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
@@ -123,18 +126,50 @@ class MoriPolicy(Policy):
                                   iota(p), p.ready_seq))
         reserve = [0] * len(pl.gpu)
         blocked = False
-        for c in cands:
-            if cap is not None and c.kv_bytes > cap:
-                continue  # can never run here; refused up front by the simulator
+
+        def fits_nowhere(c: Program) -> bool:
+            return cap is not None and c.kv_bytes > cap  # refused up front by the simulator
+
+        def place(c: Program, r: int) -> None:
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+
+        # (0) CPU-queue programs: their own replica (affinity), in priority order
+        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
             r = self._best_fit(c, reserve)
             if r is not None:
-                self._promote(c, r, out)
-                self._forward(c, now, out)
+                place(c, r)
+            elif not blocked:
+                blocked = True
+                self._make_room(c, now, out, iota, reserve)
+        # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
+        # long as the free space of all replicas together holds them; *where* is
+        # Best-Fit-Decreasing: the largest first, each onto the replica it fits tightest
+        waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
+        room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(pl.gpu))
+        batch: list[Program] = []
+        for c in waiting:
+            if c.kv_bytes > room:
+                break
+            batch.append(c)
+            room -= c.kv_bytes
+        placed: set[str] = set()
+        for c in sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq)):
+            r = self._best_fit(c, reserve)
+            if r is not None:
+                place(c, r)
+                placed.add(c.program_id)
+        # what is left: backfill into free space; the first that does not fit (if no
+        # CPU-queue program did) may make room
+        for c in waiting:
+            if c.program_id in placed:
                 continue
-            if blocked:
-                continue
-            blocked = True
-            self._make_room(c, now, out, iota, reserve)
+            r = self._best_fit(c, reserve)
+            if r is not None:
+                place(c, r)
+            elif not blocked:
+                blocked = True
+                self._make_room(c, now, out, iota, reserve)
 
     def _replicas_for(self, c: Program) -> list[int]:
         if c.tier is Tier.CPU and c.replica is not None:
@@ -163,7 +198,12 @@ class MoriPolicy(Policy):
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
             later = sum(p.kv_bytes for p in reasoning)
             plans.append((room + later, room, r, acting, reasoning))
-        total, room, r, acting, reasoning = max(plans, key=lambda t: (t[0], -t[2]))
+        now_ok = [t for t in plans if t[1] >= c.kv_bytes]
+        if now_ok:  # placeable now: the replica needing the fewest demotions
+            total, room, r, acting, reasoning = max(
+                now_ok, key=lambda t: (self.placement.gpu[t[2]].free() - reserve[t[2]], -t[2]))
+        else:  # only after running steps end: the replica with the most room then
+            total, room, r, acting, reasoning = max(plans, key=lambda t: (t[0], -t[2]))
         if total < c.kv_bytes:
             return  # cannot be made to fit yet: demote nobody, wait
         gq = self.placement.gpu[r]

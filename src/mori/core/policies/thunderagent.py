@@ -4,8 +4,10 @@ ThunderAgent is program-aware: it pins a program's KV on the GPU across tool cal
 admits programs while they fit. When the active programs' KV is over capacity (their
 contexts grew) it pauses programs, the smallest-context Acting ones first (cheapest to
 recompute), dropping their KV: there is no CPU queue in the scheduler. Paused and new
-programs with a held request are resumed when memory allows, by Best-Fit-Decreasing
-(the largest first, onto the replica where it fits tightest); it never pauses a program
+programs with a held request are resumed when memory allows, the largest first; with
+several replicas only GPU residency counts as affinity: a paused program is cacheless
+and goes to the least-loaded replica (most free GPU KV) that holds it, wherever its KV
+may survive in an engine's CPU pool (the churn MORI removes). It never pauses a program
 to make room for another, and never looks at idleness. (This follows the MORI paper's
 description and the port of ThunderAgent's scheduler in NVIDIA Dynamo: pause Acting
 programs under memory pressure, resume when utilisation drops.)
@@ -51,11 +53,11 @@ class ThunderAgentPolicy(Policy):
         cands = sorted((p for p in self._ready.values() if p.tier is not Tier.GPU),
                        key=lambda p: (-p.kv_bytes, p.ready_seq))
         cap = self.cluster.gpu_bytes
-        for c in cands:  # Best-Fit-Decreasing: largest first, tightest replica
+        for c in cands:  # largest first, onto the least-loaded replica that holds it
             if cap is not None and c.kv_bytes > cap:
                 continue
-            fits = [(pl.gpu[r].free() - c.kv_bytes, r) for r in range(len(pl.gpu))]
-            fits = [f for f in fits if f[0] >= 0]
+            fits = [(-pl.gpu[r].free(), r) for r in range(len(pl.gpu))
+                    if pl.gpu[r].free() >= c.kv_bytes]
             if fits:
                 r = min(fits)[1]
                 self._promote(c, r, out)

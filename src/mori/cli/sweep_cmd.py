@@ -1,0 +1,263 @@
+"""``mori sweep``: run a named or custom grid of simulations, resumable, locally or on Ray.
+
+Outputs in ``--out DIR``: ``<preset>_cpu<R>_dp<N>.json`` and ``.png`` per setting,
+``sweep.json`` with every run, and ``runs/<key>.json``, one record per finished run,
+which a rerun of the same sweep reuses (``--fresh`` ignores them). Everything the user
+can get wrong is checked before the first run; such problems exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mori.cli.options import BY_KEY, Option, OptionError, help_text
+from mori.cli.simulate_cmd import UsageError
+from mori.cli.table import format_table, left_out_note, results_table
+from mori.core.registry import UnknownNameError
+from mori.sim.config import SimConfig
+from mori.sim.metrics import RunResult
+from mori.sim.runner import SettingsError
+from mori.sweep.grid import SWEEPS, Block, Run, SweepDef, expand, settings_of
+from mori.sweep.local import Executor, run_local
+from mori.sweep.ray_exec import INSTALL_HINT, RayStartError, RayUnavailableError, import_ray, run_ray
+from mori.sweep.run import execute, partition, validate
+from mori.sweep.store import RunStore, result_row, write_setting, write_sweep
+from mori.traces import TraceError, TraceSet, default_traces, load_traces
+
+GRID_KEYS = ("policy", "programs", "hardware", "cpu_ratio", "replicas")
+"""Options that define a custom grid (not allowed with a named sweep)."""
+SIM_FIELDS = {"duration": "duration_s", "seed": "seed", "human_gap": "human_gap",
+              "human_gap_cap": "human_gap_cap_s", "max_context": "max_context",
+              "share_prefix": "share_prefix", "tick": "tick_s", "window": "idleness_window"}
+"""Option key -> SimConfig field, for the options every run of a sweep shares."""
+
+SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.replace(
+    " (see below)", "")) for o in (
+    BY_KEY["policy"], dataclasses.replace(
+        BY_KEY["programs"], help="numbers of concurrent programs PER REPLICA (the total "
+                                 "simulated is this x replicas)"),
+    BY_KEY["hardware"], BY_KEY["cpu_ratio"],
+    dataclasses.replace(BY_KEY["replicas"], multi=True, default=(1,), metavar="N,...",
+                        help="engine replica counts (DP), one setting each"),
+    *(BY_KEY[k] for k in SIM_FIELDS), BY_KEY["traces"], BY_KEY["quiet"],
+))
+"""The grid and simulation options of ``mori sweep``, from ``mori simulate``'s."""
+
+EPILOG = """\
+A named sweep (see --list) takes the simulation options (--duration, --seed, --traces,
+--human-gap, ...) as overrides; without NAME the grid options define a custom sweep
+(defaults as in `mori simulate`). Resume is the default: runs with a matching record in
+DIR/runs are skipped. --programs is per replica. With --ray and no --ray-address a local
+Ray instance is started (--jobs CPUs); on a cluster `mori` must be installed on the
+workers.
+
+examples:
+  mori sweep --list
+  mori sweep paper --out out/paper --jobs 8
+  mori sweep paper --out out/paper --ray --ray-address auto
+  mori sweep --out out/dp --hardware h200-qwen3-30b-a3b --replicas 1,2,4 --programs 20,50
+"""
+
+
+def _arg_type(opt: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return opt.parse_text(text)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = opt.key
+    return parse
+
+
+def add_sweep_parser(sub: Any) -> None:
+    """Register ``sweep`` on the ``mori`` subcommand action ``sub``."""
+    p = sub.add_parser(
+        "sweep", help="run a resumable grid of simulations (locally or on Ray)",
+        description="Run a named or custom grid of simulations; write one JSON and one "
+        "figure per (preset, cpu ratio, replicas) setting and sweep.json.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", metavar="NAME", help="a named sweep (see --list)")
+    p.add_argument("--list", action="store_true", help="list the named sweeps and exit")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output folder (required)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="parallel runs (default: one per CPU; with --ray, Ray's choice)")
+    p.add_argument("--ray", action="store_true", help=f"run on Ray (needs: {INSTALL_HINT})")
+    p.add_argument("--ray-address", metavar="ADDR",
+                   help="join this Ray cluster (auto, ray://host:10001); implies --ray")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--only-missing", action="store_true",
+                      help="resume: run only the runs without a record (the default)")
+    mode.add_argument("--fresh", action="store_true",
+                      help="ignore existing run records and overwrite them")
+    for opt in SWEEP_OPTIONS:
+        if opt.kind is bool:
+            p.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=help_text(opt))
+        else:
+            p.add_argument(opt.flag, type=_arg_type(opt), default=None, metavar=opt.metavar,
+                           help=help_text(opt))
+
+
+def list_sweeps() -> str:
+    """The named sweeps: name, runs, settings, description."""
+    rows = [(n, str(SWEEPS.get(n).size()), str(len(settings_of(expand(SWEEPS.get(n))))),
+             SWEEPS.get(n).description) for n in SWEEPS.names()]
+    return format_table(("sweep", "runs", "settings", "description"), rows,
+                        (False, True, True, False))
+
+
+def build_sweep(args: argparse.Namespace) -> SweepDef:
+    """The sweep asked for: a named one with overrides, or a custom grid from the flags."""
+    given = {o.key: getattr(args, o.key) for o in SWEEP_OPTIONS
+             if getattr(args, o.key) is not None}
+    overrides = {SIM_FIELDS[k]: v for k, v in given.items() if k in SIM_FIELDS}
+    traces: Path | None = given.get("traces")
+    if args.name is not None:
+        try:
+            named = SWEEPS.get(args.name)
+        except UnknownNameError as e:
+            raise UsageError(str(e)) from None
+        grid = [BY_KEY[k].flag for k in GRID_KEYS if k in given]
+        if grid:
+            raise UsageError(f"{', '.join(grid)} define a custom sweep; give them without "
+                             f"NAME (sweep {args.name!r} has its own grid)")
+        return dataclasses.replace(named, base=dataclasses.replace(named.base, **overrides),
+                                   traces=traces if traces is not None else named.traces)
+    v = {o.key: given.get(o.key, o.default) for o in SWEEP_OPTIONS}
+    block = Block(v["hardware"], v["cpu_ratio"], v["replicas"], v["programs"], v["policy"])
+    base = SimConfig(**{f: v[k] for k, f in SIM_FIELDS.items()})
+    return SweepDef(None, "custom sweep", (block,), base, traces)
+
+
+def _executor(args: argparse.Namespace) -> tuple[Executor, str]:
+    if args.ray or args.ray_address:
+        return (functools.partial(run_ray, jobs=args.jobs or None, address=args.ray_address),
+                f"Ray at {args.ray_address}" if args.ray_address else "local Ray")
+    jobs = args.jobs or os.cpu_count() or 1
+    return functools.partial(run_local, jobs=jobs), f"{jobs} local processes"
+
+
+def _for_display(run: Run, r: RunResult, label: bool = False) -> RunResult:
+    """At DP > 1, show programs per replica; with ``label``, say so in the hardware
+    name (which ``plot_results`` only uses as the setting's title)."""
+    if run.setting.replicas == 1:
+        return r
+    hw = f"{r.hardware} DP={run.setting.replicas} (programs per replica)" if label else r.hardware
+    return dataclasses.replace(r, programs=run.programs_per_replica, hardware=hw)
+
+
+def write_outputs(out: Path, sweep: SweepDef, runs: list[Run], results: list[RunResult],
+                  store: RunStore) -> list[Path]:
+    """The per-setting JSON and PNG files and sweep.json; returns the paths written."""
+    from mori.cli.plot import plot_results  # matplotlib only when needed
+
+    written, settings = [], []
+    for setting in settings_of(runs):
+        pairs = [(run, r) for run, r in zip(runs, results, strict=True)
+                 if run.setting == setting]
+        written.append(write_setting(out, setting.stem, [result_row(a, r) for a, r in pairs]))
+        png = out / f"{setting.stem}.png"
+        plot_results([_for_display(a, r, label=True) for a, r in pairs], png)
+        written.append(png)
+        settings.append({"hardware": setting.hardware, "cpu_ratio": setting.cpu_ratio,
+                         "replicas": setting.replicas, "json": f"{setting.stem}.json",
+                         "png": png.name})
+    meta = {"sweep": sweep.name, "description": sweep.description, "settings": settings,
+            "traces": {"name": store.traces_name, "sha256": store.digest}}
+    rows = [result_row(a, r) for a, r in zip(runs, results, strict=True)]
+    written.append(write_sweep(out, meta, rows))
+    return written
+
+
+def summary(runs: list[Run], results: list[RunResult]) -> str:
+    """One titled results table per setting."""
+    parts = []
+    for setting in settings_of(runs):
+        here = [_for_display(a, r) for a, r in zip(runs, results, strict=True)
+                if a.setting == setting]
+        title = f"{setting.hardware}, cpu ratio {setting.cpu_ratio:g}, DP={setting.replicas}"
+        if setting.replicas > 1:
+            title += " (programs column: per replica)"
+        parts.append(f"{title}\n{results_table(here)}")
+    return "\n\n".join(parts)
+
+
+def _load_traces(path: Path | None) -> TraceSet:
+    try:
+        return load_traces(path) if path is not None else default_traces()
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list:
+        print(list_sweeps())
+        return 0
+    if args.ray or args.ray_address:
+        import_ray()  # fail now, clearly, if Ray is missing
+    if args.out is None:
+        raise UsageError("--out DIR is required (results and run records go there)")
+    if args.jobs is not None and args.jobs < 0:
+        raise UsageError(f"--jobs must be >= 1, or 0 for one per CPU (got {args.jobs})")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {str(args.out)!r} exists and is not a folder")
+    try:
+        sweep = build_sweep(args)
+        runs = expand(sweep)
+        traces = _load_traces(sweep.traces)
+        validate(runs, traces)
+    except (ValueError, SettingsError) as e:
+        raise UsageError(str(e)) from None
+    quiet = bool(args.quiet)
+    store = RunStore(args.out, traces)
+    store.prepare()
+    done, todo = partition(runs, store, args.fresh)
+    executor, where = _executor(args)
+    if not quiet:
+        print(f"mori sweep {sweep.name or '(custom)'}: {len(runs)} runs in "
+              f"{len(settings_of(runs))} settings; {len(done)} already recorded in "
+              f"{store.runs_dir}; running {len(todo)} on {where}", file=sys.stderr)
+    try:
+        new = execute(todo, traces, store, executor, len(runs), quiet)
+    except KeyboardInterrupt:
+        kept = sum(store.load(r) is not None for r in runs)
+        print(f"mori sweep: interrupted; {kept} of {len(runs)} runs are recorded in "
+              f"{store.runs_dir}; run the same command again to resume", file=sys.stderr)
+        return 130
+    except SettingsError as e:
+        raise UsageError(str(e)) from None
+    results = [done[r] if r in done else new[r] for r in runs]
+    written = write_outputs(args.out, sweep, runs, results, store)
+    print(summary(runs, results))
+    note = left_out_note(results, traces.name, len(traces.programs), sweep.base.max_context)
+    if note:
+        print(note)
+    if not quiet:
+        print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """Run ``mori sweep`` with parsed ``args``; return the exit status."""
+    try:
+        return _run(args)
+    except (UsageError, RayUnavailableError) as e:
+        print(f"mori sweep: error: {e}", file=sys.stderr)
+        return 2
+    except RayStartError as e:
+        print(f"mori sweep: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"mori sweep: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mori sweep: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,142 @@
+"""Sweep definitions: grids of simulation runs, and the registry of named sweeps.
+
+A sweep is a union of *blocks*; a block is the cartesian product hardware presets x CPU
+ratios x replica counts x programs x policies, sharing the simulation options of the
+sweep (duration, seed, human-gap rule, ...). A *setting* is one (preset, CPU ratio,
+replicas); within it, runs go over programs x policies, policy varying fastest.
+
+``programs`` is per replica (the paper's convention at DP > 1): a run of a setting with
+N replicas simulates ``programs x N`` programs in total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mori.core.policies import PAPER_POLICIES
+from mori.core.registry import Registry
+from mori.sim.config import SimConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One cartesian product of grid values."""
+
+    hardware: tuple[str, ...]
+    cpu_ratio: tuple[float, ...]
+    replicas: tuple[int, ...]
+    programs: tuple[int, ...]
+    policy: tuple[str, ...]
+
+    def size(self) -> int:
+        """The number of runs in the block."""
+        return (len(self.hardware) * len(self.cpu_ratio) * len(self.replicas)
+                * len(self.programs) * len(self.policy))
+
+
+@dataclass(frozen=True, slots=True)
+class SweepDef:
+    """A sweep: its blocks, in order, and the simulation options every run shares.
+
+    ``base`` holds the non-grid :class:`SimConfig` fields (duration, seed, human gap,
+    ...); its grid fields are ignored. ``traces`` None means the shipped default set.
+    """
+
+    name: str | None
+    description: str
+    blocks: tuple[Block, ...]
+    base: SimConfig = field(default_factory=SimConfig)
+    traces: Path | None = None
+
+    def size(self) -> int:
+        """The number of runs in the sweep (its blocks must not overlap)."""
+        return sum(b.size() for b in self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One (preset, CPU ratio, replicas): one JSON file and one figure in the output."""
+
+    hardware: str
+    cpu_ratio: float
+    replicas: int
+
+    @property
+    def stem(self) -> str:
+        """The output file name without its suffix: ``<preset>_cpu<R>_dp<N>``."""
+        return f"{self.hardware}_cpu{self.cpu_ratio:g}_dp{self.replicas}"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One run of a sweep: its setting, its per-replica programs and its full config."""
+
+    setting: Setting
+    programs_per_replica: int
+    config: SimConfig
+
+
+class DuplicateRunError(ValueError):
+    """A sweep that lists the same run twice."""
+
+
+def expand(sweep: SweepDef) -> list[Run]:
+    """Every run of ``sweep`` in grid order: block by block, then preset, CPU ratio,
+    replicas, programs, policy (fastest).
+
+    Builds each run's :class:`SimConfig`, so a bad value raises ``ValueError`` here;
+    the same run listed twice raises :class:`DuplicateRunError`.
+    """
+    runs: list[Run] = []
+    seen: set[SimConfig] = set()
+    for b in sweep.blocks:
+        for hw in b.hardware:
+            for cpu in b.cpu_ratio:
+                for dp in b.replicas:
+                    setting = Setting(hw, cpu, dp)
+                    for n in b.programs:
+                        for pol in b.policy:
+                            config = dataclasses.replace(
+                                sweep.base, policy=pol, hardware=hw, cpu_ratio=cpu,
+                                replicas=dp, programs=n * dp)
+                            if config in seen:
+                                raise DuplicateRunError(
+                                    f"the sweep lists a run twice: {pol} at {n} programs per "
+                                    f"replica on {setting.stem}")
+                            seen.add(config)
+                            runs.append(Run(setting, n, config))
+    return runs
+
+
+def settings_of(runs: list[Run]) -> list[Setting]:
+    """The distinct settings of ``runs``, in order of first appearance."""
+    return list(dict.fromkeys(r.setting for r in runs))
+
+
+PAPER_PRESETS = ("h200-80g-qwen2.5-7b", "h200-qwen3-30b-a3b", "b200-llama3.1-70b-tp2")
+"""The three hardware presets of the paper's evaluation."""
+
+
+def _build() -> Registry[SweepDef]:
+    reg: Registry[SweepDef] = Registry("sweep")
+    paper_progs, paper_cpu = (20, 50, 80), (1.0, 2.0)
+    reg.register("paper", SweepDef(
+        "paper",
+        "the paper's grid: 3 presets x cpu 1,2 x 20/50/80 programs x the 4 paper policies "
+        "at DP=1, plus h200-qwen3-30b-a3b at DP=3 (programs per replica); 1 h, seed 0",
+        (Block(PAPER_PRESETS, paper_cpu, (1,), paper_progs, PAPER_POLICIES),
+         Block(("h200-qwen3-30b-a3b",), paper_cpu, (3,), paper_progs, PAPER_POLICIES)),
+        SimConfig(duration_s=3600.0, seed=0)))
+    reg.register("smoke", SweepDef(
+        "smoke",
+        "a tiny grid for tests: h200-qwen3-30b-a3b, cpu 1, 3 programs, mori and smg, 60 s",
+        (Block(("h200-qwen3-30b-a3b",), (1.0,), (1,), (3,), ("mori", "smg")),),
+        SimConfig(duration_s=60.0, seed=0)))
+    reg.freeze()
+    return reg
+
+
+SWEEPS = _build()
+"""The named sweeps (frozen): ``mori sweep NAME``; ``mori sweep --list`` shows them."""

@@ -1,0 +1,173 @@
+"""A sweep's results on disk: one record per finished run, and the combined outputs.
+
+Each finished run is written at once to ``DIR/runs/<key>.json`` (a temporary file, then
+``os.replace``, so a record is either whole or absent), where ``key`` is a stable hash
+of the run's full :class:`SimConfig` and the content of its trace set. A later sweep
+over the same grid finds the record and skips the run; an interrupted sweep therefore
+loses at most the runs in flight. The simulator's code is not part of the key: after
+changing it, rerun with ``--fresh``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import typing
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mori.sim.config import SimConfig
+from mori.sim.metrics import RunResult
+from mori.sweep.grid import Run
+from mori.traces.model import TraceSet
+
+RECORD_FORMAT = 1
+"""Version of the run-record layout; part of every key."""
+
+RUNS_DIR = "runs"
+
+
+def _sha256_json(obj: object) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def trace_digest(traces: TraceSet) -> str:
+    """A SHA-256 of the trace set's content (name, programs, steps, subagents)."""
+    return _sha256_json(dataclasses.asdict(traces))
+
+
+def config_dict(config: SimConfig) -> dict[str, Any]:
+    """``config`` as a JSON-able dict, float fields as floats (so 1 and 1.0 agree)."""
+    hints = typing.get_type_hints(SimConfig)
+    out = dataclasses.asdict(config)
+    for name, value in out.items():
+        if hints[name] is float and isinstance(value, int):
+            out[name] = float(value)
+    return out
+
+
+def run_key(config: SimConfig, digest: str) -> str:
+    """The stable key of one run: a hash of its config and its trace set's digest."""
+    payload = {"format": RECORD_FORMAT, "config": config_dict(config), "traces": digest}
+    return _sha256_json(payload)[:24]
+
+
+def result_row(run: Run, result: RunResult) -> dict[str, Any]:
+    """``result.to_dict()`` with the run's ``programs_per_replica`` added."""
+    row = result.to_dict()
+    row["programs_per_replica"] = run.programs_per_replica
+    return row
+
+
+def result_from_dict(data: dict[str, Any]) -> RunResult:
+    """The inverse of ``RunResult.to_dict()`` (its nulls become NaN).
+
+    Raises ``ValueError`` if the fields are not exactly those of :class:`RunResult`.
+    """
+    hints = typing.get_type_hints(RunResult)
+    if set(data) != set(hints):
+        raise ValueError("the record's fields are not those of RunResult")
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        if hints[name] is float and value is None:
+            value = math.nan
+        elif hints[name] == list[float] and isinstance(value, list):
+            value = [math.nan if v is None else v for v in value]
+        values[name] = value
+    return RunResult(**values)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tmp.open("x", encoding="utf-8") as f:  # usual permissions, unlike mkstemp
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: object) -> None:
+    """``obj`` as JSON (sorted keys, indent 2, no NaN), written atomically."""
+    atomic_write_text(path, json.dumps(obj, sort_keys=True, indent=2, allow_nan=False) + "\n")
+
+
+class RunStore:
+    """The run records of one sweep output folder, for one trace set."""
+
+    def __init__(self, out: Path, traces: TraceSet) -> None:
+        self.out = out
+        self.runs_dir = out / RUNS_DIR
+        self.traces_name = traces.name
+        self.digest = trace_digest(traces)
+
+    def prepare(self) -> None:
+        """Create the folders; remove temporary files a killed sweep left behind.
+
+        A record is written in microseconds, so a temporary file older than a minute is
+        not another sweep's write in progress.
+        """
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.runs_dir.glob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - stale.stat().st_mtime > 60:
+                    stale.unlink()
+
+    def key(self, run: Run) -> str:
+        """The run's key (see :func:`run_key`)."""
+        return run_key(run.config, self.digest)
+
+    def path(self, run: Run) -> Path:
+        """Where the run's record lives."""
+        return self.runs_dir / f"{self.key(run)}.json"
+
+    def load(self, run: Run) -> RunResult | None:
+        """The recorded result of ``run``, or None if there is no matching, readable record."""
+        try:
+            record = json.loads(self.path(run).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict):
+            return None
+        traces = record.get("traces")
+        if (record.get("format") != RECORD_FORMAT or record.get("key") != self.key(run)
+                or record.get("config") != config_dict(run.config)
+                or not isinstance(traces, dict) or traces.get("sha256") != self.digest
+                or not isinstance(record.get("result"), dict)):
+            return None
+        try:
+            return result_from_dict(record["result"])
+        except (TypeError, ValueError):
+            return None
+
+    def save(self, run: Run, result: RunResult) -> None:
+        """Record ``run``'s result atomically (replacing any older record)."""
+        record = {
+            "format": RECORD_FORMAT, "key": self.key(run), "config": config_dict(run.config),
+            "traces": {"name": self.traces_name, "sha256": self.digest},
+            "programs_per_replica": run.programs_per_replica, "result": result.to_dict(),
+        }
+        write_json(self.path(run), record)
+
+
+def write_setting(out: Path, stem: str, rows: list[dict[str, Any]]) -> Path:
+    """One setting's rows (grid order) as ``out/<stem>.json``; returns the path."""
+    path = out / f"{stem}.json"
+    write_json(path, rows)
+    return path
+
+
+def write_sweep(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
+    """``out/sweep.json``: ``meta`` (name, traces, settings, ...) plus every run's row."""
+    path = out / "sweep.json"
+    write_json(path, {**meta, "runs": rows})
+    return path

@@ -1,0 +1,58 @@
+"""Several replicas: affinity, Best-Fit-Decreasing, the baselines' routing (MORI.md s.6)."""
+
+from __future__ import annotations
+
+from test_scenarios import arrive, fin, make, step, where
+
+from mori.core.decisions import Demote, Forward, Promote
+from mori.core.events import ProgramEnded
+from mori.core.types import Tier
+
+GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
+
+
+def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
+    p = make("mori", gpu=100, cpu=100, replicas=3)
+    step(p, 0.0, arrive("A", 90))  # replica 0
+    step(p, 0.0, arrive("B", 90))  # replica 1
+    assert step(p, 0.0, arrive("P", 50)) == [Promote("P", 2, NONE), Forward("P", 2)]
+    step(p, 1.0, fin("P", 50))
+    # Q (80) fits nowhere; A and B are reasoning, P is acting on replica 2: P goes to
+    # replica 2's CPU tier and Q takes its place
+    assert step(p, 2.0, arrive("Q", 80)) == [Demote("P", 2, GPU, CPU), Promote("Q", 2, NONE),
+                                             Forward("Q", 2)]
+    assert where(p, "P") == (CPU, 2)
+    step(p, 3.0, fin("A", 90), ProgramEnded("A"))  # replica 0 is now empty
+    # P returns: its KV is in replica 2's DRAM, so it waits for replica 2 rather than
+    # recomputing on the empty replica 0
+    assert step(p, 4.0, arrive("P", 55)) == []
+    assert where(p, "P") == (CPU, 2)
+    # Q's step ends: Q (acting) makes room, P reloads on replica 2; the CPU tier (P's 55
+    # of 100 until P leaves it) cannot take Q's 80, and P is not pushed out for it, so Q
+    # goes to Waiting
+    assert step(p, 5.0, fin("Q", 80)) == [Demote("Q", 2, GPU, NONE), Promote("P", 2, CPU),
+                                          Forward("P", 2)]
+
+
+def test_waiting_programs_placed_best_fit_decreasing() -> None:
+    p = make("mori", gpu=100, cpu=0, replicas=2)
+    step(p, 0.0, arrive("A", 50))  # both empty: the first best fit, replica 0 (50 free)
+    step(p, 0.0, arrive("B", 70))  # fits only replica 1 (30 free)
+    assert (where(p, "A"), where(p, "B")) == ((GPU, 0), (GPU, 1))
+    # X 25, Y 25, Z 30 arrive at once (free: 50 and 30). Priority order (smallest first,
+    # each onto its tightest replica) would put X on replica 1 and leave no room for Z;
+    # Best-Fit-Decreasing places Z first, exactly filling replica 1, then X and Y on 0
+    out = step(p, 1.0, arrive("X", 25), arrive("Y", 25), arrive("Z", 30))
+    assert out == [Promote("Z", 1, NONE), Forward("Z", 1), Promote("X", 0, NONE),
+                   Forward("X", 0), Promote("Y", 0, NONE), Forward("Y", 0)]
+    assert [q.used for q in p.placement.gpu] == [100, 100]
+
+
+def test_thunderagent_places_cacheless_program_on_least_loaded_replica() -> None:
+    p = make("thunderagent", gpu=100, cpu=0, replicas=3)
+    step(p, 0.0, arrive("A", 30))  # least loaded: all empty, replica 0
+    step(p, 0.0, arrive("B", 60))  # replica 1
+    step(p, 0.0, arrive("C", 10))  # replica 2
+    assert [where(p, x)[1] for x in "ABC"] == [0, 1, 2]
+    # D (20): most free GPU is replica 2 (90), not the tightest fit (replica 1)
+    assert step(p, 1.0, arrive("D", 20)) == [Promote("D", 2, NONE), Forward("D", 2)]
