@@ -24,12 +24,12 @@ from mori.core.registry import UnknownNameError
 from mori.sim.config import SimConfig
 from mori.sim.metrics import RunResult
 from mori.sim.runner import SettingsError
+from mori.sweep import ray_exec
 from mori.sweep.grid import SWEEPS, Block, Run, SweepDef, expand, settings_of
 from mori.sweep.local import Executor, run_local
-from mori.sweep.ray_exec import INSTALL_HINT, RayStartError, RayUnavailableError, import_ray, run_ray
 from mori.sweep.run import execute, partition, validate
 from mori.sweep.store import RunStore, result_row, write_setting, write_sweep
-from mori.traces import TraceError, TraceSet, default_traces, load_traces
+from mori.traces import TraceError, default_traces, load_traces
 
 GRID_KEYS = ("policy", "programs", "hardware", "cpu_ratio", "replicas")
 """Options that define a custom grid (not allowed with a named sweep)."""
@@ -89,7 +89,8 @@ def add_sweep_parser(sub: Any) -> None:
     p.add_argument("--out", type=Path, metavar="DIR", help="output folder (required)")
     p.add_argument("--jobs", type=int, metavar="N",
                    help="parallel runs (default: one per CPU; with --ray, Ray's choice)")
-    p.add_argument("--ray", action="store_true", help=f"run on Ray (needs: {INSTALL_HINT})")
+    p.add_argument("--ray", action="store_true",
+                   help=f"run on Ray (needs: {ray_exec.INSTALL_HINT})")
     p.add_argument("--ray-address", metavar="ADDR",
                    help="join this Ray cluster (auto, ray://host:10001); implies --ray")
     mode = p.add_mutually_exclusive_group()
@@ -108,8 +109,9 @@ def add_sweep_parser(sub: Any) -> None:
 
 def list_sweeps() -> str:
     """The named sweeps: name, runs, settings, description."""
-    rows = [(n, str(SWEEPS.get(n).size()), str(len(settings_of(expand(SWEEPS.get(n))))),
-             SWEEPS.get(n).description) for n in SWEEPS.names()]
+    defs = [SWEEPS.get(n) for n in SWEEPS.names()]
+    rows = [(d.name or "", str(d.size()), str(len(settings_of(expand(d)))), d.description)
+            for d in defs]
     return format_table(("sweep", "runs", "settings", "description"), rows,
                         (False, True, True, False))
 
@@ -139,8 +141,9 @@ def build_sweep(args: argparse.Namespace) -> SweepDef:
 
 def _executor(args: argparse.Namespace) -> tuple[Executor, str]:
     if args.ray or args.ray_address:
-        return (functools.partial(run_ray, jobs=args.jobs or None, address=args.ray_address),
-                f"Ray at {args.ray_address}" if args.ray_address else "local Ray")
+        run = functools.partial(ray_exec.run_ray, jobs=args.jobs or None,
+                                address=args.ray_address)
+        return run, f"Ray at {args.ray_address}" if args.ray_address else "local Ray"
     jobs = args.jobs or os.cpu_count() or 1
     return functools.partial(run_local, jobs=jobs), f"{jobs} local processes"
 
@@ -190,19 +193,12 @@ def summary(runs: list[Run], results: list[RunResult]) -> str:
     return "\n\n".join(parts)
 
 
-def _load_traces(path: Path | None) -> TraceSet:
-    try:
-        return load_traces(path) if path is not None else default_traces()
-    except TraceError as e:
-        raise UsageError(str(e)) from None
-
-
 def _run(args: argparse.Namespace) -> int:
     if args.list:
         print(list_sweeps())
         return 0
     if args.ray or args.ray_address:
-        import_ray()  # fail now, clearly, if Ray is missing
+        ray_exec.import_ray()  # fail now, clearly, if Ray is missing
     if args.out is None:
         raise UsageError("--out DIR is required (results and run records go there)")
     if args.jobs is not None and args.jobs < 0:
@@ -212,9 +208,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         sweep = build_sweep(args)
         runs = expand(sweep)
-        traces = _load_traces(sweep.traces)
+        traces = load_traces(sweep.traces) if sweep.traces is not None else default_traces()
         validate(runs, traces)
-    except (ValueError, SettingsError) as e:
+    except (ValueError, SettingsError, TraceError) as e:
         raise UsageError(str(e)) from None
     quiet = bool(args.quiet)
     store = RunStore(args.out, traces)
@@ -249,10 +245,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     """Run ``mori sweep`` with parsed ``args``; return the exit status."""
     try:
         return _run(args)
-    except (UsageError, RayUnavailableError) as e:
+    except (UsageError, ray_exec.RayUnavailableError) as e:
         print(f"mori sweep: error: {e}", file=sys.stderr)
         return 2
-    except RayStartError as e:
+    except ray_exec.RayStartError as e:
         print(f"mori sweep: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -57,14 +57,17 @@ def execute(todo: Sequence[Run], traces: TraceSet, store: RunStore, executor: Ex
             total: int, quiet: bool) -> dict[Run, RunResult]:
     """Run ``todo`` with ``executor``, recording each result in ``store`` as it arrives.
 
-    A progress bar over all ``total`` runs of the sweep (the recorded ones counted as
+    Runs are submitted largest first (results are keyed by run, so the outputs keep
+    the grid order). A progress bar over all ``total`` runs of the sweep (the recorded ones counted as
     done) goes to stderr unless ``quiet``. An exception or Ctrl-C stops the sweep; what
     was recorded stays recorded.
     """
     results: dict[Run, RunResult] = {}
     if not todo:
         return results
-    stream = executor(todo, traces)  # the work starts now, before the bar's thread
+    # biggest runs first (by simulated programs), so a long run does not start last
+    ordered = sorted(todo, key=lambda r: -r.config.programs)
+    stream = executor(ordered, traces)  # the work starts now, before the bar's thread
     bar: tqdm[Any] = tqdm(total=total, initial=total - len(todo), desc="sweeping", unit="run",
                           file=sys.stderr, disable=quiet, dynamic_ncols=True)
     with closing(stream), bar:

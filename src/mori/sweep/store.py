@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mori.sim import MODEL_VERSION
 from mori.sim.config import SimConfig
 from mori.sim.metrics import RunResult
 from mori.sweep.grid import Run
@@ -54,8 +55,10 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
 
 
 def run_key(config: SimConfig, digest: str) -> str:
-    """The stable key of one run: a hash of its config and its trace set's digest."""
-    payload = {"format": RECORD_FORMAT, "config": config_dict(config), "traces": digest}
+    """The stable key of one run: a hash of its config, its trace set's digest and the
+    simulator's ``MODEL_VERSION``."""
+    payload = {"format": RECORD_FORMAT, "config": config_dict(config), "traces": digest,
+               "model": MODEL_VERSION}
     return _sha256_json(payload)[:24]
 
 

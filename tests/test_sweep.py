@@ -1,0 +1,212 @@
+"""Tests for ``mori sweep``: outputs, resume, --fresh, validation, the paper grid, Ray."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mori.sweep.local
+from mori.cli.main import main
+from mori.core.policies import PAPER_POLICIES
+from mori.sim.config import SimConfig
+from mori.sim.metrics import NONDETERMINISTIC_FIELDS, RunResult
+from mori.sim.runner import simulate
+from mori.sweep import SWEEPS, expand, settings_of
+from mori.sweep.store import result_from_dict
+from mori.traces import default_traces
+
+SMOKE_STEM = "h200-qwen3-30b-a3b_cpu1_dp1"
+
+
+def deterministic(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in NONDETERMINISTIC_FIELDS} for r in rows]
+
+
+def read(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+class Counter:
+    """Stands in for ``simulate`` in the executor (in-process runs, --jobs 1)."""
+
+    def __init__(self, interrupt_at: int | None = None) -> None:
+        self.configs: list[SimConfig] = []
+        self.interrupt_at = interrupt_at
+
+    def __call__(self, config: SimConfig, traces: Any) -> RunResult:
+        if self.interrupt_at is not None and len(self.configs) == self.interrupt_at:
+            raise KeyboardInterrupt
+        self.configs.append(config)
+        return simulate(config, traces)
+
+
+@pytest.fixture()
+def counter(monkeypatch: pytest.MonkeyPatch) -> Counter:
+    c = Counter()
+    monkeypatch.setattr(mori.sweep.local, "simulate", c)
+    return c
+
+
+def smoke(out: Path, *extra: str) -> int:
+    return main(["sweep", "smoke", "--out", str(out), "--quiet", *extra])
+
+
+def test_smoke_writes_setting_json_png_and_sweep_json(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert smoke(out, "--jobs", "2") == 0  # the process-pool path
+    rows = read(out / f"{SMOKE_STEM}.json")
+    assert [(r["policy"], r["programs"], r["programs_per_replica"]) for r in rows] == [
+        ("mori", 3, 3), ("smg", 3, 3)]
+    assert all(r["duration_s"] == 60 and r["replicas"] == 1 for r in rows)
+    png = (out / f"{SMOKE_STEM}.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    combined = read(out / "sweep.json")
+    assert combined["sweep"] == "smoke"
+    assert combined["runs"] == rows
+    assert [s["json"] for s in combined["settings"]] == [f"{SMOKE_STEM}.json"]
+    assert len(list((out / "runs").glob("*.json"))) == 2
+    assert not list((out / "runs").glob(".*"))  # no temporary files left
+    table = capsys.readouterr().out
+    assert "DP=1" in table and "tok/s" in table
+
+
+def test_resume_runs_only_missing_records(tmp_path: Path, counter: Counter,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert smoke(out, "--jobs", "1") == 0
+    assert len(counter.configs) == 2
+    first = read(out / "sweep.json")["runs"]
+    records = sorted((out / "runs").glob("*.json"))
+    deleted = read(records[0])
+    records[0].unlink()
+    counter.configs.clear()
+    assert main(["sweep", "smoke", "--out", str(out), "--jobs", "1"]) == 0
+    assert [c.policy for c in counter.configs] == [deleted["config"]["policy"]]
+    assert "1 already recorded" in capsys.readouterr().err
+    assert deterministic(read(out / "sweep.json")["runs"]) == deterministic(first)
+    counter.configs.clear()
+    assert smoke(out, "--only-missing", "--jobs", "1") == 0
+    assert counter.configs == []  # everything recorded: nothing runs
+    assert read(out / "sweep.json")["runs"] == read(out / f"{SMOKE_STEM}.json")
+
+
+def test_fresh_reruns_and_stale_records_rerun(tmp_path: Path, counter: Counter) -> None:
+    out = tmp_path / "out"
+    assert smoke(out, "--jobs", "1") == 0
+    counter.configs.clear()
+    assert smoke(out, "--fresh", "--jobs", "1") == 0
+    assert len(counter.configs) == 2
+    assert len(list((out / "runs").glob("*.json"))) == 2  # overwritten, not added
+    record = sorted((out / "runs").glob("*.json"))[0]
+    record.write_text("{truncated", encoding="utf-8")  # unreadable: run again
+    counter.configs.clear()
+    assert smoke(out, "--jobs", "1") == 0
+    assert len(counter.configs) == 1
+    counter.configs.clear()
+    assert smoke(out, "--jobs", "1", "--duration", "30") == 0  # another config: other keys
+    assert len(counter.configs) == 2
+    assert len(list((out / "runs").glob("*.json"))) == 4
+
+
+def test_interrupted_sweep_keeps_finished_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(mori.sweep.local, "simulate", Counter(interrupt_at=1))
+    assert smoke(out, "--jobs", "1") == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+    assert len(list((out / "runs").glob("*.json"))) == 1
+    assert not (out / "sweep.json").exists()
+    rest = Counter()
+    monkeypatch.setattr(mori.sweep.local, "simulate", rest)
+    assert smoke(out, "--jobs", "1") == 0
+    assert [c.policy for c in rest.configs] == ["smg"]
+
+
+def test_custom_sweep_replicas_are_per_replica_programs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["sweep", "--out", str(out), "--replicas", "1,2", "--programs", "2",
+            "--policy", "smg", "--duration", "30", "--quiet", "--jobs", "1"]
+    assert main(args) == 0
+    for dp in (1, 2):
+        (row,) = read(out / f"h200-qwen3-30b-a3b_cpu1_dp{dp}.json")
+        assert (row["replicas"], row["programs"], row["programs_per_replica"]) == (dp, 2 * dp, 2)
+        assert (out / f"h200-qwen3-30b-a3b_cpu1_dp{dp}.png").exists()
+    assert read(out / "sweep.json")["sweep"] is None
+
+
+def test_paper_definition_without_running_it() -> None:
+    paper = SWEEPS.get("paper")
+    runs = expand(paper)
+    assert len(runs) == paper.size() == 96
+    dp1 = [r for r in runs if r.setting.replicas == 1]
+    dp3 = [r for r in runs if r.setting.replicas == 3]
+    assert (len(dp1), len(dp3)) == (72, 24)
+    assert {r.setting.hardware for r in dp1} == {
+        "h200-80g-qwen2.5-7b", "h200-qwen3-30b-a3b", "b200-llama3.1-70b-tp2"}
+    assert {r.setting.hardware for r in dp3} == {"h200-qwen3-30b-a3b"}
+    assert {(r.programs_per_replica, r.config.programs) for r in dp3} == {
+        (20, 60), (50, 150), (80, 240)}
+    assert {r.config.policy for r in runs} == set(PAPER_POLICIES)
+    assert {r.setting.cpu_ratio for r in runs} == {1.0, 2.0}
+    assert {(r.config.duration_s, r.config.seed) for r in runs} == {(3600.0, 0)}
+    assert len(settings_of(runs)) == 8
+    assert [r.config.policy for r in runs[:4]] == list(PAPER_POLICIES)  # policy fastest
+
+
+def test_list_and_bad_input(tmp_path: Path, counter: Counter,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", "--list"]) == 0
+    listing = capsys.readouterr().out
+    assert "paper" in listing and "smoke" in listing and "96" in listing
+    out = str(tmp_path / "out")
+    assert main(["sweep", "nope", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "'nope'" in err and "paper" in err and "smoke" in err and "Traceback" not in err
+    assert main(["sweep", "smoke"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["sweep", "smoke", "--out", out, "--programs", "5"]) == 2
+    assert "custom sweep" in capsys.readouterr().err
+    assert main(["sweep", "--out", out, "--programs", "3,0", "--duration", "30"]) == 2
+    assert "programs must be >= 1" in capsys.readouterr().err
+    bad = ["sweep", "--out", out, "--programs", "2", "--duration", "30",
+           "--hardware", "h200-qwen3-30b-a3b,b200-llama3.1-70b-tp2", "--max-context", "9000000"]
+    assert main(bad) == 2  # impossible on the second preset: refused before any run
+    assert "GPU tier holds" in capsys.readouterr().err
+    assert counter.configs == []
+    assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_ray_missing_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert smoke(tmp_path / "out", "--ray") == 2
+    err = capsys.readouterr().err
+    assert "pip install 'mori[ray]'" in err and "Traceback" not in err
+
+
+def test_result_from_dict_round_trips() -> None:
+    result = simulate(SimConfig(programs=2, duration_s=30.0), default_traces())
+    assert result_from_dict(result.to_dict()).to_dict() == result.to_dict()
+
+
+def test_ray_gives_the_local_results(tmp_path: Path) -> None:
+    try:
+        import ray
+    except ImportError:
+        pytest.skip("ray is not installed (it is in the test extra: pip install -e '.[test]')")
+    started = time.perf_counter()
+    assert smoke(tmp_path / "ray", "--ray", "--jobs", "2") == 0
+    elapsed = time.perf_counter() - started
+    assert not ray.is_initialized()  # the sweep shut down the instance it started
+    assert smoke(tmp_path / "local", "--jobs", "2") == 0
+    via_ray = read(tmp_path / "ray" / f"{SMOKE_STEM}.json")
+    local = read(tmp_path / "local" / f"{SMOKE_STEM}.json")
+    assert len(via_ray) == 2
+    assert deterministic(via_ray) == deterministic(local)
+    print(f"ray sweep: {elapsed:.1f} s")
