@@ -1,6 +1,9 @@
-"""Render a `mori simulate --json` file as Markdown tables (one per preset), as in the README.
+"""Render one-replica runs as Markdown tables (one per preset), as in the README.
 
-    python scripts/results_table.py out/paper.json
+Reads a `mori simulate --json` file (a list of runs) or a `mori sweep` output
+`sweep.json` (an object whose `runs` it takes; runs at several replicas are skipped).
+
+    python scripts/results_table.py results/sweep.json
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ SHORT = {"smg": "SMG", "thunderagent": "TA", "thunderagent+offload": "TA+O", "mo
 
 def main(path: str) -> None:
     with open(path) as f:
-        runs = json.load(f)
+        data = json.load(f)
+    runs = data["runs"] if isinstance(data, dict) else data
+    runs = [r for r in runs if r.get("replicas", 1) == 1]
     by: dict[tuple[str, float, int], dict[str, dict[str, float]]] = defaultdict(dict)
     for r in runs:
         by[(r["hardware"], r["cpu_ratio"], r["programs"])][r["policy"]] = r
