@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from mori import __version__
 from mori.cli.config_file import ConfigError, load_config, valid_keys
-from mori.cli.options import OPTIONS, Option, OptionError, help_text
+from mori.cli.options import OPTIONS, add_options
 from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
 from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
@@ -62,17 +61,6 @@ examples:
 """
 
 
-def _arg_type(opt: Option) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            return opt.parse_text(text)
-        except OptionError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parse.__name__ = opt.key  # argparse names the type in some messages
-    return parse
-
-
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line, with a pointer to ``--help``."""
 
@@ -92,13 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay agentic programs closed-loop against simulated LLM engine\n"
         "replicas under each KV-cache policy; print one table row per run.",
         epilog=SIMULATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for opt in OPTIONS:
-        if opt.kind is bool:
-            sim.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None,
-                             help=help_text(opt))
-        else:
-            sim.add_argument(opt.flag, type=_arg_type(opt), default=None, metavar=opt.metavar,
-                             help=help_text(opt))
+    add_options(sim, OPTIONS)
     sim.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="read options from a TOML file (see below); flags given here win")
     add_sweep_parser(sub)

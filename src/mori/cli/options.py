@@ -8,7 +8,9 @@ CLI cannot drift from the simulator.
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -174,3 +176,28 @@ def help_text(opt: Option) -> str:
     if opt.key == "policy":
         return opt.help
     return opt.help + _default_text(opt)
+
+
+def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
+                help_of: Callable[[Option], str] | None = None) -> None:
+    """Declare ``options`` on ``parser``: booleans as ``--x/--no-x``, the rest parsed by
+    ``Option.parse_text``; every default is None, so a config file can fill the gaps."""
+    for opt in options:
+        text = (help_of or help_text)(opt)
+        if opt.kind is bool:
+            parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=text)
+        else:
+            parser.add_argument(opt.flag, type=_arg_type(opt), default=None,
+                                metavar=opt.metavar, help=text)
+
+
+def _arg_type(opt: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return opt.parse_text(text)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = opt.key  # argparse names the type in some messages
+    return parse

@@ -13,11 +13,10 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mori.cli.options import BY_KEY, Option, OptionError, help_text
+from mori.cli.options import BY_KEY, Option, add_options, help_text
 from mori.cli.simulate_cmd import UsageError
 from mori.cli.table import format_table, left_out_note, results_table
 from mori.core.registry import UnknownNameError
@@ -66,17 +65,6 @@ examples:
 """
 
 
-def _arg_type(opt: Option) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            return opt.parse_text(text)
-        except OptionError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    parse.__name__ = opt.key
-    return parse
-
-
 def add_sweep_parser(sub: Any) -> None:
     """Register ``sweep`` on the ``mori`` subcommand action ``sub``."""
     p = sub.add_parser(
@@ -98,13 +86,7 @@ def add_sweep_parser(sub: Any) -> None:
                       help="resume: run only the runs without a record (the default)")
     mode.add_argument("--fresh", action="store_true",
                       help="ignore existing run records and overwrite them")
-    for opt in SWEEP_OPTIONS:
-        if opt.kind is bool:
-            p.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None,
-                           help=help_text(opt))
-        else:
-            p.add_argument(opt.flag, type=_arg_type(opt), default=None, metavar=opt.metavar,
-                           help=help_text(opt))
+    add_options(p, SWEEP_OPTIONS, help_text)
 
 
 def list_sweeps() -> str:

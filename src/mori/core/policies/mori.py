@@ -134,14 +134,19 @@ class MoriPolicy(Policy):
             self._promote(c, r, out)
             self._forward(c, now, out)
 
-        # (0) CPU-queue programs: their own replica (affinity), in priority order
-        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
+        def place_or_make_room(c: Program) -> None:
+            """Into free space if it fits; else the first such program may make room."""
+            nonlocal blocked
             r = self._best_fit(c, reserve)
             if r is not None:
                 place(c, r)
             elif not blocked:
                 blocked = True
                 self._make_room(c, now, out, iota, reserve)
+
+        # (0) CPU-queue programs: their own replica (affinity), in priority order
+        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
+            place_or_make_room(c)
         # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
         # long as the free space of all replicas together holds them; *where* is
         # Best-Fit-Decreasing: the largest first, each onto the replica it fits tightest
@@ -162,14 +167,8 @@ class MoriPolicy(Policy):
         # what is left: backfill into free space; the first that does not fit (if no
         # CPU-queue program did) may make room
         for c in waiting:
-            if c.program_id in placed:
-                continue
-            r = self._best_fit(c, reserve)
-            if r is not None:
-                place(c, r)
-            elif not blocked:
-                blocked = True
-                self._make_room(c, now, out, iota, reserve)
+            if c.program_id not in placed:
+                place_or_make_room(c)
 
     def _replicas_for(self, c: Program) -> list[int]:
         if c.tier is Tier.CPU and c.replica is not None:
