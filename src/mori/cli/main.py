@@ -15,6 +15,7 @@ from typing import NoReturn
 from mori import __version__
 from mori.cli.config_file import ConfigError, load_config, valid_keys
 from mori.cli.options import OPTIONS, add_options
+from mori.cli.serve_cmd import add_serve_parser, run_serve
 from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
 from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="read options from a TOML file (see below); flags given here win")
     add_sweep_parser(sub)
+    add_serve_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
     sub.add_parser("presets", help="list the hardware presets",
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "sweep":
         return run_sweep(args)
+    if args.command == "serve":
+        return run_serve(args)
     try:
         return _simulate(args)
     except (UsageError, ConfigError) as e:

@@ -1,0 +1,191 @@
+"""The engine adapter interface: what the gateway needs from an engine replica.
+
+One small async interface (ARCHITECTURE.md): forward a request (streaming or not),
+report KV capacity and load, and whatever KV control the engine offers. Each adapter
+declares the controls it supports in ``capabilities``; the gateway calls only those.
+
+MORI's own request fields
+-------------------------
+A client may put two fields of MORI's own in a request body; the gateway reads them and
+removes them before the body goes to an engine:
+
+- ``program_id`` (string): the agent program the request belongs to (the ``openai``
+  client's ``extra_body={"program_id": ...}`` puts it at the top level). The header
+  ``X-Program-Id`` is an alternative.
+- ``mori`` (object, optional): ``{"prompt_tokens": int, "reuse_tokens": int}``, a
+  synthetic prompt size used by trace replay against *simulated* engines, so that a
+  100k-token prompt need not be sent as text. Only the simulated engine honours it (the
+  gateway passes it on to adapters that declare ``Capability.SYNTHETIC_PROMPTS``); the
+  gateway's own accounting uses it when present.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from mori.core.types import KVLabel
+
+
+class Capability(StrEnum):
+    """KV controls an engine may offer a gateway (ENGINES.md)."""
+
+    PRIORITY = "priority"  # per-request priority hints
+    LABELS = "labels"  # typed busy / idle / inactive eviction labels per program
+    OFFLOAD = "offload"  # move one program's GPU KV to the host tier now
+    PREFETCH = "prefetch"  # pull one program's host KV back to the GPU before its request
+    DROP = "drop"  # drop one program's KV (all tiers) now
+    RESIDENCY = "residency"  # report which programs' KV is where
+    SYNTHETIC_PROMPTS = "synthetic_prompts"  # honours the ``mori`` prompt-size field
+    TOKENIZE = "tokenize"  # counts a request's prompt tokens exactly
+
+
+class NotSupportedError(RuntimeError):
+    """The adapter does not offer this control (check ``capabilities`` first)."""
+
+
+class UpstreamError(Exception):
+    """The engine could not serve: refused, timed out, died, or answered garbage.
+
+    ``status`` is what the gateway answers the client (502 bad gateway, 503 unavailable,
+    504 timeout); ``unhealthy`` says whether the replica should be marked down.
+    """
+
+    def __init__(self, message: str, status: int = 502, unhealthy: bool = True) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.unhealthy = unhealthy
+
+
+@dataclass(frozen=True, slots=True)
+class KVCapacity:
+    """KV capacity of one replica in tokens (``cpu_tokens`` 0: no host tier)."""
+
+    gpu_tokens: int
+    cpu_tokens: int = 0
+    page_tokens: int = 16
+    kv_bytes_per_token: int = 1  # 1 when unknown: the policy then counts tokens
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A replica's load right now."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of the GPU KV pool in use, 0..1
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """Tokens of KV each program holds per tier, as the engine reports it."""
+
+    gpu_tokens: Mapping[str, int] = field(default_factory=dict)
+    cpu_tokens: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHints:
+    """What the gateway tells an adapter about one forwarded request.
+
+    ``priority``: MORI's rank, 0 = most important (busy programs), larger = less; each
+    adapter maps it to its engine's convention. ``synthetic``: the ``mori`` field, for
+    adapters with ``SYNTHETIC_PROMPTS``.
+    """
+
+    program_id: str
+    priority: int = 0
+    label: KVLabel = KVLabel.BUSY
+    synthetic: Mapping[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class UpstreamResponse:
+    """An engine's answer. Exactly one of ``body`` (complete JSON bytes) and ``chunks``
+    (the SSE byte stream, passed through chunk by chunk) is set. ``aclose`` cancels the
+    upstream request (a client went away) or releases the connection."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes | None = None
+    chunks: AsyncIterator[bytes] | None = None
+    _closer: Any = None
+
+    async def aclose(self) -> None:
+        if self._closer is not None:
+            closer, self._closer = self._closer, None
+            await closer()
+
+
+class EngineAdapter(ABC):
+    """One engine replica as the gateway sees it. Build, ``await start()``, use,
+    ``await close()``."""
+
+    kind: ClassVar[str]
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def supports(self, cap: Capability) -> bool:
+        return cap in self.capabilities
+
+    async def start(self) -> None:
+        """Open connections (called once before use)."""
+        return None
+
+    async def close(self) -> None:
+        """Close connections."""
+        return None
+
+    # -- required ---------------------------------------------------------------------
+    @abstractmethod
+    async def forward(self, path: str, body: dict[str, Any], stream: bool,
+                      hints: RequestHints) -> UpstreamResponse:
+        """Send ``body`` (MORI's fields already removed) to ``path`` on the engine.
+
+        Raises ``UpstreamError`` when the engine cannot be reached or fails before
+        answering; a non-2xx answer is returned as is (the gateway passes it on)."""
+
+    @abstractmethod
+    async def capacity(self) -> KVCapacity: ...
+
+    @abstractmethod
+    async def load(self) -> EngineLoad: ...
+
+    @abstractmethod
+    async def health(self) -> bool:
+        """True if the engine answers its health check."""
+
+    @abstractmethod
+    async def models(self) -> list[dict[str, Any]]:
+        """The engine's ``/v1/models`` entries."""
+
+    # -- optional controls (declared in ``capabilities``) -------------------------------
+    async def count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+        """Exact prompt tokens of a request, or None if the engine cannot tell."""
+        return None
+
+    async def set_label(self, program_id: str, label: KVLabel) -> None:
+        raise NotSupportedError(f"{self.kind} engines take no eviction labels")
+
+    async def offload(self, program_id: str) -> None:
+        raise NotSupportedError(f"{self.kind} engines cannot offload one program")
+
+    async def prefetch(self, program_id: str, path: str, body: dict[str, Any]) -> None:
+        raise NotSupportedError(f"{self.kind} engines cannot prefetch one program")
+
+    async def drop(self, program_id: str) -> None:
+        raise NotSupportedError(f"{self.kind} engines cannot drop one program")
+
+    async def release(self, program_id: str) -> None:
+        """The program ended: its KV is inactive. Default: nothing to tell the engine."""
+        return None
+
+    async def residency(self) -> Residency:
+        raise NotSupportedError(f"{self.kind} engines report no residency")

@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP transport every adapter builds on (aiohttp).
+
+``OpenAIHTTPAdapter`` forwards requests, passes SSE streams through chunk by chunk and
+turns transport failures into ``UpstreamError`` with the status the client should see:
+503 when the engine refuses connections, 504 when it times out, 502 when it breaks the
+protocol or dies mid-stream. Subclasses add capacity, load and the engine's KV controls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from mori.engines.base import (
+    EngineAdapter,
+    EngineLoad,
+    KVCapacity,
+    RequestHints,
+    UpstreamError,
+    UpstreamResponse,
+)
+
+_PASS_HEADERS = ("content-type", "cache-control")
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Samples of a Prometheus text exposition: name -> [(labels, value), ...]."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        labels: dict[str, str] = {}
+        if "{" in line:
+            name, rest = line.split("{", 1)
+            body, _, tail = rest.rpartition("}")
+            for part in _split_labels(body):
+                k, _, v = part.partition("=")
+                labels[k.strip()] = v.strip().strip('"')
+            value_s = tail.split()[0] if tail.split() else "nan"
+        else:
+            fields = line.split()
+            if len(fields) < 2:
+                continue
+            name, value_s = fields[0], fields[1]
+        try:
+            value = float(value_s)
+        except ValueError:
+            continue
+        out.setdefault(name.strip(), []).append((labels, value))
+    return out
+
+
+def _split_labels(body: str) -> list[str]:
+    parts, cur, quoted, esc = [], [], False, False
+    for ch in body:
+        if esc:
+            cur.append(ch)
+            esc = False
+        elif ch == "\\":
+            esc = True
+        elif ch == '"':
+            quoted = not quoted
+            cur.append(ch)
+        elif ch == "," and not quoted:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur))
+    return parts
+
+
+def metric_sum(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
+               default: float = 0.0) -> float:
+    """Sum of a metric's samples over its label sets (``default`` when absent)."""
+    rows = samples.get(name)
+    return sum(v for _, v in rows) if rows else default
+
+
+class OpenAIHTTPAdapter(EngineAdapter):
+    """Any OpenAI-compatible server; capacity is whatever the operator configures.
+
+    ``kv_tokens``: the replica's GPU KV capacity in tokens (the generic engine cannot
+    report it); ``page_tokens``: its page (block) size.
+    """
+
+    kind = "openai"
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0, kv_tokens: int = 0,
+                 page_tokens: int = 16, connect_timeout_s: float = 5.0) -> None:
+        super().__init__(url, timeout_s=timeout_s)
+        self.kv_tokens = kv_tokens
+        self.page_tokens = page_tokens
+        self.connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight = 0
+
+    async def start(self) -> None:
+        if self._session is None:
+            conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+            self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError(f"adapter for {self.url} used before start()")
+        return self._session
+
+    def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=total, connect=self.connect_timeout_s,
+                                     sock_read=self.timeout_s)
+
+    # -- engine-specific request shaping (subclasses override) ------------------------------
+    def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
+        """The body as this engine wants it (hints mapped onto its request fields)."""
+        return body
+
+    def request_headers(self, hints: RequestHints) -> dict[str, str]:
+        return {}
+
+    # -- forwarding -------------------------------------------------------------------------
+    async def forward(self, path: str, body: dict[str, Any], stream: bool,
+                      hints: RequestHints) -> UpstreamResponse:
+        payload = json.dumps(self.shape_body(body, hints)).encode()
+        headers = {"content-type": "application/json", **self.request_headers(hints)}
+        try:
+            resp = await self.session.post(self.url + path, data=payload, headers=headers,
+                                           timeout=self._timeout())
+        except aiohttp.ClientConnectorError as e:
+            raise UpstreamError(f"engine {self.url} refused the connection: {e.strerror or e}",
+                                status=503) from e
+        except TimeoutError as e:
+            raise UpstreamError(f"engine {self.url} timed out", status=504) from e
+        except aiohttp.ClientError as e:
+            raise UpstreamError(f"engine {self.url} failed: {e}", status=502) from e
+        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
+        ok_stream = stream and resp.status == 200 and resp.content_type == "text/event-stream"
+        if not ok_stream:
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                resp.close()
+                raise UpstreamError(f"engine {self.url} broke off its answer: {e}") from e
+            finally:
+                resp.release()
+            return UpstreamResponse(resp.status, out_headers, body=data)
+        self._inflight += 1
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+            except (aiohttp.ClientError, TimeoutError) as e:
+                raise UpstreamError(f"engine {self.url} died mid-stream: {e}") from e
+
+        async def closer() -> None:
+            self._inflight -= 1
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()  # drop the connection: the engine aborts the request
+
+        return UpstreamResponse(resp.status, out_headers, chunks=chunks(), _closer=closer)
+
+    async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
+        try:
+            async with self.session.get(self.url + path,
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    raise UpstreamError(f"engine {self.url}{path} answered {r.status}")
+                return await r.json(content_type=None)
+        except aiohttp.ClientError as e:
+            raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
+        except TimeoutError as e:
+            raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
+
+    async def get_text(self, path: str, timeout_s: float = 5.0) -> str:
+        try:
+            async with self.session.get(self.url + path,
+                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    raise UpstreamError(f"engine {self.url}{path} answered {r.status}")
+                return await r.text()
+        except aiohttp.ClientError as e:
+            raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
+        except TimeoutError as e:
+            raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
+
+    async def post_json(self, path: str, payload: dict[str, Any] | None = None,
+                        timeout_s: float = 5.0) -> Any:
+        try:
+            async with self.session.post(self.url + path, json=payload or {},
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status >= 400:
+                    raise UpstreamError(f"engine {self.url}{path} answered {r.status}: "
+                                        f"{(await r.text())[:200]}", unhealthy=False)
+                return await r.json(content_type=None)
+        except aiohttp.ClientError as e:
+            raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
+        except TimeoutError as e:
+            raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
+
+    # -- the rest of the interface ------------------------------------------------------------
+    async def capacity(self) -> KVCapacity:
+        if self.kv_tokens <= 0:
+            raise UpstreamError(
+                f"the KV capacity of {self.url} is unknown: a generic OpenAI-compatible engine "
+                "cannot report it; give it as kv_tokens (e.g. --backend "
+                "openai=URL,kv_tokens=500000)", unhealthy=False)
+        return KVCapacity(self.kv_tokens, 0, self.page_tokens)
+
+    async def load(self) -> EngineLoad:
+        return EngineLoad(running=self._inflight, waiting=0, kv_usage=0.0)
+
+    async def health(self) -> bool:
+        for path in ("/health", "/v1/models"):
+            try:
+                async with self.session.get(self.url + path,
+                                            timeout=aiohttp.ClientTimeout(total=3.0)) as r:
+                    if r.status == 200:
+                        return True
+            except (aiohttp.ClientError, TimeoutError):
+                return False
+        return False
+
+    async def models(self) -> list[dict[str, Any]]:
+        data = await self.get_json("/v1/models")
+        rows = data.get("data", []) if isinstance(data, dict) else []
+        return [m for m in rows if isinstance(m, dict)]

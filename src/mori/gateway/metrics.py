@@ -1,0 +1,78 @@
+"""The gateway's Prometheus metrics (``mori_`` prefix), one registry per app.
+
+Counters and histograms are updated as things happen; gauges that describe the current
+state (programs per tier, held requests, per-replica load) are read from the controller
+when ``/metrics`` is scraped, so they cannot drift from what ``/v1/programs`` shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _StateCollector(Collector):
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._read()
+        g = GaugeMetricFamily("mori_programs", "Programs known to the policy, by tier and status",
+                              labels=["tier", "status"])
+        for (tier, status), n in sorted(s["programs"].items()):
+            g.add_metric([tier, status], n)
+        yield g
+        yield GaugeMetricFamily("mori_gate_queue_length", "Requests held in the gateway now",
+                                value=s["gated"])
+        for name, doc in (("running_requests", "Requests forwarded to the replica and not ended"),
+                          ("healthy", "1 if the replica answers, 0 if marked unhealthy"),
+                          ("gpu_programs", "Programs the policy placed on the replica's GPU tier"),
+                          ("cpu_programs", "Programs the policy placed on the replica's CPU tier"),
+                          ("gpu_kv_used_ratio", "Share of the replica's GPU KV the policy has placed")):
+            fam = GaugeMetricFamily(f"mori_replica_{name}", doc, labels=["replica"])
+            for i, row in enumerate(s["replicas"]):
+                fam.add_metric([str(i)], row[name])
+            yield fam
+
+
+class GatewayMetrics:
+    """All metrics of one gateway app."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("mori_requests", "Client requests by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.gated_total = Counter("mori_gated_requests", "Requests that had to wait for "
+                                   "GPU residency before being forwarded", registry=r)
+        self.gate_wait = Histogram("mori_gate_wait_seconds", "Time a request was held in the "
+                                   "gateway before being forwarded", buckets=_LATENCY_BUCKETS,
+                                   registry=r)
+        self.ttft = Histogram("mori_ttft_seconds", "Time from a request's arrival to its first "
+                              "streamed byte (streaming) or whole answer", buckets=_LATENCY_BUCKETS,
+                              registry=r)
+        self.promotions = Counter("mori_promotions", "Programs moved to a GPU tier, by where "
+                                  "their KV was", ["source"], registry=r)
+        self.demotions = Counter("mori_demotions", "Programs moved off a GPU or CPU tier, by "
+                                 "destination", ["to"], registry=r)
+        self.upstream_errors = Counter("mori_upstream_errors", "Engine failures by replica",
+                                       ["replica"], registry=r)
+        self.disconnects = Counter("mori_client_disconnects", "Streams the client left "
+                                   "before the end", registry=r)
+        self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
+        self.completion_tokens = Counter("mori_completion_tokens", "Completion tokens returned",
+                                         registry=r)
+
+    def watch(self, read: Callable[[], dict[str, Any]]) -> None:
+        """Expose the state gauges, read at scrape time from ``read()``."""
+        self.registry.register(_StateCollector(read))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,172 @@
+"""Reading a client's request: validation, MORI's own fields, prompt size, usage.
+
+A request's program id is the body's ``program_id`` (a string) or the ``X-Program-Id``
+header; a request with neither is served as its own one-step program (an id
+``anon-<n>`` is made up for it and the program ends with its response).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from mori.gateway.errors import RequestError
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+CHARS_PER_TOKEN = 4  # the prompt-size estimate when the engine cannot count tokens
+
+
+@dataclass(slots=True)
+class ClientRequest:
+    path: str
+    body: dict[str, Any]  # MORI's fields removed: what the engine gets
+    program_id: str | None
+    stream: bool
+    model: str
+    synthetic: dict[str, Any] | None  # the ``mori`` field, validated
+
+
+def parse_request(path: str, raw: bytes, header_program: str | None) -> ClientRequest:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(400, "missing required field 'model' (a string)", "model")
+    if path == CHAT:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError(400, "'messages' must be a non-empty array", "messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(400, f"messages[{i}] must be an object with a string 'role'",
+                                   f"messages[{i}]")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)):
+            raise RequestError(400, "'prompt' must be a string or an array", "prompt")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, "'stream' must be a boolean", "stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise RequestError(400, f"'{key}' must be a positive integer", key)
+    pid = body.pop("program_id", None)
+    if pid is not None and (not isinstance(pid, str) or not pid):
+        raise RequestError(400, "'program_id' must be a non-empty string", "program_id")
+    if pid is None and header_program:
+        pid = header_program
+    synthetic = body.pop("mori", None)
+    if synthetic is not None:
+        synthetic = _check_synthetic(synthetic)
+    return ClientRequest(path, body, pid, stream, model, synthetic)
+
+
+def _check_synthetic(v: object) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise RequestError(400, "'mori' must be an object {prompt_tokens, reuse_tokens}", "mori")
+    out: dict[str, Any] = {}
+    for key in ("prompt_tokens", "reuse_tokens"):
+        x = v.get(key)
+        if x is None:
+            continue
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise RequestError(400, f"'mori.{key}' must be a non-negative integer",
+                               f"mori.{key}")
+        out[key] = x
+    if "prompt_tokens" in out and out.get("reuse_tokens", 0) > out["prompt_tokens"]:
+        raise RequestError(400, "'mori.reuse_tokens' exceeds 'mori.prompt_tokens'", "mori")
+    return out
+
+
+def estimate_prompt_tokens(req: ClientRequest) -> int:
+    """Prompt size from the text: ceil(characters / 4), at least 1 (an estimate)."""
+    chars = 0
+    if req.path == CHAT:
+        for m in req.body.get("messages", []):
+            c = m.get("content")
+            if isinstance(c, str):
+                chars += len(c)
+            elif isinstance(c, list):
+                for part in c:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+    else:
+        p = req.body.get("prompt")
+        if isinstance(p, str):
+            chars = len(p)
+        elif isinstance(p, list):
+            chars = sum(len(x) if isinstance(x, str) else CHARS_PER_TOKEN for x in p)
+    return max(1, math.ceil(chars / CHARS_PER_TOKEN))
+
+
+def max_output_tokens(req: ClientRequest) -> int | None:
+    v = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
+    return v if isinstance(v, int) else None
+
+
+def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) from a complete JSON answer, if it has usage."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, None
+    return _usage(data)
+
+
+def _usage(data: object) -> tuple[int | None, int | None]:
+    if not isinstance(data, dict):
+        return None, None
+    u = data.get("usage")
+    if not isinstance(u, dict):
+        return None, None
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    return (p if isinstance(p, int) else None, c if isinstance(c, int) else None)
+
+
+class StreamWatcher:
+    """Follows an SSE stream as it passes: counts content events, finds usage and errors.
+
+    Only lines that may carry usage are parsed as JSON; the rest is counted by scanning.
+    """
+
+    __slots__ = ("_tail", "events", "prompt_tokens", "completion_tokens", "done")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.events = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._tail + chunk
+        lines = data.split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            self.events += 1
+            if b'"usage"' in payload and b'"usage":null' not in payload.replace(b" ", b""):
+                try:
+                    p, c = _usage(json.loads(payload))
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    continue
+                if c is not None:
+                    self.prompt_tokens, self.completion_tokens = p, c
+                    self.events -= 1  # the usage-only event carries no token
+
+    def output_tokens(self) -> int:
+        """Completion tokens: the usage if the stream had one, else content events."""
+        return self.completion_tokens if self.completion_tokens is not None else self.events

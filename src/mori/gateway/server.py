@@ -1,0 +1,116 @@
+"""Running the gateway: engines (given, or simulated in-process) + the app on uvicorn.
+
+With no ``backends``, ``replicas`` simulated engines (``mori engine-sim``) start in this
+process on free ports, sized by ``preset`` and shaped like the engine the policy
+expects (a CPU tier of ``cpu_ratio`` x the GPU pool when the policy's engine has one;
+typed eviction labels when it uses them): the embedded default a newcomer runs first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from mori.core.policies import POLICIES
+from mori.engines.base import EngineAdapter
+from mori.engines.registry import parse_backend
+from mori.gateway.app import GatewaySettings, create_app
+
+log = logging.getLogger("mori.gateway")
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """Everything ``mori serve`` takes (flags and config-file keys map onto it)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backends: list[str] = field(default_factory=list)
+    replicas: int = 1  # simulated replicas started when no backend is given
+    preset: str = "h200-qwen3-30b-a3b"
+    cpu_ratio: float = 1.0
+    gpu_kv_tokens: int | None = None
+    log_level: str = "info"
+    settings: GatewaySettings = field(default_factory=GatewaySettings)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free port, read it back from ``getsockname``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def start_simulated_backends(cfg: ServeConfig) -> tuple[list[EngineAdapter], list[Any]]:
+    """Start ``cfg.replicas`` simulated engines in this process; their adapters and
+    handles (``await handle.stop()``)."""
+    from mori.engines.simserver import EngineSimConfig, start_engine_sim
+    from mori.engines.simulated import SimEngineAdapter
+
+    profile = POLICIES.get(cfg.settings.policy).engine
+    adapters: list[EngineAdapter] = []
+    handles: list[Any] = []
+    for _ in range(cfg.replicas):
+        sim_cfg = EngineSimConfig(
+            preset=cfg.preset, time_scale=cfg.settings.time_scale,
+            cpu_ratio=cfg.cpu_ratio if profile.cpu_tier else 0.0,
+            typed_eviction=profile.typed_eviction, gpu_kv_tokens=cfg.gpu_kv_tokens)
+        h = await start_engine_sim(sim_cfg, host="127.0.0.1", port=0)
+        handles.append(h)
+        adapters.append(SimEngineAdapter(h.url))
+    return adapters, handles
+
+
+async def run_gateway(cfg: ServeConfig,
+                      on_ready: Callable[[str], Awaitable[None] | None] | None = None,
+                      stop: asyncio.Event | None = None) -> None:
+    """Serve until cancelled (or ``stop`` is set). ``on_ready(url)`` is called once the
+    gateway listens."""
+    handles: list[Any] = []
+    if cfg.backends:
+        adapters = [parse_backend(b).build() for b in cfg.backends]
+    else:
+        adapters, handles = await start_simulated_backends(cfg)
+    try:
+        app = create_app(cfg.settings, adapters)
+        sock = bind_socket(cfg.host, cfg.port)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False,
+                                               lifespan="on", timeout_keep_alive=30,
+                                               backlog=2048))
+        serve = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started and not serve.done():
+            await asyncio.sleep(0.01)
+        if serve.done():
+            await serve  # startup failed: raise its error
+            raise RuntimeError("the gateway stopped during startup (see the log above)")
+        if on_ready is not None:
+            r = on_ready(url)
+            if r is not None:
+                await r
+        if stop is not None:
+            waiter = asyncio.create_task(stop.wait())
+            await asyncio.wait({serve, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            server.should_exit = True
+        await serve
+    finally:
+        for h in handles:
+            with contextlib.suppress(Exception):
+                await h.stop()
