@@ -39,6 +39,26 @@ def test_core_is_pure(path: Path) -> None:
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
+# which layers each layer may import (imports flow one way, ARCHITECTURE.md)
+LAYERS = {
+    "traces": {"core"},
+    "sim": {"core", "traces"},
+    "engines": {"core", "sim", "traces"},
+    "replay": {"core", "sim", "traces"},
+    "gateway": {"core", "engines"},
+}
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_layers_import_one_way(layer: str) -> None:
+    allowed = LAYERS[layer] | {layer}
+    for path in sorted((ROOT / "src" / "mori" / layer).rglob("*.py")):
+        for name in imports_of(path):
+            if name.startswith("mori."):
+                other = name.split(".")[1]
+                assert other in allowed, f"{path.relative_to(ROOT)} imports {name}"
+
+
 def test_ruff_clean() -> None:
     ruff = shutil.which("ruff")
     assert ruff, "ruff is a test dependency: pip install -e '.[test]'"

@@ -30,6 +30,7 @@ class LoopThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.running: list[Running] = []
+        self.handles: list[Any] = []  # other servers with an async stop()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -41,7 +42,7 @@ class LoopThread:
         return r
 
     def close(self) -> None:
-        for r in reversed(self.running):
+        for r in [*reversed(self.running), *self.handles]:
             with contextlib.suppress(Exception):
                 self.call(r.stop(), timeout=10)
 
@@ -73,7 +74,8 @@ class Running:
 async def serve_app(app: Any, port: int = 0) -> Running:
     sock = bind_socket("127.0.0.1", port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=1))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from mori.cli.eventloop import run_loop
 from mori.core.costmodel import PRESETS
 from mori.core.registry import UnknownNameError
 from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend
@@ -179,7 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
               flush=True)
 
     try:
-        asyncio.run(run_gateway(cfg, ready))
+        run_loop(run_gateway(cfg, ready))
     except KeyboardInterrupt:
         return 0
     except (OSError, RuntimeError) as e:

@@ -12,14 +12,15 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES
@@ -64,7 +65,7 @@ class GatewaySettings:
     health_interval_s: float = 2.0
     exact_tokens: bool = False  # ask engines that can count prompt tokens exactly
     decision_log: int = 10000
-    extra: dict[str, Any] = field(default_factory=dict)
+    startup_wait_s: float = 60.0  # how long to wait for engines that are still starting
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -121,10 +122,7 @@ class Gateway:
     async def startup(self) -> None:
         for a in self.adapters:
             await a.start()
-        try:
-            self.capacities = list(await asyncio.gather(*(a.capacity() for a in self.adapters)))
-        except UpstreamError as e:
-            raise RuntimeError(f"cannot read an engine's KV capacity: {e.message}") from e
+        self.capacities = await self._wait_for_capacities()
         if len({c.page_tokens for c in self.capacities}) > 1:
             raise RuntimeError("the replicas use different KV page sizes: "
                                f"{[c.page_tokens for c in self.capacities]}")
@@ -139,6 +137,20 @@ class Gateway:
         self.controller.start()
         log.info("gateway up: policy %s, %d replica(s), GPU KV %d tokens each", s.policy,
                  len(self.adapters), min(c.gpu_tokens for c in self.capacities))
+
+    async def _wait_for_capacities(self) -> list[KVCapacity]:
+        """Each replica's capacity; engines still starting get ``startup_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.startup_wait_s
+        while True:
+            try:
+                return list(await asyncio.gather(*(a.capacity() for a in self.adapters)))
+            except UpstreamError as e:
+                if not e.unhealthy or loop.time() >= deadline:
+                    raise RuntimeError(f"cannot read an engine's KV capacity: {e.message}"
+                                       ) from e
+                log.info("waiting for the engines to start: %s", e.message)
+                await asyncio.sleep(0.5)
 
     async def shutdown(self) -> None:
         if self.controller is not None:
@@ -338,14 +350,58 @@ async def _serve(gw: Gateway, req: ClientRequest) -> Response:
         gw.metrics.completion_tokens.inc(c_used or 0)
         ctl.finished(pid, prompt + (c_used or 0), ok=up.status == 200)
         return Response(body, status_code=up.status, headers=up.headers)
-    return StreamingResponse(_relay(gw, up.chunks, up.aclose, pid, tokens, req, adm.replica,
-                                    arrived), status_code=up.status, headers=up.headers,
-                             media_type="text/event-stream")
+    return _EventStream(up.status, up.headers,
+                        _relay(gw, up.chunks, up.aclose, pid, tokens, req, adm.replica, arrived))
+
+
+class _EventStream(Response):
+    """An SSE response passed through chunk by chunk; a client that goes away cancels it.
+
+    Lighter than Starlette's ``StreamingResponse`` (no task group per request): one
+    task pumps the chunks, the handler's own task watches for the disconnect.
+    """
+
+    def __init__(self, status: int, headers: dict[str, str],
+                 chunks: AsyncGenerator[bytes, None]) -> None:
+        self.status_code = status
+        self.chunks = chunks
+        self.background = None
+        hdrs = {k.lower(): v for k, v in headers.items()}
+        hdrs.setdefault("content-type", "text/event-stream")
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        try:
+            while not pump.done():
+                watch = asyncio.ensure_future(receive())
+                await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not watch.done():
+                    watch.cancel()
+                    break
+                if watch.result().get("type") == "http.disconnect":
+                    pump.cancel()
+                    break
+        finally:
+            if not pump.done():
+                pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+
+    async def _pump(self, send: Send) -> None:
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.chunks.aclose()
 
 
 async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Any, pid: str,
                  tokens: int, req: ClientRequest, replica: int, arrived: float
-                 ) -> AsyncIterator[bytes]:
+                 ) -> AsyncGenerator[bytes, None]:
     ctl = gw.ctl
     watcher = StreamWatcher()
     first = True

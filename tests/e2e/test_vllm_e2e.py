@@ -1,0 +1,205 @@
+"""End to end on a real vLLM (CPU build, tiny random-weight Llama, 2,048-token KV pool):
+the adapter against the engine, then ``mori serve`` in front of it with several agent
+loops whose combined context exceeds the pool.
+
+Selected with ``-m e2e``; skipped with ``MORI_SKIP_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mori.engines.base import Capability, RequestHints
+from mori.engines.vllm import VLLMAdapter
+
+from .conftest import VLLMServer, free_port, http_ok, stop_group
+
+pytestmark = pytest.mark.e2e
+
+WORDS = ["the", "agent", "reads", "a", "file", "then", "runs", "the", "tests", "and", "edits", "the", "code", "until", "the", "build", "passes", "while", "another", "program", "waits", "for", "its", "tool", "call"]
+
+
+def text(n: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# -- the adapter on its own ------------------------------------------------------------------
+
+def test_adapter_against_real_vllm(vllm_server: VLLMServer) -> None:
+    async def go() -> None:
+        a = VLLMAdapter(vllm_server.url, kv_events=vllm_server.kv_events)
+        await a.start()
+        try:
+            assert await a.health()
+            cap = await a.capacity()
+            assert (cap.gpu_tokens, cap.page_tokens) == (vllm_server.kv_tokens, 32)
+            assert a.supports(Capability.RESIDENCY) and not a.supports(Capability.PREFETCH)
+            await asyncio.sleep(0.5)  # let the SUB socket join before the engine publishes
+            rng = random.Random(1)
+            system = "You are a coding agent. " + text(100, rng)
+            before = await a.prefix_cache()
+            for i, pid in enumerate(("e2e-a", "e2e-b")):
+                body = {"model": "tiny", "max_tokens": 4, "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": text(60, rng)}]}
+                n = await a.count_prompt_tokens("/v1/chat/completions", body)
+                resp = await a.forward("/v1/chat/completions", body, False,
+                                       RequestHints(pid, priority=i))
+                assert resp.status == 200, resp.body
+                usage = json.loads(resp.body or b"")["usage"]
+                assert usage["prompt_tokens"] == n
+                if i == 1:  # the shared system prompt was cached by the first program
+                    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+            after = await a.prefix_cache()
+            assert after.hits > before.hits
+            deadline = time.monotonic() + 10
+            while True:
+                res = await a.residency()
+                if {"e2e-a", "e2e-b"} <= set(res.gpu_tokens):
+                    break
+                assert time.monotonic() < deadline, f"no residency seen: {res}"
+                await asyncio.sleep(0.2)
+            assert res.gpu_tokens["e2e-a"] >= 128 and res.gpu_tokens["e2e-b"] >= 128
+            load = await a.load()
+            assert load.running == 0 and 0.0 <= load.kv_usage <= 1.0
+        finally:
+            await a.close()
+    asyncio.run(go())
+
+
+# -- the gateway in front of it --------------------------------------------------------------
+
+class Gateway:
+    def __init__(self, vllm: VLLMServer, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        backend = f"vllm={vllm.url},kv_events={vllm.kv_events}"
+        with open(log, "wb") as fh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mori", "serve", "--backend", backend,
+                 "--port", str(self.port)], stdout=fh, stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    def wait(self, timeout: float = 60.0) -> None:
+        t0 = time.monotonic()
+        while not http_ok(self.url + "/v1/programs"):
+            if self.proc.poll() is not None:
+                pytest.fail(f"mori serve exited with status {self.proc.returncode}:\n"
+                            f"{self.log.read_text(errors='replace')[-3000:]}", pytrace=False)
+            if time.monotonic() - t0 > timeout:
+                pytest.fail(f"mori serve did not answer within {timeout} s:\n"
+                            f"{self.log.read_text(errors='replace')[-3000:]}", pytrace=False)
+            time.sleep(0.3)
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            body = r.read().decode()
+            return json.loads(body) if r.headers.get_content_type() == "application/json" \
+                else body
+
+    def post(self, path: str) -> int:
+        req = urllib.request.Request(self.url + path, data=b"{}", method="POST",
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return int(r.status)
+
+    def stop(self) -> None:
+        stop_group(self.proc, grace_s=10)
+
+
+def metric(text_: str, name: str) -> float:
+    """Sum of a metric's samples in a Prometheus text exposition."""
+    total = 0.0
+    for line in text_.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)", line)
+        if m:
+            total += float(m.group(2))
+    return total
+
+
+AGENTS = 6
+TURNS = 4
+
+
+def agent_loop(client: Any, pid: str, seed: int, results: list[dict[str, Any]],
+               errors: list[str]) -> None:
+    """One agent: a system prompt, then turns of (tool result -> model call -> tool time)."""
+    rng = random.Random(seed)
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": f"Agent {pid}. " + text(150, rng)}]
+    try:
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": f"tool output {turn}: " +
+                             text(70, rng)})
+            resp = client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=8, temperature=0.0,
+                extra_body={"program_id": pid})
+            reply = resp.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": reply})
+            details = resp.usage.prompt_tokens_details if resp.usage else None
+            results.append({"program": pid, "turn": turn,
+                            "prompt_tokens": resp.usage.prompt_tokens if resp.usage else 0,
+                            "cached": (details.cached_tokens or 0) if details else 0})
+            time.sleep(rng.uniform(0.2, 1.0))  # the tool runs
+    except Exception as e:  # reported by the test thread
+        errors.append(f"{pid}: {type(e).__name__}: {e}")
+
+
+def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Path) -> None:
+    openai = pytest.importorskip("openai")
+    gw = Gateway(vllm_server, tmp_path / "gateway.log")
+    try:
+        gw.wait()
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", timeout=300,
+                               max_retries=0)
+        results: list[dict[str, Any]] = []
+        errors: list[str] = []
+        threads = [threading.Thread(target=agent_loop,
+                                    args=(client, f"agent-{i}", i, results, errors))
+                   for i in range(AGENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert not errors, errors
+        assert len(results) == AGENTS * TURNS
+        # the agents' last contexts together exceed the engine's KV pool
+        last = {r["program"]: r["prompt_tokens"] for r in results if r["turn"] == TURNS - 1}
+        assert sum(last.values()) > vllm_server.kv_tokens, last
+        # prefix caching works through the gateway: later turns reuse their history
+        assert any(r["cached"] > 0 for r in results if r["turn"] > 0)
+
+        programs = gw.get("/v1/programs")
+        rows = programs if isinstance(programs, list) else (
+            programs.get("data") or programs.get("programs") or [])
+        ids = {row["program_id"] for row in rows}
+        assert {f"agent-{i}" for i in range(AGENTS)} <= ids
+        for row in rows:
+            for key in ("program_id", "status", "tier", "replica", "idleness",
+                        "context_tokens", "gated_s"):
+                assert key in row, (key, row)
+
+        metrics = gw.get("/metrics")
+        assert "mori_programs" in metrics
+        # more context than the pool: the policy had to gate or demote someone
+        moved = (metric(metrics, "mori_gated_requests_total")
+                 + metric(metrics, "mori_demotions_total"))
+        assert moved > 0, metrics
+
+        for i in range(AGENTS):
+            assert gw.post(f"/v1/programs/agent-{i}/release") in (200, 202, 204)
+    finally:
+        gw.stop()
