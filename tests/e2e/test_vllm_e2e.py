@@ -90,7 +90,7 @@ class Gateway:
         with open(log, "wb") as fh:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "mori", "serve", "--backend", backend,
-                 "--port", str(self.port)], stdout=fh, stderr=subprocess.STDOUT,
+                 "--port", str(self.port), "--exact-tokens"], stdout=fh, stderr=subprocess.STDOUT,
                 start_new_session=True)
 
     def wait(self, timeout: float = 60.0) -> None:
@@ -139,23 +139,29 @@ def agent_loop(client: Any, pid: str, seed: int, results: list[dict[str, Any]],
     """One agent: a system prompt, then turns of (tool result -> model call -> tool time)."""
     rng = random.Random(seed)
     messages: list[dict[str, str]] = [
-        {"role": "system", "content": f"Agent {pid}. " + text(150, rng)}]
+        {"role": "system", "content": f"Agent {pid}. " + text(250, rng)}]
     try:
         for turn in range(TURNS):
             messages.append({"role": "user", "content": f"tool output {turn}: " +
-                             text(70, rng)})
+                             text(90, rng)})
             resp = client.chat.completions.create(
                 model="tiny", messages=messages, max_tokens=8, temperature=0.0,
                 extra_body={"program_id": pid})
             reply = resp.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": reply})
             details = resp.usage.prompt_tokens_details if resp.usage else None
-            results.append({"program": pid, "turn": turn,
+            results.append({"program": pid, "turn": turn, "text": reply,
                             "prompt_tokens": resp.usage.prompt_tokens if resp.usage else 0,
+                            "completion": resp.usage.completion_tokens if resp.usage else 0,
                             "cached": (details.cached_tokens or 0) if details else 0})
-            time.sleep(rng.uniform(0.2, 1.0))  # the tool runs
+            time.sleep(rng.uniform(0.05, 0.5))  # the tool runs
     except Exception as e:  # reported by the test thread
         errors.append(f"{pid}: {type(e).__name__}: {e}")
+
+
+def engine_metrics(vllm: VLLMServer) -> str:
+    with urllib.request.urlopen(vllm.url + "/metrics", timeout=30) as r:
+        return r.read().decode()
 
 
 def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Path) -> None:
@@ -163,6 +169,7 @@ def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Pa
     gw = Gateway(vllm_server, tmp_path / "gateway.log")
     try:
         gw.wait()
+        before = engine_metrics(vllm_server)
         client = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", timeout=300,
                                max_retries=0)
         results: list[dict[str, Any]] = []
@@ -175,31 +182,68 @@ def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Pa
         for t in threads:
             t.join(600)
         assert not errors, errors
+        # every request completed with text from the engine
         assert len(results) == AGENTS * TURNS
+        assert all(r["text"] for r in results)
         # the agents' last contexts together exceed the engine's KV pool
         last = {r["program"]: r["prompt_tokens"] for r in results if r["turn"] == TURNS - 1}
         assert sum(last.values()) > vllm_server.kv_tokens, last
-        # prefix caching works through the gateway: later turns reuse their history
-        assert any(r["cached"] > 0 for r in results if r["turn"] > 0)
 
-        programs = gw.get("/v1/programs")
-        rows = programs if isinstance(programs, list) else (
-            programs.get("data") or programs.get("programs") or [])
-        ids = {row["program_id"] for row in rows}
-        assert {f"agent-{i}" for i in range(AGENTS)} <= ids
-        for row in rows:
-            for key in ("program_id", "status", "tier", "replica", "idleness",
-                        "context_tokens", "gated_s"):
-                assert key in row, (key, row)
+        programs = gw.get("/v1/programs")["data"]
+        assert {row["program_id"] for row in programs} == {f"agent-{i}" for i in range(AGENTS)}
+        for row in programs:
+            assert row["status"] == "acting" and row["steps"] == TURNS, row
+            # the policy's context is the engine's own count (usage), not an estimate
+            assert row["context_tokens"] >= last[row["program_id"]], row
 
+        # programs were gated and released (promoted again) along the way
+        log = gw.get("/v1/decisions")["data"]
+        demoted = {d["program_id"] for d in log if d["kind"] == "demote"}
+        assert demoted, "the pool was exceeded but no program was demoted"
         metrics = gw.get("/metrics")
-        assert "mori_programs" in metrics
-        # more context than the pool: the policy had to gate or demote someone
-        moved = (metric(metrics, "mori_gated_requests_total")
-                 + metric(metrics, "mori_demotions_total"))
-        assert moved > 0, metrics
+        assert metric(metrics, "mori_gated_requests_total") > 0, (last, log)
+
+        # residency from KV events matches the programs the gateway placed on the GPU
+        res = gw.get("/v1/residency")["data"][0]
+        assert "error" not in res, res
+        engine_gpu = res["engine_gpu_tokens"]
+        for pid in res["policy_gpu"]:
+            assert engine_gpu.get(pid, 0) > 0, (pid, res)
+        assert sum(engine_gpu.values()) <= vllm_server.kv_tokens + 32 * AGENTS, res
+
+        # prefix-cache hits for programs that stayed resident between their turns
+        forwards: dict[str, list[int]] = {}
+        for i, d in enumerate(log):
+            if d["kind"] == "forward":
+                forwards.setdefault(d["program_id"], []).append(i)
+        stayed = []
+        for r in results:
+            idx = forwards[r["program"]]
+            if r["turn"] == 0:
+                continue
+            lo, hi = idx[r["turn"] - 1], idx[r["turn"]]
+            if not any(d["kind"] == "demote" and d["program_id"] == r["program"]
+                       for d in log[lo:hi]):
+                stayed.append(r)
+        assert stayed, "no program stayed resident between two turns"
+        assert all(r["cached"] > 0 for r in stayed), stayed
+
+        # the engine's counters and the gateway's agree with what the clients saw
+        after = engine_metrics(vllm_server)
+        def delta(name: str) -> float:
+            return metric(after, name) - metric(before, name)
+        prompt_seen = sum(r["prompt_tokens"] for r in results)
+        cached_seen = sum(r["cached"] for r in results)
+        assert delta("vllm:prompt_tokens_total") == prompt_seen
+        assert metric(metrics, "mori_prompt_tokens_total") == prompt_seen
+        assert delta("vllm:generation_tokens_total") == sum(r["completion"] for r in results)
+        assert metric(metrics, "mori_completion_tokens_total") == sum(
+            r["completion"] for r in results)
+        assert delta("vllm:prefix_cache_hits_total") >= cached_seen > 0
+        assert metric(metrics, 'mori_requests_total') == AGENTS * TURNS
 
         for i in range(AGENTS):
-            assert gw.post(f"/v1/programs/agent-{i}/release") in (200, 202, 204)
+            assert gw.post(f"/v1/programs/agent-{i}/release") == 200
+        assert gw.get("/v1/programs")["data"] == []
     finally:
         gw.stop()

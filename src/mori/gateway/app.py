@@ -3,6 +3,8 @@
 Endpoints: ``POST /v1/chat/completions`` and ``/v1/completions`` (streaming and not),
 ``GET /v1/models``, ``GET /v1/programs``, ``GET /v1/programs/{id}``,
 ``POST /v1/programs/{id}/release``, ``GET /v1/decisions`` (the recent decision log),
+``GET /v1/residency`` (per replica: where the policy placed programs, and where the
+engine reports their KV, for engines that report it),
 ``GET /healthz`` and ``GET /metrics``.
 """
 
@@ -29,6 +31,7 @@ from mori.engines.base import (
     Capability,
     EngineAdapter,
     KVCapacity,
+    NotSupportedError,
     RequestHints,
     UpstreamError,
 )
@@ -265,6 +268,25 @@ def create_app(settings: GatewaySettings, adapters: list[EngineAdapter]) -> Star
         rows = [d.as_dict() for d in gw.ctl.log if d.time >= since]
         return JSONResponse({"object": "list", "data": rows})
 
+    async def residency(request: Request) -> Response:
+        """Where each replica's engine says each program's KV is (engines that report it),
+        beside where the policy placed it."""
+        ctl = gw.ctl
+        rows = []
+        for i, r in enumerate(ctl.replicas):
+            row: dict[str, Any] = {"replica": i, "url": r.adapter.url,
+                                   "policy_gpu": sorted(ctl.policy.placement.gpu[i].members),
+                                   "policy_cpu": sorted(ctl.policy.placement.cpu[i].members)}
+            if r.adapter.supports(Capability.RESIDENCY):
+                try:
+                    res = await r.adapter.residency()
+                    row["engine_gpu_tokens"] = dict(res.gpu_tokens)
+                    row["engine_cpu_tokens"] = dict(res.cpu_tokens)
+                except (UpstreamError, NotSupportedError) as e:
+                    row["error"] = str(e)
+            rows.append(row)
+        return JSONResponse({"object": "list", "data": rows})
+
     async def healthz(request: Request) -> Response:
         ctl = gw.ctl
         healthy = [r.healthy for r in ctl.replicas]
@@ -285,6 +307,7 @@ def create_app(settings: GatewaySettings, adapters: list[EngineAdapter]) -> Star
         Route("/v1/programs/{program_id:path}/release", release, methods=["POST"]),
         Route("/v1/programs/{program_id:path}", program, methods=["GET"]),
         Route("/v1/decisions", decisions, methods=["GET"]),
+        Route("/v1/residency", residency, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
