@@ -3,7 +3,8 @@
 Converts every ``*.json`` trace of the source directory (default: the 31 development
 traces in /work/shared/data/kv-cache-tester/traces) into the canonical gzip JSON Lines
 file ``src/mori/data/default_traces.jsonl.gz``, set name ``kv-cache-tester-31``. Per-step
-token counts, block-hash prefix reuse and gaps are kept; the hash lists are dropped.
+token counts, block-hash prefix reuse, gaps and call durations (``api_time``) are kept;
+the hash lists are dropped.
 Each program's ``source`` is recorded relative to the source directory's grandparent
 (``kv-cache-tester/traces/trace_0001.json``), so no local path is shipped. The output is
 deterministic: rerunning on the same input gives the same bytes.

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mori.traces import (
     GapKind,
@@ -20,6 +22,7 @@ from mori.traces import (
     read_traceset,
     write_traceset,
 )
+from mori.traces.jsonl import TraceWriter, iter_programs
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "kv-cache-tester"
 
@@ -83,7 +86,7 @@ def test_layout_and_determinism(tmp_path: Path) -> None:
     assert gz.read_bytes() == gz2.read_bytes()
     assert gzip.decompress(gz.read_bytes()) == plain.read_bytes()
     lines = plain.read_text(encoding="utf-8").splitlines()
-    assert json.loads(lines[0]) == {"format": "mori-trace", "version": 1, "name": "sample"}
+    assert json.loads(lines[0]) == {"format": "mori-trace", "version": 2, "name": "sample"}
     assert len(lines) == 1 + len(ts)
     first = json.loads(lines[1])
     assert list(first) == ["name", "source", "shared_prefix_tokens", "steps"]
@@ -93,6 +96,7 @@ def test_layout_and_determinism(tmp_path: Path) -> None:
         "gap_s",
         "gap_kind",
         "reuse_tokens",
+        "call_s",  # kv-cache-tester's api_time; unknown fields are left out
     ]
     root = json.loads(lines[4])
     assert [s.get("subagents") is not None for s in root["steps"]] == [True, False, False]
@@ -128,7 +132,7 @@ BAD_FILES = [
     ("[]\n", "f.jsonl: line 1: expected a JSON object, got array"),
     ('{"name": "s"}\n', "f.jsonl: line 1: not a header"),
     ('{"format":"other","version":1,"name":"s"}\n', "line 1: not a header"),
-    ('{"format":"mori-trace","version":2,"name":"s"}\n', "line 1: version: unsupported version 2"),
+    ('{"format":"mori-trace","version":3,"name":"s"}\n', "line 1: version: unsupported version 3; this reader knows versions 1 and 2"),
     ('{"format":"mori-trace","version":1}\n', "f.jsonl: line 1: missing field 'name'"),
     ("not json\n", "f.jsonl: line 1, column 1: invalid JSON"),
     (f"{HEADER}\n{_prog()}\n{{oops\n", "f.jsonl: line 3, column 2: invalid JSON"),
@@ -144,6 +148,10 @@ BAD_FILES = [
     (f"{HEADER}\n" + _prog(STEP.replace("10", "-10")), "line 2: steps[0].prompt_tokens: must not be negative"),
     (f"{HEADER}\n" + _prog(extra=',"shared_prefix_tokens":1.5'), "line 2: shared_prefix_tokens: expected a non-negative integer"),
     (f"{HEADER}\n" + _prog(STEP[:-1] + ',"subagents":[{"delay_s":1}]}'), "line 2: steps[0].subagents[0]: missing field 'program'"),
+    (f"{HEADER}\n" + _prog(STEP[:-1] + ',"new_tokens":11}'), "line 2: steps[0].new_tokens: new_tokens 11 exceeds prompt_tokens 10"),
+    (f"{HEADER}\n" + _prog(STEP[:-1] + ',"call_s":-1}'), "line 2: steps[0].call_s: must not be negative"),
+    (f"{HEADER}\n" + _prog(STEP[:-1] + ',"tool_names":["Read",3]}'), "line 2: steps[0].tool_names[1]: expected a string"),
+    (f"{HEADER}\n" + _prog(STEP[:-1] + ',"block_hashes":[1,"x"]}'), "line 2: steps[0].block_hashes[1]: expected an integer"),
     (
         f"{HEADER}\n{_prog()}\n"
         + _prog(STEP[:-1] + ',"subagents":[{"delay_s":1,"program":' + _prog('{"gap_s":1}') + "}]}"),
@@ -177,3 +185,69 @@ def test_bad_bytes(tmp_path: Path) -> None:
         read_traceset(latin)
     with pytest.raises(TraceError, match=r"missing\.jsonl: cannot read"):
         read_traceset(tmp_path / "missing.jsonl")
+
+
+def test_version_1_files_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "v1.jsonl"
+    path.write_text(f"{HEADER}\n{_prog()}\n")
+    (program,) = read_traceset(path).programs
+    assert program.steps == (Step(10, 1, 1.5, GapKind.TOOL, 0),)
+    assert program.steps[0].call_s is None and program.steps[0].tool_names == ()
+    assert program.block_size is None
+
+
+def test_streaming_writer_and_reader(tmp_path: Path) -> None:
+    ts = _sample_set()
+    path = tmp_path / "s.jsonl.gz"
+    with TraceWriter(path, ts.name) as writer:
+        for program in ts.programs:
+            writer.write(program)
+    assert writer.count == len(ts)
+    assert tuple(iter_programs(path)) == ts.programs
+    assert read_traceset(path) == ts
+
+
+_names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)
+_times = st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> Step:
+    prompt = draw(st.integers(0, 10**6))
+    return Step(
+        prompt_tokens=prompt,
+        output_tokens=draw(st.integers(0, 10**5)),
+        gap_s=draw(_times),
+        gap_kind=draw(st.sampled_from(list(GapKind))),
+        reuse_tokens=draw(st.integers(0, prompt)),
+        new_tokens=draw(st.none() | st.integers(0, prompt)),
+        call_s=draw(st.none() | _times),
+        tool_names=tuple(draw(st.lists(_names, max_size=3))),
+        block_hashes=draw(st.none() | st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5)
+                          .map(tuple)),
+    )
+
+
+@st.composite
+def _programs(draw: st.DrawFn, depth: int = 0) -> ProgramTrace:
+    steps = draw(st.lists(_steps(), min_size=1, max_size=4))
+    if depth < 1 and draw(st.booleans()):
+        sub = draw(_programs(depth + 1))
+        first = steps[0]
+        steps[0] = Step(first.prompt_tokens, first.output_tokens, first.gap_s,
+                        GapKind.SUBAGENT, first.reuse_tokens, (SubagentSpawn(draw(_times), sub),),
+                        first.new_tokens, first.call_s, first.tool_names, first.block_hashes)
+    has_hashes = any(s.block_hashes is not None for s in steps)
+    return ProgramTrace(
+        name=draw(_names), steps=tuple(steps), shared_prefix_tokens=draw(st.integers(0, 10**5)),
+        source=draw(_names), block_size=draw(st.integers(1, 256)) if has_hashes else None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_programs(), max_size=3), _names)
+def test_round_trip_property(tmp_path_factory: pytest.TempPathFactory,
+                             programs: list[ProgramTrace], name: str) -> None:
+    ts = TraceSet(name, tuple(programs))
+    path = tmp_path_factory.mktemp("rt") / "p.jsonl.gz"
+    write_traceset(ts, path)
+    assert read_traceset(path) == ts

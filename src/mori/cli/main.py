@@ -1,4 +1,5 @@
-"""The ``mori`` command: ``simulate``, ``sweep``, ``policies``, ``presets`` and ``--version``.
+"""The ``mori`` command: ``simulate``, ``sweep``, ``trace``, ``serve``, ``replay``,
+``engine-sim``, ``policies``, ``presets`` and ``--version``.
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
 one line on stderr, no traceback), 1 when an output file cannot be written.
@@ -14,11 +15,14 @@ from typing import NoReturn
 
 from mori import __version__
 from mori.cli.config_file import ConfigError, load_config, valid_keys
+from mori.cli.engine_sim_cmd import add_engine_sim_parser, run_engine_sim
 from mori.cli.options import OPTIONS, add_options
+from mori.cli.replay_cmd import add_replay_parser, run_replay
 from mori.cli.serve_cmd import add_serve_parser, run_serve
 from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
 from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
+from mori.cli.trace_cmd import add_trace_parser, run_trace
 from mori.core.costmodel import PRESETS
 from mori.core.policies import PAPER_POLICIES, POLICIES
 
@@ -85,7 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--config", type=Path, metavar="FILE.toml",
                      help="read options from a TOML file (see below); flags given here win")
     add_sweep_parser(sub)
+    add_trace_parser(sub)
     add_serve_parser(sub)
+    add_replay_parser(sub)
+    add_engine_sim_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
     sub.add_parser("presets", help="list the hardware presets",
@@ -136,8 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "sweep":
         return run_sweep(args)
+    if args.command == "trace":
+        return run_trace(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "replay":
+        return run_replay(args)
+    if args.command == "engine-sim":
+        return run_engine_sim(args)
     try:
         return _simulate(args)
     except (UsageError, ConfigError) as e:

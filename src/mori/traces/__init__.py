@@ -1,27 +1,45 @@
-"""Agent traces: the canonical model, the loaders, and the default trace set.
+"""Agent traces: the canonical model, the importers, the analysis and the generator.
 
-``load_traces(path)`` reads any accepted form; ``default_traces()`` the shipped set;
-``read_traceset`` / ``write_traceset`` the canonical JSONL format. Every input problem is
-a :class:`TraceError` naming the file and the line or field at fault.
+``load_traces(path)`` reads any importable form (canonical file, kv-cache-tester, Claude
+Code transcripts, Codex rollouts; :data:`IMPORTERS`); ``default_traces()`` the shipped
+set; ``read_traceset`` / ``write_traceset`` / :class:`TraceWriter` the canonical JSONL
+format; ``analyze`` the paper's workload analysis; ``synthesize`` programs with given
+statistics. Every input problem is a :class:`TraceError` naming the file and the line
+or field at fault.
 """
 
 from mori.traces.errors import TraceError
-from mori.traces.jsonl import read_traceset, write_traceset
+from mori.traces.importers import IMPORTERS, Importer, detect_format
+from mori.traces.importing import ImportOptions, ImportReport
+from mori.traces.jsonl import TraceWriter, iter_programs, read_traceset, write_traceset
 from mori.traces.kvcache_tester import load_kvcache_tester_dir, load_kvcache_tester_file
 from mori.traces.loading import default_traces, load_traces
 from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet
+from mori.traces.stats import TraceStats, analyze
+from mori.traces.synth import SynthSpec, synthesize
 
 __all__ = [
+    "IMPORTERS",
     "GapKind",
+    "ImportOptions",
+    "ImportReport",
+    "Importer",
     "ProgramTrace",
     "Step",
     "SubagentSpawn",
+    "SynthSpec",
     "TraceError",
     "TraceSet",
+    "TraceStats",
+    "TraceWriter",
+    "analyze",
     "default_traces",
+    "detect_format",
+    "iter_programs",
     "load_kvcache_tester_dir",
     "load_kvcache_tester_file",
     "load_traces",
     "read_traceset",
+    "synthesize",
     "write_traceset",
 ]

@@ -3,20 +3,31 @@
 Layout (UTF-8, one JSON object per line; gzip-compressed iff the path ends in ``.gz``,
 in any letter case):
 
-* line 1, the header: ``{"format": "mori-trace", "version": 1, "name": <set name>}``;
+* line 1, the header: ``{"format": "mori-trace", "version": 2, "name": <set name>}``;
 * then one top-level program per line::
 
-    {"name": str, "source": str, "shared_prefix_tokens": int,
+    {"name": str, "source": str, "shared_prefix_tokens": int, "block_size": int,
      "steps": [{"prompt_tokens": int, "output_tokens": int, "gap_s": float,
                 "gap_kind": "tool" | "human" | "subagent" | "end", "reuse_tokens": int,
+                "new_tokens": int, "call_s": float, "tool_names": [str, ...],
+                "block_hashes": [int, ...],
                 "subagents": [{"delay_s": float, "program": {...a program object...}}]}]}
 
-  ``subagents`` is omitted when empty. On reading, ``source`` defaults to ``""``,
-  ``shared_prefix_tokens`` and ``reuse_tokens`` to 0, ``subagents`` to none; unknown
-  fields are ignored; blank lines after the header are skipped.
+  A subagent is nested in the step of its parent that spawned it: its parent is the
+  enclosing program, its spawn time ``delay_s`` seconds after the end of that step's
+  response. Optional fields are omitted when unknown or empty: ``block_size`` (only with
+  block hashes), ``new_tokens``, ``call_s``, ``tool_names``, ``block_hashes``,
+  ``subagents``. On reading, ``source`` defaults to ``""``, ``shared_prefix_tokens`` and
+  ``reuse_tokens`` to 0; unknown fields are ignored; blank lines after the header are
+  skipped.
+
+Version history: version 1 had no ``new_tokens``, ``call_s``, ``tool_names``,
+``block_hashes`` nor ``block_size``; a version 1 file is read as the same set with those
+unknown. Version 2 is written.
 
 Writing then reading gives back an equal :class:`TraceSet` (floats are written with
-``repr`` precision). Any problem reading raises
+``repr`` precision). :class:`TraceWriter` writes programs one at a time (bounded memory);
+:func:`iter_programs` reads them one at a time. Any problem reading raises
 :class:`~mori.traces.errors.TraceError` naming the file, the line and the field path.
 """
 
@@ -27,14 +38,16 @@ import io
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from types import TracebackType
 
 from mori.traces.errors import Fields, TraceError
 from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet
 
 FORMAT = "mori-trace"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = (1, 2)
 _GAP_KINDS = ", ".join(kind.value for kind in GapKind)
 
 
@@ -45,18 +58,66 @@ def write_traceset(ts: TraceSet, path: str | os.PathLike[str]) -> None:
     Raises :class:`TraceError` if a number is not finite (JSON cannot hold it); the file
     may then be left incomplete. I/O errors propagate as :class:`OSError`.
     """
-    file = os.fspath(path)
-    header = {"format": FORMAT, "version": VERSION, "name": ts.name}
-    with _open_write(file) as out:
-        out.write(_dump(header))
-        for index, program in enumerate(ts.programs):
-            try:
-                line = _dump(_program_to_json(program))
-            except ValueError as exc:
-                raise TraceError(
-                    file, f"programs[{index}] ({program.name!r})", f"cannot write: {exc}"
-                ) from exc
-            out.write(line)
+    write_programs(path, ts.name, ts.programs)
+
+
+def write_programs(
+    path: str | os.PathLike[str], name: str, programs: Iterable[ProgramTrace]
+) -> int:
+    """Write a set named ``name`` from an iterable of programs, one at a time; return how
+    many were written. Same output and errors as :func:`write_traceset`."""
+    with TraceWriter(path, name) as writer:
+        for program in programs:
+            writer.write(program)
+        return writer.count
+
+
+class TraceWriter:
+    """Writes a canonical trace file one program at a time (nothing is kept in memory).
+
+    ``with TraceWriter(path, name) as w: w.write(program)``; the header is written on
+    opening. Programs are written in the order given.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], name: str) -> None:
+        self.file = os.fspath(path)
+        self.count = 0
+        self._raw = open(self.file, "wb")  # noqa: SIM115 -- closed in close()
+        self._gz: gzip.GzipFile | None = None
+        self._out: io.BufferedIOBase | gzip.GzipFile = self._raw
+        if _is_gzip(self.file):
+            self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, mtime=0)
+            self._out = self._gz
+        self._out.write(_dump({"format": FORMAT, "version": VERSION, "name": name}))
+
+    def write(self, program: ProgramTrace) -> None:
+        """Append one top-level program (with its subagents)."""
+        try:
+            line = _dump(_program_to_json(program))
+        except ValueError as exc:
+            raise TraceError(
+                self.file, f"programs[{self.count}] ({program.name!r})", f"cannot write: {exc}"
+            ) from exc
+        self._out.write(line)
+        self.count += 1
+
+    def close(self) -> None:
+        """Finish the file (idempotent)."""
+        if self._gz is not None:
+            self._gz.close()
+            self._gz = None
+        self._raw.close()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 def read_traceset(path: str | os.PathLike[str]) -> TraceSet:
@@ -66,29 +127,51 @@ def read_traceset(path: str | os.PathLike[str]) -> TraceSet:
     file is unreadable, not gzip although named ``.gz``, not UTF-8 JSON Lines, lacks the
     header, has an unsupported version, or a program does not follow the layout.
     """
+    name, programs = read_header_and_programs(path)
+    return TraceSet(name=name, programs=tuple(programs))
+
+
+def read_header_and_programs(path: str | os.PathLike[str]) -> tuple[str, Iterator[ProgramTrace]]:
+    """The set name and an iterator over its programs, read lazily one line at a time.
+
+    The header is checked before returning; program lines are parsed as the iterator is
+    consumed (errors as for :func:`read_traceset`). The file stays open until the
+    iterator is exhausted or closed.
+    """
     file = os.fspath(path)
-    name: str | None = None
-    programs: list[ProgramTrace] = []
+    lines = _iter_objects(file)
+    first = next(lines, None)
+    if first is None:
+        raise TraceError(file, "line 1", "empty file", f"expected the header {_header_example()}")
+    name = _check_header(Fields(first[1], file, "", first[0]))
+
+    def programs() -> Iterator[ProgramTrace]:
+        for lineno, obj in lines:
+            yield _program_from_json(Fields(obj, file, "", lineno))
+
+    return name, programs()
+
+
+def iter_programs(path: str | os.PathLike[str]) -> Iterator[ProgramTrace]:
+    """The top-level programs of a canonical trace file, one at a time."""
+    return read_header_and_programs(path)[1]
+
+
+def _iter_objects(file: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) for each non-blank line after the first."""
     lineno = 0  # the last line read whole
     opened = False
     try:
         with _open_read(file) as stream:
             opened = True
             for lineno, raw_line in enumerate(stream, 1):
-                if name is not None and not raw_line.strip():
+                if lineno > 1 and not raw_line.strip():
                     continue
-                obj = _parse_line(file, lineno, raw_line)
-                if name is None:
-                    name = _check_header(Fields(obj, file, "", lineno))
-                else:
-                    programs.append(_program_from_json(Fields(obj, file, "", lineno)))
+                yield lineno, _parse_line(file, lineno, raw_line)
     except (OSError, EOFError, zlib.error) as exc:
         where = f"line {lineno + 1}" if opened else None
         hint = "is it really gzip-compressed?" if _is_gzip(file) else None
         raise TraceError(file, where, f"cannot read: {exc}", hint) from exc
-    if name is None:
-        raise TraceError(file, "line 1", "empty file", f"expected the header {_header_example()}")
-    return TraceSet(name=name, programs=tuple(programs))
 
 
 def _is_gzip(file: str) -> bool:
@@ -97,16 +180,6 @@ def _is_gzip(file: str) -> bool:
 
 def _dump(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n"
-
-
-@contextmanager
-def _open_write(file: str) -> Iterator[io.BufferedIOBase]:
-    with open(file, "wb") as raw:
-        if _is_gzip(file):
-            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
-                yield gz
-        else:
-            yield raw
 
 
 @contextmanager
@@ -141,9 +214,10 @@ def _check_header(header: Fields) -> str:
     if not header.has("format") or header.text("format") != FORMAT:
         raise header.error(f"not a header: 'format' must be {FORMAT!r}", hint=hint)
     version = header.integer("version")
-    if version != VERSION:
+    if version not in READ_VERSIONS:
+        known = " and ".join(str(v) for v in READ_VERSIONS)
         raise header.error(
-            f"unsupported version {version}", "version", f"this reader knows version {VERSION}"
+            f"unsupported version {version}", "version", f"this reader knows versions {known}"
         )
     return header.text("name")
 
@@ -158,18 +232,29 @@ def _program_to_json(program: ProgramTrace) -> dict[str, object]:
             "gap_kind": GapKind(step.gap_kind).value,
             "reuse_tokens": step.reuse_tokens,
         }
+        if step.new_tokens is not None:
+            item["new_tokens"] = step.new_tokens
+        if step.call_s is not None:
+            item["call_s"] = step.call_s
+        if step.tool_names:
+            item["tool_names"] = list(step.tool_names)
+        if step.block_hashes is not None:
+            item["block_hashes"] = list(step.block_hashes)
         if step.subagents:
             item["subagents"] = [
                 {"delay_s": spawn.delay_s, "program": _program_to_json(spawn.program)}
                 for spawn in step.subagents
             ]
         steps.append(item)
-    return {
+    out: dict[str, object] = {
         "name": program.name,
         "source": program.source,
         "shared_prefix_tokens": program.shared_prefix_tokens,
-        "steps": steps,
     }
+    if program.block_size is not None:
+        out["block_size"] = program.block_size
+    out["steps"] = steps
+    return out
 
 
 def _program_from_json(obj: Fields) -> ProgramTrace:
@@ -181,6 +266,7 @@ def _program_from_json(obj: Fields) -> ProgramTrace:
         steps=tuple(steps),
         shared_prefix_tokens=obj.integer("shared_prefix_tokens", 0),
         source=obj.text("source", ""),
+        block_size=obj.integer("block_size") if obj.has("block_size") else None,
     )
 
 
@@ -206,6 +292,13 @@ def _step_from_json(obj: Fields) -> Step:
         delay = spawn.number("delay_s")
         program = _program_from_json(spawn.child(spawn.raw("program"), spawn.path("program")))
         spawns.append(SubagentSpawn(delay_s=delay, program=program))
+    new = obj.integer("new_tokens") if obj.has("new_tokens") else None
+    if new is not None and new > prompt:
+        raise obj.error(
+            f"new_tokens {new} exceeds prompt_tokens {prompt}",
+            "new_tokens",
+            "new tokens are part of the prompt, so at most prompt_tokens",
+        )
     return Step(
         prompt_tokens=prompt,
         output_tokens=obj.integer("output_tokens"),
@@ -213,4 +306,27 @@ def _step_from_json(obj: Fields) -> Step:
         gap_kind=kind,
         reuse_tokens=reuse,
         subagents=tuple(spawns),
+        new_tokens=new,
+        call_s=obj.opt_number("call_s"),
+        tool_names=tuple(_strings(obj, "tool_names")),
+        block_hashes=_hashes(obj) if obj.has("block_hashes") else None,
     )
+
+
+def _strings(obj: Fields, key: str) -> list[str]:
+    out: list[str] = []
+    for index, value in enumerate(obj.array(key, [])):
+        if not isinstance(value, str):
+            raise obj.error(f"expected a string, got {type(value).__name__}", f"{key}[{index}]")
+        out.append(value)
+    return out
+
+
+def _hashes(obj: Fields) -> tuple[int, ...]:
+    values = obj.array("block_hashes")
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise obj.error(
+                f"expected an integer, got {type(value).__name__}", f"block_hashes[{index}]"
+            )
+    return tuple(values)  # type: ignore[arg-type]

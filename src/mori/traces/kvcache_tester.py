@@ -12,7 +12,9 @@ Conversion rules (one LLM call -> one :class:`~mori.traces.model.Step`):
 * ``reuse_tokens``: number of leading equal ``hash_ids`` entries shared with the previous
   LLM call of the same program, times ``block_size`` (default 64), capped at
   ``prompt_tokens``; 0 for a program's first call and for a call without ``hash_ids``.
-  Hash lists are only compared, never kept.
+  The hash lists themselves are kept (``Step.block_hashes``, ``ProgramTrace.block_size``)
+  only when asked (``keep_hashes=True``); otherwise they are only compared.
+* ``call_s = api_time`` when present (the provider's latency), else unknown.
 * Gap after call *i*, when call *i+1* follows with no subagent in between:
   ``think_time`` of call *i+1* if present, capped at ``t[i+1] - t[i]``; else
   ``t[i+1] - t[i] - api_time[i]`` if ``api_time[i]`` is present; else ``t[i+1] - t[i]``;
@@ -75,6 +77,7 @@ class _Call:
     output: int
     reuse: int
     stop: str
+    hashes: tuple[int, ...] | None = None
     subs: list[_Sub] = field(default_factory=list)
 
     @property
@@ -89,10 +92,15 @@ class _Context:
 
     file: str
     block_size: int
+    keep_hashes: bool = False
 
 
-def load_kvcache_tester_file(path: str | os.PathLike[str]) -> ProgramTrace:
+def load_kvcache_tester_file(
+    path: str | os.PathLike[str], *, keep_hashes: bool = False
+) -> ProgramTrace:
     """Load one kv-cache-tester ``.json`` trace as a top-level program (rules: module doc).
+
+    ``keep_hashes``: keep each call's ``hash_ids`` as ``Step.block_hashes``.
 
     Raises :class:`TraceError` (naming the file and the line/column or field path) for an
     unreadable file, invalid JSON, or content that does not follow the format.
@@ -115,7 +123,7 @@ def load_kvcache_tester_file(path: str | os.PathLike[str]) -> ProgramTrace:
     block_size = top.integer("block_size", DEFAULT_BLOCK_SIZE)
     if block_size == 0:
         raise top.error("must be positive", "block_size")
-    ctx = _Context(file, block_size)
+    ctx = _Context(file, block_size, keep_hashes)
     name = top.text("id", Path(file).stem) or Path(file).stem
     shared = top.integer("tool_tokens", 0) + top.integer("system_tokens", 0)
     program = _parse_program(top, ctx, name, shared)
@@ -126,7 +134,9 @@ def load_kvcache_tester_file(path: str | os.PathLike[str]) -> ProgramTrace:
     return program
 
 
-def load_kvcache_tester_dir(path: str | os.PathLike[str]) -> TraceSet:
+def load_kvcache_tester_dir(
+    path: str | os.PathLike[str], *, keep_hashes: bool = False
+) -> TraceSet:
     """Load every ``*.json`` file of a directory (sorted by name) as one :class:`TraceSet`.
 
     The set is named after the directory. Raises :class:`TraceError` if the directory
@@ -139,7 +149,7 @@ def load_kvcache_tester_dir(path: str | os.PathLike[str]) -> TraceSet:
         raise TraceError(path, None, f"cannot list directory: {exc.strerror or exc}") from exc
     if not files:
         raise TraceError(path, None, "no *.json trace file in this directory")
-    programs = tuple(load_kvcache_tester_file(p) for p in files)
+    programs = tuple(load_kvcache_tester_file(p, keep_hashes=keep_hashes) for p in files)
     return TraceSet(name=directory.resolve().name, programs=programs)
 
 
@@ -180,6 +190,7 @@ def _parse_program(
         if prev_hashes is not None:
             reuse = min(prompt, _common_prefix(prev_hashes, hashes) * ctx.block_size)
         prev_hashes = hashes
+        kept = _hash_tuple(req, hashes) if ctx.keep_hashes and req.has("hash_ids") else None
         calls.append(
             _Call(
                 t=req.number("t"),
@@ -189,6 +200,7 @@ def _parse_program(
                 output=req.integer("out"),
                 reuse=reuse,
                 stop=req.text("stop", ""),
+                hashes=kept,
             )
         )
     if not calls:
@@ -197,7 +209,21 @@ def _parse_program(
         _make_step(call, calls[i + 1] if i + 1 < len(calls) else None)
         for i, call in enumerate(calls)
     )
-    return ProgramTrace(name=name, steps=steps, shared_prefix_tokens=shared_prefix, source=ctx.file)
+    has_hashes = any(step.block_hashes is not None for step in steps)
+    return ProgramTrace(
+        name=name,
+        steps=steps,
+        shared_prefix_tokens=shared_prefix,
+        source=ctx.file,
+        block_size=ctx.block_size if has_hashes else None,
+    )
+
+
+def _hash_tuple(req: Fields, hashes: list[object]) -> tuple[int, ...]:
+    for index, value in enumerate(hashes):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise req.error(f"expected an integer block id, got {value!r}", f"hash_ids[{index}]")
+    return tuple(hashes)  # type: ignore[arg-type]
 
 
 def _parse_subagent(req: Fields, ctx: _Context, parent: str, index: int) -> _Sub | None:
@@ -247,4 +273,6 @@ def _make_step(call: _Call, nxt: _Call | None) -> Step:
         gap_kind=kind,
         reuse_tokens=call.reuse,
         subagents=spawns,
+        call_s=call.api_time,
+        block_hashes=call.hashes,
     )

@@ -1,8 +1,10 @@
 """Load a trace set from whatever form it comes in, and the default set MORI ships.
 
-Accepted forms (see :func:`load_traces`): a directory of kv-cache-tester ``*.json``
-files, one kv-cache-tester ``.json`` file, or a canonical ``.jsonl`` / ``.jsonl.gz``
-file (:mod:`mori.traces.jsonl`).
+Accepted forms (see :func:`load_traces`): a canonical ``.jsonl`` / ``.jsonl.gz`` file
+(:mod:`mori.traces.jsonl`), kv-cache-tester ``.json`` traces (a file or a directory of
+them), Claude Code transcripts (a session ``.jsonl`` or a project folder) and Codex
+rollouts (a ``rollout-*.jsonl`` or a folder of them): every format of
+:data:`mori.traces.importers.IMPORTERS`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 
 from mori.traces.errors import TraceError
+from mori.traces.importers import IMPORTERS, detect_format
+from mori.traces.importing import ImportOptions
 from mori.traces.jsonl import read_traceset
 from mori.traces.kvcache_tester import load_kvcache_tester_dir, load_kvcache_tester_file
 from mori.traces.model import TraceSet
@@ -20,33 +24,55 @@ DEFAULT_TRACES_PACKAGE = "mori.data"
 DEFAULT_TRACES_FILE = "default_traces.jsonl.gz"
 ACCEPTED_FORMS = (
     "a directory of kv-cache-tester *.json files, a kv-cache-tester .json file, "
-    "or a MORI .jsonl / .jsonl.gz trace file"
+    "a MORI .jsonl / .jsonl.gz trace file, a Claude Code session .jsonl or project "
+    "folder, or a Codex rollout-*.jsonl or folder of them"
 )
 
 
-def load_traces(path: str | os.PathLike[str]) -> TraceSet:
-    """Load the trace set at ``path``, detecting its form by kind and file name.
+def load_traces(path: str | os.PathLike[str], format: str | None = None) -> TraceSet:
+    """Load the trace set at ``path``, detecting its form by kind, name and first line.
 
-    * a directory: every ``*.json`` in it, as kv-cache-tester traces (set named after the
-      directory);
+    * ``*.jsonl`` / ``*.jsonl.gz``: a canonical MORI file (its first line is the
+      ``mori-trace`` header), else a Codex rollout or a Claude Code transcript, told
+      apart by their first line; a file that is none of these is read as a canonical
+      file (whose error says what the header should be);
     * ``*.json``: one kv-cache-tester trace (set named after the file stem);
-    * ``*.jsonl`` or ``*.jsonl.gz``: a canonical MORI trace file.
+    * a directory: Codex rollouts or Claude Code transcripts when it holds some, else
+      every ``*.json`` in it, as kv-cache-tester traces (set named after the directory).
 
-    Raises :class:`TraceError` if ``path`` does not exist, has another form (the message
-    lists the accepted ones), or its content is malformed.
+    ``format`` (an :data:`~mori.traces.importers.IMPORTERS` name) skips the detection.
+    Block hashes are not kept (a replay does not need them; ``mori trace import``
+    keeps them). Raises :class:`TraceError` if ``path`` does not exist, has another form
+    (the message lists the accepted ones), or its content is malformed.
     """
     file = os.fspath(path)
     p = Path(file)
-    if p.is_dir():
-        return load_kvcache_tester_dir(file)
     if not p.exists():
         raise TraceError(file, None, "no such file or directory", f"expected {ACCEPTED_FORMS}")
     name = p.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz")):
+    if format is None:
+        format = detect_format(p)
+        if format is None:
+            if p.is_dir():
+                format = "kv-cache-tester"
+            elif name.endswith((".jsonl", ".jsonl.gz")):
+                format = "mori"
+            else:
+                raise TraceError(
+                    file, None, "unrecognized trace form", f"expected {ACCEPTED_FORMS}"
+                )
+    if format == "mori" and p.is_file():
         return read_traceset(file)
-    if name.endswith(".json"):
+    if format == "kv-cache-tester":
+        if p.is_dir():
+            return load_kvcache_tester_dir(file)
         return TraceSet(name=p.stem, programs=(load_kvcache_tester_file(file),))
-    raise TraceError(file, None, "unrecognized trace form", f"expected {ACCEPTED_FORMS}")
+    importer = IMPORTERS.get(format)
+    programs = tuple(importer.programs([p], ImportOptions(keep_hashes=False)))
+    if not programs:
+        raise TraceError(file, None, f"no LLM call found in these {format} traces")
+    set_name = p.resolve().name if p.is_dir() else p.name.split(".jsonl")[0]
+    return TraceSet(name=set_name, programs=programs)
 
 
 def default_traces() -> TraceSet:

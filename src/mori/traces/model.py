@@ -39,8 +39,20 @@ class Step:
     ``reuse_tokens``: how many leading tokens of this prompt equal a prefix of the previous
     prompt of the same program (block-granular, from the block hashes; 0 for the first
     step). The rest of the prompt is new and must be computed in any case.
-    ``gap_s``: seconds from the end of this step's response to the next request. For a
-    ``SUBAGENT`` gap it is the residual time after the last subagent ends.
+    ``gap_s``: seconds from the end of this step's response to the next request. When the
+    step spawns subagents it is the residual time after the last subagent ends (the parent
+    waits for them first).
+
+    Optional, recorded when the source knows them (``None`` / empty otherwise; the
+    simulator does not read them):
+
+    * ``new_tokens``: prompt tokens the recording says were not served from a prefix cache
+      (Claude Code: ``input + cache_creation``; Codex: ``input - cached_input``).
+    * ``call_s``: seconds from the request to the end of its response (the program's
+      reasoning time in this step), as recorded.
+    * ``tool_names``: the tools the response called, in call order (repeats kept).
+    * ``block_hashes``: one id per ``ProgramTrace.block_size`` tokens of the prompt,
+      chained (equal ids mean an equal prefix).
     """
 
     prompt_tokens: int
@@ -49,6 +61,10 @@ class Step:
     gap_kind: GapKind
     reuse_tokens: int = 0
     subagents: tuple[SubagentSpawn, ...] = ()
+    new_tokens: int | None = None
+    call_s: float | None = None
+    tool_names: tuple[str, ...] = ()
+    block_hashes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.output_tokens < 0:
@@ -57,6 +73,10 @@ class Step:
             raise ValueError(f"negative gap in {self!r}")
         if not 0 <= self.reuse_tokens <= self.prompt_tokens:
             raise ValueError(f"reuse_tokens outside [0, prompt_tokens] in {self!r}")
+        if self.new_tokens is not None and not 0 <= self.new_tokens <= self.prompt_tokens:
+            raise ValueError(f"new_tokens outside [0, prompt_tokens] in {self!r}")
+        if self.call_s is not None and self.call_s < 0:
+            raise ValueError(f"negative call_s in {self!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +85,15 @@ class ProgramTrace:
 
     ``shared_prefix_tokens``: the tools + system prefix (the first tokens of every prompt)
     that real deployments share across conversations; 0 when unknown.
+    ``block_size``: tokens per entry of the steps' ``block_hashes``; ``None`` when the
+    program carries no hashes.
     """
 
     name: str
     steps: tuple[Step, ...]
     shared_prefix_tokens: int = 0
     source: str = ""
+    block_size: int | None = None
 
     @property
     def peak_context_tokens(self) -> int:

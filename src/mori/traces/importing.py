@@ -1,0 +1,165 @@
+"""What every importer shares: options, a report of what was read, and a streaming
+reader of JSON Lines that names the file and line of any bad one.
+
+Importers read line by line and never hold a whole file; a bad line (not JSON, not an
+object, an unknown ``type``, a field missing or of the wrong type) is a
+:class:`~mori.traces.errors.TraceError` naming the file and line, unless
+``ImportOptions.skip_bad`` is set: then it is skipped and counted in the report.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import IO, cast
+
+from mori.traces.errors import Fields, TraceError
+
+MAX_EXAMPLES = 5
+SKIP_HINT = "--skip-bad skips such lines and counts them"
+
+
+@dataclass(slots=True)
+class ImportReport:
+    """Counts of what an import read, kept, and skipped."""
+
+    files: int = 0
+    lines: int = 0
+    bad_lines: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    programs: int = 0
+    subagents: int = 0
+    steps: int = 0
+    empty_sessions: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def bad(self, error: TraceError) -> None:
+        """Count a skipped bad line (keeping the first few messages)."""
+        self.bad_lines += 1
+        if len(self.bad_examples) < MAX_EXAMPLES:
+            self.bad_examples.append(str(error))
+
+    def summary(self) -> str:
+        """One line: files, lines, programs, subagents, steps, skips."""
+        parts = [
+            f"{self.files} file(s)",
+            f"{self.lines} line(s)",
+            f"{self.programs} program(s)",
+            f"{self.subagents} subagent(s)",
+            f"{self.steps} step(s)",
+        ]
+        if self.empty_sessions:
+            parts.append(f"{self.empty_sessions} session(s) without any LLM call left out")
+        if self.bad_lines:
+            parts.append(f"{self.bad_lines} bad line(s) skipped")
+        return ", ".join(parts)
+
+
+@dataclass(slots=True)
+class ImportOptions:
+    """How to import. ``skip_bad``: skip and count bad lines instead of failing;
+    ``keep_hashes``: keep block hashes where the format has them; ``progress``: called
+    with the number of bytes consumed, as the import advances."""
+
+    skip_bad: bool = False
+    keep_hashes: bool = True
+    progress: Callable[[int], None] | None = None
+    report: ImportReport = field(default_factory=ImportReport)
+
+    def fail(self, error: TraceError) -> None:
+        """Raise ``error``, or count it when skipping bad lines."""
+        if not self.skip_bad:
+            raise error
+        self.report.bad(error)
+
+
+def open_binary(file: Path) -> IO[bytes]:
+    """``file`` opened for reading bytes, decompressed when its name ends in ``.gz``."""
+    if file.name.lower().endswith(".gz"):
+        return cast(IO[bytes], gzip.open(file, "rb"))
+    return open(file, "rb")  # noqa: SIM115 -- the caller closes it
+
+
+def json_lines(file: Path, options: ImportOptions) -> Iterator[tuple[int, Fields]]:
+    """(line number, the line's JSON object) for each non-blank line of ``file``.
+
+    Lines that are not UTF-8 JSON objects go through ``options.fail``. An unreadable
+    file is a :class:`TraceError` even when skipping bad lines.
+    """
+    name = os.fspath(file)
+    report = options.report
+    report.files += 1
+    lineno = 0
+    try:
+        with open_binary(file) as stream:
+            for lineno, raw in enumerate(stream, 1):
+                if options.progress is not None:
+                    options.progress(len(raw))
+                if not raw.strip():
+                    continue
+                report.lines += 1
+                try:
+                    value = json.loads(raw)
+                except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                    options.fail(TraceError(name, f"line {lineno}", f"invalid JSON: {exc}",
+                                            SKIP_HINT))
+                    continue
+                if not isinstance(value, dict):
+                    options.fail(TraceError(name, f"line {lineno}", "not a JSON object",
+                                            SKIP_HINT))
+                    continue
+                yield lineno, Fields(value, name, "", lineno)
+    except (OSError, EOFError) as exc:
+        where = f"line {lineno + 1}" if lineno else None
+        raise TraceError(name, where, f"cannot read: {exc}") from exc
+
+
+def first_object(file: Path, max_lines: int = 20) -> dict[str, object] | None:
+    """The first JSON object among the first ``max_lines`` non-blank lines of ``file``
+    (``None`` if none parses): a cheap format sniff."""
+    try:
+        with open_binary(file) as stream:
+            seen = 0
+            for raw in stream:
+                if not raw.strip():
+                    continue
+                seen += 1
+                try:
+                    value = json.loads(raw)
+                except ValueError:
+                    value = None
+                if isinstance(value, dict):
+                    return value
+                if seen >= max_lines:
+                    break
+    except (OSError, EOFError):
+        return None
+    return None
+
+
+def parse_time(obj: Fields, key: str = "timestamp") -> float:
+    """An ISO-8601 timestamp field as POSIX seconds; :class:`TraceError` if malformed."""
+    text = obj.text(key)
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise obj.error(f"not an ISO-8601 timestamp: {text!r}", key, SKIP_HINT) from None
+
+
+def walk_files(paths: list[Path], accept: Callable[[Path], bool]) -> list[Path]:
+    """Every file under ``paths`` (files as given, directories recursively, sorted) that
+    ``accept`` keeps; a missing path is a :class:`TraceError`."""
+    out: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            out.extend(sorted(p for p in path.rglob("*") if p.is_file() and accept(p)))
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise TraceError(path, None, "no such file or directory")
+    return out
