@@ -46,7 +46,12 @@ class BackendSpec:
             raise BackendSpecError(
                 f"backend {self.kind}={self.url}: unknown option(s) {', '.join(unknown)}; "
                 f"{self.kind} takes: {', '.join(accepted) or '(none)'}")
-        return cls(self.url, **self.options)
+        options = dict(self.options)
+        for name, value in self.options.items():
+            # "auto" for a ``bool | None`` option: leave it to the adapter's detection
+            if value == "auto" and str(params[name].annotation).replace(" ", "") == "bool|None":
+                options[name] = None
+        return cls(self.url, **options)
 
 
 def _value(text: str) -> Any:

@@ -9,7 +9,7 @@ What the engine must run with (``scripts/start_vllm_cpu.sh`` does all of it)::
                          "endpoint": "tcp://*:5557", "topic": "kv-events"}'
     --enable-prompt-tokens-details        # cached_tokens in usage
 
-Options (``--backend vllm=URL,key=value,...``; ``mori.engines.options.build_adapter``):
+Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_backend``):
 
 - ``kv_tokens``: GPU KV capacity in tokens; 0 (default) reads it from the engine's
   ``vllm:cache_config_info`` (``num_gpu_blocks`` x ``block_size``).

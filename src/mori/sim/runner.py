@@ -5,11 +5,11 @@ for decisions and executes them on the simulated engines. Closed loop: a program
 its next request only after its previous response and its recorded gap; a finished
 program's slot takes the next trace; a subagent is a program of its own, spawned at its
 recorded delay, while its parent waits for it (its parent's residual gap follows).
+These rules live in :mod:`mori.sim.plan`, shared with the live replay client.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +25,7 @@ from mori.sim.config import SimConfig
 from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
 from mori.sim.metrics import Counters, RunResult, percentile
-from mori.sim.workload import prepare
+from mori.sim.plan import ProgramRun, ReplayPlan
 from mori.traces.model import ProgramTrace, TraceSet
 
 
@@ -34,13 +34,7 @@ class SettingsError(ValueError):
 
 
 @dataclass(slots=True, eq=False)
-class _Live:
-    pid: str
-    trace: ProgramTrace
-    slot: int | None
-    parent: _Live | None = None
-    step: int = 0
-    pending_subs: int = 0
+class _Live(ProgramRun):
     req: SimRequest | None = None
     children: list[_Live] = field(default_factory=list)
 
@@ -59,8 +53,12 @@ class Simulation:
         cpu_tier = policy_cls.engine.cpu_tier
         self.cpu_pages = int(self.gpu_pages * config.cpu_ratio) if cpu_tier else 0
         max_ctx = config.max_context or preset.model.context_window
-        programs, self.left_out = prepare(traces.programs, max_ctx, config.human_gap,
-                                          config.human_gap_cap_s)
+        # the replay rules: prepared traces, seeded order and slot start times
+        self.plan = ReplayPlan.build(traces.programs, slots=config.programs, seed=config.seed,
+                                     stagger_s=config.stagger_s, max_context=max_ctx,
+                                     human_gap=config.human_gap,
+                                     human_gap_cap_s=config.human_gap_cap_s)
+        programs, self.left_out = self.plan.programs, self.plan.left_out
         if not programs:
             raise SettingsError(
                 f"no program of trace set {traces.name!r} fits a context of {max_ctx} tokens; "
@@ -89,11 +87,6 @@ class Simulation:
                           self, typed_admission=typed)
             for i in range(config.replicas)
         ]
-        self.rng = random.Random(config.seed)
-        self.order = list(range(len(programs)))
-        self.rng.shuffle(self.order)
-        self.cursor = 0
-        self.instances = 0
         self.live: dict[str, _Live] = {}
         self.c = Counters()
         self._ran = False
@@ -105,8 +98,7 @@ class Simulation:
         self._ran = True
         cfg = self.config
         wall0 = time.perf_counter()
-        for slot in range(cfg.programs):
-            start = self.rng.uniform(0.0, cfg.stagger_s) if cfg.stagger_s else 0.0
+        for slot, start in enumerate(self.plan.start_times):
             self.loop.at(start, PRIO_WORKLOAD, self._start_slot, slot)
         tick = self.policy.tick_interval
         if tick:
@@ -119,15 +111,11 @@ class Simulation:
         self.loop.at(self.loop.now + period, PRIO_TICK, self._tick, period)
 
     def _start_slot(self, slot: int) -> None:
-        trace = self.programs[self.order[self.cursor % len(self.order)]]
-        self.cursor += 1
-        self._start(trace, slot, None)
+        self._start(self.plan.next_trace(), slot, None)
 
     def _start(self, trace: ProgramTrace, slot: int | None, parent: _Live | None) -> None:
-        self.instances += 1
-        pid = f"{trace.name}#{self.instances}"
-        live = _Live(pid, trace, slot, parent)
-        self.live[pid] = live
+        live = _Live(self.plan.instance_id(trace), trace, slot, parent)
+        self.live[live.pid] = live
         self.c.programs_started += 1
         self._send(live)
 
@@ -193,18 +181,16 @@ class Simulation:
         live.req = None
         self.c.steps += 1
         self.policy.observe(StepFinished(live.pid, req.prompt + req.output), now)
-        step = live.trace.steps[live.step]
-        live.step += 1
-        if live.step >= len(live.trace.steps):
+        nxt = live.advance()
+        if nxt.end:
             self._end(live)
             return
         self._decide()
-        if step.subagents:
-            live.pending_subs = len(step.subagents)
-            for sp in step.subagents:
+        if nxt.subagents:
+            for sp in nxt.subagents:
                 self.loop.at(now + sp.delay_s, PRIO_WORKLOAD, self._start, sp.program, None, live)
         else:
-            self.loop.at(now + step.gap_s, PRIO_WORKLOAD, self._send, live)
+            self.loop.at(now + nxt.gap_s, PRIO_WORKLOAD, self._send, live)
 
     def _end(self, live: _Live) -> None:
         now = self.loop.now
@@ -215,9 +201,9 @@ class Simulation:
         self.c.programs_finished += 1
         parent = live.parent
         if parent is not None:
-            parent.pending_subs -= 1
-            if parent.pending_subs == 0:
-                gap = parent.trace.steps[parent.step - 1].gap_s
+            assert isinstance(parent, _Live)
+            gap = parent.subagent_ended()
+            if gap is not None:
                 self.loop.at(now + gap, PRIO_WORKLOAD, self._send, parent)
         elif live.slot is not None:
             self._start_slot(live.slot)

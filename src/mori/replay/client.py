@@ -1,0 +1,515 @@
+"""The closed-loop trace replayer as a real client of an OpenAI-compatible endpoint.
+
+``replay(config, traces)`` replays agent programs against a MORI gateway or an engine
+directly, with the simulator's replay rules (:mod:`mori.sim.plan`): N slots started at
+seeded, staggered times, a seeded trace order, each program sending its next request
+only after its previous response and its recorded gap, subagents spawned at their delay
+while their parent waits, program ids ``f"{trace.name}#{k}"``.
+
+Each request is a streamed chat completion with ``max_tokens`` = the step's output
+tokens and MORI's request fields (see :mod:`mori.engines.base`): ``program_id`` and
+``mori`` = ``{"prompt_tokens": P, "reuse_tokens": R}`` with a short placeholder message,
+or, with ``text_prompts``, a prompt of about P tokens of text (4 characters a token) that
+keeps the first R tokens of the program's previous prompt, for engines that do not honour
+``mori``. Gaps are slept in wall time divided by ``time_scale``; every reported time is
+in simulated seconds (wall x ``time_scale``). At a program's end the replayer POSTs
+``/v1/programs/{id}/release`` (a target that answers 404, an engine, is not asked again).
+After ``duration_s`` simulated seconds what is in flight is cancelled.
+
+A failed request (an error answer, a refused or broken connection, a stream error event,
+no answer within ``request_timeout_s``) is counted by kind; the program goes on after
+its gap (or ends, with ``end_on_error``), never sooner than ``error_backoff_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+import random
+import string
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+
+from mori.replay.metrics import (
+    GatewayCounters,
+    ReplayResult,
+    RequestRecord,
+    gateway_counters,
+    is_gateway_metrics,
+    ttft_stats,
+)
+from mori.sim.plan import ProgramRun, ReplayPlan
+from mori.sim.workload import HUMAN_GAP_RULES
+from mori.traces.model import SubagentSpawn, TraceSet
+
+CHARS_PER_TOKEN = 4
+"""Characters of generated prompt text per token (``text_prompts``)."""
+
+_PROBE_TIMEOUT_S = 10.0
+_RELEASE_TIMEOUT_S = 10.0
+_VOCAB = tuple("".join(t) for t in zip(*(random.Random(7).choices(string.ascii_lowercase, k=4096)
+                                         for _ in range(3)), strict=True))
+
+
+class TargetError(RuntimeError):
+    """The target cannot be used: unreachable, or not an OpenAI-compatible server."""
+
+
+class ReplaySettingsError(ValueError):
+    """The settings cannot be replayed (no program fits the context window)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """One replay. ``target``: the server's base URL (a trailing ``/v1`` is accepted).
+
+    ``max_context`` (trace tokens) None: the model's ``max_model_len`` from
+    ``/v1/models`` divided by ``token_scale`` when the target reports one, else no cut.
+    ``token_scale`` multiplies every token count sent (prompt, reuse, ``max_tokens``).
+    ``model`` None: the first model the target lists. ``request_timeout_s`` and
+    ``error_backoff_s`` are wall seconds.
+    """
+
+    target: str
+    programs: int
+    duration_s: float = 3600.0
+    time_scale: float = 1.0
+    seed: int = 0
+    stagger_s: float = 30.0
+    human_gap: str = "cap"
+    human_gap_cap_s: float = 60.0
+    max_context: int | None = None
+    model: str | None = None
+    text_prompts: bool = False
+    token_scale: float = 1.0
+    api_key: str = "EMPTY"
+    request_timeout_s: float = 300.0
+    end_on_error: bool = False
+    error_backoff_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("duration_s", "time_scale", "stagger_s", "human_gap_cap_s", "token_scale",
+                     "request_timeout_s", "error_backoff_s"):
+            if not math.isfinite(getattr(self, name)):
+                problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
+        if not self.target.startswith(("http://", "https://")):
+            problems.append(f"target must be an http:// or https:// URL (got {self.target!r})")
+        if self.programs < 1:
+            problems.append(f"programs must be >= 1 (got {self.programs})")
+        if not self.duration_s > 0:
+            problems.append(f"duration must be > 0 seconds (got {self.duration_s})")
+        if not self.time_scale > 0:
+            problems.append(f"time scale must be > 0 (got {self.time_scale})")
+        if self.stagger_s < 0:
+            problems.append(f"stagger must be >= 0 (got {self.stagger_s})")
+        if self.human_gap not in HUMAN_GAP_RULES:
+            problems.append(f"human-gap rule must be one of {', '.join(HUMAN_GAP_RULES)} "
+                            f"(got {self.human_gap!r})")
+        if self.human_gap_cap_s < 0:
+            problems.append(f"human-gap cap must be >= 0 (got {self.human_gap_cap_s})")
+        if self.max_context is not None and self.max_context < 1:
+            problems.append(f"max context must be >= 1 token (got {self.max_context})")
+        if not self.token_scale > 0:
+            problems.append(f"token scale must be > 0 (got {self.token_scale})")
+        if not self.request_timeout_s > 0:
+            problems.append(f"request timeout must be > 0 seconds (got {self.request_timeout_s})")
+        if self.error_backoff_s < 0:
+            problems.append(f"error backoff must be >= 0 (got {self.error_backoff_s})")
+        if problems:
+            raise ValueError("invalid replay settings: " + "; ".join(problems))
+
+    @property
+    def base_url(self) -> str:
+        """The target without a trailing slash or ``/v1``."""
+        url = self.target.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayProgress:
+    """A snapshot during the run, for a progress display."""
+
+    elapsed_s: float  # simulated seconds since the start
+    duration_s: float
+    requests: int
+    steps: int
+    errors: int
+    live: int
+
+
+# -- the HTTP client -------------------------------------------------------------------
+def _http_module() -> Any:
+    """The httpx-family module the installed ``openai`` is built on (httpx or httpx2)."""
+    cls = openai.DefaultAsyncHttpxClient
+    if isinstance(cls, type):
+        for c in cls.__mro__:
+            if c.__name__ == "AsyncClient":
+                return importlib.import_module(c.__module__.partition(".")[0])
+    for name in ("httpx2", "httpx"):  # pragma: no cover - depends on the openai version
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise RuntimeError("openai's HTTP library (httpx) is not installed")  # pragma: no cover
+
+
+def _http_client(programs: int, timeout_s: float) -> Any:
+    """openai's async HTTP client with room for every program's connection at once."""
+    hx = _http_module()
+    limits = hx.Limits(max_connections=max(1000, 8 * programs),
+                       max_keepalive_connections=max(100, 2 * programs))
+    return openai.DefaultAsyncHttpxClient(limits=limits,
+                                          timeout=hx.Timeout(timeout_s, connect=10.0))
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    model: str
+    max_model_len: int | None
+    gateway: bool
+    counters: GatewayCounters | None
+
+
+async def _probe(client: openai.AsyncOpenAI, http: Any, cfg: ReplayConfig,
+                 headers: dict[str, str]) -> _Target:
+    """The model to use and what the target is; TargetError if it cannot be reached.
+
+    The model list goes through ``client``, which also readies it for the first request.
+    """
+    base = cfg.base_url
+    try:
+        page = await client.models.list(timeout=_PROBE_TIMEOUT_S)
+        entries = list(page.data)
+    except openai.APIStatusError as e:
+        raise TargetError(f"{base}/v1/models answered HTTP {e.status_code}; is {base} an "
+                          "OpenAI-compatible server?") from None
+    except openai.APIConnectionError as e:
+        cause = e.__cause__ or e
+        raise TargetError(f"cannot reach {base} ({type(cause).__name__}: "
+                          f"{cause or 'no answer'})") from None
+    except openai.APIError as e:
+        raise TargetError(f"{base}/v1/models did not answer a model list ({e})") from None
+    if cfg.model is None and not entries:
+        raise TargetError(f"{base} lists no model; pass one with --model")
+    model = cfg.model if cfg.model is not None else entries[0].id
+    entry = next((m for m in entries if m.id == model), None)
+    mml = (entry.model_extra or {}).get("max_model_len") if entry is not None else None
+    max_model_len = mml if isinstance(mml, int) and mml > 0 else None
+    gateway = False
+    metrics_text: str | None = None
+    try:
+        r = await http.get(f"{base}/v1/programs", headers=headers, timeout=_PROBE_TIMEOUT_S)
+        gateway = r.status_code == 200
+        r = await http.get(f"{base}/metrics", headers=headers, timeout=_PROBE_TIMEOUT_S)
+        if r.status_code == 200:
+            metrics_text = r.text
+            gateway = gateway or is_gateway_metrics(metrics_text)
+    except Exception:
+        pass
+    counters = gateway_counters(metrics_text) if gateway and metrics_text is not None else None
+    return _Target(model, max_model_len, gateway, counters)
+
+
+async def _scrape(http: Any, base: str, headers: dict[str, str]) -> GatewayCounters | None:
+    try:
+        r = await http.get(f"{base}/metrics", headers=headers, timeout=_PROBE_TIMEOUT_S)
+    except Exception:
+        return None
+    return gateway_counters(r.text) if r.status_code == 200 else None
+
+
+def _delta(end: int | None, start: int | None) -> int | None:
+    if end is None:
+        return None
+    return end - (start or 0)
+
+
+_HTTP_LIBRARIES = frozenset({"httpx", "httpx2", "httpcore", "httpcore2", "h11", "anyio", "ssl"})
+
+
+def error_kind(e: BaseException, streaming: bool) -> str:
+    """The kind a failed request is counted under (see :class:`ReplayResult`);
+    ``streaming``: tokens had arrived when it failed."""
+    if isinstance(e, TimeoutError | openai.APITimeoutError):
+        return "timeout"
+    if isinstance(e, openai.APIStatusError):
+        return f"http_{e.status_code}"
+    if isinstance(e, openai.APIConnectionError):
+        return "stream" if streaming else "connection"
+    if isinstance(e, openai.APIError):  # an error event in the stream
+        return "stream"
+    if isinstance(e, OSError) or type(e).__module__.partition(".")[0] in _HTTP_LIBRARIES:
+        return "stream" if streaming else "connection"  # the HTTP library's own error
+    return "other"
+
+
+# -- the replayer ----------------------------------------------------------------------
+class _Replayer:
+    """The live state of one replay (one asyncio task per slot, subagents inside)."""
+
+    def __init__(self, cfg: ReplayConfig, plan: ReplayPlan, client: openai.AsyncOpenAI,
+                 http: Any, model: str, headers: dict[str, str], gateway: bool) -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.client = client
+        self.http = http
+        self.model = model
+        self.headers = headers
+        self.release_supported: bool | None = True if gateway else None
+        self.release_probe = asyncio.Lock()
+        self.t0 = 0.0
+        self.live: dict[str, ProgramRun] = {}
+        self.texts: dict[str, str] = {}
+        self.requests = self.steps = self.output_tokens = 0
+        self.started = self.finished = self.release_errors = 0
+        self.errors: Counter[str] = Counter()
+        self.ttft: list[float] = []
+        self.events: list[RequestRecord] = []
+
+    # time
+    def now(self) -> float:
+        """Simulated seconds since the start."""
+        return (time.monotonic() - self.t0) * self.cfg.time_scale
+
+    async def sleep(self, sim_s: float) -> None:
+        if sim_s > 0:
+            await asyncio.sleep(sim_s / self.cfg.time_scale)
+
+    def tokens(self, n: int) -> int:
+        return n if self.cfg.token_scale == 1.0 else max(1, round(n * self.cfg.token_scale))
+
+    # programs
+    async def slot(self, slot: int, start_s: float) -> None:
+        await self.sleep(start_s)
+        while True:
+            await self.program(self.plan.start_slot(slot))
+
+    async def program(self, run: ProgramRun) -> None:
+        self.live[run.pid] = run
+        self.started += 1
+        while True:
+            ok = await self.request(run)
+            if not ok:
+                await asyncio.sleep(self.cfg.error_backoff_s)
+                if self.cfg.end_on_error:
+                    break
+            nxt = run.advance()
+            if nxt.end:
+                break
+            if nxt.subagents:
+                gaps = await asyncio.gather(*(self.subagent(sp, run) for sp in nxt.subagents))
+                gap = next(g for g in gaps if g is not None)
+            else:
+                gap = nxt.gap_s
+            await self.sleep(gap)
+        del self.live[run.pid]
+        self.texts.pop(run.pid, None)
+        self.finished += 1
+        await self.release(run.pid)
+
+    async def subagent(self, spawn: SubagentSpawn, parent: ProgramRun) -> float | None:
+        """Run one subagent; the parent's residual gap if it was the last to end."""
+        await self.sleep(spawn.delay_s)
+        await self.program(self.plan.start(spawn.program, None, parent))
+        return parent.subagent_ended()
+
+    # requests
+    def messages(self, run: ProgramRun, prompt: int, reuse: int
+                 ) -> list[ChatCompletionMessageParam]:
+        if not self.cfg.text_prompts:
+            return [{"role": "user", "content": f"{run.pid} step {run.step + 1}"}]
+        prev = self.texts.get(run.pid, "")
+        keep = prev[: min(len(prev), reuse * CHARS_PER_TOKEN)]
+        if not keep:
+            keep = f"program {run.pid}\n"
+        need = prompt * CHARS_PER_TOKEN - len(keep)
+        if need > 0:
+            rng = random.Random(f"{run.pid}/{run.step}")
+            words = rng.choices(_VOCAB, k=need // CHARS_PER_TOKEN + 1)
+            keep += (" " + " ".join(words))[:need]
+        self.texts[run.pid] = keep
+        return [{"role": "user", "content": keep}]
+
+    async def request(self, run: ProgramRun) -> bool:
+        """Send the program's current step; True if it completed without error."""
+        step, index = run.current, run.step
+        prompt = self.tokens(step.prompt_tokens)
+        reuse = min(self.tokens(step.reuse_tokens), prompt) if step.reuse_tokens else 0
+        extra: dict[str, Any] = {"program_id": run.pid}
+        if not self.cfg.text_prompts:
+            extra["mori"] = {"prompt_tokens": prompt, "reuse_tokens": reuse}
+        messages = self.messages(run, prompt, reuse)
+        sent = self.now()
+        self.requests += 1
+        first: float | None = None
+        end: float | None = None
+        received = 0
+        usage: int | None = None
+        error: str | None = None
+        try:
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                stream = await self.client.chat.completions.create(
+                    model=self.model, messages=messages, max_tokens=self.tokens(step.output_tokens),
+                    stream=True, stream_options={"include_usage": True}, extra_body=extra)
+                try:
+                    async for chunk in stream:
+                        if chunk.usage is not None and chunk.usage.completion_tokens is not None:
+                            usage = chunk.usage.completion_tokens
+                        for choice in chunk.choices:
+                            d = choice.delta
+                            extra_d = d.model_extra or {}
+                            if d.content or d.tool_calls or extra_d.get("reasoning_content"):
+                                if first is None:
+                                    first = self.now()
+                                    self.ttft.append(first - sent)
+                                received += 1
+                                self.output_tokens += 1
+                finally:
+                    await stream.close()
+            if usage is not None:  # the server's count is the truth
+                self.output_tokens += usage - received
+                received = usage
+            end = self.now()
+            self.steps += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = error_kind(e, first is not None)
+        finally:
+            if error is not None:
+                end = self.now()
+                self.errors[error] += 1
+            self.events.append(RequestRecord(run.pid, index, sent, first, end, received, error))
+        return error is None
+
+    async def release(self, pid: str) -> None:
+        """Tell the target the program ended (until it says it has no such endpoint)."""
+        if self.release_supported is None:
+            async with self.release_probe:  # the first call tells; the others wait for it
+                if self.release_supported is None:
+                    await self._release(pid)
+                    return
+        if self.release_supported:
+            await self._release(pid)
+
+    async def _release(self, pid: str) -> None:
+        url = f"{self.cfg.base_url}/v1/programs/{quote(pid, safe='')}/release"
+        try:
+            r = await self.http.post(url, headers=self.headers, timeout=_RELEASE_TIMEOUT_S)
+        except Exception:
+            self.release_errors += 1
+            return
+        if r.status_code in (404, 405, 501):
+            self.release_supported = False
+        elif r.status_code >= 400:
+            self.release_errors += 1
+        else:
+            self.release_supported = True
+
+    def progress(self) -> ReplayProgress:
+        return ReplayProgress(min(self.now(), self.cfg.duration_s), self.cfg.duration_s,
+                              self.requests, self.steps, sum(self.errors.values()),
+                              len(self.live))
+
+
+def context_limit(cfg: ReplayConfig, max_model_len: int | None) -> int | None:
+    """The context window programs are cut at, in trace tokens (None: no cut)."""
+    if cfg.max_context is not None:
+        return cfg.max_context
+    return max(1, int(max_model_len / cfg.token_scale)) if max_model_len else None
+
+
+def build_plan(cfg: ReplayConfig, traces: TraceSet, max_context: int | None) -> ReplayPlan:
+    """The replay plan of ``cfg`` (ReplaySettingsError if no program fits ``max_context``)."""
+    max_ctx = sys.maxsize if max_context is None else max_context
+    plan = ReplayPlan.build(traces.programs, slots=cfg.programs, seed=cfg.seed,
+                            stagger_s=cfg.stagger_s, max_context=max_ctx,
+                            human_gap=cfg.human_gap, human_gap_cap_s=cfg.human_gap_cap_s)
+    if not plan.programs:
+        raise ReplaySettingsError(f"no program of trace set {traces.name!r} fits a context of {max_ctx} "
+                         "tokens; raise --max-context or use other traces")
+    return plan
+
+
+async def replay(config: ReplayConfig, traces: TraceSet,
+                 progress: Callable[[ReplayProgress], None] | None = None,
+                 progress_interval_s: float = 0.5) -> ReplayResult:
+    """Replay ``traces`` against ``config.target`` for ``config.duration_s`` simulated
+    seconds; ``progress`` is called about every ``progress_interval_s`` wall seconds.
+
+    Raises :class:`TargetError` if the target cannot be reached or lists no model, and
+    :class:`ReplaySettingsError` if no program fits the context window.
+    """
+    cfg = config
+    headers = {"Authorization": f"Bearer {cfg.api_key}"}
+    http = _http_client(cfg.programs, cfg.request_timeout_s)
+    wall0 = time.perf_counter()
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{cfg.base_url}/v1", api_key=cfg.api_key,
+                                    http_client=http, max_retries=0,
+                                    timeout=cfg.request_timeout_s)
+        target = await _probe(client, http, cfg, headers)
+        max_context = context_limit(cfg, target.max_model_len)
+        plan = build_plan(cfg, traces, max_context)
+        r = _Replayer(cfg, plan, client, http, target.model, headers, target.gateway)
+        r.t0 = time.monotonic()
+        tasks = [asyncio.create_task(r.slot(i, s)) for i, s in enumerate(plan.start_times)]
+        try:
+            end = r.t0 + cfg.duration_s / cfg.time_scale
+            while (left := end - time.monotonic()) > 0:
+                await asyncio.sleep(min(left, progress_interval_s))
+                for t in tasks:  # a slot task only stops on a bug: say so now
+                    if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+                        raise exc
+                if progress is not None:
+                    progress(r.progress())
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=10.0)
+        wall = time.perf_counter() - wall0
+        counters = await _scrape(http, cfg.base_url, headers) if target.gateway else None
+        if r.release_supported and r.live:  # still running at the end: let the target know
+            await asyncio.wait([asyncio.create_task(r.release(pid)) for pid in r.live],
+                               timeout=_RELEASE_TIMEOUT_S)
+        return _result(cfg, traces, plan, r, target, counters, wall, max_context)
+    finally:
+        await http.aclose()
+
+
+def _result(cfg: ReplayConfig, traces: TraceSet, plan: ReplayPlan, r: _Replayer,
+            target: _Target, end: GatewayCounters | None, wall: float,
+            max_context: int | None) -> ReplayResult:
+    dur = cfg.duration_s
+    mean, p50, p90, p99 = ttft_stats(r.ttft)
+    start = target.counters or GatewayCounters()
+    end = end or GatewayCounters()
+    return ReplayResult(
+        target=cfg.base_url, model=target.model, gateway=target.gateway, traces=traces.name,
+        programs=cfg.programs, duration_s=dur, time_scale=cfg.time_scale, seed=cfg.seed,
+        stagger_s=cfg.stagger_s, human_gap=cfg.human_gap, human_gap_cap_s=cfg.human_gap_cap_s,
+        max_context=max_context, text_prompts=cfg.text_prompts, token_scale=cfg.token_scale,
+        output_tokens=r.output_tokens, output_tokens_per_s=r.output_tokens / dur,
+        steps=r.steps, steps_per_s=r.steps / dur, requests=r.requests,
+        programs_started=r.started, programs_finished=r.finished,
+        ttft_mean_s=mean, ttft_p50_s=p50, ttft_p90_s=p90, ttft_p99_s=p99,
+        errors=dict(sorted(r.errors.items())), error_count=sum(r.errors.values()),
+        release_errors=r.release_errors,
+        promotions=_delta(end.promotions, start.promotions),
+        demotions_to_cpu=_delta(end.demotions_to_cpu, start.demotions_to_cpu),
+        demotions_to_none=_delta(end.demotions_to_none, start.demotions_to_none),
+        gated_requests=_delta(end.gated_requests, start.gated_requests),
+        programs_left_out=plan.left_out, wall_s=wall,
+        events=tuple(sorted(r.events, key=lambda e: (e.sent_s, e.program_id, e.step))),
+    )
+

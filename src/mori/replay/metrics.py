@@ -1,0 +1,183 @@
+"""What a replay measured, from the client's side, with ``mori simulate``'s names.
+
+Times are in *simulated* seconds: wall seconds x ``time_scale``, the factor the gateway
+and the simulated engines run at, so a replay's numbers compare with a simulation's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mori.sim.metrics import percentile
+
+GATEWAY_METRICS = ("mori_promotions_total", "mori_demotions_total", "mori_gated_requests_total")
+"""The gateway counters a replay scrapes from ``/metrics`` at its end."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request as the client saw it, independent of any scheduling decision.
+
+    Times in simulated seconds since the start of the replay. ``first_token_s`` is None
+    when no token arrived; ``end_s`` None when the run ended with the request in flight;
+    ``error`` the error kind (see :attr:`ReplayResult.errors`) or None.
+    """
+
+    program_id: str
+    step: int
+    sent_s: float
+    first_token_s: float | None
+    end_s: float | None
+    output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayCounters:
+    """Counters scraped from a MORI gateway's ``/metrics`` (None: not exposed)."""
+
+    promotions: int | None = None
+    demotions_to_cpu: int | None = None
+    demotions_to_none: int | None = None
+    gated_requests: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """One replay: its settings and what the client measured.
+
+    ``errors``: failed requests by kind: ``http_<status>`` (an error answer),
+    ``connection`` (refused or broken), ``timeout`` (no answer within the request
+    timeout), ``stream`` (an error event or a broken stream), ``other``. A failed request
+    is not a step. ``release_errors``: failed release calls (not counted in ``errors``).
+    """
+
+    target: str
+    model: str
+    gateway: bool
+    traces: str
+    programs: int
+    duration_s: float
+    time_scale: float
+    seed: int
+    stagger_s: float
+    human_gap: str
+    human_gap_cap_s: float
+    max_context: int | None
+    text_prompts: bool
+    token_scale: float
+    output_tokens: int
+    output_tokens_per_s: float
+    steps: int
+    steps_per_s: float
+    requests: int
+    programs_started: int
+    programs_finished: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    errors: dict[str, int]
+    error_count: int
+    release_errors: int
+    promotions: int | None
+    demotions_to_cpu: int | None
+    demotions_to_none: int | None
+    gated_requests: int | None
+    programs_left_out: int
+    wall_s: float
+    events: tuple[RequestRecord, ...] = field(default=(), repr=False)
+
+    def to_dict(self, events: bool = False) -> dict[str, Any]:
+        """The fields as JSON-ready values (NaN and infinity as None); the per-request
+        ``events`` only when asked for."""
+        d = {k: _json_safe(v) for k, v in asdict(self).items() if k != "events"}
+        if events:
+            d["events"] = [asdict(e) for e in self.events]
+        return d
+
+
+def _json_safe(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def ttft_stats(ttft: list[float]) -> tuple[float, float, float, float]:
+    """Mean, p50, p90 and p99 of ``ttft`` (NaN each when empty)."""
+    mean = sum(ttft) / len(ttft) if ttft else math.nan
+    return mean, percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99)
+
+
+def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """The samples of a Prometheus text exposition: name -> [(labels, value), ...].
+
+    Tolerant: lines it cannot read are skipped. Label values may not contain commas.
+    """
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        labels: dict[str, str] = {}
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            body, _, tail = rest.rpartition("}")
+            for part in body.split(","):
+                k, eq, v = part.partition("=")
+                if eq:
+                    labels[k.strip()] = v.strip().strip('"')
+            fields = tail.split()
+        else:
+            name, *fields = line.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        out.setdefault(name.strip(), []).append((labels, value))
+    return out
+
+
+def declared_families(text: str) -> set[str]:
+    """Metric families a ``# TYPE`` line declares (with and without ``_total``)."""
+    out: set[str] = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[:2] == ["#", "TYPE"]:
+            name = parts[2]
+            out.update({name, name.removesuffix("_total"), name + "_total"})
+    return out
+
+
+def is_gateway_metrics(text: str) -> bool:
+    """True if a ``/metrics`` page has any of MORI's gateway counters."""
+    samples = parse_prometheus(text)
+    return any(n in samples for n in GATEWAY_METRICS) or bool(
+        declared_families(text) & set(GATEWAY_METRICS))
+
+
+def gateway_counters(text: str) -> GatewayCounters:
+    """MORI's gateway counters from a ``/metrics`` page: 0 for a declared counter with no
+    sample yet (a labelled counter nothing has incremented), None for one absent."""
+    samples = parse_prometheus(text)
+    declared = declared_families(text)
+
+    def total(name: str, **match: str) -> int | None:
+        found = [v for labels, v in samples.get(name, [])
+                 if all(labels.get(k) == want for k, want in match.items())]
+        if found:
+            return int(sum(found))
+        return 0 if name in declared else None
+
+    return GatewayCounters(
+        promotions=total("mori_promotions_total"),
+        demotions_to_cpu=total("mori_demotions_total", to="cpu"),
+        demotions_to_none=total("mori_demotions_total", to="none"),
+        gated_requests=total("mori_gated_requests_total"),
+    )
