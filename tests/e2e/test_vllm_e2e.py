@@ -130,7 +130,7 @@ def metric(text_: str, name: str) -> float:
     return total
 
 
-AGENTS = 6
+AGENTS = 8
 TURNS = 4
 
 
@@ -154,7 +154,7 @@ def agent_loop(client: Any, pid: str, seed: int, results: list[dict[str, Any]],
                             "prompt_tokens": resp.usage.prompt_tokens if resp.usage else 0,
                             "completion": resp.usage.completion_tokens if resp.usage else 0,
                             "cached": (details.cached_tokens or 0) if details else 0})
-            time.sleep(rng.uniform(0.05, 0.5))  # the tool runs
+            time.sleep(rng.uniform(0.02, 0.3))  # the tool runs
     except Exception as e:  # reported by the test thread
         errors.append(f"{pid}: {type(e).__name__}: {e}")
 
@@ -207,9 +207,14 @@ def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Pa
         res = gw.get("/v1/residency")["data"][0]
         assert "error" not in res, res
         engine_gpu = res["engine_gpu_tokens"]
-        for pid in res["policy_gpu"]:
-            assert engine_gpu.get(pid, 0) > 0, (pid, res)
-        assert sum(engine_gpu.values()) <= vllm_server.kv_tokens + 32 * AGENTS, res
+        # the blocks the events attribute are the agents', within the pool, and the
+        # programs the policy holds on the GPU are (some of) them. Not all: vLLM evicts by
+        # LRU, not by MORI's tiers, so a resident program idle in a tool call can lose
+        # its blocks to a demoted program's more recent ones (see the README).
+        assert set(engine_gpu) <= {f"agent-{i}" for i in range(AGENTS)}, res
+        assert 0 < sum(engine_gpu.values()) <= vllm_server.kv_tokens, res
+        resident = set(res["policy_gpu"]) & set(engine_gpu)
+        assert resident, res
 
         # prefix-cache hits for programs that stayed resident between their turns
         forwards: dict[str, list[int]] = {}
@@ -226,7 +231,16 @@ def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Pa
                        for d in log[lo:hi]):
                 stayed.append(r)
         assert stayed, "no program stayed resident between two turns"
-        assert all(r["cached"] > 0 for r in stayed), stayed
+        # vLLM evicts by LRU, not by MORI's tiers (it takes no per-program eviction
+        # order): a resident program idle in a tool call can lose blocks to a demoted one
+        # whose blocks are more recent. So most, not all, resident turns hit.
+        stayed_hits = sum(r["cached"] > 0 for r in stayed)
+        assert stayed_hits >= 0.66 * len(stayed), stayed
+        moved = [r for r in results if r["turn"] > 0 and r not in stayed]
+        def hit_rate(rows: list[dict[str, Any]]) -> float:
+            return sum(r["cached"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows))
+        if moved:
+            assert hit_rate(stayed) > hit_rate(moved), (stayed, moved)
 
         # the engine's counters and the gateway's agree with what the clients saw
         after = engine_metrics(vllm_server)
@@ -242,6 +256,18 @@ def test_gateway_agents_exceeding_the_pool(vllm_server: VLLMServer, tmp_path: Pa
         assert delta("vllm:prefix_cache_hits_total") >= cached_seen > 0
         assert metric(metrics, 'mori_requests_total') == AGENTS * TURNS
 
+        print(f"\nvLLM e2e: {len(results)} requests from {AGENTS} agents, last contexts "
+              f"{sum(last.values())} tokens against a {vllm_server.kv_tokens}-token pool; "
+              f"gated {metric(metrics, 'mori_gated_requests_total'):.0f}, promotions "
+              f"{metric(metrics, 'mori_promotions_total'):.0f}, demotions "
+              f"{metric(metrics, 'mori_demotions_total'):.0f}; prompt tokens {prompt_seen}, "
+              f"cached {cached_seen} (engine prefix hits +"
+              f"{delta('vllm:prefix_cache_hits_total'):.0f}); {stayed_hits} of {len(stayed)} "
+              f"turns of resident programs hit, hit rate {hit_rate(stayed):.2f} vs "
+              f"{hit_rate(moved):.2f} after a demotion ({len(moved)} turns); at the end, engine "
+              f"GPU residency {engine_gpu}, policy GPU tier {res['policy_gpu']} "
+              f"({len(resident)} of {len(res['policy_gpu'])} resident on the engine)",
+              file=sys.stderr)
         for i in range(AGENTS):
             assert gw.post(f"/v1/programs/agent-{i}/release") == 200
         assert gw.get("/v1/programs")["data"] == []
