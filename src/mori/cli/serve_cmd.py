@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -63,8 +64,10 @@ program ids:
   is served as its own one-step program. POST /v1/programs/ID/release ends a program.
 
 config file (--config FILE.toml):
-  Keys are the long options without dashes or with underscores ({', '.join(k for _, k, _, _ in _FLAGS)},
-  exact_tokens, backend = ["vllm=http://...", ...]); flags given here win.
+{textwrap.fill("Keys are the long options, with dashes or underscores: "
+                + ", ".join(f[2:] for f, _, _, _ in _FLAGS)
+                + ', exact-tokens, backend = ["vllm=http://...", ...]. Flags given here win.',
+                88, initial_indent="  ", subsequent_indent="  ")}
 
 examples:
   mori serve
@@ -81,7 +84,8 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--backend", action="append", dest="backend", metavar="KIND=URL[,k=v...]",
                    help="an engine replica (repeatable)")
     for flag, key, typ, hlp in _FLAGS:
-        p.add_argument(flag, dest=key, type=typ, default=None, help=hlp)
+        metavar = {int: "N", float: "X", str: "NAME"}[typ]
+        p.add_argument(flag, dest=key, type=typ, default=None, help=hlp, metavar=metavar)
     for flag, key, hlp in _BOOL_FLAGS:
         p.add_argument(flag, dest=key, action="store_true", default=None, help=hlp)
     p.add_argument("--config", type=Path, metavar="FILE.toml", help="read options from a TOML "
@@ -101,15 +105,17 @@ def _load_toml(path: Path) -> dict[str, Any]:
         raise ServeUsageError(f"config file {str(path)!r}: no such file") from None
     except tomllib.TOMLDecodeError as e:
         raise ServeUsageError(f"config file {str(path)!r}: not valid TOML: {e}") from None
-    valid = {k: typ for _, k, typ, _ in _FLAGS} | {k: bool for _, k, _ in _BOOL_FLAGS}
-    valid["backend"] = list
+    # a key is a long option's name (dashes or underscores): the field it sets, its type
+    valid = {flag[2:].replace("-", "_"): (k, typ) for flag, k, typ, _ in _FLAGS}
+    valid |= {flag[2:].replace("-", "_"): (k, bool) for flag, k, _ in _BOOL_FLAGS}
+    valid["backend"] = ("backend", list)
     out: dict[str, Any] = {}
     for name, value in raw.items():
-        key = name.replace("-", "_")
-        if key not in valid:
-            raise ServeUsageError(f"config file {str(path)!r}: unknown key {name!r}; valid "
-                                  f"keys: {', '.join(sorted(valid))}")
-        typ = valid[key]
+        if name.replace("-", "_") not in valid:
+            raise ServeUsageError(
+                f"config file {str(path)!r}: unknown key {name!r}; valid keys: "
+                f"{', '.join(sorted(k.replace('_', '-') for k in valid))}")
+        key, typ = valid[name.replace("-", "_")]
         if key == "backend":
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

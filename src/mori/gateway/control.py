@@ -396,6 +396,7 @@ class Controller:
         if pol is None:
             return None
         now = self.now()
+        last = pol.history[-1] if pol.history else None
         return {
             "program_id": program_id,
             "status": pol.status.value,
@@ -406,6 +407,10 @@ class Controller:
             "kv_bytes": pol.kv_bytes,
             "gated_s": round(pol.tracker.gated_time, 6),
             "steps": pol.steps_done,
+            # the three timestamps of the latest step (policy seconds): arrival at the
+            # gateway, forward to the engine (the gated interval between), response end
+            "last_step": ({"arrived": last.arrived, "forwarded": last.forwarded,
+                           "finished": last.finished} if last is not None else None),
             "in_flight": bool(info and info.in_flight),
             "anonymous": bool(info and info.anonymous),
         }

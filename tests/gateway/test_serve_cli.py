@@ -1,0 +1,88 @@
+"""``mori serve`` as a user runs it: flags, a TOML config file, errors, and the real
+command serving the official ``openai`` client."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from mori.cli.main import build_parser, main
+from mori.cli.serve_cmd import ServeUsageError, build_config
+
+
+def config(argv: list[str]):  # type: ignore[no-untyped-def]
+    return build_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flags_and_config_file_map_onto_one_config(tmp_path: Path) -> None:
+    f = tmp_path / "serve.toml"
+    f.write_text('policy = "thunderagent"\nreplicas = 3\ntime-scale = 10\n'
+                 'gate_timeout = 30\nbackend = ["sim=http://127.0.0.1:9"]\n')
+    cfg = config(["--config", str(f), "--replicas", "2"])
+    assert cfg.replicas == 2  # the flag wins
+    assert cfg.settings.policy == "thunderagent"
+    assert cfg.settings.time_scale == 10.0
+    assert cfg.settings.gate_timeout_s == 30.0
+    assert cfg.backends == ["sim=http://127.0.0.1:9"]
+    assert config([]).settings.policy == "mori" and config([]).port == 8000
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--backend", "nope=http://x:1"], "unknown engine kind 'nope'"),
+    (["--backend", "vllm=http://x:1,colour=blue"], "unknown option(s) colour"),
+    (["--backend", "vllm"], "KIND=URL"),
+    (["--time-scale", "0"], "time_scale must be > 0"),
+    (["--preset", "h100"], "unknown preset"),
+])
+def test_bad_settings_say_what_is_wrong(argv: list[str], needle: str) -> None:
+    with pytest.raises(ServeUsageError) as e:
+        config(argv)
+    assert needle in str(e.value)
+
+
+def test_bad_config_file_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    f = tmp_path / "serve.toml"
+    f.write_text("colour = 'blue'\n")
+    assert main(["serve", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'colour'" in err and "serve.toml" in err
+
+
+def test_mori_serve_command_serves_the_openai_client() -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mori", "serve", "--port", "0",
+                             "--time-scale", "50", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        t0 = time.monotonic()
+        line = ""
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "mori serve exited"
+            assert time.monotonic() - t0 < 60, "mori serve did not start"
+        url = line.split("listening on ")[1].split()[0]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+            extra_body={"program_id": "cli", "mori": {"prompt_tokens": 5000}})
+        assert len((r.choices[0].message.content or "").split()) == 4
+        p = httpx.get(f"{url}/v1/programs/cli").json()
+        assert p["status"] == "acting" and p["context_tokens"] == 5004
+        step = p["last_step"]
+        assert step["arrived"] <= step["forwarded"] <= step["finished"]
+        assert httpx.get(url + "/healthz").json()["status"] == "ok"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode in (0, -15)
