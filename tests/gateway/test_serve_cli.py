@@ -86,3 +86,9 @@ def test_mori_serve_command_serves_the_openai_client() -> None:
         proc.terminate()
         proc.wait(10)
     assert proc.returncode in (0, -15)
+
+
+def test_the_example_config_file_is_valid() -> None:
+    root = Path(__file__).resolve().parents[2]
+    cfg = config(["--config", str(root / "examples" / "serve.toml")])
+    assert cfg.replicas == 2 and cfg.settings.gate_timeout_s == 300.0
