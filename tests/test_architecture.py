@@ -44,7 +44,7 @@ LAYERS = {
     "traces": {"core"},
     "sim": {"core", "traces"},
     "engines": {"core", "sim", "traces"},
-    "replay": {"core", "sim", "traces"},
+    "replay": {"core", "sim", "traces", "engines"},
     "gateway": {"core", "engines"},
 }
 

@@ -92,3 +92,12 @@ def test_the_example_config_file_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     cfg = config(["--config", str(root / "examples" / "serve.toml")])
     assert cfg.replicas == 2 and cfg.settings.gate_timeout_s == 300.0
+
+
+def test_an_unreachable_engine_at_startup_is_one_clear_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--backend", "sim=http://127.0.0.1:1",
+                 "--startup-wait", "0.5", "--port", "0", "--log-level", "error"]) == 1
+    err = capsys.readouterr().err
+    assert "mori serve: error: cannot read an engine's KV capacity" in err
+    assert "127.0.0.1:1" in err

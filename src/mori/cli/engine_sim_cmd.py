@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Callable
 from typing import TypeVar
 
 from mori.cli.eventloop import run_loop
@@ -34,34 +35,25 @@ examples:
 """
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return v
+def _number(kind: type[float] | type[int], low: float, strict: bool
+            ) -> Callable[[str], float]:
+    """An argparse type: a finite ``kind`` above ``low`` (``strict``) or at least it."""
+    def parse(text: str) -> float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not (v > low if strict else v >= low) or v == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"must be {'positive' if strict else f'>= {low:g}'}, got {text}")
+        return v
+    return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return v
+_positive_float = _number(float, 0, strict=True)
+_non_negative_float = _number(float, 0, strict=False)
+_positive_int = _number(int, 0, strict=True)
 
 
 def _port(text: str) -> int:

@@ -46,6 +46,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "413 (default 33554432)"),
     ("--health-interval", "health_interval_s", float, "seconds between health checks of an "
      "unhealthy replica (default 2)"),
+    ("--startup-wait", "startup_wait_s", float, "seconds to wait for engines that are still "
+     "starting before giving up (default 60)"),
     ("--log-level", "log_level", str, "debug, info, warning or error (default info)"),
 ]
 _BOOL_FLAGS = [("--exact-tokens", "exact_tokens", "count prompt tokens with the engine's "

@@ -172,43 +172,35 @@ class OpenAIHTTPAdapter(EngineAdapter):
 
         return UpstreamResponse(resp.status, out_headers, chunks=chunks(), _closer=closer)
 
-    async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
+    async def _call(self, method: str, path: str, payload: dict[str, Any] | None,
+                    timeout_s: float, as_text: bool = False) -> Any:
+        """One control-plane request; transport failures and error statuses become
+        ``UpstreamError`` (a GET answering non-200 is unhealthy, a refused POST is not)."""
         try:
-            async with self.session.get(self.url + path,
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
+            async with self.session.request(
+                    method, self.url + path, json=payload if method == "POST" else None,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if method == "GET" and r.status != 200:
                     raise UpstreamError(f"engine {self.url}{path} answered {r.status}")
-                return await r.json(content_type=None)
-        except aiohttp.ClientError as e:
-            raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
-        except TimeoutError as e:
-            raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
-
-    async def get_text(self, path: str, timeout_s: float = 5.0) -> str:
-        try:
-            async with self.session.get(self.url + path,
-                                        timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                if r.status != 200:
-                    raise UpstreamError(f"engine {self.url}{path} answered {r.status}")
-                return await r.text()
-        except aiohttp.ClientError as e:
-            raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
-        except TimeoutError as e:
-            raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
-
-    async def post_json(self, path: str, payload: dict[str, Any] | None = None,
-                        timeout_s: float = 5.0) -> Any:
-        try:
-            async with self.session.post(self.url + path, json=payload or {},
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if r.status >= 400:
                     raise UpstreamError(f"engine {self.url}{path} answered {r.status}: "
                                         f"{(await r.text())[:200]}", unhealthy=False)
-                return await r.json(content_type=None)
+                return await (r.text() if as_text else r.json(content_type=None))
         except aiohttp.ClientError as e:
             raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
         except TimeoutError as e:
             raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
+
+    async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
+        return await self._call("GET", path, None, timeout_s)
+
+    async def get_text(self, path: str, timeout_s: float = 5.0) -> str:
+        text: str = await self._call("GET", path, None, timeout_s, as_text=True)
+        return text
+
+    async def post_json(self, path: str, payload: dict[str, Any] | None = None,
+                        timeout_s: float = 5.0) -> Any:
+        return await self._call("POST", path, payload or {}, timeout_s)
 
     # -- the rest of the interface ------------------------------------------------------------
     async def capacity(self) -> KVCapacity:

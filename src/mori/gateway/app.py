@@ -114,6 +114,7 @@ class Gateway:
         self.controller: Controller | None = None
         self.capacities: list[KVCapacity] = []
         self.models: list[dict[str, Any]] = []
+        self.model_ids: frozenset[str] = frozenset()
         self._anon = itertools.count(1)
 
     @property
@@ -122,7 +123,26 @@ class Gateway:
             raise RuntimeError("the gateway has not started")
         return self.controller
 
+    async def prepare(self) -> None:
+        """Connect to the engines, read their capacities, build the policy. Raises
+        ``RuntimeError`` saying what is wrong (the engines are closed again then)."""
+        if self.controller is not None:
+            return
+        try:
+            await self._prepare()
+        except BaseException:
+            await self.shutdown()
+            raise
+
     async def startup(self) -> None:
+        await self.prepare()
+        assert self.controller is not None
+        self.controller.start()
+        log.info("gateway up: policy %s, %d replica(s), GPU KV %d tokens each",
+                 self.settings.policy, len(self.adapters),
+                 min(c.gpu_tokens for c in self.capacities))
+
+    async def _prepare(self) -> None:
         for a in self.adapters:
             await a.start()
         self.capacities = await self._wait_for_capacities()
@@ -137,14 +157,12 @@ class Gateway:
             health_interval_s=s.health_interval_s, decision_log=s.decision_log))
         self.metrics.watch(self._state)
         await self.refresh_models()
-        self.controller.start()
-        log.info("gateway up: policy %s, %d replica(s), GPU KV %d tokens each", s.policy,
-                 len(self.adapters), min(c.gpu_tokens for c in self.capacities))
 
     async def _wait_for_capacities(self) -> list[KVCapacity]:
         """Each replica's capacity; engines still starting get ``startup_wait_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.startup_wait_s
+        next_note = loop.time()
         while True:
             try:
                 return list(await asyncio.gather(*(a.capacity() for a in self.adapters)))
@@ -152,7 +170,10 @@ class Gateway:
                 if not e.unhealthy or loop.time() >= deadline:
                     raise RuntimeError(f"cannot read an engine's KV capacity: {e.message}"
                                        ) from e
-                log.info("waiting for the engines to start: %s", e.message)
+                if loop.time() >= next_note:  # say so now and then, not on every try
+                    log.info("waiting up to %.0f s more for the engines to start: %s",
+                             deadline - loop.time(), e.message)
+                    next_note = loop.time() + 10.0
                 await asyncio.sleep(0.5)
 
     async def shutdown(self) -> None:
@@ -171,6 +192,7 @@ class Gateway:
                         seen.setdefault(m["id"], m)
         if seen:
             self.models = list(seen.values())
+            self.model_ids = frozenset(seen)
 
     def _state(self) -> dict[str, Any]:
         ctl = self.controller
@@ -318,9 +340,9 @@ def create_app(settings: GatewaySettings, adapters: list[EngineAdapter]) -> Star
 
 async def _serve(gw: Gateway, req: ClientRequest) -> Response:
     ctl = gw.ctl
-    if gw.models and req.model not in {m["id"] for m in gw.models}:
+    if gw.model_ids and req.model not in gw.model_ids:
         await gw.refresh_models()
-        if req.model not in {m["id"] for m in gw.models}:
+        if req.model not in gw.model_ids:
             return error_response(404, f"the model {req.model!r} does not exist; served: "
                                   + ", ".join(m["id"] for m in gw.models), "model",
                                   "model_not_found")
@@ -339,7 +361,7 @@ async def _serve(gw: Gateway, req: ClientRequest) -> Response:
     replica = ctl.replicas[adm.replica]
     adapter = replica.adapter
     if not replica.healthy:
-        ctl.finished(pid, tokens, ok=False)
+        ctl.finished(pid, tokens)
         return error_response(503, f"replica {adm.replica} ({adapter.url}) is unhealthy: "
                               f"{replica.last_error}; retry later", None, None,
                               gw.settings.retry_after_s)
@@ -356,12 +378,12 @@ async def _serve(gw: Gateway, req: ClientRequest) -> Response:
         gw.metrics.upstream_errors.labels(str(adm.replica)).inc()
         if e.unhealthy:
             ctl.mark_unhealthy(adm.replica, e.message)
-        ctl.finished(pid, tokens, ok=False)
+        ctl.finished(pid, tokens)
         return error_response(e.status, e.message, None, None,
                               gw.settings.retry_after_s if e.status == 503 else None)
     except BaseException:
         replica.in_flight -= 1
-        ctl.finished(pid, tokens, ok=False)
+        ctl.finished(pid, tokens)
         raise
     if up.chunks is None:
         replica.in_flight -= 1
@@ -371,7 +393,7 @@ async def _serve(gw: Gateway, req: ClientRequest) -> Response:
         prompt = p_used if p_used is not None and req.synthetic is None else tokens
         gw.metrics.prompt_tokens.inc(prompt)
         gw.metrics.completion_tokens.inc(c_used or 0)
-        ctl.finished(pid, prompt + (c_used or 0), ok=up.status == 200)
+        ctl.finished(pid, prompt + (c_used or 0))
         return Response(body, status_code=up.status, headers=up.headers)
     return _EventStream(up.status, up.headers,
                         _relay(gw, up.chunks, up.aclose, pid, tokens, req, adm.replica, arrived))

@@ -23,7 +23,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mori.core.decisions import Decision, Demote, Forward, Promote, Release
@@ -113,7 +113,6 @@ class ControllerSettings:
     program_ttl_s: float = 3600.0
     health_interval_s: float = 2.0
     decision_log: int = 10000
-    labels: dict[str, Any] = field(default_factory=dict)
 
 
 class Controller:
@@ -242,9 +241,9 @@ class Controller:
         return adm
 
     def gated_count(self) -> int:
-        return sum(1 for p in self.policy.ready_programs)
+        return len(self.policy.ready_programs)
 
-    def finished(self, program_id: str, context_tokens: int, ok: bool = True) -> None:
+    def finished(self, program_id: str, context_tokens: int) -> None:
         """The forwarded request ended (normally, by error, or the client left)."""
         info = self.programs.get(program_id)
         if info is None or not info.in_flight:
@@ -294,15 +293,20 @@ class Controller:
     def decide(self) -> None:
         now = self.now()
         decisions = self.policy.decide(now)
+        orphans: list[str] = []
         for d in decisions:
-            self._execute(d, now)
+            self._execute(d, now, orphans)
+        for pid in orphans:  # after this round's decisions, so rounds do not interleave
+            info = self.programs.get(pid)
+            if info is not None:
+                self.finished(pid, info.context_tokens or info.prompt_tokens)
 
-    def _execute(self, d: Decision, now: float) -> None:
+    def _execute(self, d: Decision, now: float, orphans: list[str]) -> None:
         self.decisions_executed += 1
         typed = self.policy.engine.typed_eviction
         if isinstance(d, Forward):
             self.log.append(LoggedDecision(now, "forward", d.program_id, d.replica))
-            self._on_forward(d)
+            self._on_forward(d, orphans)
         elif isinstance(d, Promote):
             self.log.append(LoggedDecision(now, "promote", d.program_id, d.replica,
                                            d.source.value))
@@ -334,7 +338,7 @@ class Controller:
             for i, r in enumerate(self.replicas):
                 self._control(i, r.adapter.release(d.program_id))
 
-    def _on_forward(self, d: Forward) -> None:
+    def _on_forward(self, d: Forward, orphans: list[str]) -> None:
         info = self.programs.get(d.program_id)
         held = info.held if info is not None else None
         if info is None or held is None or held.future.done():
@@ -343,7 +347,7 @@ class Controller:
                 info.held = None
                 info.in_flight = True
                 info.orphan_forwards += 1
-                self.finished(d.program_id, info.context_tokens or info.prompt_tokens)
+                orphans.append(d.program_id)
             return
         info.held = None
         waited = self.wall() - held.arrived_wall

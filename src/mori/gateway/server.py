@@ -91,6 +91,7 @@ async def run_gateway(cfg: ServeConfig,
         adapters, handles = await start_simulated_backends(cfg)
     try:
         app = create_app(cfg.settings, adapters)
+        await app.state.gateway.prepare()  # engine problems: one clear error, before serving
         sock = bind_socket(cfg.host, cfg.port)
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"

@@ -48,7 +48,7 @@ from mori.replay.metrics import (
     ttft_stats,
 )
 from mori.sim.plan import ProgramRun, ReplayPlan
-from mori.sim.workload import HUMAN_GAP_RULES
+from mori.sim.workload import workload_problems
 from mori.traces.model import SubagentSpawn, TraceSet
 
 CHARS_PER_TOKEN = 4
@@ -104,21 +104,10 @@ class ReplayConfig:
                 problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
         if not self.target.startswith(("http://", "https://")):
             problems.append(f"target must be an http:// or https:// URL (got {self.target!r})")
-        if self.programs < 1:
-            problems.append(f"programs must be >= 1 (got {self.programs})")
-        if not self.duration_s > 0:
-            problems.append(f"duration must be > 0 seconds (got {self.duration_s})")
+        problems += workload_problems(self.programs, self.duration_s, self.stagger_s,
+                                      self.human_gap, self.human_gap_cap_s, self.max_context)
         if not self.time_scale > 0:
             problems.append(f"time scale must be > 0 (got {self.time_scale})")
-        if self.stagger_s < 0:
-            problems.append(f"stagger must be >= 0 (got {self.stagger_s})")
-        if self.human_gap not in HUMAN_GAP_RULES:
-            problems.append(f"human-gap rule must be one of {', '.join(HUMAN_GAP_RULES)} "
-                            f"(got {self.human_gap!r})")
-        if self.human_gap_cap_s < 0:
-            problems.append(f"human-gap cap must be >= 0 (got {self.human_gap_cap_s})")
-        if self.max_context is not None and self.max_context < 1:
-            problems.append(f"max context must be >= 1 token (got {self.max_context})")
         if not self.token_scale > 0:
             problems.append(f"token scale must be > 0 (got {self.token_scale})")
         if not self.request_timeout_s > 0:

@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mori.engines.http import parse_prometheus
 from mori.sim.metrics import percentile
 
 GATEWAY_METRICS = ("mori_promotions_total", "mori_demotions_total", "mori_gated_requests_total")
@@ -111,37 +112,6 @@ def ttft_stats(ttft: list[float]) -> tuple[float, float, float, float]:
     """Mean, p50, p90 and p99 of ``ttft`` (NaN each when empty)."""
     mean = sum(ttft) / len(ttft) if ttft else math.nan
     return mean, percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99)
-
-
-def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """The samples of a Prometheus text exposition: name -> [(labels, value), ...].
-
-    Tolerant: lines it cannot read are skipped. Label values may not contain commas.
-    """
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        labels: dict[str, str] = {}
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            body, _, tail = rest.rpartition("}")
-            for part in body.split(","):
-                k, eq, v = part.partition("=")
-                if eq:
-                    labels[k.strip()] = v.strip().strip('"')
-            fields = tail.split()
-        else:
-            name, *fields = line.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        out.setdefault(name.strip(), []).append((labels, value))
-    return out
 
 
 def declared_families(text: str) -> set[str]:

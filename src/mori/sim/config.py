@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from mori.core.costmodel import PRESETS
 from mori.core.policies import POLICIES
-from mori.sim.workload import HUMAN_GAP_RULES
+from mori.sim.workload import workload_problems
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,22 +51,11 @@ class SimConfig:
             problems.append(f"idleness window must be >= 1 cycle (got {self.idleness_window})")
         if not 0.0 <= self.binary_threshold <= 1.0:
             problems.append(f"binary threshold must be in [0, 1] (got {self.binary_threshold})")
-        if self.programs < 1:
-            problems.append(f"programs must be >= 1 (got {self.programs})")
         if self.replicas < 1:
             problems.append(f"replicas must be >= 1 (got {self.replicas})")
-        if not self.duration_s > 0:
-            problems.append(f"duration must be > 0 seconds (got {self.duration_s})")
         if self.cpu_ratio < 0:
             problems.append(f"cpu ratio must be >= 0 (got {self.cpu_ratio})")
-        if self.human_gap not in HUMAN_GAP_RULES:
-            problems.append(f"human-gap rule must be one of {', '.join(HUMAN_GAP_RULES)} "
-                            f"(got {self.human_gap!r})")
-        if self.human_gap_cap_s < 0:
-            problems.append(f"human-gap cap must be >= 0 (got {self.human_gap_cap_s})")
-        if self.max_context is not None and self.max_context < 1:
-            problems.append(f"max context must be >= 1 token (got {self.max_context})")
-        if self.stagger_s < 0:
-            problems.append(f"stagger must be >= 0 (got {self.stagger_s})")
+        problems += workload_problems(self.programs, self.duration_s, self.stagger_s,
+                                      self.human_gap, self.human_gap_cap_s, self.max_context)
         if problems:
             raise ValueError("invalid simulation settings: " + "; ".join(problems))

@@ -60,3 +60,24 @@ def prepare(programs: list[ProgramTrace] | tuple[ProgramTrace, ...], max_context
     kept = [q for p in programs
             if (q := prepare_program(p, max_context, human_gap, human_cap_s)) is not None]
     return kept, len(programs) - len(kept)
+
+
+def workload_problems(programs: int, duration_s: float, stagger_s: float, human_gap: str,
+                      human_gap_cap_s: float, max_context: int | None) -> list[str]:
+    """What is wrong with the closed-loop workload settings the simulator and the replay
+    client share (empty when nothing is)."""
+    problems = []
+    if programs < 1:
+        problems.append(f"programs must be >= 1 (got {programs})")
+    if not duration_s > 0:
+        problems.append(f"duration must be > 0 seconds (got {duration_s})")
+    if stagger_s < 0:
+        problems.append(f"stagger must be >= 0 (got {stagger_s})")
+    if human_gap not in HUMAN_GAP_RULES:
+        problems.append(f"human-gap rule must be one of {', '.join(HUMAN_GAP_RULES)} "
+                        f"(got {human_gap!r})")
+    if human_gap_cap_s < 0:
+        problems.append(f"human-gap cap must be >= 0 (got {human_gap_cap_s})")
+    if max_context is not None and max_context < 1:
+        problems.append(f"max context must be >= 1 token (got {max_context})")
+    return problems
