@@ -27,3 +27,20 @@ class KVLabel(StrEnum):
     BUSY = "busy"  # GPU queue
     IDLE = "idle"  # CPU queue
     INACTIVE = "inactive"  # not scheduled anywhere (Waiting, or ended)
+
+
+class Capability(StrEnum):
+    """KV controls an engine may offer the world that drives it (ENGINES.md).
+
+    The decision executor (``mori.core.execution``) turns decisions into engine actions
+    using only the capabilities an engine declares.
+    """
+
+    PRIORITY = "priority"  # per-request priority hints
+    LABELS = "labels"  # typed busy / idle / inactive eviction labels per program
+    OFFLOAD = "offload"  # move one program's GPU KV to the host tier now
+    PREFETCH = "prefetch"  # pull one program's host KV back to the GPU before its request
+    DROP = "drop"  # drop one program's KV (all tiers) now
+    RESIDENCY = "residency"  # report which programs' KV is where
+    SYNTHETIC_PROMPTS = "synthetic_prompts"  # honours the ``mori`` prompt-size field
+    TOKENIZE = "tokenize"  # counts a request's prompt tokens exactly

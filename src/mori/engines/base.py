@@ -24,23 +24,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, ClassVar
 
+from mori.core.types import Capability as Capability  # re-exported: adapters declare these
 from mori.core.types import KVLabel
-
-
-class Capability(StrEnum):
-    """KV controls an engine may offer a gateway (ENGINES.md)."""
-
-    PRIORITY = "priority"  # per-request priority hints
-    LABELS = "labels"  # typed busy / idle / inactive eviction labels per program
-    OFFLOAD = "offload"  # move one program's GPU KV to the host tier now
-    PREFETCH = "prefetch"  # pull one program's host KV back to the GPU before its request
-    DROP = "drop"  # drop one program's KV (all tiers) now
-    RESIDENCY = "residency"  # report which programs' KV is where
-    SYNTHETIC_PROMPTS = "synthetic_prompts"  # honours the ``mori`` prompt-size field
-    TOKENIZE = "tokenize"  # counts a request's prompt tokens exactly
 
 
 class NotSupportedError(RuntimeError):
