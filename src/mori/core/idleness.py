@@ -16,14 +16,8 @@ is dropped). A program with no history has iota = 0 (busy): it is about to run.
 from __future__ import annotations
 
 from collections import deque
-from enum import Enum
 
-
-class _Phase(Enum):
-    NEW = 0
-    GATED = 1
-    REASONING = 2
-    ACTING = 3
+from mori.core.types import Status
 
 
 class IdlenessTracker:
@@ -33,6 +27,9 @@ class IdlenessTracker:
     ``arrived`` ... with non-decreasing times. ``started`` marks the start of reasoning
     (the request was forwarded and its KV is ready); calling it again while reasoning
     moves the start later (the extra interval becomes gated time).
+
+    The tracker is the program's only phase machine: ``status`` (None before the first
+    request) is what ``Program.status`` reads.
     """
 
     __slots__ = (
@@ -46,7 +43,7 @@ class IdlenessTracker:
         self._k = k
         self._exclude_gated = exclude_gated
         self._cycles: deque[tuple[float, float]] = deque()
-        self._phase = _Phase.NEW
+        self._phase: Status | None = None
         self._t0 = 0.0  # start of the current phase
         self._cur_reason = 0.0  # reasoning time of the cycle in progress (once acting)
         self._gated_total = 0.0
@@ -61,51 +58,59 @@ class IdlenessTracker:
     def arrived(self, now: float) -> None:
         """A request arrived: the tool call (if any) ended, the program is gated."""
         self._check_time(now)
-        if self._phase is _Phase.ACTING:
+        if self._phase is Status.ACTING:
             self._push(self._cur_reason, max(0.0, now - self._t0))
-        elif self._phase not in (_Phase.NEW,):
-            raise ValueError(f"arrived while {self._phase.name.lower()}")
-        self._phase = _Phase.GATED
+        elif self._phase is not None:
+            raise ValueError(f"arrived while {self._phase.value}")
+        self._phase = Status.GATED
         self._t0 = now
 
     def started(self, now: float) -> None:
         """Reasoning starts now (forwarded, KV ready)."""
         self._check_time(now)
-        if self._phase is _Phase.GATED:
+        if self._phase is Status.GATED:
             self._end_gated(now)
-        elif self._phase is _Phase.REASONING:
+        elif self._phase is Status.REASONING:
             # the KV became ready later than the forward: that interval was gated
             extra = max(0.0, now - self._t0)
             self._gated_total += extra
             if not self._exclude_gated and self._cycles:
                 self._add_gated_to_last(extra)
         else:
-            raise ValueError(f"started while {self._phase.name.lower()}")
-        self._phase = _Phase.REASONING
+            raise ValueError(f"started while {self._state()}")
+        self._phase = Status.REASONING
         self._t0 = now
 
     def finished(self, now: float) -> None:
         """The response ended: the program is acting (in a tool call)."""
         self._check_time(now)
-        if self._phase is not _Phase.REASONING:
-            raise ValueError(f"finished while {self._phase.name.lower()}")
+        if self._phase is not Status.REASONING:
+            raise ValueError(f"finished while {self._state()}")
         self._cur_reason = max(0.0, now - self._t0)
-        self._phase = _Phase.ACTING
+        self._phase = Status.ACTING
         self._t0 = now
 
+    def _state(self) -> str:
+        return "new" if self._phase is None else self._phase.value
+
     # -- queries --------------------------------------------------------------------
+    @property
+    def status(self) -> Status | None:
+        """The phase: GATED, REASONING or ACTING; None before the first request."""
+        return self._phase
+
     def iota(self, now: float) -> float:
         phase = self._phase
-        if phase is _Phase.REASONING or phase is _Phase.ACTING:
+        if phase is Status.REASONING or phase is Status.ACTING:
             r, a = self._tail  # the cycle in progress is one of the k
         else:
             r, a = self._all
-        if phase is _Phase.REASONING:
+        if phase is Status.REASONING:
             r += max(0.0, now - self._t0)
-        elif self._phase is _Phase.ACTING:
+        elif phase is Status.ACTING:
             r += self._cur_reason
             a += max(0.0, now - self._t0)
-        elif self._phase is _Phase.GATED and not self._exclude_gated and self._cycles:
+        elif phase is Status.GATED and not self._exclude_gated and self._cycles:
             a += max(0.0, now - self._t0)
         total = r + a
         return a / total if total > 0.0 else 0.0

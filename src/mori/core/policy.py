@@ -17,7 +17,7 @@ from mori.core.decisions import Decision, Demote, Forward, Promote, Release
 from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.idleness import IdlenessTracker
 from mori.core.ledger import ClusterSpec, Placement
-from mori.core.program import Program, StepRecord
+from mori.core.program import Program, ProgramView, StepRecord
 from mori.core.types import Status, Tier
 
 
@@ -102,9 +102,9 @@ class Policy(ABC):
         elif isinstance(event, StepFinished):
             self._on_finish(event, now)
         elif isinstance(event, KVReady):
-            p = self.programs[event.program_id]
-            if p.status is Status.REASONING:
-                p.tracker.started(now)
+            p = self.programs.get(event.program_id)
+            if p is not None and p.status is Status.REASONING:
+                p.tracker.started(now)  # the interval since the forward becomes gated
         elif isinstance(event, ProgramEnded):
             self._on_end(event, now)
         else:  # pragma: no cover - exhaustive
@@ -123,13 +123,36 @@ class Policy(ABC):
         for pid, p in self.programs.items():
             tier, replica = self.placement.where(pid)
             assert (p.tier, p.replica) == (tier, replica), f"{pid}: program/ledger disagree"
-            assert p.ready == (pid in self._ready), f"{pid}: ready flag disagrees"
-            assert p.ready == (p.status is Status.GATED), f"{pid}: ready but {p.status}"
+            assert (pid in self._ready) == (p.status is Status.GATED), (
+                f"{pid}: {p.status.value} but {'in' if pid in self._ready else 'not in'} "
+                "the index of held requests")
         assert len(self.placement) == len(self.programs)
 
     @property
     def ready_programs(self) -> list[Program]:
         return list(self._ready.values())
+
+    # -- read-only queries (inspection; they change nothing) ------------------------------
+    @property
+    def held_count(self) -> int:
+        """How many programs have a request held (status GATED)."""
+        return len(self._ready)
+
+    def view(self, program_id: str, now: float) -> ProgramView | None:
+        p = self.programs.get(program_id)
+        return None if p is None else ProgramView.of(p, now)
+
+    def views(self, now: float) -> list[ProgramView]:
+        """Every program, by id."""
+        return [ProgramView.of(self.programs[pid], now) for pid in sorted(self.programs)]
+
+    def status_counts(self) -> dict[tuple[Tier, Status], int]:
+        """Programs per (tier, status)."""
+        counts: dict[tuple[Tier, Status], int] = {}
+        for p in self.programs.values():
+            key = (p.tier, p.status)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
 
     # -- helpers for subclasses ---------------------------------------------------------
     @abstractmethod
@@ -148,10 +171,8 @@ class Policy(ABC):
     def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
         assert p.tier is Tier.GPU and p.replica is not None and p.ready
         out.append(Forward(p.program_id, p.replica))
-        p.ready = False
         del self._ready[p.program_id]
-        p.status = Status.REASONING
-        p.tracker.started(now)
+        p.tracker.started(now)  # status: REASONING
         if p.history:
             p.history[-1].forwarded = now
 
@@ -161,15 +182,13 @@ class Policy(ABC):
 
     def _demote_to(self, p: Program, to: Tier, replica: int | None,
                    out: list[Decision]) -> None:
-        src_replica = p.replica
-        out.append(Demote(p.program_id, src_replica if src_replica is not None else -1,
-                          p.tier, to))
+        assert p.replica is not None, f"{p.program_id}: demoted from no tier"
+        out.append(Demote(p.program_id, p.replica, p.tier, to))
         self._move(p, to, replica if to is not Tier.NONE else None)
 
     def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
         self.placement.move(p.program_id, tier, replica)
         p.tier, p.replica = tier, replica
-        p.lazy_demote = False
 
     # -- observation handling -----------------------------------------------------------
     def _on_arrival(self, ev: RequestArrived, now: float) -> None:
@@ -184,9 +203,7 @@ class Policy(ABC):
                 f"program {ev.program_id!r} sent a request while {p.status.value}: "
                 "a program has at most one request in flight"
             )
-        p.tracker.arrived(now)
-        p.status = Status.GATED
-        p.ready = True
+        p.tracker.arrived(now)  # status: GATED, the request is held
         self._seq += 1
         p.ready_seq = self._seq
         self._ready[p.program_id] = p
@@ -197,8 +214,7 @@ class Policy(ABC):
         p = self.programs[ev.program_id]
         if p.status is not Status.REASONING:
             raise ValueError(f"program {ev.program_id!r} finished while {p.status.value}")
-        p.tracker.finished(now)
-        p.status = Status.ACTING
+        p.tracker.finished(now)  # status: ACTING
         p.returning = True
         p.steps_done += 1
         self._resize(p, ev.context_tokens)
@@ -207,8 +223,7 @@ class Policy(ABC):
 
     def _on_end(self, ev: ProgramEnded, now: float) -> None:
         p = self.programs.pop(ev.program_id)
-        if p.ready:
-            del self._ready[p.program_id]
+        self._ready.pop(p.program_id, None)
         self.placement.remove(p.program_id)
         self._releases.append(Release(p.program_id, p.replica))
 

@@ -22,25 +22,35 @@ class Program:
     """Scheduler state of one program.
 
     ``tokens`` is the context the ledger accounts for: the prompt of its latest request,
-    then prompt + output once the step finished. ``ready`` means a request is held
-    (status GATED). ``returning`` means it has completed at least one step.
+    then prompt + output once the step finished. ``status`` is read from the idleness
+    tracker, the program's one phase machine: GATED means a request is held.
+    ``ready_seq`` orders held requests by arrival. ``returning`` means it has completed
+    at least one step.
     """
 
     program_id: str
     tracker: IdlenessTracker
-    status: Status = Status.GATED
     tokens: int = 0
     kv_bytes: int = 0
     tier: Tier = Tier.NONE
     replica: int | None = None
-    ready: bool = False
     ready_seq: int = 0
     returning: bool = False
-    lazy_demote: bool = False
     steps_done: int = 0
     history: list[StepRecord] = field(default_factory=list)
 
     HISTORY_LIMIT = 16  # steps of timestamps kept for inspection
+
+    @property
+    def status(self) -> Status:
+        # a program exists from its first request on, so the tracker has a phase; a
+        # tracker that has seen nothing yet reads as gated (about to be held)
+        return self.tracker.status or Status.GATED
+
+    @property
+    def ready(self) -> bool:
+        """A request is held (not yet forwarded)."""
+        return self.tracker.status is Status.GATED
 
     def iota(self, now: float) -> float:
         return self.tracker.iota(now)
@@ -49,3 +59,26 @@ class Program:
         self.history.append(rec)
         if len(self.history) > self.HISTORY_LIMIT:
             del self.history[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramView:
+    """A read-only snapshot of one program for inspection (``Policy.view``)."""
+
+    program_id: str
+    status: Status
+    tier: Tier
+    replica: int | None
+    idleness: float
+    context_tokens: int
+    kv_bytes: int
+    gated_s: float
+    steps: int
+    last_step: StepRecord | None  # a copy: the latest step's three timestamps
+
+    @classmethod
+    def of(cls, p: Program, now: float) -> ProgramView:
+        last = p.history[-1] if p.history else None
+        return cls(p.program_id, p.status, p.tier, p.replica, p.iota(now), p.tokens,
+                   p.kv_bytes, p.tracker.gated_time, p.steps_done,
+                   StepRecord(last.arrived, last.forwarded, last.finished) if last else None)

@@ -10,7 +10,8 @@ from mori.core.policies.ablations import (
 from mori.core.policies.mori import MoriPolicy
 from mori.core.policies.smg import SMGPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
-from mori.core.policy import Policy
+from mori.core.ledger import ClusterSpec
+from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
 
 
@@ -29,5 +30,16 @@ POLICIES = _build()
 PAPER_POLICIES = ("smg", "thunderagent", "thunderagent+offload", "mori")
 """The four policies of the paper's main comparison."""
 
-__all__ = ["POLICIES", "PAPER_POLICIES", "MoriPolicy", "SMGPolicy", "ThunderAgentPolicy",
+
+def build_policy(name: str, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig) -> Policy:
+    """The registered policy ``name`` over ``cluster``: the one way both worlds build it.
+
+    ``cluster`` gives the full capacities of each replica's tiers; a policy without a CPU
+    queue drops that tier itself. Raises ``UnknownNameError`` (listing the choices) for
+    an unknown name.
+    """
+    return POLICIES.get(name)(cluster, kv_bytes_per_token, config)
+
+__all__ = ["POLICIES", "PAPER_POLICIES", "build_policy", "MoriPolicy", "SMGPolicy", "ThunderAgentPolicy",
            "ThunderAgentOffloadPolicy", "MoriBinaryPolicy", "MoriNoExclusionPolicy", "MoriStrictPolicy"]

@@ -22,13 +22,15 @@ Every rule of section 4, and where a detail is ours:
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
   GPU are demoted, highest iota first (a ready program outranks an idle one: ours, see
   ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
-  they are marked for lazy demotion (their step finishes first), the Acting ones are
-  demoted now and the replica's free space is reserved for the candidate (later
-  candidates may only use space beyond the reservation). Otherwise nobody is demoted
-  and it waits.
+  the Acting ones are demoted now and the replica's free space is reserved for the
+  candidate (later candidates may only use space beyond the reservation); the Reasoning
+  ones are demoted lazily: when their step ends, a later round finds them Acting and
+  demotes them then. Otherwise nobody is demoted and it waits.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from mori.core.decisions import Decision
 from mori.core.policy import EngineProfile, Policy
@@ -192,21 +194,21 @@ class MoriPolicy(Policy):
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING
                              and self._victim_ok(iota(p), mine)), key=iota.desc)
-            reasoning = sorted((p for p in members if p.status is Status.REASONING
-                                and self._victim_ok(iota(p), mine)), key=iota.desc)
+            reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
+                            and self._victim_ok(iota(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
-            later = sum(p.kv_bytes for p in reasoning)
-            plans.append((room + later, room, r, acting, reasoning))
-        now_ok = [t for t in plans if t[1] >= c.kv_bytes]
+            plans.append(_RoomPlan(r, room, room + reasoning, acting))
+        now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
         if now_ok:  # placeable now: the replica needing the fewest demotions
-            total, room, r, acting, reasoning = max(
-                now_ok, key=lambda t: (self.placement.gpu[t[2]].free() - reserve[t[2]], -t[2]))
+            plan = max(now_ok, key=lambda t: (self.placement.gpu[t.replica].free()
+                                              - reserve[t.replica], -t.replica))
         else:  # only after running steps end: the replica with the most room then
-            total, room, r, acting, reasoning = max(plans, key=lambda t: (t[0], -t[2]))
-        if total < c.kv_bytes:
+            plan = max(plans, key=lambda t: (t.room_later, -t.replica))
+        if plan.room_later < c.kv_bytes:
             return  # cannot be made to fit yet: demote nobody, wait
+        r = plan.replica
         gq = self.placement.gpu[r]
-        for p in acting:
+        for p in plan.acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break
             self._offload(p, r, out, iota, keep=c)
@@ -214,13 +216,19 @@ class MoriPolicy(Policy):
             self._promote(c, r, out)
             self._forward(c, now, out)
             return
-        need = c.kv_bytes - (gq.free() - reserve[r])
-        for p in reasoning:
-            if need <= 0:
-                break
-            p.lazy_demote = True
-            need -= p.kv_bytes
-        reserve[r] = max(reserve[r], int(gq.free()))  # hold what is free for c
+        # the Reasoning programs will make up the rest when their steps end (lazy
+        # demotion: a later round demotes them as Acting programs); until then hold
+        # what is free for c
+        reserve[r] = max(reserve[r], int(gq.free()))
+
+
+class _RoomPlan(NamedTuple):
+    """How one replica could make room for a candidate (``_make_room``)."""
+
+    replica: int
+    room_now: float  # free space beyond the reservation, plus the Acting victims' KV
+    room_later: float  # the same, once the Reasoning victims' steps have ended
+    acting: list[Program]  # the Acting victims, most idle first
 
 
 class _Iota:
