@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mori.core.ledger import ClusterSpec
 from mori.core.policies.ablations import (
     MoriBinaryPolicy,
     MoriNoExclusionPolicy,
@@ -10,7 +11,6 @@ from mori.core.policies.ablations import (
 from mori.core.policies.mori import MoriPolicy
 from mori.core.policies.smg import SMGPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
-from mori.core.ledger import ClusterSpec
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
 
