@@ -163,8 +163,7 @@ def test_c_priority_levels() -> None:
                    Promote("A", 0, NONE), Forward("A", 0),
                    Promote("E", 0, NONE), Forward("E", 0)]
     assert p.programs["D"].ready and where(p, "D") == (NONE, None)
-    # D waits for a step to finish: A (most idle) was marked for lazy demotion
-    assert p.programs["A"].lazy_demote
+    # D waits for a step to finish: A (most idle) is demoted lazily, when its step ends
     assert step(p, 20.5) == []
     assert step(p, 21.0, fin("A", 40)) == [
         Demote("A", 0, GPU, CPU), Promote("D", 0, NONE), Forward("D", 0)]
@@ -260,20 +259,17 @@ def test_d_lazy_demotion_waits_for_the_step() -> None:
     step(p, 1.0, fin("A", 60))
     assert step(p, 10.0, arrive("A", 60)) == [Forward("A", 0)]
     # A reasons with iota 9/11 at t = 11: more idle than the new B, but Reasoning
-    assert step(p, 11.0, arrive("B", 50)) == []
-    assert p.programs["A"].lazy_demote
+    assert step(p, 11.0, arrive("B", 50)) == []  # A will be demoted when its step ends
     assert p.programs["B"].ready and where(p, "B") == (NONE, None)
     assert step(p, 11.5) == []
     assert step(p, 12.0, fin("A", 60)) == [
         Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)]
-    assert not p.programs["A"].lazy_demote
 
 
 def test_d_strict_new_reasoning_program_not_marked_then_demoted_on_tick() -> None:
     p = make("mori-strict")
     step(p, 0.0, arrive("A", 60))
-    assert step(p, 1.0, arrive("B", 50)) == []
-    assert not p.programs["A"].lazy_demote  # iota 0 is not above B's 0
+    assert step(p, 1.0, arrive("B", 50)) == []  # iota 0 is not above B's 0: no room made
     assert step(p, 2.0, fin("A", 60)) == []  # acting for 0 s: iota still 0
     assert step(p, 3.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)]
 
@@ -281,8 +277,7 @@ def test_d_strict_new_reasoning_program_not_marked_then_demoted_on_tick() -> Non
 def test_d_mori_any_reasoning_program_marked() -> None:
     p = make("mori")
     step(p, 0.0, arrive("A", 60))
-    assert step(p, 1.0, arrive("B", 50)) == []
-    assert p.programs["A"].lazy_demote
+    assert step(p, 1.0, arrive("B", 50)) == []  # A is demoted when its step ends
     assert step(p, 1.5) == []
     assert step(p, 2.0, fin("A", 60)) == [
         Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)]
@@ -407,9 +402,8 @@ def test_h_release_from_each_tier() -> None:
     # C (40): B and A both at iota 0.8; the latest request (B) goes first; that suffices
     assert step(p, 5.0, arrive("C", 40)) == [
         Demote("B", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)]
-    # D (90): A (acting) to CPU now, C (reasoning) marked; D waits
+    # D (90): A (acting) to CPU now, C (reasoning) when its step ends; D waits
     assert step(p, 6.0, arrive("D", 90)) == [Demote("A", 0, GPU, CPU)]
-    assert p.programs["C"].lazy_demote
     assert where(p, "D") == (NONE, None) and p.programs["D"].ready
     assert step(p, 7.0, ProgramEnded("B")) == [Release("B", 0)]
     assert p.placement.cpu[0].used == 60

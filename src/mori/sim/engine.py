@@ -108,6 +108,14 @@ class EngineReplica:
         """Drop a program's GPU pages now (to the CPU pool if the engine has one)."""
         self.pools.evict_program_gpu(program_id, self.loop.now)
 
+    def drop(self, program_id: str) -> None:
+        """Forget a program's KV in both tiers now (not pages a running request holds)."""
+        e = self.pools.entries.get(program_id)
+        if e is not None and not e.pinned:
+            self.pools.truncate(e, 0)
+            if e.ended:
+                self.pools.remove(program_id)
+
     def release(self, program_id: str) -> None:
         e = self.pools.entries.get(program_id)
         if e is not None:

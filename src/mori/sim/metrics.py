@@ -32,10 +32,7 @@ class Counters:
     programs_finished: int = 0
     ttft: list[float] = field(default_factory=list)
     gate_wait: list[float] = field(default_factory=list)
-    promotions: int = 0
-    demotions_cpu: int = 0
-    demotions_none: int = 0
-    decisions: int = 0
+    decisions: int = 0  # decision rounds (calls of ``decide``)
     policy_time_s: float = 0.0
     churn: ChurnCounter = field(default_factory=lambda: ChurnCounter())
 

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass, field
 
 from mori.core.costmodel import CostModel, get_preset
-from mori.core.decisions import Decision, Demote, Forward, Promote, Release
 from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.execution import DecisionExecutor, DecisionLog
 from mori.core.ledger import ClusterSpec
-from mori.core.policies import POLICIES
+from mori.core.policies import POLICIES, build_policy
 from mori.core.policy import Policy, PolicyConfig
-from mori.core.types import KVLabel, Tier
+from mori.core.types import Capability, KVLabel, Tier
 from mori.sim.clock import PRIO_TICK, PRIO_WORKLOAD, EventLoop
 from mori.sim.config import SimConfig
 from mori.sim.engine import EngineReplica, SimRequest
@@ -39,10 +39,19 @@ class _Live(ProgramRun):
     children: list[_Live] = field(default_factory=list)
 
 
-class Simulation:
-    """Build with ``Simulation(config, traces)``, then ``run()`` once."""
+SIM_ENGINE_CAPABILITIES = frozenset({Capability.LABELS, Capability.OFFLOAD, Capability.DROP})
+"""The KV controls of a simulated engine replica (``EngineReplica``)."""
 
-    def __init__(self, config: SimConfig, traces: TraceSet) -> None:
+
+class Simulation:
+    """Build with ``Simulation(config, traces)``, then ``run()`` once.
+
+    ``log``: a decision log to keep every executed decision in (the parity test reads
+    it); None keeps none.
+    """
+
+    def __init__(self, config: SimConfig, traces: TraceSet,
+                 log: DecisionLog | None = None) -> None:
         self.config = config
         self.trace_name = traces.name
         preset = get_preset(config.hardware)
@@ -77,7 +86,7 @@ class Simulation:
         self.kv_bytes = kv_bytes
         cluster = ClusterSpec(config.replicas, self.gpu_pages * page * kv_bytes,
                               self.cpu_pages * page * kv_bytes)
-        self.policy: Policy = policy_cls(cluster, kv_bytes, PolicyConfig(
+        self.policy: Policy = build_policy(config.policy, cluster, kv_bytes, PolicyConfig(
             tick_s=config.tick_s, idleness_window=config.idleness_window,
             binary_threshold=config.binary_threshold, page_tokens=page))
         self.loop = EventLoop()
@@ -87,6 +96,8 @@ class Simulation:
                           self, typed_admission=typed)
             for i in range(config.replicas)
         ]
+        self.executor = DecisionExecutor(
+            policy_cls.engine, [SIM_ENGINE_CAPABILITIES] * config.replicas, self, log)
         self.live: dict[str, _Live] = {}
         self.c = Counters()
         self._ran = False
@@ -135,36 +146,28 @@ class Simulation:
         decisions = self.policy.decide(self.loop.now)
         self.c.policy_time_s += time.perf_counter() - t0
         self.c.decisions += 1
-        for d in decisions:
-            self._execute(d)
+        self.executor.execute(self.loop.now, decisions)
 
-    def _execute(self, d: Decision) -> None:
-        typed = self.policy.engine.typed_eviction
-        if isinstance(d, Forward):
-            live = self.live[d.program_id]
-            assert live.req is not None, f"forward without a held request: {d}"
-            self.c.gate_wait.append(self.loop.now - live.req.arrived)
-            live.req.switched = self.c.churn.forwarded(d.program_id, d.replica)
-            self.engines[d.replica].submit(live.req)
-        elif isinstance(d, Promote):
-            self.c.promotions += 1
-            if typed:
-                self.engines[d.replica].set_label(d.program_id, KVLabel.BUSY)
-        elif isinstance(d, Demote):
-            if d.to is Tier.CPU:
-                self.c.demotions_cpu += 1
-            else:
-                self.c.demotions_none += 1
-            if d.replica < 0:
-                return
-            if typed:
-                label = KVLabel.IDLE if d.to is Tier.CPU else KVLabel.INACTIVE
-                self.engines[d.replica].set_label(d.program_id, label)
-            elif d.source is Tier.GPU:
-                self.engines[d.replica].evict(d.program_id)  # paused: its GPU KV is dropped
-        elif isinstance(d, Release):
-            for e in self.engines:
-                e.release(d.program_id)
+    # -- the engine actions the executor carries out (EngineTarget) ---------------------
+    def submit(self, program_id: str, replica: int) -> None:
+        live = self.live[program_id]
+        assert live.req is not None, f"forward of {program_id} without a held request"
+        self.c.gate_wait.append(self.loop.now - live.req.arrived)
+        live.req.switched = self.c.churn.forwarded(program_id, replica)
+        self.engines[replica].submit(live.req)
+
+    def set_label(self, program_id: str, replica: int, label: KVLabel) -> None:
+        self.engines[replica].set_label(program_id, label)
+
+    def offload(self, program_id: str, replica: int) -> None:
+        self.engines[replica].evict(program_id)  # to the CPU pool if there is one
+
+    def drop(self, program_id: str, replica: int) -> None:
+        self.engines[replica].drop(program_id)
+
+    def release(self, program_id: str) -> None:
+        for e in self.engines:
+            e.release(program_id)
 
     # -- engine listener ----------------------------------------------------------------
     def kv_ready(self, req: SimRequest, now: float) -> None:
@@ -210,7 +213,7 @@ class Simulation:
 
     # -- results ------------------------------------------------------------------------
     def _result(self, wall: float) -> RunResult:
-        cfg, c = self.config, self.c
+        cfg, c, done = self.config, self.c, self.executor.counts
         dur = cfg.duration_s
         st = [e.stats for e in self.engines]
         prompt = sum(s.prompt_tokens for s in st)
@@ -241,8 +244,9 @@ class Simulation:
             prompt_tokens=prompt, prefill_tokens=sum(s.prefill_tokens for s in st),
             recomputed_tokens=sum(s.recomputed_tokens for s in st),
             reloaded_tokens=sum(s.cpu_hit_tokens for s in st),
-            promotions=c.promotions, demotions_to_cpu=c.demotions_cpu,
-            demotions_to_none=c.demotions_none, decisions=c.decisions,
+            promotions=sum(done.promotions.values()),
+            demotions_to_cpu=done.demotions[Tier.CPU],
+            demotions_to_none=done.demotions[Tier.NONE], decisions=c.decisions,
             policy_time_per_decision_us=1e6 * c.policy_time_s / max(1, c.decisions),
             gpu_kv_capacity_tokens=self.gpu_pages * page,
             cpu_kv_capacity_tokens=self.cpu_pages * page,
