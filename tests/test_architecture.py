@@ -1,7 +1,11 @@
 """The layering of ARCHITECTURE.md, and the static checks, as tests.
 
 ``mori.core`` is pure: it imports nothing from the other layers and no I/O or clock
-library. ruff and mypy (strict, on the packages listed in pyproject.toml) must pass.
+library. Layers, each importing only those below it: core < protocol < traces, sim <
+engines, enginesim < gateway, replay, sweep < cli. ``mori.protocol`` uses no third-party
+library but Starlette and uvicorn; the simulator (``mori.sim``, the real-time engine
+included) no HTTP library; the engine adapters (``mori.engines``) no simulator. ruff and
+mypy (strict, on the packages listed in pyproject.toml) must pass.
 """
 
 from __future__ import annotations
@@ -41,22 +45,51 @@ def test_core_is_pure(path: Path) -> None:
 
 # which layers each layer may import (imports flow one way, ARCHITECTURE.md)
 LAYERS = {
+    "protocol": {"core"},
     "traces": {"core"},
-    "sim": {"core", "traces"},
-    "engines": {"core", "sim", "traces"},
-    "replay": {"core", "sim", "traces", "engines"},
-    "gateway": {"core", "engines"},
+    "sim": {"core", "protocol", "traces"},
+    "engines": {"core", "protocol"},
+    "enginesim": {"core", "protocol", "sim"},
+    "replay": {"core", "protocol", "sim", "traces", "engines"},
+    "gateway": {"core", "protocol", "engines", "enginesim"},
+    "sweep": {"core", "sim", "traces"},
 }
+HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
+        "prometheus_client"}
+
+
+def package_files(package: str) -> list[Path]:
+    return sorted((ROOT / "src" / "mori" / package).rglob("*.py"))
 
 
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_layers_import_one_way(layer: str) -> None:
     allowed = LAYERS[layer] | {layer}
-    for path in sorted((ROOT / "src" / "mori" / layer).rglob("*.py")):
+    for path in package_files(layer):
         for name in imports_of(path):
             if name.startswith("mori."):
                 other = name.split(".")[1]
                 assert other in allowed, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_protocol_needs_only_starlette_and_uvicorn() -> None:
+    for path in package_files("protocol"):
+        for name in imports_of(path):
+            top = name.split(".")[0]
+            assert top in sys.stdlib_module_names or top in {"mori", "starlette", "uvicorn"}, (
+                f"{path.relative_to(ROOT)} imports {name}")
+
+
+def test_simulator_imports_no_http_library() -> None:
+    for path in package_files("sim"):
+        bad = {n for n in imports_of(path) if n.split(".")[0] in HTTP}
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+    # nor through what it imports (the real-time engine raises the protocol's errors)
+    code = ("import sys, mori.sim.realtime, mori.sim.runner; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(HTTP)!r}))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    assert res.stdout.strip() == "[]", res.stdout
 
 
 def test_ruff_clean() -> None:

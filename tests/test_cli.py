@@ -76,7 +76,9 @@ def test_bad_values_exit_2_before_running(capsys: pytest.CaptureFixture[str]) ->
     assert main([*SMALL, "--programs", "2,0"]) == 2
     assert "programs must be >= 1" in capsys.readouterr().err
     assert main([*SMALL, "--tick", "0"]) == 2
-    assert "--tick" in capsys.readouterr().err
+    assert "--tick: tick_s must be" in capsys.readouterr().err
+    assert main([*SMALL, "--window", "0"]) == 2
+    assert "--window: idleness_window must be >= 1" in capsys.readouterr().err
     assert main([*SMALL, "--programs", "two"]) == 2  # argparse's own error
     assert "--programs" in capsys.readouterr().err
     assert main([*SMALL, "--max-context", "1000"]) == 2  # SettingsError: nothing fits
@@ -108,6 +110,17 @@ def test_toml_config_and_cli_override(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["programs"], r["duration_s"], r["cpu_ratio"]) for r in rows] == [
         ("smg", 4, 30, 0.5)]
+
+
+def test_policy_knobs_reach_the_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("tick = 2\nwindow = 3\n")
+    rows = run_json(tmp_path, "--config", str(cfg), "--window", "4")
+    assert {(r["tick_s"], r["idleness_window"], r["binary_threshold"]) for r in rows} == {
+        (2.0, 4, 0.5)}
+    cfg.write_text("tick = 0\n")
+    assert main([*SMALL, "--config", str(cfg)]) == 2
+    assert "--tick: tick_s must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("text", "expected"), [

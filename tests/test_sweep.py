@@ -13,11 +13,12 @@ import pytest
 import mori.sweep.local
 from mori.cli.main import main
 from mori.core.policies import PAPER_POLICIES
+from mori.core.policy import PolicyConfig
 from mori.sim.config import SimConfig
 from mori.sim.metrics import NONDETERMINISTIC_FIELDS, RunResult
 from mori.sim.runner import simulate
 from mori.sweep import SWEEPS, expand, settings_of
-from mori.sweep.store import result_from_dict
+from mori.sweep.store import config_dict, result_from_dict, run_key
 from mori.traces import default_traces
 
 SMOKE_STEM = "h200-qwen3-30b-a3b_cpu1_dp1"
@@ -193,6 +194,35 @@ def test_ray_missing_says_how_to_install(tmp_path: Path, monkeypatch: pytest.Mon
 def test_result_from_dict_round_trips() -> None:
     result = simulate(SimConfig(programs=2, duration_s=30.0), default_traces())
     assert result_from_dict(result.to_dict()).to_dict() == result.to_dict()
+    knobs = PolicyConfig(tick_s=2.0, idleness_window=3, binary_threshold=0.25)
+    result = simulate(SimConfig(programs=2, duration_s=30.0, max_context=100_000,
+                                policy_config=knobs), default_traces())
+    back = result_from_dict(result.to_dict())
+    assert back.config == result.config  # max_context given, knobs a record carries
+    assert back.to_dict() == result.to_dict()
+    with pytest.raises(ValueError, match="fields"):
+        result_from_dict({**result.to_dict(), "extra": 1})
+
+
+def test_config_dict_nests_the_policy_knobs_with_floats_as_floats() -> None:
+    a = SimConfig(cpu_ratio=2, duration_s=60, policy_config=PolicyConfig(tick_s=5))
+    b = SimConfig(cpu_ratio=2.0, duration_s=60.0, policy_config=PolicyConfig(tick_s=5.0))
+    d = config_dict(a)
+    assert d == config_dict(b) and run_key(a, "x") == run_key(b, "x")
+    assert d["policy_config"] == {"tick_s": 5.0, "idleness_window": 5, "exclude_gated": True,
+                                  "binary_threshold": 0.5, "page_tokens": 64}
+    assert isinstance(d["cpu_ratio"], float) and isinstance(d["policy_config"]["tick_s"], float)
+    assert json.loads(json.dumps(d)) == d
+    other = SimConfig(duration_s=60, policy_config=PolicyConfig(idleness_window=4))
+    assert run_key(other, "x") != run_key(SimConfig(duration_s=60), "x")
+
+
+def test_sweep_policy_knobs_reach_every_run(tmp_path: Path, counter: Counter) -> None:
+    assert smoke(tmp_path / "out", "--jobs", "1", "--tick", "2", "--window", "3") == 0
+    assert {c.policy_config for c in counter.configs} == {
+        PolicyConfig(tick_s=2.0, idleness_window=3)}
+    rows = read(tmp_path / "out" / f"{SMOKE_STEM}.json")
+    assert {(r["tick_s"], r["idleness_window"]) for r in rows} == {(2.0, 3)}
 
 
 def test_ray_gives_the_local_results(tmp_path: Path) -> None:

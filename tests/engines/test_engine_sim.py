@@ -1,4 +1,4 @@
-"""The simulated engine served over HTTP in real time (``mori.engines.simserver``).
+"""The simulated engine served over HTTP in real time (``mori.enginesim``).
 
 Servers run in-process on a free port, time-scaled so that each test takes well under a
 second of wall time. Timing assertions are loose (the machine is shared and noisy); the
@@ -27,8 +27,8 @@ import pytest
 from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx
 from mori.core.types import KVLabel
 from mori.engines.http import metric_sum, parse_prometheus
-from mori.engines.realtime import EngineSimConfig, prompt_tokens
-from mori.engines.simserver import RunningServer, start_engine_sim
+from mori.enginesim import EngineSimConfig, EngineSimServer, start_engine_sim
+from mori.protocol.tokens import prompt_tokens
 from mori.sim.clock import EventLoop
 from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
@@ -54,7 +54,7 @@ def run(fn: Callable[..., Awaitable[T]], **config: Any) -> T:
 
 
 @contextlib.asynccontextmanager
-async def client(srv: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(srv: EngineSimServer) -> AsyncIterator[openai.AsyncOpenAI]:
     c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     try:
         yield c
@@ -62,7 +62,7 @@ async def client(srv: RunningServer) -> AsyncIterator[openai.AsyncOpenAI]:
         await c.close()
 
 
-async def http(srv: RunningServer, method: str, path: str,
+async def http(srv: EngineSimServer, method: str, path: str,
                body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.request(
             method, srv.url + path, json=body if raw is None else None, data=raw,
@@ -84,7 +84,7 @@ def synthetic(prompt: int, reuse: int | None = None) -> dict[str, Any]:
 # -- the OpenAI API ------------------------------------------------------------------------
 
 def test_openai_client_non_streaming() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         async with client(srv) as c:
             content = "x" * 401
             r = await c.chat.completions.create(
@@ -117,7 +117,7 @@ def test_openai_client_non_streaming() -> None:
 
 
 def test_openai_client_streaming() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         async with client(srv) as c:
             stream = await c.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=33,
@@ -146,7 +146,7 @@ def test_openai_client_streaming() -> None:
 
 
 def test_bad_requests_get_openai_errors() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         async with client(srv) as c:
             with pytest.raises(openai.NotFoundError) as e:
                 await c.chat.completions.create(
@@ -197,7 +197,7 @@ def test_ttft_and_latency_follow_the_cost_model() -> None:
         done += n
     t_decode = cost.decode_run_time(1, prompt + 1, output - 1)
 
-    async def go(srv: RunningServer) -> tuple[float, float]:
+    async def go(srv: EngineSimServer) -> tuple[float, float]:
         async with client(srv) as c:
             t0 = time.perf_counter()
             stream = await c.chat.completions.create(
@@ -223,7 +223,7 @@ def test_ttft_and_latency_follow_the_cost_model() -> None:
 # -- KV controls ---------------------------------------------------------------------------
 
 def test_kv_controls_change_residency() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         status, cap = await http(srv, "GET", "/mori/v1/capacity")
         preset = get_preset(PRESET)
         assert cap == {"gpu_tokens": preset.gpu_kv_capacity_tokens,
@@ -269,7 +269,7 @@ def test_kv_controls_change_residency() -> None:
 
 
 def test_small_pool_evicts_under_pressure() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         kept = 0
         assert srv.engine.capacity()["gpu_tokens"] == 4096
         async with client(srv) as c:
@@ -308,7 +308,7 @@ async def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def test_disconnect_mid_stream_aborts_and_frees() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         eng = srv.engine
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 100_000, "stream": True, "program_id": "p", **synthetic(3000)}
@@ -345,7 +345,7 @@ def test_disconnect_mid_stream_aborts_and_frees() -> None:
 
 
 def test_metrics_and_health() -> None:
-    async def go(srv: RunningServer) -> None:
+    async def go(srv: EngineSimServer) -> None:
         async with client(srv) as c:
             await c.completions.create(model=MODEL, prompt="x" * 400, max_tokens=9)
         async with aiohttp.ClientSession() as s:

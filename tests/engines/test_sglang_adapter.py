@@ -12,11 +12,10 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
-from mori.engines.base import Capability, NotSupportedError, RequestHints, UpstreamError
+from mori.engines.base import Capability, NotSupportedError, RequestHints
 from mori.engines.registry import ADAPTERS, parse_backend
 from mori.engines.sglang import SGLangAdapter, hicache_flags
-
-from .fake_engine import FakeEngine, Publisher
+from support.fake_engine import FakeEngine, Publisher
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "sglang"
 T = TypeVar("T")
@@ -27,26 +26,18 @@ def fixture(name: str) -> Any:
     return json.loads(text) if name.endswith(".json") else text
 
 
-def routes(info: str = "get_server_info.json", loads: bool = True, get_load: bool = True,
-           metrics: bool = True) -> dict[str, Any]:
-    r: dict[str, Any] = {
+def routes(info: str = "get_server_info.json") -> dict[str, Any]:
+    return {
         "GET /get_server_info": fixture(info),
         "GET /health": "",
         "POST /v1/chat/completions": fixture("chat_completion.json"),
         "POST /v1/tokenize": fixture("tokenize.json"),
     }
-    if loads:
-        r["GET /v1/loads"] = fixture("v1_loads.json")
-    if get_load:
-        r["GET /get_load"] = fixture("get_load.json")
-    if metrics:
-        r["GET /metrics"] = fixture("metrics.txt")
-    return r
 
 
 def with_engine(fn: Callable[[FakeEngine], Awaitable[T]], **kw: Any) -> T:
     async def main() -> T:
-        eng = await FakeEngine(routes(**kw)).start()
+        eng = await FakeEngine(routes=routes(**kw)).start()
         try:
             return await fn(eng)
         finally:
@@ -132,62 +123,6 @@ def test_priority_disabled_sends_no_priority() -> None:
     a = SGLangAdapter("http://x", priority=False)
     assert "priority" not in a.shape_body(dict(CHAT), RequestHints("p", priority=3))
     assert not a.supports(Capability.PRIORITY)
-
-
-def test_load_from_v1_loads_then_get_load_then_metrics() -> None:
-    async def go_loads(eng: FakeEngine) -> None:
-        a = SGLangAdapter(eng.url)
-        await a.start()
-        try:
-            load = await a.load()
-            assert (load.running, load.waiting, load.kv_usage) == (3, 2, 0.39)
-        finally:
-            await a.close()
-    with_engine(go_loads)
-
-    async def go_get_load(eng: FakeEngine) -> None:
-        a = SGLangAdapter(eng.url)
-        await a.start()
-        try:
-            load = await a.load()
-            assert (load.running, load.waiting) == (3, 2)
-            assert load.kv_usage == pytest.approx(384864 / 769728)
-        finally:
-            await a.close()
-    with_engine(go_get_load, loads=False)
-
-    async def go_metrics(eng: FakeEngine) -> None:
-        a = SGLangAdapter(eng.url)
-        await a.start()
-        try:
-            load = await a.load()
-            assert (load.running, load.waiting, load.kv_usage) == (4, 7, 0.62)
-        finally:
-            await a.close()
-    with_engine(go_metrics, loads=False, get_load=False)
-
-    async def go_none(eng: FakeEngine) -> None:
-        a = SGLangAdapter(eng.url)
-        await a.start()
-        try:
-            with pytest.raises(UpstreamError):
-                await a.load()
-        finally:
-            await a.close()
-    with_engine(go_none, loads=False, get_load=False, metrics=False)
-
-
-def test_forced_load_source() -> None:
-    async def go(eng: FakeEngine) -> None:
-        a = SGLangAdapter(eng.url, load_source="metrics")
-        await a.start()
-        try:
-            assert (await a.load()).running == 4
-        finally:
-            await a.close()
-    with_engine(go)
-    with pytest.raises(ValueError, match="load_source"):
-        SGLangAdapter("http://x", load_source="guess")
 
 
 def test_prefetch_warmup_with_hicache() -> None:

@@ -24,8 +24,7 @@ from mori.engines.kvevents import (
 )
 from mori.engines.registry import ADAPTERS, parse_backend
 from mori.engines.vllm import VLLMAdapter, cache_config, program_salt
-
-from .fake_engine import FakeEngine, Publisher
+from support.fake_engine import FakeEngine, Publisher
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "vllm"
 T = TypeVar("T")
@@ -54,7 +53,7 @@ def routes(metrics: str = METRICS_IDLE) -> dict[str, Any]:
 
 def with_engine(fn: Callable[[FakeEngine], Awaitable[T]], metrics: str = METRICS_IDLE) -> T:
     async def main() -> T:
-        eng = await FakeEngine(routes(metrics)).start()
+        eng = await FakeEngine(routes=routes(metrics)).start()
         try:
             return await fn(eng)
         finally:
@@ -66,7 +65,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "run the tests
         "max_tokens": 8}
 
 
-# -- capacity, load, counters ----------------------------------------------------------------
+# -- capacity, counters ----------------------------------------------------------------
 
 def test_capacity_from_cache_config_info() -> None:
     labels = cache_config(METRICS_IDLE)
@@ -100,39 +99,17 @@ def test_capacity_options_override_and_cpu_tier_enables_prefetch() -> None:
     with_engine(go)
 
 
-def test_load_and_prefix_cache_counters() -> None:
+def test_prefix_cache_counters() -> None:
     async def go(eng: FakeEngine) -> None:
         a = VLLMAdapter(eng.url)
         await a.start()
         try:
-            load = await a.load()
-            assert (load.running, load.waiting, load.kv_usage) == (0, 0, 0.0)
             pc = await a.prefix_cache()
             assert (pc.queries, pc.hits) == (624.0, 128.0)
             assert pc.hit_rate == pytest.approx(128 / 624)
         finally:
             await a.close()
     with_engine(go, metrics=METRICS_BUSY)
-
-
-def test_load_sums_running_waiting_and_usage() -> None:
-    text = METRICS_IDLE.replace(
-        'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
-        'vllm:num_requests_running{engine="0",model_name="tiny"} 3.0').replace(
-        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 0.0',
-        'vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0').replace(
-        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.0',
-        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.75')
-
-    async def go(eng: FakeEngine) -> None:
-        a = VLLMAdapter(eng.url)
-        await a.start()
-        try:
-            load = await a.load()
-            assert (load.running, load.waiting, load.kv_usage) == (3, 2, 0.75)
-        finally:
-            await a.close()
-    with_engine(go, metrics=text)
 
 
 def test_unknown_capacity_is_a_clear_error() -> None:

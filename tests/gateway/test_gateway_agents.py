@@ -15,7 +15,8 @@ import openai
 import pytest
 from gateway_harness import LoopThread
 
-from mori.gateway.app import Gateway, GatewaySettings, create_app
+from mori.gateway.app import Gateway, create_app
+from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, start_simulated_backends
 
 GPU_TOKENS = 120_000

@@ -11,7 +11,8 @@ import pytest
 from gateway_harness import FakeEngine, LoopThread, Running
 
 from mori.engines.http import OpenAIHTTPAdapter
-from mori.gateway.app import GatewaySettings, create_app
+from mori.gateway.app import create_app
+from mori.gateway.config import GatewaySettings
 
 MSG = [{"role": "user", "content": "hello " * 40}]
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 from gateway_harness import LoopThread
 
-from mori.core.decisions import Decision, Demote, Forward, Promote, Release
-from mori.gateway.app import GatewaySettings, create_app
+from mori.core.execution import DecisionLog, DecisionRecord
+from mori.gateway.app import create_app
+from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, start_simulated_backends
 from mori.replay import ReplayConfig, replay
 from mori.sim.config import SimConfig
@@ -51,64 +51,39 @@ def parity_traces() -> TraceSet:
     return TraceSet("parity", tuple(progs))
 
 
-def row(time: float, d: Decision) -> dict[str, Any]:
-    if isinstance(d, Forward):
-        return {"time": time, "kind": "forward", "program_id": d.program_id}
-    if isinstance(d, Promote):
-        return {"time": time, "kind": "promote", "program_id": d.program_id,
-                "source": d.source.value}
-    if isinstance(d, Demote):
-        return {"time": time, "kind": "demote", "program_id": d.program_id,
-                "source": d.source.value, "to": d.to.value}
-    assert isinstance(d, Release)
-    return {"time": time, "kind": "release", "program_id": d.program_id}
-
-
-def simulated_decisions(traces: TraceSet) -> list[dict[str, Any]]:
-    sim = Simulation(SimConfig(policy="mori", programs=PROGRAMS, hardware=PRESET,
-                               cpu_ratio=1.0, duration_s=DURATION_S, seed=SEED,
-                               stagger_s=STAGGER_S), traces)
-    log: list[dict[str, Any]] = []
-    decide = sim.policy.decide
-
-    def logged(now: float) -> list[Decision]:
-        out = decide(now)
-        log.extend(row(now, d) for d in out)
-        return out
-
-    sim.policy.decide = logged  # type: ignore[method-assign]
-    sim.run()
+def simulated_decisions(traces: TraceSet) -> DecisionLog:
+    log = DecisionLog()
+    Simulation(SimConfig(policy="mori", programs=PROGRAMS, hardware=PRESET, cpu_ratio=1.0,
+                         duration_s=DURATION_S, seed=SEED, stagger_s=STAGGER_S),
+               traces, log=log).run()
     return log
 
 
-def live_decisions(lt: LoopThread, traces: TraceSet) -> list[dict[str, Any]]:
+def live_decisions(lt: LoopThread, traces: TraceSet) -> DecisionLog:
     settings = GatewaySettings(policy="mori", time_scale=TIME_SCALE)
     cfg = ServeConfig(replicas=1, preset=PRESET, cpu_ratio=1.0, settings=settings)
     adapters, handles = lt.call(start_simulated_backends(cfg))
     lt.handles.extend(handles)
-    url = lt.serve(create_app(settings, adapters)).url
+    app = create_app(settings, adapters)
+    url = lt.serve(app).url
     result = asyncio.run(replay(ReplayConfig(
         target=url, programs=PROGRAMS, duration_s=DURATION_S, time_scale=TIME_SCALE,
         seed=SEED, stagger_s=STAGGER_S), traces))
     assert result.errors == {} or sum(result.errors.values()) == 0, result.errors
-    rows: list[dict[str, Any]] = httpx.get(url + "/v1/decisions").json()["data"]
-    return rows
+    log: DecisionLog = app.state.gateway.ctl.log
+    return log
 
 
-def aligned(log: list[dict[str, Any]], until: float) -> list[dict[str, Any]]:
-    """Times from the first decision (the first program's start) on, cut at ``until``,
-    leaving out the releases of programs cut off by the end of the run."""
-    t0 = log[0]["time"]
-    out = []
-    for d in log:
-        t = d["time"] - t0
-        if t <= until:
-            out.append({**{k: v for k, v in d.items() if v is not None}, "time": t})
-    return out
+def aligned(log: DecisionLog, until: float) -> list[DecisionRecord]:
+    """Times from the first decision (the first program's start) on, cut at ``until``
+    (leaving out the releases of programs cut off by the end of the run)."""
+    records = list(log)
+    t0 = records[0].time
+    return [DecisionRecord(r.time - t0, r.decision) for r in records if r.time - t0 <= until]
 
 
-def key(d: dict[str, Any]) -> tuple[Any, ...]:
-    return (d["kind"], d["program_id"], d.get("source"), d.get("to"))
+def key(r: DecisionRecord) -> tuple[Any, ...]:
+    return (r.kind, r.decision.program_id, repr(r.decision))
 
 
 def test_simulator_and_live_gateway_take_the_same_decisions(loop_thread: LoopThread) -> None:
@@ -118,22 +93,22 @@ def test_simulator_and_live_gateway_take_the_same_decisions(loop_thread: LoopThr
     until = DURATION_S - 20.0  # well inside both runs
     a, b = aligned(sim, until), aligned(live, until)
     assert len(a) >= 25
-    assert any(d["kind"] == "demote" for d in a)  # the trace exceeds the GPU tier
+    assert any(d.kind == "demote" for d in a)  # the trace exceeds the GPU tier
     # the same decisions, per program in the same order
     per_a: dict[str, list[tuple[Any, ...]]] = {}
     per_b: dict[str, list[tuple[Any, ...]]] = {}
     for d in a:
-        per_a.setdefault(d["program_id"], []).append(key(d))
+        per_a.setdefault(d.decision.program_id, []).append(key(d))
     for d in b:
-        per_b.setdefault(d["program_id"], []).append(key(d))
+        per_b.setdefault(d.decision.program_id, []).append(key(d))
     assert per_a == per_b
     # globally in the same order, up to decisions taken at the same instant
     assert sorted(map(key, a)) == sorted(map(key, b))
     for da, db in zip(a, b, strict=True):
         if key(da) != key(db):
-            near = [d for d in a if abs(d["time"] - da["time"]) < 1e-9]
+            near = [d for d in a if abs(d.time - da.time) < 1e-9]
             assert key(db) in map(key, near), (da, db)
     # and at the same times, within the jitter of real time
-    worst = max(abs(da["time"] - db["time"]) for da, db in
+    worst = max(abs(da.time - db.time) for da, db in
                 zip(sorted(a, key=key), sorted(b, key=key), strict=True))
     assert worst < TIME_TOL_S, worst

@@ -14,7 +14,9 @@ import openai
 import pytest
 
 from mori.cli.main import build_parser, main
-from mori.cli.serve_cmd import ServeUsageError, build_config
+from mori.cli.options import SERVE_OPTIONS, help_text
+from mori.cli.serve_cmd import ServeUsageError, build_config, gateway_settings
+from mori.core.policy import PolicyConfig
 
 
 def config(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -39,13 +41,37 @@ def test_flags_and_config_file_map_onto_one_config(tmp_path: Path) -> None:
     (["--backend", "nope=http://x:1"], "unknown engine kind 'nope'"),
     (["--backend", "vllm=http://x:1,colour=blue"], "unknown option(s) colour"),
     (["--backend", "vllm"], "KIND=URL"),
-    (["--time-scale", "0"], "time_scale must be > 0"),
+    (["--time-scale", "0"], "time_scale must be"),
+    (["--tick", "0"], "--tick: tick_s must be"),
+    (["--idleness-window", "0"], "--idleness-window: idleness_window must be >= 1"),
+    (["--binary-threshold", "2"], "--binary-threshold: binary_threshold must be in [0, 1]"),
     (["--preset", "h100"], "unknown preset"),
 ])
 def test_bad_settings_say_what_is_wrong(argv: list[str], needle: str) -> None:
     with pytest.raises(ServeUsageError) as e:
         config(argv)
     assert needle in str(e.value)
+
+
+def test_policy_knobs_from_flags_and_config_file(tmp_path: Path) -> None:
+    f = tmp_path / "serve.toml"
+    f.write_text("tick = 2\nidleness-window = 3\nexact-tokens = true\n")
+    cfg = config(["--config", str(f), "--binary-threshold", "0.25"])
+    knobs = PolicyConfig(tick_s=2.0, idleness_window=3, binary_threshold=0.25)
+    assert cfg.settings == gateway_settings({"exact_tokens": True}, knobs)
+    assert config([]).settings == gateway_settings({}, PolicyConfig())
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for opt in SERVE_OPTIONS:
+        assert " ".join(help_text(opt).split()) in out
+        if opt.default not in (None, False):
+            assert "(default" in help_text(opt), opt.key
+    assert "--tick S policy tick in seconds of policy time (default: 5)" in out
+    assert "(default: 33554432)" in out and "(default: mori)" in out
 
 
 def test_bad_config_file_names_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -55,6 +81,10 @@ def test_bad_config_file_names_the_key(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["serve", "--config", str(f)]) == 2
     err = capsys.readouterr().err
     assert "unknown key 'colour'" in err and "serve.toml" in err
+    assert "idleness-window" in err and "backend" in err  # the valid keys are listed
+    f.write_text("max-gated = 'many'\n")
+    assert main(["serve", "--config", str(f)]) == 2
+    assert "key 'max-gated': expected an integer" in capsys.readouterr().err
 
 
 def test_mori_serve_command_serves_the_openai_client() -> None:

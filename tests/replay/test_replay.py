@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import socket
 import sys
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_openai import FakeServer
 
 from mori.cli.replay_cmd import add_replay_parser, run_replay
 from mori.replay import ReplayConfig, ReplayResult, RequestRecord, TargetError, replay
@@ -27,6 +27,8 @@ from mori.sim.plan import ReplayPlan
 from mori.sim.runner import Simulation
 from mori.traces import write_traceset
 from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet
+from support.fake_engine import FakeEngine
+from support.loop_thread import LoopThread
 
 SCALE = 20.0
 LATE = 1.5  # simulated seconds a request may come after its due time (75 ms of wall time)
@@ -45,21 +47,30 @@ BY_NAME = {p.name: p for p in (PARENT, SOLO, CHILD)}
 GAPS = {("P", 1): 2.0, ("Q", 0): 2.5, ("C", 0): 2.0}
 
 
+@contextlib.contextmanager
+def serving(**kw: Any) -> Iterator[FakeEngine]:
+    """A fake engine serving the model "tiny" on its own loop thread (the replay runs in
+    this one); a broken connection comes after the first token."""
+    lt = LoopThread()
+    try:
+        fake = lt.call(FakeEngine(model="tiny", die_after=1, **kw).start())
+        lt.handles.append(fake)
+        yield fake
+    finally:
+        lt.close()
+
+
 @pytest.fixture
-def server() -> Iterator[FakeServer]:
-    s = FakeServer().start()
-    yield s
-    s.stop()
+def server() -> Iterator[FakeEngine]:
+    with serving() as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
-def engine_run() -> Iterator[tuple[FakeServer, ReplayResult]]:
+def engine_run() -> Iterator[tuple[FakeEngine, ReplayResult]]:
     """One replay against an engine-like server, shared by the tests that only look."""
-    s = FakeServer().start()
-    try:
+    with serving() as s:
         yield s, run(config(s))
-    finally:
-        s.stop()
 
 
 def run(cfg: ReplayConfig, traces: TraceSet = TRACES) -> ReplayResult:
@@ -70,7 +81,7 @@ def run(cfg: ReplayConfig, traces: TraceSet = TRACES) -> ReplayResult:
     return result
 
 
-def config(server: FakeServer, **kw: Any) -> ReplayConfig:
+def config(server: FakeEngine, **kw: Any) -> ReplayConfig:
     base: dict[str, Any] = dict(programs=2, duration_s=40.0, time_scale=SCALE, stagger_s=0.0,
                                 human_gap_cap_s=2.5, seed=0)
     base.update(kw)
@@ -91,7 +102,7 @@ def events_of(result: ReplayResult) -> dict[str, list[RequestRecord]]:
     return {pid: sorted(es, key=lambda e: e.step) for pid, es in out.items()}
 
 
-def test_requests_follow_the_trace(engine_run: tuple[FakeServer, ReplayResult]) -> None:
+def test_requests_follow_the_trace(engine_run: tuple[FakeEngine, ReplayResult]) -> None:
     server, result = engine_run
     bodies = server.chat_bodies()
     # (a request sent as the run ends may be cancelled before the server reads it)
@@ -122,7 +133,7 @@ def test_requests_follow_the_trace(engine_run: tuple[FakeServer, ReplayResult]) 
     assert result.output_tokens == sum(e.output_tokens for e in result.events)
 
 
-def test_gaps_and_subagents_in_scaled_time(engine_run: tuple[FakeServer, ReplayResult]
+def test_gaps_and_subagents_in_scaled_time(engine_run: tuple[FakeEngine, ReplayResult]
                                            ) -> None:
     server, result = engine_run
     ev = events_of(result)
@@ -159,7 +170,7 @@ def test_gaps_and_subagents_in_scaled_time(engine_run: tuple[FakeServer, ReplayR
         assert (r2.arrived - r1.finished) * SCALE >= 2.5 - 0.2
 
 
-def test_release_is_tried_once_against_an_engine(engine_run: tuple[FakeServer, ReplayResult]
+def test_release_is_tried_once_against_an_engine(engine_run: tuple[FakeEngine, ReplayResult]
                                                   ) -> None:
     server, result = engine_run
     assert result.programs_finished > 3
@@ -169,11 +180,8 @@ def test_release_is_tried_once_against_an_engine(engine_run: tuple[FakeServer, R
 
 
 def test_gateway_counters_and_releases() -> None:
-    server = FakeServer(gateway=True).start()
-    try:
+    with serving(gateway=True) as server:
         result = run(config(server, duration_s=20.0))
-    finally:
-        server.stop()
     assert result.gateway
     n = len(server.requests)
     assert result.promotions == n and result.demotions_to_cpu == 2 * n  # counted over the run
@@ -186,12 +194,9 @@ def test_gateway_counters_and_releases() -> None:
 
 
 def test_errors_are_counted_and_programs_go_on() -> None:
-    server = FakeServer(fail=lambda b, n: 500 if n % 5 == 1 else None,
-                        stream_error=lambda b, n: n % 5 == 3).start()
-    try:
+    with serving(fail=lambda b, n: 500 if n % 5 == 1 else None,
+                 stream_error=lambda b, n: n % 5 == 3) as server:
         result = run(config(server))
-    finally:
-        server.stop()
     done = {(e.program_id, e.step) for e in result.events if e.end_s is not None}
     seen = [r for r in server.requests if (r.body["program_id"], stepno(r.body)) in done]
     assert result.errors == {"http_500": sum(r.status == 500 for r in seen),
@@ -207,11 +212,8 @@ def test_errors_are_counted_and_programs_go_on() -> None:
 
 
 def test_a_broken_connection_is_a_stream_error() -> None:
-    server = FakeServer(die=lambda b, n: n % 3 == 0).start()
-    try:
+    with serving(die=lambda b, n: n % 3 == 0) as server:
         result = run(config(server, duration_s=20.0))
-    finally:
-        server.stop()
     assert set(result.errors) == {"stream"} and result.errors["stream"] >= 2
     assert result.steps >= 2
 
@@ -221,23 +223,17 @@ def stepno(body: dict[str, Any]) -> int:
 
 
 def test_end_on_error_ends_the_program() -> None:
-    server = FakeServer(fail=lambda b, n: 503 if b["program_id"].startswith("Q#") else None
-                        ).start()
-    try:
+    with serving(fail=lambda b, n: 503 if b["program_id"].startswith("Q#") else None
+                 ) as server:
         result = run(config(server, end_on_error=True, duration_s=20.0))
-    finally:
-        server.stop()
     q = [b for b in server.chat_bodies() if b["program_id"].startswith("Q#")]
     assert q and all(b["mori"]["reuse_tokens"] == 0 for b in q)  # never a second step
     assert result.errors.get("http_503", 0) >= len(q) - 1
 
 
 def test_a_request_that_never_answers_times_out() -> None:
-    server = FakeServer(hang=lambda b, n: n == 0).start()
-    try:
+    with serving(hang=lambda b, n: n == 0) as server:
         result = run(config(server, request_timeout_s=0.6, duration_s=40.0))
-    finally:
-        server.stop()
     assert result.errors == {"timeout": 1}, result.errors
     hung = [e for e in result.events if e.error == "timeout"]
     assert hung[0].end_s is not None and hung[0].end_s - hung[0].sent_s >= 0.6 * SCALE - EARLY
@@ -245,12 +241,9 @@ def test_a_request_that_never_answers_times_out() -> None:
 
 
 def test_a_run_ends_on_time_with_requests_hanging() -> None:
-    server = FakeServer(hang=lambda b, n: True).start()
-    try:
+    with serving(hang=lambda b, n: True) as server:
         t0 = time.monotonic()
         result = run(config(server, duration_s=10.0))
-    finally:
-        server.stop()
     assert time.monotonic() - t0 < 3.0
     assert result.steps == 0 and result.errors == {}
     assert result.requests == 2 and all(e.end_s is None for e in result.events)
@@ -261,12 +254,9 @@ def test_text_prompts_keep_the_reused_prefix() -> None:
                               Step(800, 20, 1.0, GapKind.TOOL, 400),
                               Step(1000, 10, 1.0, GapKind.TOOL, 600),
                               Step(1200, 10, 0.0, GapKind.END, 1000)))
-    server = FakeServer(max_model_len=110).start()
-    try:
+    with serving(max_model_len=110) as server:
         result = run(config(server, programs=1, text_prompts=True, token_scale=0.1,
                             duration_s=20.0), TraceSet("long", (long,)))
-    finally:
-        server.stop()
     # the context window is the model's 110 tokens / 0.1: the last step (1210) is cut
     assert result.max_context == 1100
     reqs = by_program(server.chat_bodies())
@@ -290,12 +280,9 @@ def test_program_ids_match_the_simulators() -> None:
     sim = Simulation(SimConfig(programs=3, seed=4, stagger_s=10.0, duration_s=9.0,
                                hardware="h200-80g-qwen2.5-7b"), traces)
     sim.run()
-    server = FakeServer().start()
-    try:
+    with serving() as server:
         result = run(ReplayConfig(server.url, programs=3, seed=4, stagger_s=10.0,
                                   duration_s=9.0, time_scale=SCALE), traces)
-    finally:
-        server.stop()
     assert sorted(e.program_id for e in result.events) == sorted(sim.live)
     starts = {e.program_id: e.sent_s for e in result.events}
     for pid, t in zip(("p2#1", "p0#2", "p3#3"), sim.plan.start_times[::-1], strict=True):
@@ -322,7 +309,7 @@ def cli(*argv: str) -> int:
     return run_replay(parser.parse_args(["replay", *argv]))
 
 
-def test_cli_writes_table_json_and_events(server: FakeServer, tmp_path: Path,
+def test_cli_writes_table_json_and_events(server: FakeEngine, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     traces = tmp_path / "tiny.jsonl"
     write_traceset(TRACES, traces)
@@ -367,4 +354,4 @@ def test_cli_usage_errors(argv: list[str], message: str,
 
 
 def test_fake_server_module_is_importable() -> None:
-    assert "fake_openai" in sys.modules
+    assert "support.fake_engine" in sys.modules

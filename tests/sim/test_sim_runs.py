@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 
+from mori.core.costmodel import get_preset
 from mori.core.policies import POLICIES
+from mori.core.policy import PolicyConfig
 from mori.sim.config import SimConfig
-from mori.sim.metrics import NONDETERMINISTIC_FIELDS
+from mori.sim.metrics import NONDETERMINISTIC_FIELDS, RESULT_SETTINGS
 from mori.sim.runner import SettingsError, Simulation, simulate
 from mori.sim.workload import prepare_program
 from mori.traces import default_traces
@@ -102,6 +106,47 @@ def test_nothing_fits_the_context_window_is_refused() -> None:
 def test_impossible_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="invalid simulation settings"):
         SimConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("knobs", [dict(tick_s=0.0), dict(idleness_window=0),
+                                   dict(binary_threshold=1.5)])
+def test_bad_policy_knobs_are_refused_by_the_policy_config(knobs: dict[str, object]) -> None:
+    name = next(iter(knobs))
+    with pytest.raises(ValueError, match=name):
+        SimConfig(policy_config=PolicyConfig(**knobs))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("knobs", [dict(tick_s=math.inf), dict(binary_threshold=math.nan)])
+def test_a_non_finite_knob_is_refused(knobs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(knobs))):
+        SimConfig(policy_config=PolicyConfig(**knobs))
+
+
+def test_the_policy_gets_the_configured_knobs_and_the_presets_pages() -> None:
+    knobs = PolicyConfig(tick_s=2.0, idleness_window=3, binary_threshold=0.25, page_tokens=1)
+    sim = Simulation(SimConfig(policy="mori-binary", programs=2, duration_s=30,
+                               hardware="h200-80g-qwen2.5-7b", policy_config=knobs),
+                     default_traces())
+    page = sim.cost.preset.page_tokens
+    assert page != 1
+    assert sim.policy.config == dataclasses.replace(knobs, page_tokens=page)
+    row = sim.run().to_dict()
+    assert (row["tick_s"], row["idleness_window"], row["binary_threshold"]) == (2.0, 3, 0.25)
+
+
+def test_a_result_record_is_flat_with_the_settings_first() -> None:
+    cfg = SimConfig(programs=2, duration_s=30, max_context=200_000)
+    result = simulate(cfg, default_traces())
+    assert result.config == cfg and result.max_context == 200_000
+    row = result.to_dict()
+    assert list(row)[:len(RESULT_SETTINGS)] == list(RESULT_SETTINGS)
+    assert not any(isinstance(v, dict) for v in row.values())
+    assert {k: row[k] for k in ("policy", "programs", "duration_s", "tick_s", "traces")} == {
+        "policy": "mori", "programs": 2, "duration_s": 30, "tick_s": 5.0,
+        "traces": default_traces().name}
+    whole = simulate(SimConfig(programs=2, duration_s=30), default_traces())
+    assert whole.config.max_context is None
+    assert whole.to_dict()["max_context"] == get_preset(cfg.hardware).model.context_window
 
 
 def test_unknown_policy_and_preset_list_the_valid_names() -> None:

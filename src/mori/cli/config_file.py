@@ -1,7 +1,9 @@
-"""``--config FILE.toml``: the options of ``mori simulate`` read from a TOML file.
+"""``--config FILE.toml``: a command's options read from a TOML file.
 
-Keys are the long option names with dashes or underscores (``cpu-ratio`` or
-``cpu_ratio``); list options take an array, a single value or a comma-separated string::
+One loader for ``mori simulate`` and ``mori serve``, each with its own option table
+(:data:`~mori.cli.options.BY_KEY`, :data:`~mori.cli.options.SERVE_BY_KEY`). Keys are the
+long option names with dashes or underscores (``cpu-ratio`` or ``cpu_ratio``); list
+options take an array, a single value or a comma-separated string::
 
     policy = ["mori", "smg"]
     programs = [20, 50]
@@ -14,23 +16,25 @@ Any problem is a :class:`ConfigError` naming the file and the key.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mori.cli.options import BY_KEY, OptionError
+from mori.cli.options import BY_KEY, Option, OptionError
 
 
 class ConfigError(ValueError):
     """A config file that cannot be read, or a key or value it should not have."""
 
 
-def valid_keys() -> list[str]:
-    """The keys a config file may set, in their dashed spelling, sorted."""
-    return sorted(k.replace("_", "-") for k in BY_KEY)
+def valid_keys(by_key: Mapping[str, Option] = BY_KEY) -> list[str]:
+    """The keys a config file may set (those of ``by_key``), dashed, sorted."""
+    return sorted(k.replace("_", "-") for k in by_key)
 
 
-def load_config(path: Path) -> dict[str, Any]:
-    """The option values set in the TOML file at ``path``, by option key (underscores)."""
+def load_config(path: Path, by_key: Mapping[str, Option] = BY_KEY) -> dict[str, Any]:
+    """The option values set in the TOML file at ``path``, by option key (underscores);
+    ``by_key`` is the command's option table (default: ``mori simulate``'s)."""
     try:
         import tomllib  # Python 3.11+
     except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -48,10 +52,10 @@ def load_config(path: Path) -> dict[str, Any]:
     spelled: dict[str, str] = {}
     for name, value in raw.items():
         key = name.replace("-", "_")
-        opt = BY_KEY.get(key)
+        opt = by_key.get(key)
         if opt is None:
             raise ConfigError(f"config file {str(path)!r}: unknown key {name!r}; valid keys: "
-                              f"{', '.join(valid_keys())}")
+                              f"{', '.join(valid_keys(by_key))}")
         if key in values:
             raise ConfigError(f"config file {str(path)!r}: key {name!r} is set twice "
                               f"(also as {spelled[key]!r})")

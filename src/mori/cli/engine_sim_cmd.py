@@ -99,7 +99,7 @@ def add_engine_sim_parser(sub: argparse._SubParsersAction[P]) -> P:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from mori.engines.simserver import EngineSimConfig, start_engine_sim
+    from mori.enginesim import EngineSimConfig, start_engine_sim
 
     config = EngineSimConfig(
         preset=args.preset, time_scale=args.time_scale, cpu_ratio=args.cpu_ratio,
@@ -126,9 +126,8 @@ def run_engine_sim(args: argparse.Namespace) -> int:
     """Serve until interrupted; the exit status (0, or 1 when the port cannot be bound)."""
     try:
         run_loop(_serve(args))
-    except OSError as e:
-        print(f"mori engine-sim: error: cannot listen on {args.host}:{args.port}: {e}",
-              file=sys.stderr)
+    except OSError as e:  # the address cannot be used (the message names it)
+        print(f"mori engine-sim: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

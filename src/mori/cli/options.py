@@ -1,26 +1,37 @@
-"""The options of ``mori simulate``, declared once for the argument parser and TOML files.
+"""The options of ``mori simulate`` (also used by ``sweep`` and ``replay``) and of
+``mori serve``, declared once for the argument parser and TOML files.
 
 Each :class:`Option` knows its flag, its type, whether it takes a comma-separated list,
-its default and its help text; it converts both a command-line string and a TOML value.
-The defaults of the simulation knobs come from :class:`mori.sim.config.SimConfig`, so the
-CLI cannot drift from the simulator.
+its default, its help text and the configuration field it sets; it converts both a
+command-line string and a TOML value. Defaults come from the configuration classes
+(:class:`~mori.sim.config.SimConfig`, :class:`~mori.core.policy.PolicyConfig`, the
+gateway's ``GatewaySettings`` and ``ServeConfig``), so the CLI cannot drift from them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mori.core.costmodel import PRESETS
 from mori.core.policies import PAPER_POLICIES, POLICIES
+from mori.core.policy import PolicyConfig
+from mori.gateway.config import GatewaySettings
+from mori.gateway.server import ServeConfig
 from mori.sim.config import SimConfig
 from mori.sim.workload import HUMAN_GAP_RULES
 
 _SIM = SimConfig()
+_POLICY = PolicyConfig()
+_GATEWAY = GatewaySettings()
+_SERVE = ServeConfig()
+POLICY_FIELDS = frozenset(f.name for f in dataclasses.fields(PolicyConfig))
+"""The fields of :class:`PolicyConfig`: an option whose ``target`` is one is a policy knob."""
 _KIND_WORDS: dict[type, tuple[str, str]] = {
     int: ("an integer", "integers"), float: ("a number", "numbers"),
     str: ("a string", "strings"), bool: ("true or false", "booleans"),
@@ -40,7 +51,12 @@ def _toml_type(value: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Option:
-    """One option: ``key`` is the attribute name; the flag is ``--key-with-dashes``."""
+    """One option: ``key`` is the attribute name and the config-file key; the flag is
+    ``--key-with-dashes``. ``field``: the configuration field it sets, when that is not
+    ``key`` (``tick`` sets ``tick_s``). ``multi``: a comma-separated list on the command
+    line. ``repeat``: the flag may be given several times, each a whole value (commas
+    included); a config file gives a string or an array of strings. Both kinds of list
+    option take tuples as values."""
 
     key: str
     kind: type
@@ -49,21 +65,31 @@ class Option:
     multi: bool = False
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
+    field: str | None = None
+    repeat: bool = False
 
     @property
     def flag(self) -> str:
         """The long command-line flag."""
         return "--" + self.key.replace("_", "-")
 
+    @property
+    def target(self) -> str:
+        """The name of the configuration field the option sets."""
+        return self.field or self.key
+
     def what(self) -> str:
         """What a valid value looks like, in words."""
         if self.choices:
             return f"one of {', '.join(self.choices)}"
         one, many = _KIND_WORDS[self.kind]
+        if self.repeat:
+            return f"{one} or an array of {many}"
         return f"a comma-separated list of {many}" if self.multi else one
 
     def parse_text(self, text: str) -> Any:
-        """The value of a command-line string (a tuple for list options)."""
+        """The value of a command-line string (a tuple for ``multi`` options; one item
+        for ``repeat`` options, which the parser collects)."""
         if not self.multi:
             return self._scalar(text, text)
         items = [t.strip() for t in text.split(",")]
@@ -72,7 +98,11 @@ class Option:
         return tuple(self._scalar(t, t) for t in items)
 
     def from_toml(self, value: object) -> Any:
-        """The value of a TOML value; list options take an array, a scalar or a comma string."""
+        """The value of a TOML value; ``multi`` options take an array, a scalar or a comma
+        string, ``repeat`` options an array or a scalar (an empty array: none)."""
+        if self.repeat:
+            items = value if isinstance(value, list) else [value]
+            return tuple(self._scalar(v, None) for v in items)
         if not self.multi:
             return self._scalar(value, None)
         if isinstance(value, str):
@@ -115,7 +145,7 @@ class Option:
 
 
 def _default_text(opt: Option) -> str:
-    if opt.default is None or opt.default is False:
+    if opt.default is None or opt.default is False or opt.default == ():
         return ""
     items = opt.default if isinstance(opt.default, tuple) else (opt.default,)
     shown = ",".join(format(v, "g") if isinstance(v, float) else str(v) for v in items)
@@ -136,7 +166,7 @@ OPTIONS: tuple[Option, ...] = (
            help="CPU KV tier size as a multiple of the GPU KV capacity (see below)"),
     Option("replicas", int, _SIM.replicas, metavar="N",
            help="engine replicas, each with the preset's GPUs"),
-    Option("duration", float, _SIM.duration_s, metavar="SECONDS",
+    Option("duration", float, _SIM.duration_s, metavar="SECONDS", field="duration_s",
            help="simulated seconds per run"),
     Option("traces", Path, None, metavar="PATH",
            help="trace set: a kv-cache-tester directory or .json file, or a MORI .jsonl[.gz] "
@@ -150,16 +180,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("human_gap", str, _SIM.human_gap, choices=HUMAN_GAP_RULES, metavar="RULE",
            help=f"what to do with human think time after a final answer: "
                 f"{' or '.join(HUMAN_GAP_RULES)} (see below)"),
-    Option("human_gap_cap", float, _SIM.human_gap_cap_s, metavar="S",
+    Option("human_gap_cap", float, _SIM.human_gap_cap_s, metavar="S", field="human_gap_cap_s",
            help="cap on a human gap, seconds"),
     Option("max_context", int, None, metavar="TOKENS",
            help="cut programs at this context length (default: the model's context window)"),
     Option("share_prefix", bool, _SIM.share_prefix,
            help="let programs share their common system-prompt prefix in the KV cache "
                 "(default: off)"),
-    Option("tick", float, _SIM.tick_s, metavar="S",
+    Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="period of the policy's control loop, seconds"),
-    Option("window", int, _SIM.idleness_window, metavar="K",
+    Option("window", int, _POLICY.idleness_window, metavar="K", field="idleness_window",
            help="idleness window: the number of recent cycles a program's idleness ranks by"),
     Option("jobs", int, 1, metavar="N",
            help="runs in parallel processes (0: one per CPU); results keep the grid order "
@@ -170,23 +200,101 @@ OPTIONS: tuple[Option, ...] = (
 
 BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 
+SERVE_OPTIONS: tuple[Option, ...] = (
+    Option("backend", str, None, repeat=True, field="backends", metavar="KIND=URL[,k=v...]",
+           help="an engine replica (repeatable; see below; default: --replicas simulated "
+                "engines)"),
+    Option("host", str, _SERVE.host, metavar="ADDR", help="address to listen on"),
+    Option("port", int, _SERVE.port, metavar="N",
+           help="port to listen on; 0 picks a free one"),
+    Option("replicas", int, _SERVE.replicas, metavar="N",
+           help="simulated engine replicas to start when no --backend is given"),
+    Option("preset", str, _SERVE.preset, metavar="PRESET",
+           help="hardware preset of the simulated engines (see `mori presets`)"),
+    Option("cpu_ratio", float, _SERVE.cpu_ratio, metavar="R",
+           help="CPU KV tier of the simulated engines, x the GPU pool, for policies whose "
+                "engine has one"),
+    Option("gpu_kv_tokens", int, _SERVE.gpu_kv_tokens, metavar="TOKENS",
+           help="shrink the simulated engines' GPU KV pool to this many tokens (default: the "
+                "preset's)"),
+    Option("policy", str, _GATEWAY.policy, metavar="NAME",
+           help="scheduling policy (see `mori policies`)"),
+    Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
+           help="policy tick in seconds of policy time"),
+    Option("idleness_window", int, _POLICY.idleness_window, metavar="K",
+           help="idleness window k in cycles"),
+    Option("binary_threshold", float, _POLICY.binary_threshold, metavar="X",
+           help="idleness threshold of mori-binary"),
+    Option("time_scale", float, _GATEWAY.time_scale, metavar="X",
+           help="policy and simulated-engine seconds per wall second (> 1 runs traces "
+                "faster than real time)"),
+    Option("max_gated", int, _GATEWAY.max_gated, metavar="N",
+           help="requests that may wait for GPU residency at once; more get 429"),
+    Option("gate_timeout", float, _GATEWAY.gate_timeout_s, metavar="S", field="gate_timeout_s",
+           help="seconds a request may wait for GPU residency before a 503 with Retry-After"),
+    Option("retry_after", float, _GATEWAY.retry_after_s, metavar="S", field="retry_after_s",
+           help="Retry-After seconds on 429/503"),
+    Option("program_ttl", float, _GATEWAY.program_ttl_s, metavar="S", field="program_ttl_s",
+           help="release a program idle this many wall seconds without a request; 0 never"),
+    Option("max_body_bytes", int, _GATEWAY.max_body_bytes, metavar="N",
+           help="largest request body accepted; larger gets 413"),
+    Option("health_interval", float, _GATEWAY.health_interval_s, metavar="S",
+           field="health_interval_s",
+           help="seconds between health checks of an unhealthy replica"),
+    Option("startup_wait", float, _GATEWAY.startup_wait_s, metavar="S", field="startup_wait_s",
+           help="seconds to wait for engines that are still starting before giving up"),
+    Option("log_level", str, _SERVE.log_level, metavar="LEVEL",
+           choices=("debug", "info", "warning", "error"), help="debug, info, warning or error"),
+    Option("exact_tokens", bool, _GATEWAY.exact_tokens,
+           help="count prompt tokens with the engine's tokenizer where it offers one (one "
+                "more round trip per request) instead of estimating 4 characters per token "
+                "(default: off)"),
+)
+"""Every option of ``mori serve`` except ``--config``, in help order; defaults from
+``ServeConfig``, ``GatewaySettings`` and (the policy knobs) ``PolicyConfig``."""
+
+SERVE_BY_KEY: dict[str, Option] = {o.key: o for o in SERVE_OPTIONS}
+
+
+def policy_config(values: Mapping[str, Any], by_key: Mapping[str, Option],
+                  base: PolicyConfig = _POLICY) -> PolicyConfig:
+    """``base`` with the policy knobs among ``values`` (option key -> value) set; values of
+    other options are ignored. :class:`PolicyConfig` checks each knob; a bad one raises
+    :class:`OptionError` naming its flag."""
+    knobs: dict[str, Any] = {}
+    for key, value in values.items():
+        opt = by_key[key]
+        if opt.target not in POLICY_FIELDS:
+            continue
+        try:
+            dataclasses.replace(base, **{opt.target: value})
+        except ValueError as e:
+            raise OptionError(f"{opt.flag}: {e}") from None
+        knobs[opt.target] = value
+    return dataclasses.replace(base, **knobs)
+
 
 def help_text(opt: Option) -> str:
-    """The help line of ``opt``, with its default appended when it has one to show."""
-    if opt.key == "policy":
+    """The help line of ``opt``, with its default appended when it has one to show (and
+    its help does not already say it)."""
+    if "(default" in opt.help:
         return opt.help
     return opt.help + _default_text(opt)
 
 
 def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
                 help_of: Callable[[Option], str] | None = None) -> None:
-    """Declare ``options`` on ``parser``: booleans as ``--x/--no-x``, the rest parsed by
-    ``Option.parse_text``; every default is None, so a config file can fill the gaps."""
+    """Declare ``options`` on ``parser``: booleans as ``--x/--no-x``, ``repeat`` options
+    collected in a list, the rest parsed by ``Option.parse_text``; every default is None,
+    so a config file can fill the gaps."""
     for opt in options:
         text = (help_of or help_text)(opt)
         if opt.kind is bool:
             parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=text)
+        elif opt.repeat:
+            parser.add_argument(opt.flag, action="append", type=_arg_type(opt), default=None,
+                                metavar=opt.metavar, help=text)
         else:
             parser.add_argument(opt.flag, type=_arg_type(opt), default=None,
                                 metavar=opt.metavar, help=text)

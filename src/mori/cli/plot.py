@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from mori.cli.table import shown_programs  # noqa: E402
 from mori.sim.metrics import RunResult  # noqa: E402
 
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -28,38 +29,48 @@ _PANELS: tuple[tuple[str, Callable[[RunResult], float]], ...] = (
 )
 
 
-def _series(runs: Sequence[RunResult], metric: Callable[[RunResult], float]
+def _series(runs: Sequence[RunResult], metric: Callable[[RunResult], float], per_replica: bool
             ) -> tuple[list[int], list[float]]:
-    pts = sorted((r.programs, metric(r)) for r in runs)
+    pts = sorted((shown_programs(r, per_replica), metric(r)) for r in runs)
     return [p for p, _ in pts], [v for _, v in pts]
 
 
-def plot_results(results: Sequence[RunResult], path: Path) -> None:
-    """Draw ``results`` (any grid order) and save them as a PNG at ``path`` (dpi 120)."""
-    settings = list(dict.fromkeys((r.hardware, r.cpu_ratio) for r in results))
-    policies = list(dict.fromkeys(r.policy for r in results))
+def plot_results(results: Sequence[RunResult], path: Path, per_replica: bool = False) -> None:
+    """Draw ``results`` (any grid order) and save them as a PNG at ``path`` (dpi 120).
+
+    One row per (hardware, CPU ratio, replicas). ``per_replica``: the x axis counts
+    programs per replica (the title says so where replicas > 1).
+    """
+    settings = list(dict.fromkeys((r.config.hardware, r.config.cpu_ratio, r.config.replicas)
+                                  for r in results))
+    policies = list(dict.fromkeys(r.config.policy for r in results))
     colors = plt.get_cmap("tab10")
     style = {p: (colors(i % 10), _MARKERS[i % len(_MARKERS)]) for i, p in enumerate(policies)}
-    xs_all = sorted({r.programs for r in results})
+    xs_all = sorted({shown_programs(r, per_replica) for r in results})
     fig, axes = plt.subplots(len(settings), 3, figsize=(15, 3.9 * len(settings) + 0.8),
                              squeeze=False)
     try:
-        for row, (hw, cpu) in enumerate(settings):
-            here = [r for r in results if (r.hardware, r.cpu_ratio) == (hw, cpu)]
+        for row, setting in enumerate(settings):
+            hw, cpu, dp = setting
+            here = [r for r in results
+                    if (r.config.hardware, r.config.cpu_ratio, r.config.replicas) == setting]
+            where = hw
+            if per_replica and dp > 1:
+                where += f" DP={dp} (programs per replica)"
             for col, (label, metric) in enumerate(_PANELS):
                 ax: Axes = axes[row][col]
                 for pol in policies:
-                    runs = [r for r in here if r.policy == pol]
+                    runs = [r for r in here if r.config.policy == pol]
                     if not runs:
                         continue
                     color, marker = style[pol]
-                    x, y = _series(runs, metric)
+                    x, y = _series(runs, metric, per_replica)
                     ax.plot(x, y, marker=marker, color=color, label=pol, linewidth=1.8)
                     if col == 2:
-                        x, y = _series(runs, lambda r: r.ttft_p90_s)
+                        x, y = _series(runs, lambda r: r.ttft_p90_s, per_replica)
                         ax.plot(x, y, marker=marker, color=color, linestyle="--",
                                 linewidth=1.2, markersize=4, alpha=0.8)
-                ax.set_title(f"{hw}, CPU ratio {cpu:g}\n{label}", fontsize=10)
+                ax.set_title(f"{where}, CPU ratio {cpu:g}\n{label}", fontsize=10)
                 ax.set_xlabel("programs")
                 ax.set_xticks(xs_all)
                 ax.set_ylim(bottom=0)

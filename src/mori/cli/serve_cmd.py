@@ -10,49 +10,25 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from mori.cli.config_file import ConfigError, load_config, valid_keys
 from mori.cli.eventloop import run_loop
+from mori.cli.options import (
+    POLICY_FIELDS,
+    SERVE_BY_KEY,
+    SERVE_OPTIONS,
+    OptionError,
+    add_options,
+    policy_config,
+)
 from mori.core.costmodel import PRESETS
+from mori.core.policy import PolicyConfig
 from mori.core.registry import UnknownNameError
 from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend
-from mori.gateway.app import GatewaySettings
+from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, run_gateway
 
-# (flag, key, type, help); the key is the config-file key and the field it sets
-_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--host", "host", str, "address to listen on (default 127.0.0.1)"),
-    ("--port", "port", int, "port to listen on; 0 picks a free one (default 8000)"),
-    ("--replicas", "replicas", int, "simulated engine replicas to start when no --backend is "
-     "given (default 1)"),
-    ("--preset", "preset", str, "hardware preset of the simulated engines (default "
-     "h200-qwen3-30b-a3b; see `mori presets`)"),
-    ("--cpu-ratio", "cpu_ratio", float, "CPU KV tier of the simulated engines, x the GPU pool, "
-     "for policies whose engine has one (default 1)"),
-    ("--gpu-kv-tokens", "gpu_kv_tokens", int, "shrink the simulated engines' GPU KV pool to "
-     "this many tokens (default: the preset's)"),
-    ("--policy", "policy", str, "scheduling policy (default mori; see `mori policies`)"),
-    ("--tick", "tick_s", float, "policy tick in seconds of policy time (default 5)"),
-    ("--idleness-window", "idleness_window", int, "idleness window k in cycles (default 5)"),
-    ("--binary-threshold", "binary_threshold", float, "threshold of mori-binary (default 0.5)"),
-    ("--time-scale", "time_scale", float, "policy and simulated-engine seconds per wall second "
-     "(default 1; > 1 runs traces faster than real time)"),
-    ("--max-gated", "max_gated", int, "requests that may wait for GPU residency at once; more "
-     "get 429 (default 1024)"),
-    ("--gate-timeout", "gate_timeout_s", float, "seconds a request may wait for GPU residency "
-     "before a 503 with Retry-After (default 300)"),
-    ("--retry-after", "retry_after_s", float, "Retry-After seconds on 429/503 (default 5)"),
-    ("--program-ttl", "program_ttl_s", float, "release a program idle this many wall seconds "
-     "without a request; 0 never (default 3600)"),
-    ("--max-body-bytes", "max_body_bytes", int, "largest request body accepted; larger gets "
-     "413 (default 33554432)"),
-    ("--health-interval", "health_interval_s", float, "seconds between health checks of an "
-     "unhealthy replica (default 2)"),
-    ("--startup-wait", "startup_wait_s", float, "seconds to wait for engines that are still "
-     "starting before giving up (default 60)"),
-    ("--log-level", "log_level", str, "debug, info, warning or error (default info)"),
-]
-_BOOL_FLAGS = [("--exact-tokens", "exact_tokens", "count prompt tokens with the engine's "
-                "tokenizer where it offers one (one more round trip per request) instead of "
-                "estimating 4 characters per token")]
+_SERVE_FIELDS = frozenset(f.name for f in fields(ServeConfig)) - {"settings"}
+"""The fields of ``ServeConfig`` options set directly; the rest are the gateway's."""
 
 EPILOG = f"""\
 backends:
@@ -67,9 +43,9 @@ program ids:
 
 config file (--config FILE.toml):
 {textwrap.fill("Keys are the long options, with dashes or underscores: "
-                + ", ".join(f[2:] for f, _, _, _ in _FLAGS)
-                + ', exact-tokens, backend = ["vllm=http://...", ...]. Flags given here win.',
-                88, initial_indent="  ", subsequent_indent="  ")}
+                + ", ".join(valid_keys(SERVE_BY_KEY))
+                + ' (backend = ["vllm=http://...", ...]). Flags given here win.',
+                88, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False)}
 
 examples:
   mori serve
@@ -83,13 +59,7 @@ def add_serve_parser(sub: Any) -> None:
                        description="Run MORI's gateway in front of engine replicas (or of "
                        "simulated ones), scheduling KV residency with the chosen policy.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", action="append", dest="backend", metavar="KIND=URL[,k=v...]",
-                   help="an engine replica (repeatable)")
-    for flag, key, typ, hlp in _FLAGS:
-        metavar = {int: "N", float: "X", str: "NAME"}[typ]
-        p.add_argument(flag, dest=key, type=typ, default=None, help=hlp, metavar=metavar)
-    for flag, key, hlp in _BOOL_FLAGS:
-        p.add_argument(flag, dest=key, action="store_true", default=None, help=hlp)
+    add_options(p, SERVE_OPTIONS)
     p.add_argument("--config", type=Path, metavar="FILE.toml", help="read options from a TOML "
                    "file; flags given here win")
 
@@ -98,58 +68,34 @@ class ServeUsageError(ValueError):
     pass
 
 
-def _load_toml(path: Path) -> dict[str, Any]:
-    import tomllib
-    try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ServeUsageError(f"config file {str(path)!r}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ServeUsageError(f"config file {str(path)!r}: not valid TOML: {e}") from None
-    # a key is a long option's name (dashes or underscores): the field it sets, its type
-    valid = {flag[2:].replace("-", "_"): (k, typ) for flag, k, typ, _ in _FLAGS}
-    valid |= {flag[2:].replace("-", "_"): (k, bool) for flag, k, _ in _BOOL_FLAGS}
-    valid["backend"] = ("backend", list)
-    out: dict[str, Any] = {}
-    for name, value in raw.items():
-        if name.replace("-", "_") not in valid:
-            raise ServeUsageError(
-                f"config file {str(path)!r}: unknown key {name!r}; valid keys: "
-                f"{', '.join(sorted(k.replace('_', '-') for k in valid))}")
-        key, typ = valid[name.replace("-", "_")]
-        if key == "backend":
-            value = [value] if isinstance(value, str) else value
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ServeUsageError(f"config file {str(path)!r}: 'backend' must be a string "
-                                      "or an array of strings")
-        elif typ is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise ServeUsageError(f"config file {str(path)!r}: key {name!r} must be of type "
-                                  f"{typ.__name__} (got {value!r})")
-        out[key] = value
-    return out
+def gateway_settings(values: dict[str, Any], policy: PolicyConfig) -> GatewaySettings:
+    """The gateway's settings: ``values`` by field name, the policy's knobs from ``policy``."""
+    return GatewaySettings(**values, policy_config=policy)
 
 
 def build_config(args: argparse.Namespace) -> ServeConfig:
-    values: dict[str, Any] = _load_toml(args.config) if args.config is not None else {}
-    for _, key, _, _ in _FLAGS:
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    for _, key, _ in _BOOL_FLAGS:
-        if getattr(args, key):
-            values[key] = True
-    if args.backend:
-        values["backend"] = args.backend
-    setting_keys = {f.name for f in fields(GatewaySettings)}
+    """The configuration of ``mori serve``: defaults, then the config file, then flags."""
     try:
-        settings = GatewaySettings(**{k: v for k, v in values.items() if k in setting_keys})
+        values: dict[str, Any] = (load_config(args.config, SERVE_BY_KEY)
+                                  if args.config is not None else {})
+    except ConfigError as e:
+        raise ServeUsageError(str(e)) from None
+    values.update({o.key: getattr(args, o.key) for o in SERVE_OPTIONS
+                   if getattr(args, o.key) is not None})
+    try:
+        policy = policy_config(values, SERVE_BY_KEY)
+    except OptionError as e:
+        raise ServeUsageError(str(e)) from None
+    by_field = {SERVE_BY_KEY[k].target: v for k, v in values.items()}
+    serve = {f: v for f, v in by_field.items() if f in _SERVE_FIELDS}
+    gateway = {f: v for f, v in by_field.items()
+               if f not in _SERVE_FIELDS and f not in POLICY_FIELDS}
+    try:
+        settings = gateway_settings(gateway, policy)
     except ValueError as e:
         raise ServeUsageError(str(e)) from None
-    serve_keys = {f.name for f in fields(ServeConfig)} - {"settings", "backends"}
-    cfg = ServeConfig(settings=settings, backends=list(values.get("backend", [])),
-                      **{k: v for k, v in values.items() if k in serve_keys})
+    serve["backends"] = list(serve.get("backends", ()))
+    cfg = ServeConfig(settings=settings, **serve)
     if cfg.preset not in PRESETS:
         raise ServeUsageError(f"unknown preset {cfg.preset!r}; valid: {', '.join(PRESETS.names())}")
     if cfg.replicas < 1:
@@ -160,9 +106,6 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         raise ServeUsageError(f"--cpu-ratio must be >= 0 (got {cfg.cpu_ratio})")
     if cfg.gpu_kv_tokens is not None and cfg.gpu_kv_tokens < 1:
         raise ServeUsageError(f"--gpu-kv-tokens must be >= 1 (got {cfg.gpu_kv_tokens})")
-    if cfg.log_level not in ("debug", "info", "warning", "error"):
-        raise ServeUsageError(f"--log-level must be debug, info, warning or error "
-                              f"(got {cfg.log_level!r})")
     for b in cfg.backends:
         try:
             parse_backend(b).build()

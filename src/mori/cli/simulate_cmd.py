@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from mori.cli.options import OPTIONS
+from mori.cli.options import BY_KEY, OPTIONS, OptionError, policy_config
 from mori.cli.table import left_out_note, results_table
 from mori.core.costmodel import get_preset
 from mori.core.policies import POLICIES
@@ -71,17 +71,17 @@ def build_grid(s: Settings) -> list[SimConfig]:
         POLICIES.get(name)  # UnknownNameError lists the valid names
     for name in s.hardware:
         get_preset(name)
-    if not s.tick > 0:
-        raise UsageError(f"--tick must be > 0 seconds (got {s.tick:g})")
-    if s.window < 1:
-        raise UsageError(f"--window must be >= 1 (got {s.window})")
+    try:  # PolicyConfig checks the knobs (--tick, --window); the error names the flag
+        knobs = policy_config({o.key: getattr(s, o.key) for o in OPTIONS}, BY_KEY)
+    except OptionError as e:
+        raise UsageError(str(e)) from None
     if s.jobs < 0:
         raise UsageError(f"--jobs must be >= 1, or 0 for one per CPU (got {s.jobs})")
     return [
         SimConfig(policy=pol, programs=n, hardware=hw, cpu_ratio=cpu, replicas=s.replicas,
                   duration_s=s.duration, seed=s.seed, human_gap=s.human_gap,
                   human_gap_cap_s=s.human_gap_cap, max_context=s.max_context,
-                  share_prefix=s.share_prefix, tick_s=s.tick, idleness_window=s.window)
+                  share_prefix=s.share_prefix, policy_config=knobs)
         for hw in s.hardware for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
     ]
 

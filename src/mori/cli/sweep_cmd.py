@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mori.cli.options import BY_KEY, Option, add_options, help_text
+from mori.cli.options import BY_KEY, POLICY_FIELDS, Option, add_options, help_text, policy_config
 from mori.cli.simulate_cmd import UsageError
 from mori.cli.table import format_table, left_out_note, results_table
 from mori.core.registry import UnknownNameError
@@ -32,10 +32,9 @@ from mori.traces import TraceError, default_traces, load_traces
 
 GRID_KEYS = ("policy", "programs", "hardware", "cpu_ratio", "replicas")
 """Options that define a custom grid (not allowed with a named sweep)."""
-SIM_FIELDS = {"duration": "duration_s", "seed": "seed", "human_gap": "human_gap",
-              "human_gap_cap": "human_gap_cap_s", "max_context": "max_context",
-              "share_prefix": "share_prefix", "tick": "tick_s", "window": "idleness_window"}
-"""Option key -> SimConfig field, for the options every run of a sweep shares."""
+SHARED_KEYS = ("duration", "seed", "human_gap", "human_gap_cap", "max_context",
+               "share_prefix", "tick", "window")
+"""The options every run of a sweep shares (SimConfig fields and policy knobs)."""
 
 SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.replace(
     " (see below)", "")) for o in (
@@ -45,7 +44,7 @@ SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.rep
     BY_KEY["hardware"], BY_KEY["cpu_ratio"],
     dataclasses.replace(BY_KEY["replicas"], multi=True, default=(1,), metavar="N,...",
                         help="engine replica counts (DP), one setting each"),
-    *(BY_KEY[k] for k in SIM_FIELDS), BY_KEY["traces"], BY_KEY["quiet"],
+    *(BY_KEY[k] for k in SHARED_KEYS), BY_KEY["traces"], BY_KEY["quiet"],
 ))
 """The grid and simulation options of ``mori sweep``, from ``mori simulate``'s."""
 
@@ -102,7 +101,7 @@ def build_sweep(args: argparse.Namespace) -> SweepDef:
     """The sweep asked for: a named one with overrides, or a custom grid from the flags."""
     given = {o.key: getattr(args, o.key) for o in SWEEP_OPTIONS
              if getattr(args, o.key) is not None}
-    overrides = {SIM_FIELDS[k]: v for k, v in given.items() if k in SIM_FIELDS}
+    shared = {k: v for k, v in given.items() if k in SHARED_KEYS}
     traces: Path | None = given.get("traces")
     if args.name is not None:
         try:
@@ -113,12 +112,20 @@ def build_sweep(args: argparse.Namespace) -> SweepDef:
         if grid:
             raise UsageError(f"{', '.join(grid)} define a custom sweep; give them without "
                              f"NAME (sweep {args.name!r} has its own grid)")
-        return dataclasses.replace(named, base=dataclasses.replace(named.base, **overrides),
+        return dataclasses.replace(named, base=with_shared(named.base, shared),
                                    traces=traces if traces is not None else named.traces)
     v = {o.key: given.get(o.key, o.default) for o in SWEEP_OPTIONS}
     block = Block(v["hardware"], v["cpu_ratio"], v["replicas"], v["programs"], v["policy"])
-    base = SimConfig(**{f: v[k] for k, f in SIM_FIELDS.items()})
+    base = with_shared(SimConfig(), {k: v[k] for k in SHARED_KEYS})
     return SweepDef(None, "custom sweep", (block,), base, traces)
+
+
+def with_shared(base: SimConfig, values: dict[str, Any]) -> SimConfig:
+    """``base`` with shared options set (option key -> value): SimConfig fields directly,
+    policy knobs in its ``policy_config``. A bad value raises ``ValueError``."""
+    knobs = policy_config(values, BY_KEY, base.policy_config)
+    sim = {BY_KEY[k].target: v for k, v in values.items() if BY_KEY[k].target not in POLICY_FIELDS}
+    return dataclasses.replace(base, policy_config=knobs, **sim)
 
 
 def _executor(args: argparse.Namespace) -> tuple[Executor, str]:
@@ -128,15 +135,6 @@ def _executor(args: argparse.Namespace) -> tuple[Executor, str]:
         return run, f"Ray at {args.ray_address}" if args.ray_address else "local Ray"
     jobs = args.jobs or os.cpu_count() or 1
     return functools.partial(run_local, jobs=jobs), f"{jobs} local processes"
-
-
-def _for_display(run: Run, r: RunResult, label: bool = False) -> RunResult:
-    """At DP > 1, show programs per replica; with ``label``, say so in the hardware
-    name (which ``plot_results`` only uses as the setting's title)."""
-    if run.setting.replicas == 1:
-        return r
-    hw = f"{r.hardware} DP={run.setting.replicas} (programs per replica)" if label else r.hardware
-    return dataclasses.replace(r, programs=run.programs_per_replica, hardware=hw)
 
 
 def write_outputs(out: Path, sweep: SweepDef, runs: list[Run], results: list[RunResult],
@@ -150,7 +148,7 @@ def write_outputs(out: Path, sweep: SweepDef, runs: list[Run], results: list[Run
                  if run.setting == setting]
         written.append(write_setting(out, setting.stem, [result_row(a, r) for a, r in pairs]))
         png = out / f"{setting.stem}.png"
-        plot_results([_for_display(a, r, label=True) for a, r in pairs], png)
+        plot_results([r for _, r in pairs], png, per_replica=True)
         written.append(png)
         settings.append({"hardware": setting.hardware, "cpu_ratio": setting.cpu_ratio,
                          "replicas": setting.replicas, "json": f"{setting.stem}.json",
@@ -166,12 +164,11 @@ def summary(runs: list[Run], results: list[RunResult]) -> str:
     """One titled results table per setting."""
     parts = []
     for setting in settings_of(runs):
-        here = [_for_display(a, r) for a, r in zip(runs, results, strict=True)
-                if a.setting == setting]
+        here = [r for a, r in zip(runs, results, strict=True) if a.setting == setting]
         title = f"{setting.hardware}, cpu ratio {setting.cpu_ratio:g}, DP={setting.replicas}"
         if setting.replicas > 1:
             title += " (programs column: per replica)"
-        parts.append(f"{title}\n{results_table(here)}")
+        parts.append(f"{title}\n{results_table(here, per_replica=True)}")
     return "\n\n".join(parts)
 
 

@@ -53,11 +53,20 @@ RESULT_HEADERS = ("policy", "programs", "hardware", "cpu", "tok/s", "steps/s", "
                   "reloaded (M tok)")
 
 
-def results_table(results: Sequence[RunResult]) -> str:
-    """One row per run, in the order given."""
-    short = short_hardware(r.hardware for r in results)
+def shown_programs(r: RunResult, per_replica: bool) -> int:
+    """The programs of a run as shown: in total, or ``per_replica`` (a sweep's convention
+    at DP > 1, where a run simulates programs x replicas programs)."""
+    c = r.config
+    return c.programs // c.replicas if per_replica else c.programs
+
+
+def results_table(results: Sequence[RunResult], per_replica: bool = False) -> str:
+    """One row per run, in the order given; ``per_replica``: the programs column counts
+    programs per replica."""
+    short = short_hardware(r.config.hardware for r in results)
     rows = [
-        (r.policy, str(r.programs), short[r.hardware], format(r.cpu_ratio, "g"),
+        (r.config.policy, str(shown_programs(r, per_replica)), short[r.config.hardware],
+         format(r.config.cpu_ratio, "g"),
          _num(r.output_tokens_per_s, ".1f"), _num(r.steps_per_s, ".3f"),
          _num(r.ttft_mean_s, ".2f"), _num(r.ttft_p90_s, ".2f"),
          _num(r.gpu_busy_frac, ".1f", 100), _num(r.gpu_hit_rate, ".1f", 100),
@@ -75,7 +84,7 @@ def left_out_note(results: Sequence[RunResult], trace_set: str, total: int,
     by_hw: dict[str, int] = {}
     for r in results:
         if r.programs_left_out:
-            by_hw.setdefault(r.hardware, r.programs_left_out)
+            by_hw.setdefault(r.config.hardware, r.programs_left_out)
     if not by_hw:
         return None
 

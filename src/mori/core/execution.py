@@ -38,10 +38,12 @@ from mori.core.types import Capability, KVLabel, Tier
 # -- engine actions --------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Submit:
-    """Send the program's held request to ``replica``."""
+    """Send the program's held request to ``replica``. ``reload``: it was promoted from
+    the CPU tier in the same round (its KV comes back over PCIe; a world may prefetch)."""
 
     program_id: str
     replica: int
+    reload: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +83,16 @@ EngineAction = Submit | SetLabel | Offload | Drop | ReleaseKV
 _DEMOTE_LABEL = {Tier.CPU: KVLabel.IDLE, Tier.NONE: KVLabel.INACTIVE}
 
 
-def engine_actions(d: Decision, engine: EngineProfile,
-                   caps: frozenset[Capability]) -> tuple[EngineAction, ...]:
+def engine_actions(d: Decision, engine: EngineProfile, caps: frozenset[Capability],
+                   reload: bool = False) -> tuple[EngineAction, ...]:
     """What the engine of ``d``'s replica must be told (the table above).
 
     ``engine`` is the engine the policy assumes; ``caps`` the controls the replica of
-    ``d`` offers (ignored for ``Release``, which every replica hears).
+    ``d`` offers (ignored for ``Release``, which every replica hears). ``reload``: for
+    a ``Forward``, the program was promoted from the CPU tier just before.
     """
     if isinstance(d, Forward):
-        return (Submit(d.program_id, d.replica),)
+        return (Submit(d.program_id, d.replica, reload),)
     if isinstance(d, Release):
         return (ReleaseKV(d.program_id),)
     labels = engine.typed_eviction and Capability.LABELS in caps
@@ -135,7 +138,8 @@ class DecisionLog:
         self._records: deque[DecisionRecord] = deque(maxlen=limit)
 
     def append(self, time: float, decision: Decision) -> None:
-        self._records.append(DecisionRecord(time, decision))
+        if self._records.maxlen != 0:
+            self._records.append(DecisionRecord(time, decision))
 
     def since(self, time: float) -> list[DecisionRecord]:
         return [r for r in self._records if r.time >= time]
@@ -156,7 +160,7 @@ class EngineTarget(Protocol):
     what the replica's capabilities allow.
     """
 
-    def submit(self, program_id: str, replica: int) -> None: ...
+    def submit(self, program_id: str, replica: int, reload: bool) -> None: ...
     def set_label(self, program_id: str, replica: int, label: KVLabel) -> None: ...
     def offload(self, program_id: str, replica: int) -> None: ...
     def drop(self, program_id: str, replica: int) -> None: ...
@@ -186,22 +190,27 @@ class DecisionExecutor:
         self.counts = ExecutionCounts()
 
     def execute(self, now: float, decisions: Iterable[Decision]) -> None:
+        """Carry out one ``decide()`` result, in order."""
+        from_cpu: set[str] = set()  # promoted from the CPU tier in this round
         for d in decisions:
             self.log.append(now, d)
             self.counts.decisions[type(d).__name__.lower()] += 1
             if isinstance(d, Promote):
                 self.counts.promotions[d.source] += 1
+                if d.source is Tier.CPU:
+                    from_cpu.add(d.program_id)
             elif isinstance(d, Demote):
                 self.counts.demotions[d.to] += 1
             caps = self.capabilities[d.replica] if d.replica is not None else frozenset()
-            for a in engine_actions(d, self.engine, caps):
+            reload = isinstance(d, Forward) and d.program_id in from_cpu
+            for a in engine_actions(d, self.engine, caps, reload):
                 self._apply(a)
 
     def _apply(self, a: EngineAction) -> None:
         self.counts.actions[type(a).__name__] += 1
         t = self.target
         if isinstance(a, Submit):
-            t.submit(a.program_id, a.replica)
+            t.submit(a.program_id, a.replica, a.reload)
         elif isinstance(a, SetLabel):
             t.set_label(a.program_id, a.replica, a.label)
         elif isinstance(a, Offload):

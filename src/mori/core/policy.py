@@ -9,6 +9,7 @@ state the decisions lead to and ``check_integrity()`` holds, capacities included
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -39,8 +40,8 @@ class PolicyConfig:
     page_tokens: int = 64
 
     def __post_init__(self) -> None:
-        if self.tick_s <= 0:
-            raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+        if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
+            raise ValueError(f"tick_s must be a positive number of seconds, got {self.tick_s}")
         if self.idleness_window < 1:
             raise ValueError(f"idleness_window must be >= 1, got {self.idleness_window}")
         if not 0.0 <= self.binary_threshold <= 1.0:

@@ -44,3 +44,4 @@ class Capability(StrEnum):
     RESIDENCY = "residency"  # report which programs' KV is where
     SYNTHETIC_PROMPTS = "synthetic_prompts"  # honours the ``mori`` prompt-size field
     TOKENIZE = "tokenize"  # counts a request's prompt tokens exactly
+    KV_READY = "kv_ready"  # says in a stream when the request's KV is in place

@@ -1,22 +1,12 @@
 """The engine adapter interface: what the gateway needs from an engine replica.
 
 One small async interface (ARCHITECTURE.md): forward a request (streaming or not),
-report KV capacity and load, and whatever KV control the engine offers. Each adapter
+report KV capacity and health, and whatever KV control the engine offers. Each adapter
 declares the controls it supports in ``capabilities``; the gateway calls only those.
 
-MORI's own request fields
--------------------------
-A client may put two fields of MORI's own in a request body; the gateway reads them and
-removes them before the body goes to an engine:
-
-- ``program_id`` (string): the agent program the request belongs to (the ``openai``
-  client's ``extra_body={"program_id": ...}`` puts it at the top level). The header
-  ``X-Program-Id`` is an alternative.
-- ``mori`` (object, optional): ``{"prompt_tokens": int, "reuse_tokens": int}``, a
-  synthetic prompt size used by trace replay against *simulated* engines, so that a
-  100k-token prompt need not be sent as text. Only the simulated engine honours it (the
-  gateway passes it on to adapters that declare ``Capability.SYNTHETIC_PROMPTS``); the
-  gateway's own accounting uses it when present.
+The gateway forwards bodies with MORI's own request fields (``program_id``, ``mori``:
+``mori.protocol.fields``) removed; what an adapter needs of them comes in
+``RequestHints``.
 """
 
 from __future__ import annotations
@@ -56,15 +46,6 @@ class KVCapacity:
     cpu_tokens: int = 0
     page_tokens: int = 16
     kv_bytes_per_token: int = 1  # 1 when unknown: the policy then counts tokens
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """A replica's load right now."""
-
-    running: int
-    waiting: int
-    kv_usage: float  # fraction of the GPU KV pool in use, 0..1
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +94,13 @@ class EngineAdapter(ABC):
     ``await close()``."""
 
     kind: ClassVar[str]
-    capabilities: ClassVar[frozenset[Capability]] = frozenset()
 
     def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.capabilities: frozenset[Capability] = frozenset()
+        """The controls this replica offers: set by each adapter when built, and by
+        some once the engine has reported its settings."""
 
     def supports(self, cap: Capability) -> bool:
         return cap in self.capabilities
@@ -141,9 +124,6 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     async def capacity(self) -> KVCapacity: ...
-
-    @abstractmethod
-    async def load(self) -> EngineLoad: ...
 
     @abstractmethod
     async def health(self) -> bool:

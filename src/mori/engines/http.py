@@ -3,7 +3,7 @@
 ``OpenAIHTTPAdapter`` forwards requests, passes SSE streams through chunk by chunk and
 turns transport failures into ``UpstreamError`` with the status the client should see:
 503 when the engine refuses connections, 504 when it times out, 502 when it breaks the
-protocol or dies mid-stream. Subclasses add capacity, load and the engine's KV controls.
+protocol or dies mid-stream. Subclasses add capacity and the engine's KV controls.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import aiohttp
 
 from mori.engines.base import (
     EngineAdapter,
-    EngineLoad,
     KVCapacity,
     RequestHints,
     UpstreamError,
@@ -98,7 +97,6 @@ class OpenAIHTTPAdapter(EngineAdapter):
         self.page_tokens = page_tokens
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
-        self._inflight = 0
 
     async def start(self) -> None:
         if self._session is None:
@@ -154,7 +152,6 @@ class OpenAIHTTPAdapter(EngineAdapter):
             finally:
                 resp.release()
             return UpstreamResponse(resp.status, out_headers, body=data)
-        self._inflight += 1
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -164,7 +161,6 @@ class OpenAIHTTPAdapter(EngineAdapter):
                 raise UpstreamError(f"engine {self.url} died mid-stream: {e}") from e
 
         async def closer() -> None:
-            self._inflight -= 1
             if resp.content.at_eof():
                 resp.release()
             else:
@@ -210,9 +206,6 @@ class OpenAIHTTPAdapter(EngineAdapter):
                 "cannot report it; give it as kv_tokens (e.g. --backend "
                 "openai=URL,kv_tokens=500000)", unhealthy=False)
         return KVCapacity(self.kv_tokens, 0, self.page_tokens)
-
-    async def load(self) -> EngineLoad:
-        return EngineLoad(running=self._inflight, waiting=0, kv_usage=0.0)
 
     async def health(self) -> bool:
         for path in ("/health", "/v1/models"):

@@ -1,8 +1,9 @@
-"""The adapter for the simulated engine (``mori engine-sim``, ``mori.engines.simserver``).
+"""The adapter for the simulated engine (``mori engine-sim``, ``mori.enginesim``).
 
 It speaks the engine-sim's OpenAI API plus its KV controls under ``/mori/v1/``: typed
-eviction labels, offload and drop of one program, residency, capacity and load. The
-``mori`` synthetic prompt field travels in the body, the program id in ``X-Program-Id``.
+eviction labels, offload and drop of one program, residency and capacity. The ``mori``
+synthetic prompt field travels in the body, the program id in ``X-Program-Id``; prompts
+are counted by the engine-sim's own rule (``mori.protocol.tokens``), without a call.
 """
 
 from __future__ import annotations
@@ -15,14 +16,24 @@ import aiohttp
 from mori.core.types import KVLabel
 from mori.engines.base import (
     Capability,
-    EngineLoad,
     KVCapacity,
     RequestHints,
     Residency,
     UpstreamError,
 )
 from mori.engines.http import OpenAIHTTPAdapter
-from mori.engines.realtime import RequestError, prompt_tokens
+from mori.protocol.errors import RequestError
+from mori.protocol.fields import PROGRAM_ID_HEADER
+from mori.protocol.tokens import prompt_tokens
+
+SIM_CAPABILITIES = frozenset({
+    Capability.LABELS, Capability.OFFLOAD, Capability.DROP, Capability.RESIDENCY,
+    Capability.SYNTHETIC_PROMPTS, Capability.TOKENIZE, Capability.PRIORITY,
+    Capability.KV_READY,
+})
+"""What every simulated engine offers. Not ``PREFETCH``: the engine-sim has no warm-up
+call; a request whose prefix sits in the CPU tier reloads it first, and its streams say
+when that is done (``KV_READY``)."""
 
 
 class SimEngineAdapter(OpenAIHTTPAdapter):
@@ -30,14 +41,11 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
     ``priority`` field) and accepted by the engine, which ignores them."""
 
     kind = "sim"
-    capabilities = frozenset({
-        Capability.LABELS, Capability.OFFLOAD, Capability.DROP, Capability.RESIDENCY,
-        Capability.SYNTHETIC_PROMPTS, Capability.TOKENIZE, Capability.PRIORITY,
-    })
 
     def __init__(self, url: str, *, timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0) -> None:
         super().__init__(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
+        self.capabilities = SIM_CAPABILITIES
 
     # -- request shaping -----------------------------------------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
@@ -48,7 +56,7 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
         return out
 
     def request_headers(self, hints: RequestHints) -> dict[str, str]:
-        return {"X-Program-Id": hints.program_id}
+        return {PROGRAM_ID_HEADER: hints.program_id}
 
     async def count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
         """The engine-sim's own rule: ``mori.prompt_tokens`` if present, else
@@ -67,14 +75,6 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
                               kv_bytes_per_token=int(d["kv_bytes_per_token"]))
         except (KeyError, TypeError, ValueError) as e:
             raise UpstreamError(f"engine {self.url} sent a bad capacity: {d!r}") from e
-
-    async def load(self) -> EngineLoad:
-        d = await self.get_json("/mori/v1/stats")
-        try:
-            return EngineLoad(running=int(d["running"]), waiting=int(d["waiting"]),
-                              kv_usage=float(d["kv_usage"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise UpstreamError(f"engine {self.url} sent bad stats: {d!r}") from e
 
     async def residency(self) -> Residency:
         d = await self.get_json("/mori/v1/residency")

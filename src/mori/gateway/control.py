@@ -1,140 +1,61 @@
-"""The control task: the registered policy bound to engine adapters in real time.
+"""The control loop: the registered policy bound to engine replicas in real time.
 
 The policy is the same object the simulator drives (``mori.core``); only the world
-around it changes. The controller reports what happens (a request arrived, a response
-ended, a program was released) with a timestamp from its clock, asks the policy for
-decisions, and executes them: a ``Forward`` releases a held (gated) request to a
-replica; ``Promote`` / ``Demote`` become the KV controls the replica's adapter offers;
-``Release`` tells every replica the program's KV is inactive.
+around it changes. The controller reports what happens (a request arrived, its KV is
+ready, a response ended, a program was released) with a timestamp from its clock, asks
+the policy for decisions and hands them to the shared ``DecisionExecutor``
+(``mori.core.execution``), whose engine actions land here: ``submit`` releases a held
+request (see ``mori.gateway.gate``), the KV controls go to the replicas in order
+(``mori.gateway.replicas``). It decides on every event and on every tick of policy time
+(wall x ``time_scale``); a tick also releases programs idle past ``program_ttl_s``.
 
-Held requests: a request of a program that is not GPU-resident waits in the gateway
-until the policy forwards it. The queue is bounded (``max_gated``: beyond it, 429) and
-each wait has a timeout (``gate_timeout_s``: beyond it, 503 with ``Retry-After``). A
-request that gives up (timeout, client gone) stays held in the policy: if the client
-retries before it is forwarded, the retry takes its place; if it is forwarded with no
-client waiting, the step ends at once with the context unchanged. So the policy never
-sees a request vanish, and no program is left REASONING.
+A request goes through ``lease()``: admission, then a ``RequestLease`` that covers the
+forward until ``finish`` (``mori.gateway.lease``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from mori.core.decisions import Decision, Demote, Forward, Promote, Release
-from mori.core.events import ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.execution import DecisionExecutor, DecisionLog
 from mori.core.policy import Policy
-from mori.core.types import KVLabel, Status, Tier
-from mori.engines.base import Capability, EngineAdapter, UpstreamError
+from mori.core.types import KVLabel, Status
+from mori.engines.base import EngineAdapter
+from mori.gateway.config import GatewaySettings
+from mori.gateway.gate import Admission, GateRejected, HeldRequest, ProgramInfo
+from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
+from mori.gateway.replicas import Replicas
 
 log = logging.getLogger("mori.gateway")
 
 
-class GateRejected(Exception):
-    """A request cannot be admitted now: ``status`` 429 (queue full), 503 (waited too
-    long) or 409 (the program already has a request in flight, or was released)."""
-
-    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(slots=True)
-class Admission:
-    """Where a forwarded request goes. ``reloaded``: the program's KV was on the host
-    tier (a prefetch may pull it back first)."""
-
-    replica: int
-    reloaded: bool
-    waited_s: float
-
-
-@dataclass(slots=True)
-class _Held:
-    future: asyncio.Future[Admission]
-    arrived_wall: float
-
-
-@dataclass(slots=True)
-class ProgramInfo:
-    """Gateway-side facts about a program (the policy holds the rest)."""
-
-    program_id: str
-    context_tokens: int = 0
-    prompt_tokens: int = 0
-    steps: int = 0
-    anonymous: bool = False
-    in_flight: bool = False
-    release_pending: bool = False
-    last_seen: float = 0.0
-    promoted_from: Tier | None = None
-    held: _Held | None = None
-    orphan_forwards: int = 0
-
-
-@dataclass(slots=True)
-class ReplicaState:
-    adapter: EngineAdapter
-    healthy: bool = True
-    in_flight: int = 0
-    last_error: str = ""
-    chain: asyncio.Future[None] | None = None  # tail of this replica's ordered controls
-    errors: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class LoggedDecision:
-    time: float
-    kind: str
-    program_id: str
-    replica: int | None
-    source: str | None = None
-    to: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"time": self.time, "kind": self.kind, "program_id": self.program_id,
-                "replica": self.replica, "source": self.source, "to": self.to}
-
-
-@dataclass(slots=True)
-class ControllerSettings:
-    time_scale: float = 1.0
-    max_gated: int = 1024
-    gate_timeout_s: float = 300.0
-    retry_after_s: float = 5.0
-    program_ttl_s: float = 3600.0
-    health_interval_s: float = 2.0
-    decision_log: int = 10000
-
-
 class Controller:
-    """Binds one policy to the replicas' adapters. Single-threaded (one event loop)."""
+    """Binds one policy to the replicas' adapters. Single-threaded (one event loop).
 
-    def __init__(self, policy: Policy, adapters: list[EngineAdapter],
-                 metrics: GatewayMetrics, settings: ControllerSettings | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+    ``clock``: wall seconds (default: the running loop's monotonic clock); tests pass a
+    fake one.
+    """
+
+    def __init__(self, policy: Policy, adapters: list[EngineAdapter], metrics: GatewayMetrics,
+                 settings: GatewaySettings, clock: Callable[[], float] | None = None) -> None:
         self.policy = policy
-        self.replicas = [ReplicaState(a) for a in adapters]
+        self.settings = settings
         self.metrics = metrics
-        self.settings = settings or ControllerSettings()
-        loop_clock = clock or asyncio.get_running_loop().time
-        self._wall = loop_clock
-        self._t0 = loop_clock()
+        self.replicas = Replicas(adapters, settings.health_interval_s)
+        self._wall = clock or asyncio.get_running_loop().time
+        self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
-        self.log: collections.deque[LoggedDecision] = collections.deque(
-            maxlen=self.settings.decision_log)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.log = DecisionLog(settings.decision_log)
+        self.executor = DecisionExecutor(policy.engine, [a.capabilities for a in adapters],
+                                         _Target(self), self.log)
+        self._orphans: list[str] = []
         self._ticker: asyncio.Task[None] | None = None
-        self._health: asyncio.Task[None] | None = None
-        self.decisions_executed = 0
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -149,99 +70,97 @@ class Controller:
         tick = self.policy.tick_interval
         if tick:
             self._ticker = asyncio.create_task(self._tick_loop(tick / self.settings.time_scale))
-        self._health = asyncio.create_task(self._health_loop())
+        self.replicas.start()
 
     async def stop(self) -> None:
-        for t in (self._ticker, self._health, *self._tasks):
-            if t is not None:
-                t.cancel()
-        for t in (self._ticker, self._health, *self._tasks):
-            if t is not None:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._ticker
+        await self.replicas.stop()
         for p in self.programs.values():
-            if p.held is not None and not p.held.future.done():
-                p.held.future.set_exception(GateRejected(503, "the gateway is shutting down"))
+            if p.held is not None:
+                p.held.reject(503, "the gateway is shutting down")
 
     async def _tick_loop(self, period_s: float) -> None:
         while True:
             await asyncio.sleep(period_s)
             try:
-                self._expire_programs()
-                self.decide()
+                self.tick()
             except Exception:  # a bug must not stop the control loop silently
                 log.exception("policy tick failed")
                 raise
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            for i, r in enumerate(self.replicas):
-                if r.healthy:
-                    continue
-                ok = False
-                with contextlib.suppress(Exception):
-                    ok = await r.adapter.health()
-                if ok:
-                    log.info("replica %d (%s) is healthy again", i, r.adapter.url)
-                    r.healthy = True
+    def tick(self) -> None:
+        """One tick of the control loop: expire idle programs, decide."""
+        self._expire_programs()
+        self.decide()
 
     # -- the request path ---------------------------------------------------------------
-    def program(self, program_id: str) -> ProgramInfo:
-        p = self.programs.get(program_id)
-        if p is None:
-            p = ProgramInfo(program_id)
-            self.programs[program_id] = p
-        return p
+    async def lease(self, program_id: str, prompt_tokens: int,
+                    anonymous: bool = False) -> RequestLease:
+        """Admit the request (waiting while it is held) and lease its replica.
+
+        Raises ``GateRejected``: 409, 429, 503 (held too long, or its replica is down).
+        """
+        adm = await self.admit(program_id, prompt_tokens, anonymous)
+        lease = RequestLease(self, program_id, adm, prompt_tokens)
+        r = lease.replica
+        if not r.healthy:
+            lease.finish(prompt_tokens)
+            raise GateRejected(503, f"replica {r.index} ({r.adapter.url}) is unhealthy: "
+                               f"{r.last_error}; retry later", self.settings.retry_after_s)
+        return lease
 
     async def admit(self, program_id: str, prompt_tokens: int, anonymous: bool = False
                     ) -> Admission:
         """Report the request and wait until the policy forwards it."""
+        s = self.settings
         info = self.programs.get(program_id)
         if info is not None and info.in_flight:
             raise GateRejected(409, f"program {program_id!r} already has a request in flight; "
                                "an agent program sends one request at a time")
         if info is not None and info.release_pending:
             raise GateRejected(409, f"program {program_id!r} was released")
-        info = self.program(program_id)
+        if info is None:
+            info = self.programs[program_id] = ProgramInfo(program_id)
         info.anonymous = anonymous
         info.last_seen = self.wall()
         pol = self.policy.programs.get(program_id)
+        loop = asyncio.get_running_loop()
         if pol is not None and pol.status is Status.GATED and info.held is not None:
             # a retry of a request still held by the policy: take its place
             old = info.held
-            if not old.future.done():
-                old.future.set_exception(GateRejected(409, "superseded by a retry"))
-            held = _Held(asyncio.get_running_loop().create_future(), old.arrived_wall)
-            info.held = held
+            old.reject(409, "superseded by a retry")
+            held = info.held = HeldRequest(loop.create_future(), old.arrived_wall)
         else:
-            if self.gated_count() >= self.settings.max_gated:
-                raise GateRejected(429, f"{self.gated_count()} requests are already waiting "
-                                   "for GPU residency; retry later",
-                                   self.settings.retry_after_s)
-            held = _Held(asyncio.get_running_loop().create_future(), self.wall())
-            info.held = held
+            if self.policy.held_count >= s.max_gated:
+                raise GateRejected(429, f"{self.policy.held_count} requests are already "
+                                   "waiting for GPU residency; retry later", s.retry_after_s)
+            held = info.held = HeldRequest(loop.create_future(), self.wall())
             info.prompt_tokens = prompt_tokens
             self.policy.observe(RequestArrived(program_id, prompt_tokens), self.now())
             self.decide()
-        if not held.future.done():
+        if held.waiting:
             self.metrics.gated_total.inc()
         try:
-            adm = await asyncio.wait_for(asyncio.shield(held.future),
-                                         self.settings.gate_timeout_s)
+            adm = await asyncio.wait_for(asyncio.shield(held.future), s.gate_timeout_s)
         except TimeoutError:
             held.future.cancel()  # abandoned: still held in the policy, for a retry
-            raise GateRejected(
-                503, f"program {program_id!r} waited {self.settings.gate_timeout_s:g} s "
-                "for GPU residency; retry later", self.settings.retry_after_s) from None
+            raise GateRejected(503, f"program {program_id!r} waited {s.gate_timeout_s:g} s "
+                               "for GPU residency; retry later", s.retry_after_s) from None
         except BaseException:
             held.future.cancel()  # the client went away while its request was held
             raise
         info.in_flight = True
         return adm
 
-    def gated_count(self) -> int:
-        return len(self.policy.ready_programs)
+    def kv_ready(self, program_id: str) -> None:
+        """The forwarded request's KV is in place: reasoning starts now (the interval
+        since the forward was the reload, gated time, as in the simulator)."""
+        info = self.programs.get(program_id)
+        if info is not None and info.in_flight:
+            self.policy.observe(KVReady(program_id), self.now())
 
     def finished(self, program_id: str, context_tokens: int) -> None:
         """The forwarded request ended (normally, by error, or the client left)."""
@@ -265,9 +184,9 @@ class Controller:
         if info.in_flight:
             info.release_pending = True  # ends when its response does
             return True
-        if info.held is not None and not info.held.future.done():
-            info.held.future.set_exception(GateRejected(409, f"program {program_id!r} was "
-                                                        "released while its request waited"))
+        if info.held is not None:
+            info.held.reject(409, f"program {program_id!r} was released while its request "
+                             "waited")
         self._end(program_id)
         self.decide()
         return True
@@ -289,128 +208,44 @@ class Controller:
                 log.info("program %s idle for over %g s: released", pid, ttl)
                 self._end(pid)
 
-    # -- deciding and executing -------------------------------------------------------------
+    # -- deciding -------------------------------------------------------------------------
     def decide(self) -> None:
         now = self.now()
-        decisions = self.policy.decide(now)
-        orphans: list[str] = []
-        for d in decisions:
-            self._execute(d, now, orphans)
+        self.executor.execute(now, self.policy.decide(now))
+        orphans, self._orphans = self._orphans, []
         for pid in orphans:  # after this round's decisions, so rounds do not interleave
             info = self.programs.get(pid)
             if info is not None:
                 self.finished(pid, info.context_tokens or info.prompt_tokens)
 
-    def _execute(self, d: Decision, now: float, orphans: list[str]) -> None:
-        self.decisions_executed += 1
-        typed = self.policy.engine.typed_eviction
-        if isinstance(d, Forward):
-            self.log.append(LoggedDecision(now, "forward", d.program_id, d.replica))
-            self._on_forward(d, orphans)
-        elif isinstance(d, Promote):
-            self.log.append(LoggedDecision(now, "promote", d.program_id, d.replica,
-                                           d.source.value))
-            self.metrics.promotions.labels(source=d.source.value).inc()
-            info = self.programs.get(d.program_id)
-            if info is not None:
-                info.promoted_from = d.source
-            adapter = self.replicas[d.replica].adapter
-            if typed and adapter.supports(Capability.LABELS):
-                self._control(d.replica, adapter.set_label(d.program_id, KVLabel.BUSY))
-        elif isinstance(d, Demote):
-            self.log.append(LoggedDecision(now, "demote", d.program_id,
-                                           d.replica if d.replica >= 0 else None,
-                                           d.source.value, d.to.value))
-            self.metrics.demotions.labels(to=d.to.value).inc()
-            if d.replica < 0:
-                return
-            adapter = self.replicas[d.replica].adapter
-            if typed and adapter.supports(Capability.LABELS):
-                label = KVLabel.IDLE if d.to is Tier.CPU else KVLabel.INACTIVE
-                self._control(d.replica, adapter.set_label(d.program_id, label))
-            elif d.source is Tier.GPU:
-                if adapter.supports(Capability.OFFLOAD):
-                    self._control(d.replica, adapter.offload(d.program_id))
-                elif d.to is Tier.NONE and adapter.supports(Capability.DROP):
-                    self._control(d.replica, adapter.drop(d.program_id))
-        elif isinstance(d, Release):
-            self.log.append(LoggedDecision(now, "release", d.program_id, d.replica))
-            for i, r in enumerate(self.replicas):
-                self._control(i, r.adapter.release(d.program_id))
-
-    def _on_forward(self, d: Forward, orphans: list[str]) -> None:
-        info = self.programs.get(d.program_id)
+    def _submit(self, program_id: str, replica: int, reload: bool) -> None:
+        info = self.programs.get(program_id)
         held = info.held if info is not None else None
-        if info is None or held is None or held.future.done():
+        if info is None or held is None or not held.waiting:
             # nobody waits any more (timed out or gone): the step ends at once, unchanged
             if info is not None:
                 info.held = None
                 info.in_flight = True
                 info.orphan_forwards += 1
-                orphans.append(d.program_id)
+                self._orphans.append(program_id)
             return
         info.held = None
         waited = self.wall() - held.arrived_wall
         self.metrics.gate_wait.observe(waited)
-        reloaded = info.promoted_from is Tier.CPU
-        info.promoted_from = None
-        held.future.set_result(Admission(d.replica, reloaded, waited))
-
-    def _control(self, replica: int, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a KV control on a replica, after the ones issued before it."""
-        state = self.replicas[replica]
-        prev = state.chain
-
-        async def run() -> None:
-            if prev is not None and not prev.done():
-                with contextlib.suppress(Exception):
-                    await prev
-            try:
-                await coro
-            except UpstreamError as e:
-                log.warning("KV control on replica %d failed: %s", replica, e.message)
-            except Exception:
-                log.exception("KV control on replica %d failed", replica)
-
-        task = asyncio.create_task(run())
-        state.chain = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def controls_done(self, replica: int) -> None:
-        """Wait until the KV controls issued so far to ``replica`` have run."""
-        tail = self.replicas[replica].chain
-        if tail is not None and not tail.done():
-            with contextlib.suppress(Exception):
-                await tail
-
-    # -- replica health -------------------------------------------------------------------
-    def mark_unhealthy(self, replica: int, why: str) -> None:
-        r = self.replicas[replica]
-        r.errors += 1
-        r.last_error = why
-        if r.healthy:
-            log.warning("replica %d (%s) marked unhealthy: %s", replica, r.adapter.url, why)
-        r.healthy = False
+        held.future.set_result(Admission(replica, reload, waited))
 
     # -- inspection -------------------------------------------------------------------------
     def describe(self, program_id: str) -> dict[str, Any] | None:
-        pol = self.policy.programs.get(program_id)
-        info = self.programs.get(program_id)
-        if pol is None:
+        v = self.policy.view(program_id, self.now())
+        if v is None:
             return None
-        now = self.now()
-        last = pol.history[-1] if pol.history else None
+        info = self.programs.get(program_id)
+        last = v.last_step
         return {
-            "program_id": program_id,
-            "status": pol.status.value,
-            "tier": pol.tier.value,
-            "replica": pol.replica,
-            "idleness": round(pol.iota(now), 6),
-            "context_tokens": pol.tokens,
-            "kv_bytes": pol.kv_bytes,
-            "gated_s": round(pol.tracker.gated_time, 6),
-            "steps": pol.steps_done,
+            "program_id": program_id, "status": v.status.value, "tier": v.tier.value,
+            "replica": v.replica, "idleness": round(v.idleness, 6),
+            "context_tokens": v.context_tokens, "kv_bytes": v.kv_bytes,
+            "gated_s": round(v.gated_s, 6), "steps": v.steps,
             # the three timestamps of the latest step (policy seconds): arrival at the
             # gateway, forward to the engine (the gated interval between), response end
             "last_step": ({"arrived": last.arrived, "forwarded": last.forwarded,
@@ -420,10 +255,30 @@ class Controller:
         }
 
     def describe_all(self) -> list[dict[str, Any]]:
-        out = []
-        for pid in sorted(self.policy.programs):
-            d = self.describe(pid)
-            if d is not None:
-                out.append(d)
-        return out
+        return [d for pid in sorted(self.policy.programs)
+                if (d := self.describe(pid)) is not None]
 
+
+class _Target:
+    """The executor's engine actions in the gateway: a forward releases the held
+    request; KV controls run on the replicas in issue order."""
+
+    __slots__ = ("_ctl",)
+
+    def __init__(self, ctl: Controller) -> None:
+        self._ctl = ctl
+
+    def submit(self, program_id: str, replica: int, reload: bool) -> None:
+        self._ctl._submit(program_id, replica, reload)
+
+    def set_label(self, program_id: str, replica: int, label: KVLabel) -> None:
+        self._ctl.replicas.set_label(program_id, replica, label)
+
+    def offload(self, program_id: str, replica: int) -> None:
+        self._ctl.replicas.offload(program_id, replica)
+
+    def drop(self, program_id: str, replica: int) -> None:
+        self._ctl.replicas.drop(program_id, replica)
+
+    def release(self, program_id: str) -> None:
+        self._ctl.replicas.release(program_id)

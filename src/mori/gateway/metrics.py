@@ -1,45 +1,87 @@
 """The gateway's Prometheus metrics (``mori_`` prefix), one registry per app.
 
 Counters and histograms are updated as things happen; gauges that describe the current
-state (programs per tier, held requests, per-replica load) are read from the controller
-when ``/metrics`` is scraped, so they cannot drift from what ``/v1/programs`` shows.
+state (programs per tier, held requests, per-replica load) and the decision executor's
+promotion and demotion counts are read when ``/metrics`` is scraped, so they cannot
+drift from what ``/v1/programs`` shows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaRow:
+    """One replica's gauges."""
+
+    running_requests: int
+    healthy: bool
+    gpu_programs: int
+    cpu_programs: int
+    gpu_kv_used_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayState:
+    """The state read at scrape time: programs per (tier, status), held requests, the
+    replicas, and the executor's promotions (by source tier) and demotions (by
+    destination)."""
+
+    programs: dict[tuple[str, str], int]
+    gated: int
+    replicas: list[ReplicaRow]
+    promotions: dict[str, int] = field(default_factory=dict)
+    demotions: dict[str, int] = field(default_factory=dict)
+
+
+_REPLICA_GAUGES = (
+    ("running_requests", "Requests forwarded to the replica and not ended"),
+    ("healthy", "1 if the replica answers, 0 if marked unhealthy"),
+    ("gpu_programs", "Programs the policy placed on the replica's GPU tier"),
+    ("cpu_programs", "Programs the policy placed on the replica's CPU tier"),
+    ("gpu_kv_used_ratio", "Share of the replica's GPU KV the policy has placed"),
+)
+
+
 class _StateCollector(Collector):
-    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, read: Callable[[], GatewayState | None]) -> None:
         self._read = read
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         s = self._read()
+        if s is None:
+            return
         g = GaugeMetricFamily("mori_programs", "Programs known to the policy, by tier and status",
                               labels=["tier", "status"])
-        for (tier, status), n in sorted(s["programs"].items()):
+        for (tier, status), n in sorted(s.programs.items()):
             g.add_metric([tier, status], n)
         yield g
         yield GaugeMetricFamily("mori_gate_queue_length", "Requests held in the gateway now",
-                                value=s["gated"])
-        for name, doc in (("running_requests", "Requests forwarded to the replica and not ended"),
-                          ("healthy", "1 if the replica answers, 0 if marked unhealthy"),
-                          ("gpu_programs", "Programs the policy placed on the replica's GPU tier"),
-                          ("cpu_programs", "Programs the policy placed on the replica's CPU tier"),
-                          ("gpu_kv_used_ratio", "Share of the replica's GPU KV the policy has placed")):
+                                value=s.gated)
+        for name, doc in _REPLICA_GAUGES:
             fam = GaugeMetricFamily(f"mori_replica_{name}", doc, labels=["replica"])
-            for i, row in enumerate(s["replicas"]):
-                fam.add_metric([str(i)], row[name])
+            for i, row in enumerate(s.replicas):
+                fam.add_metric([str(i)], float(getattr(row, name)))
             yield fam
+        promo = CounterMetricFamily("mori_promotions", "Programs moved to a GPU tier, by where "
+                                    "their KV was", labels=["source"])
+        for tier, n in sorted(s.promotions.items()):
+            promo.add_metric([tier], n)
+        yield promo
+        demo = CounterMetricFamily("mori_demotions", "Programs moved off a GPU or CPU tier, by "
+                                   "destination", labels=["to"])
+        for tier, n in sorted(s.demotions.items()):
+            demo.add_metric([tier], n)
+        yield demo
 
 
 class GatewayMetrics:
@@ -58,10 +100,6 @@ class GatewayMetrics:
         self.ttft = Histogram("mori_ttft_seconds", "Time from a request's arrival to its first "
                               "streamed byte (streaming) or whole answer", buckets=_LATENCY_BUCKETS,
                               registry=r)
-        self.promotions = Counter("mori_promotions", "Programs moved to a GPU tier, by where "
-                                  "their KV was", ["source"], registry=r)
-        self.demotions = Counter("mori_demotions", "Programs moved off a GPU or CPU tier, by "
-                                 "destination", ["to"], registry=r)
         self.upstream_errors = Counter("mori_upstream_errors", "Engine failures by replica",
                                        ["replica"], registry=r)
         self.disconnects = Counter("mori_client_disconnects", "Streams the client left "
@@ -70,7 +108,7 @@ class GatewayMetrics:
         self.completion_tokens = Counter("mori_completion_tokens", "Completion tokens returned",
                                          registry=r)
 
-    def watch(self, read: Callable[[], dict[str, Any]]) -> None:
+    def watch(self, read: Callable[[], GatewayState | None]) -> None:
         """Expose the state gauges, read at scrape time from ``read()``."""
         self.registry.register(_StateCollector(read))
 

@@ -8,15 +8,21 @@ header; a request with neither is served as its own one-step program (an id
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from mori.gateway.errors import RequestError
+from mori.protocol.errors import RequestError
+from mori.protocol.fields import (
+    CHAT,
+    COMPLETIONS,
+    KV_READY_LINE,
+    program_id_field,
+    synthetic_field,
+)
+from mori.protocol.tokens import text_prompt_tokens
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-CHARS_PER_TOKEN = 4  # the prompt-size estimate when the engine cannot count tokens
+__all__ = ["CHAT", "COMPLETIONS", "ClientRequest", "StreamWatcher", "estimate_prompt_tokens",
+           "max_output_tokens", "parse_request", "usage_tokens"]
 
 
 @dataclass(slots=True)
@@ -58,53 +64,23 @@ def parse_request(path: str, raw: bytes, header_program: str | None) -> ClientRe
         v = body.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise RequestError(400, f"'{key}' must be a positive integer", key)
-    pid = body.pop("program_id", None)
-    if pid is not None and (not isinstance(pid, str) or not pid):
-        raise RequestError(400, "'program_id' must be a non-empty string", "program_id")
+    pid = program_id_field(body.pop("program_id", None))
     if pid is None and header_program:
         pid = header_program
-    synthetic = body.pop("mori", None)
-    if synthetic is not None:
-        synthetic = _check_synthetic(synthetic)
+    sizes = body.pop("mori", None)
+    synthetic: dict[str, Any] | None = None
+    if sizes is not None:
+        synthetic = dict(synthetic_field(sizes))
+        if "prompt_tokens" in synthetic and synthetic.get("reuse_tokens", 0) > synthetic[
+                "prompt_tokens"]:
+            raise RequestError(400, "'mori.reuse_tokens' exceeds 'mori.prompt_tokens'", "mori")
     return ClientRequest(path, body, pid, stream, model, synthetic)
 
 
-def _check_synthetic(v: object) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise RequestError(400, "'mori' must be an object {prompt_tokens, reuse_tokens}", "mori")
-    out: dict[str, Any] = {}
-    for key in ("prompt_tokens", "reuse_tokens"):
-        x = v.get(key)
-        if x is None:
-            continue
-        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-            raise RequestError(400, f"'mori.{key}' must be a non-negative integer",
-                               f"mori.{key}")
-        out[key] = x
-    if "prompt_tokens" in out and out.get("reuse_tokens", 0) > out["prompt_tokens"]:
-        raise RequestError(400, "'mori.reuse_tokens' exceeds 'mori.prompt_tokens'", "mori")
-    return out
-
-
 def estimate_prompt_tokens(req: ClientRequest) -> int:
-    """Prompt size from the text: ceil(characters / 4), at least 1 (an estimate)."""
-    chars = 0
-    if req.path == CHAT:
-        for m in req.body.get("messages", []):
-            c = m.get("content")
-            if isinstance(c, str):
-                chars += len(c)
-            elif isinstance(c, list):
-                for part in c:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-    else:
-        p = req.body.get("prompt")
-        if isinstance(p, str):
-            chars = len(p)
-        elif isinstance(p, list):
-            chars = sum(len(x) if isinstance(x, str) else CHARS_PER_TOKEN for x in p)
-    return max(1, math.ceil(chars / CHARS_PER_TOKEN))
+    """Prompt size from the text, by the simulated engine's rule
+    (``mori.protocol.tokens``, not strict: an estimate, never an error)."""
+    return text_prompt_tokens(req.path, req.body, strict=False)
 
 
 def max_output_tokens(req: ClientRequest) -> int | None:
@@ -137,7 +113,7 @@ class StreamWatcher:
     Only lines that may carry usage are parsed as JSON; the rest is counted by scanning.
     """
 
-    __slots__ = ("_tail", "events", "prompt_tokens", "completion_tokens", "done")
+    __slots__ = ("_tail", "events", "prompt_tokens", "completion_tokens", "done", "kv_ready")
 
     def __init__(self) -> None:
         self._tail = b""
@@ -145,6 +121,7 @@ class StreamWatcher:
         self.prompt_tokens: int | None = None
         self.completion_tokens: int | None = None
         self.done = False
+        self.kv_ready = False  # the engine's ``: kv-ready`` comment went by
 
     def feed(self, chunk: bytes) -> None:
         data = self._tail + chunk
@@ -152,6 +129,8 @@ class StreamWatcher:
         self._tail = lines.pop()
         for line in lines:
             if not line.startswith(b"data:"):
+                if line.rstrip(b"\r") == KV_READY_LINE:
+                    self.kv_ready = True
                 continue
             payload = line[5:].strip()
             if payload == b"[DONE]":

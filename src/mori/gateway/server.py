@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,9 @@ import uvicorn
 from mori.core.policies import POLICIES
 from mori.engines.base import EngineAdapter
 from mori.engines.registry import parse_backend
-from mori.gateway.app import GatewaySettings, create_app
+from mori.gateway.app import create_app
+from mori.gateway.config import GatewaySettings
+from mori.protocol.serve import bind_socket
 
 log = logging.getLogger("mori.gateway")
 
@@ -41,29 +42,11 @@ class ServeConfig:
     settings: GatewaySettings = field(default_factory=GatewaySettings)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: a free port, read it back from ``getsockname``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # accepted connections inherit this: without it a response written in two parts
-    # (headers, then body) waits for the client's delayed ACK, ~40 ms per request
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 async def start_simulated_backends(cfg: ServeConfig) -> tuple[list[EngineAdapter], list[Any]]:
     """Start ``cfg.replicas`` simulated engines in this process; their adapters and
     handles (``await handle.stop()``)."""
-    from mori.engines.simserver import EngineSimConfig, start_engine_sim
     from mori.engines.simulated import SimEngineAdapter
+    from mori.enginesim import EngineSimConfig, start_engine_sim
 
     profile = POLICIES.get(cfg.settings.policy).engine
     adapters: list[EngineAdapter] = []

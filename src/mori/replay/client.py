@@ -7,7 +7,7 @@ only after its previous response and its recorded gap, subagents spawned at thei
 while their parent waits, program ids ``f"{trace.name}#{k}"``.
 
 Each request is a streamed chat completion with ``max_tokens`` = the step's output
-tokens and MORI's request fields (see :mod:`mori.engines.base`): ``program_id`` and
+tokens and MORI's request fields (see :mod:`mori.protocol.fields`): ``program_id`` and
 ``mori`` = ``{"prompt_tokens": P, "reuse_tokens": R}`` with a short placeholder message,
 or, with ``text_prompts``, a prompt of about P tokens of text (4 characters a token) that
 keeps the first R tokens of the program's previous prompt, for engines that do not honour
@@ -39,6 +39,7 @@ from urllib.parse import quote
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
+from mori.protocol.tokens import CHARS_PER_TOKEN
 from mori.replay.metrics import (
     GatewayCounters,
     ReplayResult,
@@ -50,9 +51,6 @@ from mori.replay.metrics import (
 from mori.sim.plan import ProgramRun, ReplayPlan
 from mori.sim.workload import workload_problems
 from mori.traces.model import SubagentSpawn, TraceSet
-
-CHARS_PER_TOKEN = 4
-"""Characters of generated prompt text per token (``text_prompts``)."""
 
 _PROBE_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 10.0

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from mori.sim.config import SimConfig
 
 NONDETERMINISTIC_FIELDS = ("wall_s", "policy_time_per_decision_us", "sim_seconds_per_wall_second")
 """Fields measured with the wall clock; every other field is a pure function of the inputs."""
@@ -63,22 +65,15 @@ class ChurnCounter:
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    policy: str
-    programs: int
-    hardware: str
-    cpu_ratio: float
-    replicas: int
-    duration_s: float
-    seed: int
+    """What one run measured, with the run's configuration.
+
+    ``traces`` is the trace set's name and ``max_context`` the context length programs
+    were cut at (``config.max_context``, or the model's context window when that is None).
+    """
+
+    config: SimConfig
     traces: str
-    human_gap: str
-    human_gap_cap_s: float
     max_context: int
-    share_prefix: bool
-    stagger_s: float
-    tick_s: float
-    idleness_window: int
-    binary_threshold: float
     output_tokens: int
     output_tokens_per_s: float
     steps: int
@@ -116,7 +111,35 @@ class RunResult:
     sim_seconds_per_wall_second: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_safe(v) for k, v in asdict(self).items()}
+        """One flat JSON-able record: the run's settings (:func:`settings_dict`), then
+        every measurement; NaN and infinity become null."""
+        out = settings_dict(self.config, self.traces, self.max_context)
+        out.update((f.name, getattr(self, f.name)) for f in fields(self)
+                   if f.name not in RESULT_CONTEXT)
+        return {k: _json_safe(v) for k, v in out.items()}
+
+
+RESULT_CONTEXT = ("config", "traces", "max_context")
+"""The fields of :class:`RunResult` that describe the run rather than measure it."""
+
+
+def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str, Any]:
+    """The settings of a run as a flat result record holds them (see ``RESULT_SETTINGS``).
+
+    The policy knobs a record carries are ``tick_s``, ``idleness_window`` and
+    ``binary_threshold``; ``max_context`` is the length programs were cut at.
+    """
+    c, p = config, config.policy_config
+    return {"policy": c.policy, "programs": c.programs, "hardware": c.hardware,
+            "cpu_ratio": c.cpu_ratio, "replicas": c.replicas, "duration_s": c.duration_s,
+            "seed": c.seed, "traces": traces, "human_gap": c.human_gap,
+            "human_gap_cap_s": c.human_gap_cap_s, "max_context": max_context,
+            "share_prefix": c.share_prefix, "stagger_s": c.stagger_s, "tick_s": p.tick_s,
+            "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold}
+
+
+RESULT_SETTINGS: tuple[str, ...] = tuple(settings_dict(SimConfig(), "", 0))
+"""The keys of a flat result record that hold the run's settings, in record order."""
 
 
 def _json_safe(v: Any) -> Any:

@@ -10,6 +10,7 @@ These rules live in :mod:`mori.sim.plan`, shared with the live replay client.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.execution import DecisionExecutor, DecisionLog
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, build_policy
-from mori.core.policy import Policy, PolicyConfig
+from mori.core.policy import Policy
 from mori.core.types import Capability, KVLabel, Tier
 from mori.sim.clock import PRIO_TICK, PRIO_WORKLOAD, EventLoop
 from mori.sim.config import SimConfig
@@ -86,9 +87,9 @@ class Simulation:
         self.kv_bytes = kv_bytes
         cluster = ClusterSpec(config.replicas, self.gpu_pages * page * kv_bytes,
                               self.cpu_pages * page * kv_bytes)
-        self.policy: Policy = build_policy(config.policy, cluster, kv_bytes, PolicyConfig(
-            tick_s=config.tick_s, idleness_window=config.idleness_window,
-            binary_threshold=config.binary_threshold, page_tokens=page))
+        self.policy: Policy = build_policy(config.policy, cluster, kv_bytes,
+                                           dataclasses.replace(config.policy_config,
+                                                               page_tokens=page))
         self.loop = EventLoop()
         typed = policy_cls.engine.typed_eviction
         self.engines = [
@@ -149,7 +150,7 @@ class Simulation:
         self.executor.execute(self.loop.now, decisions)
 
     # -- the engine actions the executor carries out (EngineTarget) ---------------------
-    def submit(self, program_id: str, replica: int) -> None:
+    def submit(self, program_id: str, replica: int, reload: bool) -> None:
         live = self.live[program_id]
         assert live.req is not None, f"forward of {program_id} without a held request"
         self.c.gate_wait.append(self.loop.now - live.req.arrived)
@@ -220,13 +221,8 @@ class Simulation:
         busy = [min(1.0, s.busy_s / dur) for s in st]
         page = self.cost.preset.page_tokens
         return RunResult(
-            policy=cfg.policy, programs=cfg.programs, hardware=cfg.hardware,
-            cpu_ratio=cfg.cpu_ratio, replicas=cfg.replicas, duration_s=dur, seed=cfg.seed,
-            traces=self.trace_name, human_gap=cfg.human_gap,
-            human_gap_cap_s=cfg.human_gap_cap_s,
+            config=cfg, traces=self.trace_name,
             max_context=cfg.max_context or self.cost.preset.model.context_window,
-            share_prefix=cfg.share_prefix, stagger_s=cfg.stagger_s, tick_s=cfg.tick_s,
-            idleness_window=cfg.idleness_window, binary_threshold=cfg.binary_threshold,
             output_tokens=c.output_tokens, output_tokens_per_s=c.output_tokens / dur,
             steps=c.steps, steps_per_s=c.steps / dur, requests=c.requests,
             programs_started=c.programs_started, programs_finished=c.programs_finished,

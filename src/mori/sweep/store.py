@@ -22,9 +22,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from mori.core.policy import PolicyConfig
 from mori.sim import MODEL_VERSION
 from mori.sim.config import SimConfig
-from mori.sim.metrics import RunResult
+from mori.sim.metrics import RESULT_CONTEXT, RESULT_SETTINGS, RunResult
 from mori.sweep.grid import Run
 from mori.traces.model import TraceSet
 
@@ -45,12 +46,21 @@ def trace_digest(traces: TraceSet) -> str:
 
 
 def config_dict(config: SimConfig) -> dict[str, Any]:
-    """``config`` as a JSON-able dict, float fields as floats (so 1 and 1.0 agree)."""
-    hints = typing.get_type_hints(SimConfig)
-    out = dataclasses.asdict(config)
-    for name, value in out.items():
-        if hints[name] is float and isinstance(value, int):
-            out[name] = float(value)
+    """``config`` as a JSON-able dict, float fields as floats (so 1 and 1.0 agree); the
+    nested :class:`~mori.core.policy.PolicyConfig` as a nested dict, the same way."""
+    return _fields_dict(config)
+
+
+def _fields_dict(obj: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(obj))
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = _fields_dict(value)
+        elif hints[f.name] is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        out[f.name] = value
     return out
 
 
@@ -72,19 +82,30 @@ def result_row(run: Run, result: RunResult) -> dict[str, Any]:
 def result_from_dict(data: dict[str, Any]) -> RunResult:
     """The inverse of ``RunResult.to_dict()`` (its nulls become NaN).
 
-    Raises ``ValueError`` if the fields are not exactly those of :class:`RunResult`.
+    The record's settings rebuild the run's :class:`SimConfig` (policy knobs a record
+    does not carry take their defaults; ``max_context`` is the length programs were cut
+    at, which gives the same run). Raises ``ValueError`` if the keys are not exactly
+    those ``to_dict()`` writes, or the settings are not a valid configuration.
     """
     hints = typing.get_type_hints(RunResult)
-    if set(data) != set(hints):
+    measured = set(hints) - set(RESULT_CONTEXT)
+    if set(data) != measured | set(RESULT_SETTINGS):
         raise ValueError("the record's fields are not those of RunResult")
     values: dict[str, Any] = {}
-    for name, value in data.items():
+    for name in measured:
+        value = data[name]
         if hints[name] is float and value is None:
             value = math.nan
         elif hints[name] == list[float] and isinstance(value, list):
             value = [math.nan if v is None else v for v in value]
         values[name] = value
-    return RunResult(**values)
+    policy_keys = {f.name for f in dataclasses.fields(PolicyConfig)}
+    sim_keys = {f.name for f in dataclasses.fields(SimConfig)}
+    config = SimConfig(
+        **{k: data[k] for k in RESULT_SETTINGS if k in sim_keys},
+        policy_config=PolicyConfig(**{k: data[k] for k in RESULT_SETTINGS if k in policy_keys}))
+    return RunResult(config=config, traces=data["traces"], max_context=data["max_context"],
+                     **values)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -1,4 +1,4 @@
-"""The simulator's engine replica run against the real clock (no HTTP here).
+"""The simulator's engine replica run against the real clock (no HTTP library here).
 
 ``RealtimeEngine`` owns one ``EngineReplica`` (``mori.sim.engine``, unchanged), its
 ``KVPools`` and an ``EventLoop``, and maps wall time onto simulated time:
@@ -19,10 +19,9 @@ and a streaming client sleeps until the next iteration boundary; at every event 
 driver wakes all waiting streams. Tokens due within ``min_emit_interval_s`` of wall time
 of each other are sent together.
 
-Prompt size (``prompt_tokens``, the counting rule the adapter shares): the synthetic
-``mori.prompt_tokens`` when the body has it, else ceil(characters / 4) over the text of
-all messages (string contents and the ``text`` of content parts) or of the completion
-prompt (a list of token ids counts its length); at least 1.
+Requests come in tokens: the HTTP server (``mori.enginesim``) counts prompts by the rule
+of ``mori.protocol.tokens``. A request the engine cannot take raises ``RequestError``
+(``mori.protocol.errors``) with the status and code OpenAI would answer.
 """
 
 from __future__ import annotations
@@ -33,31 +32,16 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from mori.core.costmodel import CostModel, get_preset
 from mori.core.types import KVLabel
+from mori.protocol.errors import RequestError
 from mori.sim.clock import EventLoop
 from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
-
-CHARS_PER_TOKEN = 4
-"""The engine-sim's text counting rule: one token per 4 characters, rounded up."""
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; ``status``/``code``/``param`` as OpenAI reports them."""
-
-    def __init__(self, message: str, status: int = 400, code: str | None = None,
-                 param: str | None = None, type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.param = param
-        self.type = type_
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,77 +82,6 @@ class EngineSimConfig:
             raise ValueError("min_emit_interval_s must be >= 0")
 
 
-# -- prompt sizes ------------------------------------------------------------------------
-
-def _int_field(mori: Mapping[str, Any], key: str) -> int | None:
-    v = mori.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise RequestError(f"mori.{key} must be a non-negative integer", param=f"mori.{key}")
-    return v
-
-
-def synthetic_sizes(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """``(prompt_tokens, reuse_tokens)`` from the body's ``mori`` field (None: absent)."""
-    mori = body.get("mori")
-    if mori is None:
-        return None, None
-    if not isinstance(mori, Mapping):
-        raise RequestError("mori must be an object {prompt_tokens, reuse_tokens}",
-                           param="mori")
-    return _int_field(mori, "prompt_tokens"), _int_field(mori, "reuse_tokens")
-
-
-def _content_chars(content: Any) -> int:
-    if content is None:
-        return 0
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        n = 0
-        for part in content:
-            if isinstance(part, str):
-                n += len(part)
-            elif isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                n += len(part["text"])
-        return n
-    raise RequestError("a message content must be a string or a list of parts",
-                       param="messages")
-
-
-def text_prompt_tokens(path: str, body: Mapping[str, Any]) -> int:
-    """The text counting rule: ceil(chars / 4) of the messages' or prompt's text, >= 1."""
-    if path.endswith("/chat/completions"):
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list", param="messages")
-        chars = 0
-        for m in messages:
-            if not isinstance(m, Mapping):
-                raise RequestError("each message must be an object", param="messages")
-            chars += _content_chars(m.get("content"))
-        return max(1, -(-chars // CHARS_PER_TOKEN))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return max(1, -(-len(prompt) // CHARS_PER_TOKEN))
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return len(prompt)
-    raise RequestError("prompt must be a string, a list of one string, or a list of token "
-                       "ids (batched prompts are not supported)", param="prompt")
-
-
-def prompt_tokens(path: str, body: Mapping[str, Any]) -> int:
-    """A request's prompt tokens as the engine-sim counts them (see the module doc)."""
-    synthetic, _ = synthetic_sizes(body)
-    if synthetic is not None:
-        return max(1, synthetic)
-    return text_prompt_tokens(path, body)
-
-
 # -- the engine --------------------------------------------------------------------------
 
 @dataclass(eq=False, slots=True)
@@ -179,6 +92,7 @@ class Track:
     anonymous: bool  # no program id was given: a one-shot program
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     cached_tokens: int = 0  # prompt tokens whose KV was found (GPU + CPU), set at kv_ready
+    kv_ready_at: float | None = None  # simulated time the KV was in place
     first_token_at: float | None = None  # simulated times
     finished_at: float | None = None
     aborted: bool = False
@@ -189,7 +103,9 @@ class Track:
 
 
 @dataclass(slots=True)
-class Counters:
+class RequestCounters:
+    """What happened to the requests the engine was sent (the server's own counts)."""
+
     requests: int = 0  # submitted
     finished: int = 0
     aborted: int = 0
@@ -218,7 +134,7 @@ class RealtimeEngine:
         self.pools = KVPools(self.gpu_pages, self.cpu_pages, config.typed_eviction)
         self.replica = EngineReplica(0, self.cost, self.loop, self.pools, self,
                                      typed_admission=config.typed_eviction)
-        self.counters = Counters()
+        self.counters = RequestCounters()
         self._clock = clock
         self._t0: float | None = None
         self._tracks: dict[SimRequest, Track] = {}
@@ -295,27 +211,27 @@ class RealtimeEngine:
         window = self.preset.model.context_window
         if prompt + output > window:
             raise RequestError(
-                f"This model's maximum context length is {window} tokens. However, you "
-                f"requested {prompt + output} tokens ({prompt} in the messages, {output} in "
-                "the completion).", code="context_length_exceeded", param="messages")
+                400, f"This model's maximum context length is {window} tokens. However, "
+                f"you requested {prompt + output} tokens ({prompt} in the messages, {output} "
+                "in the completion).", "messages", "context_length_exceeded")
         pages = -(-(prompt + output) // self.page)
         if pages > self.gpu_pages:
             raise RequestError(
-                f"the request needs {pages * self.page} tokens of KV cache but the engine's "
-                f"GPU pool holds {self.gpu_pages * self.page}", code="context_length_exceeded",
-                param="messages")
+                400, f"the request needs {pages * self.page} tokens of KV cache but the "
+                f"engine's GPU pool holds {self.gpu_pages * self.page}", "messages",
+                "context_length_exceeded")
 
     def submit(self, program_id: str | None, prompt: int, output: int,
                reuse: int | None = None) -> Track:
         """Queue a request now. ``program_id`` None: a one-shot program. ``reuse``: the
         reusable prefix (None: the program's previous context if the prompt extends it)."""
         if prompt < 1 or output < 1:
-            raise RequestError("prompt and output must be at least one token")
+            raise RequestError(400, "prompt and output must be at least one token")
         self.check_fits(prompt, output)
         max_queue = self.config.max_queue
         if max_queue and len(self.replica.waiting) >= max_queue:
             self.counters.refused += 1
-            raise RequestError(f"the engine's queue is full ({max_queue} waiting)", status=503,
+            raise RequestError(503, f"the engine's queue is full ({max_queue} waiting)",
                                code="overloaded", type_="server_error")
         self.start()
         self.sync()
@@ -389,6 +305,8 @@ class RealtimeEngine:
         t = self._tracks.get(req)
         if t is not None:
             t.cached_tokens = req.cached
+            t.kv_ready_at = now
+            t.changed.set()
 
     def first_token(self, req: SimRequest, now: float) -> None:
         t = self._tracks.get(req)
@@ -427,11 +345,7 @@ class RealtimeEngine:
     def drop(self, program_id: str) -> None:
         """Forget a program's KV in both tiers (not pages a running request holds)."""
         self.sync()
-        e = self.pools.entries.get(program_id)
-        if e is not None and not e.pinned:
-            self.pools.truncate(e, 0)
-            if e.ended:
-                self.pools.remove(program_id)
+        self.replica.drop(program_id)
         self._kick_driver()
 
     def release(self, program_id: str) -> None:

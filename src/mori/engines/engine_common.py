@@ -1,0 +1,182 @@
+"""What the vLLM and SGLang adapters share: per-program residency from the engine's KV
+events, prompt token ids from its tokenizer, and warm-up prefetch.
+
+``KVEventsAdapter`` subscribes to the engine's KV events (``mori.engines.kvevents``) when
+given an endpoint, and attributes blocks to programs by the rule ``attribution`` names
+(``session``, ``salt``, ``tokens`` or ``none``). Under ``tokens`` it asks the engine to
+tokenize each prompt before forwarding it. Prefetch is a warm-up request: the program's
+request with ``max_tokens=1``, not streamed, at the most important priority; the engine
+loads what it finds of the prefix in its host tier, and the output is discarded.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, ClassVar
+
+from mori.engines.base import (
+    Capability,
+    KVCapacity,
+    NotSupportedError,
+    RequestHints,
+    Residency,
+    UpstreamError,
+    UpstreamResponse,
+)
+from mori.engines.http import OpenAIHTTPAdapter
+from mori.engines.kvevents import KVBlockIndex, KVEventSubscriber
+
+log = logging.getLogger(__name__)
+
+
+def tokenize_payload(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The tokenize request for a chat or completion body (vLLM's schema: ``model`` with
+    ``messages`` + ``add_generation_prompt``, or with ``prompt``), None for other bodies."""
+    payload: dict[str, Any] = {}
+    if "model" in body:
+        payload["model"] = body["model"]
+    if "messages" in body:
+        payload["messages"] = body["messages"]
+        payload["add_generation_prompt"] = body.get("add_generation_prompt", True)
+        for k in ("tools", "chat_template", "chat_template_kwargs",
+                  "continue_final_message", "add_special_tokens"):
+            if k in body:
+                payload[k] = body[k]
+        return payload
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        payload["prompt"] = prompt
+        return payload
+    return None
+
+
+def warmup_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a request that asks for one output token, not streamed (a warm-up)."""
+    warm = copy.deepcopy(body)
+    warm["max_tokens"] = 1
+    if "max_completion_tokens" in warm:
+        warm["max_completion_tokens"] = 1
+    warm["stream"] = False
+    warm.pop("stream_options", None)
+    warm["n"] = 1
+    return warm
+
+
+def _prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """A completion prompt given as token ids, else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    return None
+
+
+class KVEventsAdapter(OpenAIHTTPAdapter):
+    """An engine that publishes KV events and tokenizes (see the module doc).
+
+    Subclasses name the engine (``engine_name``, for messages), its tokenize endpoint
+    (``tokenize_path``), why it may not prefetch (``no_prefetch``), and add their own
+    capabilities; ``Capability.RESIDENCY`` is set here when events and an attribution are
+    given. ``index`` is the block index (None without ``kv_events``). ``cpu_tokens`` (0:
+    as the engine reports) and ``prefetch`` (None: as the engine's host tier allows) are
+    the operator's; ``capacity()`` caches what the engine reported in ``_capacity``.
+    """
+
+    engine_name: ClassVar[str]
+    tokenize_path: ClassVar[str]
+    no_prefetch: ClassVar[str]
+
+    def __init__(self, url: str, *, timeout_s: float, kv_tokens: int, cpu_tokens: int,
+                 page_tokens: int, connect_timeout_s: float, kv_events: str | None,
+                 kv_events_topic: str, attribution: str, prefetch: bool | None) -> None:
+        super().__init__(url, timeout_s=timeout_s, kv_tokens=kv_tokens,
+                         page_tokens=page_tokens, connect_timeout_s=connect_timeout_s)
+        self.cpu_tokens = cpu_tokens
+        self.prefetch_opt = prefetch
+        self._capacity: KVCapacity | None = None
+        self.kv_events = kv_events or None
+        self.attribution = attribution if self.kv_events else "none"
+        self.index: KVBlockIndex | None = None
+        self._subscriber: KVEventSubscriber | None = None
+        if self.kv_events:
+            rules = () if self.attribution == "none" else (self.attribution,)
+            self.index = KVBlockIndex(rules)
+            self._subscriber = KVEventSubscriber(self.kv_events, self.index, kv_events_topic)
+            if self.attribution != "none":
+                self.capabilities = self.capabilities | {Capability.RESIDENCY}
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        await super().start()
+        if self._subscriber is not None:
+            await self._subscriber.start()
+        try:
+            await self.capacity()
+        except UpstreamError as e:  # the engine may still be starting: capacity() retries
+            log.info("%s %s: capacity not known yet (%s)", self.engine_name, self.url,
+                     e.message)
+
+    async def close(self) -> None:
+        if self._subscriber is not None:
+            await self._subscriber.close()
+        await super().close()
+
+    # -- forwarding and tokens ------------------------------------------------------------
+    async def forward(self, path: str, body: dict[str, Any], stream: bool,
+                      hints: RequestHints) -> UpstreamResponse:
+        if self.attribution == "tokens" and self.index is not None and hints.program_id:
+            ids = await self.tokenize(body)
+            if ids is not None:
+                self.index.learn_tokens(hints.program_id, ids)
+        return await super().forward(path, body, stream, hints)
+
+    async def tokenize(self, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine tokenizes them (a prompt of token ids is
+        its own answer); None when the engine cannot tell."""
+        ids = _prompt_ids(body)
+        if ids is not None:
+            return ids
+        payload = tokenize_payload(body)
+        if payload is None:
+            return None
+        try:
+            data = await self.post_json(self.tokenize_path, payload, timeout_s=30.0)
+        except UpstreamError as e:
+            log.debug("%s %s%s failed: %s", self.engine_name, self.url, self.tokenize_path,
+                      e.message)
+            return None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+            return tokens
+        return None
+
+    async def count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
+        if Capability.TOKENIZE not in self.capabilities:
+            return None
+        ids = await self.tokenize(body)
+        return len(ids) if ids is not None else None
+
+    # -- KV controls ---------------------------------------------------------------------
+    async def residency(self) -> Residency:
+        if self.index is None or self.attribution == "none":
+            raise NotSupportedError(f"{self.engine_name} {self.url}: no residency without "
+                                    "kv_events and an attribution")
+        return self.index.residency()
+
+    async def release(self, program_id: str) -> None:
+        if self.index is not None:
+            self.index.forget_program(program_id)
+
+    async def prefetch(self, program_id: str, path: str, body: dict[str, Any]) -> None:
+        """Warm-up: the program's request with ``max_tokens=1``, not streamed, at priority
+        0 (the program is being promoted); its output is discarded. ``UpstreamError`` if
+        the engine cannot be reached or refuses it."""
+        if Capability.PREFETCH not in self.capabilities:
+            raise NotSupportedError(f"{self.engine_name} {self.url} {self.no_prefetch}")
+        resp = await self.forward(path, warmup_body(body), False,
+                                  RequestHints(program_id=program_id))
+        await resp.aclose()
+        if resp.status >= 400:
+            raise UpstreamError(f"{self.engine_name} {self.url} refused the warm-up request "
+                                f"({resp.status}): {(resp.body or b'')[:200]!r}",
+                                status=resp.status, unhealthy=False)

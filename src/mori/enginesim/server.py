@@ -1,0 +1,253 @@
+"""The simulated engine as an OpenAI-compatible HTTP server (``mori engine-sim``).
+
+``create_engine_sim_app(config)`` builds a Starlette app around one ``RealtimeEngine``
+(``mori.sim.realtime``: the simulator's engine replica run against the wall clock,
+time-scaled); ``start_engine_sim(config)`` serves it in the current event loop (the
+gateway starts simulated replicas this way); ``mori engine-sim`` serves it standalone.
+
+Endpoints
+---------
+- ``POST /v1/chat/completions``, ``POST /v1/completions``: streaming (SSE) or not; what
+  is generated and how prompts are sized: ``mori.enginesim.completions``. Reusable
+  prefix: ``mori.reuse_tokens`` if given, else the program's previous context (prompt +
+  output of its last request here) when the new prompt is at least that long
+  (append-only conversations), else 0. A second request of a program while one runs is
+  served as a one-shot program (the model runs one request per program at a time).
+  Usage reports ``prompt_tokens_details.cached_tokens`` (prompt tokens found in the GPU
+  or CPU tier); streams include it in a last chunk with
+  ``stream_options.include_usage``. The first token is sent when the simulated prefill
+  ends; the rest as decode iterations complete. A client that disconnects aborts its
+  request (out of the queue / batch, its KV unpinned). Errors come in OpenAI's shape
+  (``mori.protocol.errors``): 400 bad input, 404 unknown model, 503 queue full.
+- KV controls (JSON) under ``/mori/v1/``: ``POST programs/{pid}/label`` with
+  ``{"label": "busy"|"idle"|"inactive"}``, ``POST programs/{pid}/offload`` (GPU pages
+  to the CPU tier, or dropped without one), ``POST programs/{pid}/drop`` (both tiers),
+  ``POST programs/{pid}/release`` (the program ended). Each answers the program's state
+  ``{"program_id", "gpu_tokens", "cpu_tokens", "label", "pinned"}``; offload and drop
+  answer 404 for a program the engine does not know. A running request's pages are
+  pinned: offload and drop leave them. ``GET residency`` -> ``{"gpu_tokens": {pid: n},
+  "cpu_tokens": {pid: n}}``; ``GET capacity`` -> ``{"gpu_tokens", "cpu_tokens",
+  "page_tokens", "kv_bytes_per_token"}``; ``GET stats`` -> the replica's counters.
+- ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text, ``mori_engine_*``,
+  ``mori.enginesim.metrics``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive
+
+from mori.core.types import KVLabel
+from mori.enginesim.completions import completion_body, parse_completion, stream_completion
+from mori.enginesim.metrics import EngineCollector
+from mori.protocol.errors import RequestError
+from mori.protocol.fields import CHAT, COMPLETIONS
+from mori.protocol.responses import EventStream, error_response
+from mori.protocol.serve import RunningServer, serve_app
+from mori.sim.realtime import EngineSimConfig, RealtimeEngine, Track
+
+__all__ = ["EngineSimConfig", "EngineSimServer", "create_engine_sim_app", "start_engine_sim"]
+
+SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
+               "x-accel-buffering": "no"}
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _wait_done(track: Track) -> None:
+    while not track.done:
+        track.changed.clear()
+        if track.done:
+            return
+        await track.changed.wait()
+
+
+class _Api:
+    """The HTTP handlers of one app (state lives here, not in module globals)."""
+
+    def __init__(self, engine: RealtimeEngine) -> None:
+        self.engine = engine
+        self.created = int(time.time())
+
+    # -- completions ------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, COMPLETIONS)
+
+    async def _complete(self, request: Request, path: str) -> Response:
+        eng = self.engine
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON")
+        try:
+            call = parse_completion(path, body, request.headers, eng.model_name)
+            track = eng.submit(call.program_id, call.prompt, call.output, call.reuse)
+        except RequestError as e:
+            return e.response()
+        rid = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if call.stream:
+            return EventStream(200, SSE_HEADERS,
+                               stream_completion(eng, call, track, rid, created))
+        done = asyncio.ensure_future(_wait_done(track))
+        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (done, gone):
+                t.cancel()
+            await asyncio.gather(done, gone, return_exceptions=True)
+            eng.abort(track)  # no-op once finished
+        if track.finished_at is None:
+            if gone.done() and not gone.cancelled():
+                return error_response(499, "the client closed the request",
+                                      code="client_closed", type_="invalid_request_error")
+            return error_response(503, "the engine aborted the request (shutting down)",
+                                  code="aborted", type_="server_error")
+        return JSONResponse(completion_body(call, track, rid, created))
+
+    # -- info -------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        eng = self.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": eng.model_name, "object": "model", "created": self.created,
+            "owned_by": "mori-engine-sim",
+            "max_model_len": eng.preset.model.context_window}]})
+
+    # -- KV controls ------------------------------------------------------------------
+    async def label(self, request: Request) -> Response:
+        pid = request.path_params["pid"]
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(400, "the request body is not valid JSON")
+        raw = body.get("label") if isinstance(body, dict) else None
+        try:
+            label = KVLabel(raw if isinstance(raw, str) else "")
+        except ValueError:
+            return error_response(400, f"label must be one of {[v.value for v in KVLabel]}",
+                                  "label")
+        self.engine.set_label(pid, label)
+        return JSONResponse(self.engine.program_state(pid))
+
+    async def offload(self, request: Request) -> Response:
+        return self._control(request, self.engine.offload)
+
+    async def drop(self, request: Request) -> Response:
+        return self._control(request, self.engine.drop)
+
+    async def release(self, request: Request) -> Response:
+        pid = request.path_params["pid"]
+        self.engine.release(pid)
+        return JSONResponse(self.engine.program_state(pid))
+
+    def _control(self, request: Request, action: Callable[[str], None]) -> Response:
+        pid = request.path_params["pid"]
+        self.engine.sync()
+        if not self.engine.known(pid):
+            return error_response(404, f"the engine holds no KV of program {pid!r}",
+                                  "program_id", "program_not_found")
+        action(pid)
+        return JSONResponse(self.engine.program_state(pid))
+
+    async def residency(self, request: Request) -> Response:
+        return JSONResponse(self.engine.residency())
+
+    async def capacity(self, request: Request) -> Response:
+        return JSONResponse(self.engine.capacity())
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse(self.engine.stats())
+
+    async def metrics(self, request: Request) -> Response:
+        registry: CollectorRegistry = request.app.state.metrics_registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_engine_sim_app(config: EngineSimConfig) -> Starlette:
+    """A Starlette app serving one simulated engine replica (see the module doc).
+
+    ``app.state.engine`` is its ``RealtimeEngine``; the clock starts with the app's
+    lifespan (or its first request)."""
+    engine = RealtimeEngine(config)
+    api = _Api(engine)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    progs = "/mori/v1/programs/{pid:path}"
+    routes = [
+        Route(CHAT, api.chat, methods=["POST"]),
+        Route(COMPLETIONS, api.completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route(progs + "/label", api.label, methods=["POST"]),
+        Route(progs + "/offload", api.offload, methods=["POST"]),
+        Route(progs + "/drop", api.drop, methods=["POST"]),
+        Route(progs + "/release", api.release, methods=["POST"]),
+        Route("/mori/v1/residency", api.residency, methods=["GET"]),
+        Route("/mori/v1/capacity", api.capacity, methods=["GET"]),
+        Route("/mori/v1/stats", api.stats, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics_registry = registry
+    return app
+
+
+@dataclass(eq=False)
+class EngineSimServer:
+    """A simulated engine served in the current event loop: ``url`` is its base URL,
+    ``engine`` its model; ``await stop()`` ends it (idempotent)."""
+
+    engine: RealtimeEngine
+    server: RunningServer
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def stop(self) -> None:
+        self.engine.abort_all()  # end streams now rather than after the graceful timeout
+        await self.server.stop()
+
+
+async def start_engine_sim(config: EngineSimConfig, host: str = "127.0.0.1",
+                           port: int = 0) -> EngineSimServer:
+    """Serve a simulated engine replica in the current event loop (``port`` 0: any free
+    port). ``OSError`` when the address cannot be used."""
+    app = create_engine_sim_app(config)
+    engine = app.state.engine
+    assert isinstance(engine, RealtimeEngine)
+    return EngineSimServer(engine, await serve_app(app, host, port))

@@ -1,0 +1,57 @@
+"""The gateway's settings: one frozen dataclass; the policy's knobs embedded, not copied."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mori.core.policies import POLICIES
+from mori.core.policy import PolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """What the gateway needs to know (the CLI maps flags and config files onto this).
+
+    ``policy`` and ``policy_config``: the registered policy and its knobs (its
+    ``page_tokens`` is replaced by the engines' page size at startup).
+    ``time_scale``: policy seconds per wall second. ``max_gated``: the most requests
+    held at once (beyond: 429). ``gate_timeout_s``: the longest a request is held
+    (beyond: 503). ``retry_after_s``: the ``Retry-After`` of 429 and 503 answers.
+    ``program_ttl_s``: a program idle (Acting) this long is released (0: never).
+    ``max_body_bytes``: the largest request body (beyond: 413). ``health_interval_s``:
+    how often an unhealthy replica is checked again. ``exact_tokens``: ask an engine
+    that can count prompt tokens exactly. ``decision_log``: decisions kept for
+    ``/v1/decisions``. ``startup_wait_s``: how long to wait for engines still starting.
+    """
+
+    policy: str = "mori"
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    time_scale: float = 1.0
+    max_gated: int = 1024
+    gate_timeout_s: float = 300.0
+    retry_after_s: float = 5.0
+    program_ttl_s: float = 3600.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    health_interval_s: float = 2.0
+    exact_tokens: bool = False
+    decision_log: int = 10000
+    startup_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
+        for name in ("time_scale", "gate_timeout_s", "health_interval_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a positive number (got {v})")
+        for name in ("retry_after_s", "program_ttl_s", "startup_wait_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be >= 0 (got {v})")
+        if self.max_gated < 1:
+            raise ValueError(f"max_gated must be >= 1 (got {self.max_gated})")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
+        if self.decision_log < 0:
+            raise ValueError(f"decision_log must be >= 0 (got {self.decision_log})")

@@ -1,0 +1,88 @@
+"""A request lease: one forwarded request, from admission to its end.
+
+``Controller.lease()`` admits the request and returns a ``RequestLease`` for the replica
+the policy chose. The lease counts the request in flight on that replica, waits for the
+KV controls issued before the forward (and, for a program promoted from the CPU tier,
+an engine's prefetch) and then reports the KV ready (``prepare``), or, for an engine
+that says when in its stream, reports it on that signal (``kv_ready``), so the reload
+counts as gated time as in the simulator; it marks the replica
+unhealthy on an engine failure that says so (``failed``), and reports the end of the
+step exactly once (``finish``), however the request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from mori.core.types import Capability
+from mori.engines.base import EngineAdapter, UpstreamError
+from mori.gateway.gate import Admission
+from mori.gateway.replicas import Replica
+
+if TYPE_CHECKING:
+    from mori.gateway.control import Controller
+
+log = logging.getLogger("mori.gateway")
+
+PRIORITY_LEVELS = 10
+"""Priority hints run from 0 (busiest) to this (most idle): idleness in tenths."""
+
+
+class RequestLease:
+    """The controller's hold on one forwarded request; ``finish`` ends it."""
+
+    def __init__(self, ctl: Controller, program_id: str, admission: Admission,
+                 prompt_tokens: int) -> None:
+        self._ctl = ctl
+        self.program_id = program_id
+        self.admission = admission
+        self.prompt_tokens = prompt_tokens
+        self.replica: Replica = ctl.replicas[admission.replica]
+        self.replica.in_flight += 1
+        self._done = False
+        self._kv_ready = False
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        return self.replica.adapter
+
+    @property
+    def priority(self) -> int:
+        """MORI's rank of the program now: 0 = busiest (see ``RequestHints``)."""
+        v = self._ctl.policy.view(self.program_id, self._ctl.now())
+        return 0 if v is None else min(PRIORITY_LEVELS, int(v.idleness * PRIORITY_LEVELS))
+
+    async def prepare(self, path: str, body: dict[str, Any], stream: bool) -> None:
+        """Wait for the replica's earlier KV controls and, after a promotion from the
+        CPU tier, let an engine that can prefetch pull the KV back. Then the KV is
+        ready and reasoning starts, unless the engine will say when (a stream from an
+        engine with ``KV_READY``: the relay calls ``kv_ready`` on its signal)."""
+        await self._ctl.replicas.controls_done(self.replica.index)
+        if self.admission.reloaded and self.adapter.supports(Capability.PREFETCH):
+            try:
+                await self.adapter.prefetch(self.program_id, path, dict(body))
+            except Exception as e:  # a failed warm-up only costs the reload it tried to hide
+                log.info("prefetch for %s failed: %s", self.program_id, e)
+        if not (stream and self.adapter.supports(Capability.KV_READY)):
+            self.kv_ready()
+
+    def kv_ready(self) -> None:
+        """The request's KV is in place (the end of a reload): once, while it runs."""
+        if not self._done and not self._kv_ready:
+            self._kv_ready = True
+            self._ctl.kv_ready(self.program_id)
+
+    def failed(self, e: UpstreamError) -> None:
+        """The engine failed this request; a failure that says so marks it unhealthy."""
+        self._ctl.metrics.upstream_errors.labels(str(self.replica.index)).inc()
+        if e.unhealthy:
+            self._ctl.replicas.mark_unhealthy(self.replica.index, e.message)
+
+    def finish(self, context_tokens: int) -> None:
+        """The request ended (normally, by error, or the client left): once."""
+        if self._done:
+            return
+        self._done = True
+        self.replica.in_flight -= 1
+        self._ctl.finished(self.program_id, context_tokens)

@@ -1,0 +1,125 @@
+"""Serving one completion request: admit it, forward it, pass the answer back.
+
+The controller's ``RequestLease`` covers the request from admission to its end; this
+module only moves bytes and counts tokens: it checks the model, sizes the prompt, takes
+the lease, forwards the body through the replica's adapter and relays the answer
+(chunk by chunk for streams), then finishes the lease with the context the engine
+reported (or the gateway's estimate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from starlette.responses import Response
+
+from mori.core.types import Capability
+from mori.engines.base import RequestHints, UpstreamError
+from mori.gateway.errors import error_response, sse_error
+from mori.gateway.gate import GateRejected
+from mori.gateway.lease import RequestLease
+from mori.gateway.parsing import ClientRequest, StreamWatcher, estimate_prompt_tokens, usage_tokens
+from mori.protocol.responses import EventStream
+
+if TYPE_CHECKING:
+    from mori.gateway.app import Gateway
+
+
+async def serve_completion(gw: Gateway, req: ClientRequest) -> Response:
+    """The gateway's answer to one parsed completion request."""
+    ctl = gw.ctl
+    if gw.model_ids and req.model not in gw.model_ids:
+        await gw.refresh_models()
+        if req.model not in gw.model_ids:
+            return error_response(404, f"the model {req.model!r} does not exist; served: "
+                                  + ", ".join(m["id"] for m in gw.models), "model",
+                                  "model_not_found")
+    anonymous = req.program_id is None
+    pid = req.program_id or gw.anonymous_id()
+    tokens = await prompt_tokens(gw, req)
+    if tokens > gw.gpu_tokens():
+        return error_response(400, f"the prompt ({tokens} tokens) does not fit the GPU KV "
+                              f"capacity of one replica ({gw.gpu_tokens()} tokens)",
+                              "messages", "context_length_exceeded")
+    arrived = ctl.wall()
+    try:
+        lease = await ctl.lease(pid, tokens, anonymous)
+    except GateRejected as e:
+        return error_response(e.status, e.message, "program_id", None, e.retry_after_s)
+    try:
+        await lease.prepare(req.path, req.body, req.stream)
+        hints = RequestHints(pid, priority=lease.priority, synthetic=req.synthetic)
+        up = await lease.adapter.forward(req.path, req.body, req.stream, hints)
+    except UpstreamError as e:
+        lease.failed(e)
+        lease.finish(tokens)
+        return error_response(e.status, e.message, None, None,
+                              gw.settings.retry_after_s if e.status == 503 else None)
+    except BaseException:
+        lease.finish(tokens)
+        raise
+    if up.chunks is None:
+        gw.metrics.ttft.observe(ctl.wall() - arrived)
+        body = up.body or b""
+        p_used, c_used = usage_tokens(body) if up.status == 200 else (None, 0)
+        prompt = p_used if p_used is not None and req.synthetic is None else tokens
+        _count(gw, prompt, c_used or 0)
+        lease.finish(prompt + (c_used or 0))
+        return Response(body, status_code=up.status, headers=up.headers)
+    return EventStream(up.status, up.headers,
+                       _relay(gw, up.chunks, up.aclose, lease, req, arrived))
+
+
+async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[], Awaitable[None]],
+                 lease: RequestLease, req: ClientRequest, arrived: float
+                 ) -> AsyncGenerator[bytes, None]:
+    watcher = StreamWatcher()
+    first = True
+    try:
+        async for chunk in chunks:
+            if first:
+                gw.metrics.ttft.observe(gw.ctl.wall() - arrived)
+                first = False
+            watcher.feed(chunk)
+            if watcher.kv_ready:
+                lease.kv_ready()
+            yield chunk
+    except UpstreamError as e:
+        lease.failed(e)
+        yield sse_error(502, e.message)
+    except (asyncio.CancelledError, GeneratorExit):
+        gw.metrics.disconnects.inc()
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            await aclose()
+        prompt = lease.prompt_tokens
+        if watcher.prompt_tokens is not None and req.synthetic is None:
+            prompt = watcher.prompt_tokens
+        out = watcher.output_tokens()
+        _count(gw, prompt, out)
+        lease.finish(prompt + out)
+
+
+def _count(gw: Gateway, prompt: int, completion: int) -> None:
+    gw.metrics.prompt_tokens.inc(prompt)
+    gw.metrics.completion_tokens.inc(completion)
+
+
+async def prompt_tokens(gw: Gateway, req: ClientRequest) -> int:
+    """The request's prompt size: the synthetic size, an engine's exact count (with
+    ``exact_tokens``), or the gateway's estimate."""
+    if req.synthetic is not None and "prompt_tokens" in req.synthetic:
+        return max(1, int(req.synthetic["prompt_tokens"]))
+    if gw.settings.exact_tokens:
+        for a in gw.adapters:
+            if a.supports(Capability.TOKENIZE):
+                with contextlib.suppress(UpstreamError, Exception):
+                    n = await a.count_prompt_tokens(req.path, req.body)
+                    if n is not None:
+                        return max(1, n)
+                break
+    return estimate_prompt_tokens(req)

@@ -1,0 +1,3 @@
+"""Test helpers shared across the test directories: ``fake_engine`` (a scripted
+OpenAI-compatible engine and a KV-event publisher) and ``loop_thread`` (servers on an
+event loop in a background thread, for tests that call them synchronously)."""
