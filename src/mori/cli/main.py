@@ -26,7 +26,7 @@ from mori.cli.trace_cmd import add_trace_parser, run_trace
 from mori.core.costmodel import PRESETS
 from mori.core.policies import PAPER_POLICIES, POLICIES
 
-_NO_CPU_TIER = [n for n in POLICIES.names() if not POLICIES.get(n).engine.cpu_tier]
+_NO_CPU_TIER = [n for n in POLICIES.names() if not POLICIES.get(n).engine_profile.cpu_tier]
 
 SIMULATE_EPILOG = f"""\
 grid:

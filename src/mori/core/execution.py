@@ -1,7 +1,7 @@
 """Executing decisions: one mapping from ``Decision`` to engine actions, for both worlds.
 
 A policy's decisions say *where* programs go; what an engine must be told follows from
-the decision, the engine the policy assumes (``EngineProfile``) and the controls the
+the decision, the engine the policy assumes (its ``engine_profile``) and the controls the
 replica offers (its ``Capability`` set). That mapping lives here, once:
 
 =====================  =============================================================
@@ -83,11 +83,11 @@ EngineAction = Submit | SetLabel | Offload | Drop | ReleaseKV
 _DEMOTE_LABEL = {Tier.CPU: KVLabel.IDLE, Tier.NONE: KVLabel.INACTIVE}
 
 
-def engine_actions(d: Decision, engine: EngineProfile, caps: frozenset[Capability],
+def engine_actions(d: Decision, profile: EngineProfile, caps: frozenset[Capability],
                    reload: bool = False) -> tuple[EngineAction, ...]:
     """What the engine of ``d``'s replica must be told (the table above).
 
-    ``engine`` is the engine the policy assumes; ``caps`` the controls the replica of
+    ``profile`` is the engine the policy assumes; ``caps`` the controls the replica of
     ``d`` offers (ignored for ``Release``, which every replica hears). ``reload``: for
     a ``Forward``, the program was promoted from the CPU tier just before.
     """
@@ -95,7 +95,7 @@ def engine_actions(d: Decision, engine: EngineProfile, caps: frozenset[Capabilit
         return (Submit(d.program_id, d.replica, reload),)
     if isinstance(d, Release):
         return (ReleaseKV(d.program_id),)
-    labels = engine.typed_eviction and Capability.LABELS in caps
+    labels = profile.typed_eviction and Capability.LABELS in caps
     if isinstance(d, Promote):
         return (SetLabel(d.program_id, d.replica, KVLabel.BUSY),) if labels else ()
     if labels:
@@ -181,9 +181,9 @@ class ExecutionCounts:
 class DecisionExecutor:
     """Carries out decisions on a world's engines, in the order the policy gave them."""
 
-    def __init__(self, engine: EngineProfile, capabilities: Sequence[frozenset[Capability]],
+    def __init__(self, profile: EngineProfile, capabilities: Sequence[frozenset[Capability]],
                  target: EngineTarget, log: DecisionLog | None = None) -> None:
-        self.engine = engine
+        self.profile = profile
         self.capabilities = list(capabilities)
         self.target = target
         self.log = log if log is not None else DecisionLog(0)
@@ -203,7 +203,7 @@ class DecisionExecutor:
                 self.counts.demotions[d.to] += 1
             caps = self.capabilities[d.replica] if d.replica is not None else frozenset()
             reload = isinstance(d, Forward) and d.program_id in from_cpu
-            for a in engine_actions(d, self.engine, caps, reload):
+            for a in engine_actions(d, self.profile, caps, reload):
                 self._apply(a)
 
     def _apply(self, a: EngineAction) -> None:

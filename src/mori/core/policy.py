@@ -73,7 +73,7 @@ class Policy(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str]
-    engine: ClassVar[EngineProfile]
+    engine_profile: ClassVar[EngineProfile]
     uses_cpu_queue: ClassVar[bool] = False  # whether the scheduler keeps a CPU queue
 
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,

@@ -1,5 +1,5 @@
 """The simulated engine served over HTTP (``mori engine-sim``): an OpenAI-compatible
-server with MORI's KV controls around one ``mori.sim.realtime.RealtimeEngine``.
+server with MORI's KV controls around one ``mori.sim.realtime.RealtimeReplica``.
 
 - ``server``: the Starlette app, its endpoints, ``start_engine_sim``.
 - ``completions``: reading a completion request, writing its answer or stream.

@@ -4,7 +4,7 @@ The engine generates exactly ``max_completion_tokens`` / ``max_tokens`` tokens (
 16), placeholder words, one word per token. The prompt size is the ``mori`` field's
 ``prompt_tokens`` if the body has it, else the text rule of ``mori.protocol.tokens``
 (the text is validated either way); the reusable prefix is ``mori.reuse_tokens`` if
-given (else the engine decides, ``RealtimeEngine.submit``). The program is the
+given (else the engine decides, ``RealtimeReplica.submit``). The program is the
 ``X-Program-Id`` header, else the body's ``program_id``, else none (a one-shot program).
 """
 
@@ -24,7 +24,7 @@ from mori.protocol.fields import (
     synthetic_sizes,
 )
 from mori.protocol.tokens import text_prompt_tokens
-from mori.sim.realtime import RealtimeEngine, Track
+from mori.sim.realtime import RealtimeReplica, Track
 
 DEFAULT_MAX_TOKENS = 16
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit",
@@ -104,7 +104,7 @@ def completion_body(call: Completion, track: Track, rid: str, created: int) -> d
             "choices": [choice], "usage": usage(call.prompt, call.output, track.cached_tokens)}
 
 
-async def stream_completion(engine: RealtimeEngine, call: Completion, track: Track, rid: str,
+async def stream_completion(engine: RealtimeReplica, call: Completion, track: Track, rid: str,
                             created: int) -> AsyncGenerator[bytes, None]:
     """The SSE chunks of a streaming request, each sent when its token is due. Closing
     the generator early (the client went away) aborts the request."""

@@ -7,13 +7,13 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mori.sim.realtime import RealtimeEngine
+from mori.sim.realtime import RealtimeReplica
 
 
 class EngineCollector(Collector):
     """Reads the engine's state at scrape time (one per app, no global registry)."""
 
-    def __init__(self, engine: RealtimeEngine) -> None:
+    def __init__(self, engine: RealtimeReplica) -> None:
         self.engine = engine
 
     def collect(self) -> Iterable[Metric]:

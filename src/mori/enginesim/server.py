@@ -1,6 +1,6 @@
 """The simulated engine as an OpenAI-compatible HTTP server (``mori engine-sim``).
 
-``create_engine_sim_app(config)`` builds a Starlette app around one ``RealtimeEngine``
+``create_engine_sim_app(config)`` builds a Starlette app around one ``RealtimeReplica``
 (``mori.sim.realtime``: the simulator's engine replica run against the wall clock,
 time-scaled); ``start_engine_sim(config)`` serves it in the current event loop (the
 gateway starts simulated replicas this way); ``mori engine-sim`` serves it standalone.
@@ -56,7 +56,7 @@ from mori.protocol.errors import RequestError
 from mori.protocol.fields import CHAT, COMPLETIONS
 from mori.protocol.responses import EventStream, error_response
 from mori.protocol.serve import RunningServer, serve_app
-from mori.sim.realtime import EngineSimConfig, RealtimeEngine, Track
+from mori.sim.realtime import EngineSimConfig, RealtimeReplica, Track
 
 __all__ = ["EngineSimConfig", "EngineSimServer", "create_engine_sim_app", "start_engine_sim"]
 
@@ -82,7 +82,7 @@ async def _wait_done(track: Track) -> None:
 class _Api:
     """The HTTP handlers of one app (state lives here, not in module globals)."""
 
-    def __init__(self, engine: RealtimeEngine) -> None:
+    def __init__(self, engine: RealtimeReplica) -> None:
         self.engine = engine
         self.created = int(time.time())
 
@@ -190,9 +190,9 @@ class _Api:
 def create_engine_sim_app(config: EngineSimConfig) -> Starlette:
     """A Starlette app serving one simulated engine replica (see the module doc).
 
-    ``app.state.engine`` is its ``RealtimeEngine``; the clock starts with the app's
+    ``app.state.engine`` is its ``RealtimeReplica``; the clock starts with the app's
     lifespan (or its first request)."""
-    engine = RealtimeEngine(config)
+    engine = RealtimeReplica(config)
     api = _Api(engine)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine))
@@ -231,7 +231,7 @@ class EngineSimServer:
     """A simulated engine served in the current event loop: ``url`` is its base URL,
     ``engine`` its model; ``await stop()`` ends it (idempotent)."""
 
-    engine: RealtimeEngine
+    engine: RealtimeReplica
     server: RunningServer
 
     @property
@@ -249,5 +249,5 @@ async def start_engine_sim(config: EngineSimConfig, host: str = "127.0.0.1",
     port). ``OSError`` when the address cannot be used."""
     app = create_engine_sim_app(config)
     engine = app.state.engine
-    assert isinstance(engine, RealtimeEngine)
+    assert isinstance(engine, RealtimeReplica)
     return EngineSimServer(engine, await serve_app(app, host, port))

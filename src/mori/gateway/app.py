@@ -30,10 +30,11 @@ from mori.core.types import Capability, Tier
 from mori.engines.base import EngineAdapter, KVCapacity, NotSupportedError, UpstreamError
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
-from mori.gateway.errors import RequestError, error_response
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow
 from mori.gateway.parsing import CHAT, COMPLETIONS, parse_request
 from mori.gateway.proxy import serve_completion
+from mori.protocol.errors import RequestError
+from mori.protocol.responses import error_response
 
 log = logging.getLogger("mori.gateway")
 

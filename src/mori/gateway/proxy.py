@@ -18,11 +18,11 @@ from starlette.responses import Response
 
 from mori.core.types import Capability
 from mori.engines.base import RequestHints, UpstreamError
-from mori.gateway.errors import error_response, sse_error
 from mori.gateway.gate import GateRejected
 from mori.gateway.lease import RequestLease
 from mori.gateway.parsing import ClientRequest, StreamWatcher, estimate_prompt_tokens, usage_tokens
-from mori.protocol.responses import EventStream
+from mori.protocol.errors import sse_error
+from mori.protocol.responses import EventStream, error_response
 
 if TYPE_CHECKING:
     from mori.gateway.app import Gateway

@@ -48,7 +48,7 @@ async def start_simulated_backends(cfg: ServeConfig) -> tuple[list[EngineAdapter
     from mori.engines.simulated import SimEngineAdapter
     from mori.enginesim import EngineSimConfig, start_engine_sim
 
-    profile = POLICIES.get(cfg.settings.policy).engine
+    profile = POLICIES.get(cfg.settings.policy).engine_profile
     adapters: list[EngineAdapter] = []
     handles: list[Any] = []
     for _ in range(cfg.replicas):

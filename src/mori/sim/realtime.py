@@ -1,6 +1,6 @@
 """The simulator's engine replica run against the real clock (no HTTP library here).
 
-``RealtimeEngine`` owns one ``EngineReplica`` (``mori.sim.engine``, unchanged), its
+``RealtimeReplica`` owns one ``EngineReplica`` (``mori.sim.engine``, unchanged), its
 ``KVPools`` and an ``EventLoop``, and maps wall time onto simulated time:
 
     simulated now = (monotonic now - t0) * time_scale
@@ -113,7 +113,7 @@ class RequestCounters:
     generation_tokens: int = 0
 
 
-class RealtimeEngine:
+class RealtimeReplica:
     """An ``EngineReplica`` driven by the wall clock. ``start()`` (idempotent) from a
     running event loop, ``submit()`` requests, ``await stop()`` at the end."""
 

@@ -60,7 +60,7 @@ class Simulation:
         self.cost = CostModel(preset)
         page = preset.page_tokens
         self.gpu_pages = preset.gpu_kv_capacity_tokens // page
-        cpu_tier = policy_cls.engine.cpu_tier
+        cpu_tier = policy_cls.engine_profile.cpu_tier
         self.cpu_pages = int(self.gpu_pages * config.cpu_ratio) if cpu_tier else 0
         max_ctx = config.max_context or preset.model.context_window
         # the replay rules: prepared traces, seeded order and slot start times
@@ -91,14 +91,14 @@ class Simulation:
                                            dataclasses.replace(config.policy_config,
                                                                page_tokens=page))
         self.loop = EventLoop()
-        typed = policy_cls.engine.typed_eviction
+        typed = policy_cls.engine_profile.typed_eviction
         self.engines = [
             EngineReplica(i, self.cost, self.loop, KVPools(self.gpu_pages, self.cpu_pages, typed),
                           self, typed_admission=typed)
             for i in range(config.replicas)
         ]
         self.executor = DecisionExecutor(
-            policy_cls.engine, [SIM_ENGINE_CAPABILITIES] * config.replicas, self, log)
+            policy_cls.engine_profile, [SIM_ENGINE_CAPABILITIES] * config.replicas, self, log)
         self.live: dict[str, _Live] = {}
         self.c = Counters()
         self._ran = False

@@ -41,7 +41,7 @@ from mori.core.types import Status, Tier
 class MoriPolicy(Policy):
     name = "mori"
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
-    engine = EngineProfile(cpu_tier=True, typed_eviction=True)
+    engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
 
     # -- ranking hooks (the ablations override these) --------------------------------

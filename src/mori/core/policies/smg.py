@@ -19,7 +19,7 @@ from mori.core.types import Tier
 class SMGPolicy(Policy):
     name = "smg"
     description = "SGLang Model Gateway: forward everything, engine LRU decides"
-    engine = EngineProfile(cpu_tier=False, typed_eviction=False)
+    engine_profile = EngineProfile(cpu_tier=False, typed_eviction=False)
     imbalance = 2.0
 
     @property

@@ -32,7 +32,7 @@ def _small_first(p: Program) -> tuple[int, int]:
 class ThunderAgentPolicy(Policy):
     name = "thunderagent"
     description = "ThunderAgent: program-aware pinning, smallest-context pause, no offload"
-    engine = EngineProfile(cpu_tier=False, typed_eviction=False)
+    engine_profile = EngineProfile(cpu_tier=False, typed_eviction=False)
 
     def _decide(self, now: float, out: list[Decision]) -> None:
         pl = self.placement
@@ -69,4 +69,4 @@ class ThunderAgentPolicy(Policy):
 class ThunderAgentOffloadPolicy(ThunderAgentPolicy):
     name = "thunderagent+offload"
     description = "ThunderAgent with an uncoordinated LRU CPU tier in the engine (TA+O)"
-    engine = EngineProfile(cpu_tier=True, typed_eviction=False)
+    engine_profile = EngineProfile(cpu_tier=True, typed_eviction=False)
