@@ -15,13 +15,8 @@ import msgspec
 import pytest
 
 from mori.engines.base import Capability, NotSupportedError, RequestHints, UpstreamError
-from mori.engines.kvevents import (
-    KVBlockIndex,
-    KVEventDecodeError,
-    decode_batch,
-    decode_message,
-    token_chain_keys,
-)
+from mori.engines.kvevents import KVEventDecodeError, decode_batch, decode_message
+from mori.engines.kvindex import KVBlockIndex, token_chain_keys
 from mori.engines.registry import ADAPTERS, parse_backend
 from mori.engines.vllm import VLLMAdapter, cache_config, program_salt
 from support.fake_engine import FakeEngine, Publisher

@@ -23,14 +23,10 @@ from tqdm import tqdm
 
 from mori.cli.options import BY_KEY, Option, add_options, help_text
 from mori.cli.table import format_table
-from mori.replay.client import (
-    ReplayConfig,
-    ReplayProgress,
-    ReplaySettingsError,
-    TargetError,
-    replay,
-)
+from mori.replay.client import ReplayProgress, replay
+from mori.replay.config import ReplayConfig, ReplaySettingsError
 from mori.replay.metrics import ReplayResult
+from mori.replay.target import TargetError
 from mori.sim.config import SimConfig
 from mori.traces import TraceError, TraceSet, default_traces, load_traces
 

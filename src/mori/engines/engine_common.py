@@ -2,8 +2,8 @@
 events, prompt token ids from its tokenizer, and warm-up prefetch.
 
 ``KVEventsAdapter`` subscribes to the engine's KV events (``mori.engines.kvevents``) when
-given an endpoint, and attributes blocks to programs by the rule ``attribution`` names
-(``session``, ``salt``, ``tokens`` or ``none``). Under ``tokens`` it asks the engine to
+given an endpoint, and attributes blocks to programs (``mori.engines.kvindex``) by the
+rule ``attribution`` names (``session``, ``salt``, ``tokens`` or ``none``). Under ``tokens`` it asks the engine to
 tokenize each prompt before forwarding it. Prefetch is a warm-up request: the program's
 request with ``max_tokens=1``, not streamed, at the most important priority; the engine
 loads what it finds of the prefix in its host tier, and the output is discarded.
@@ -25,7 +25,8 @@ from mori.engines.base import (
     UpstreamResponse,
 )
 from mori.engines.http import OpenAIHTTPAdapter
-from mori.engines.kvevents import KVBlockIndex, KVEventSubscriber
+from mori.engines.kvevents import KVEventSubscriber
+from mori.engines.kvindex import KVBlockIndex
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ After ``duration_s`` simulated seconds what is in flight is cancelled.
 A failed request (an error answer, a refused or broken connection, a stream error event,
 no answer within ``request_timeout_s``) is counted by kind; the program goes on after
 its gap (or ends, with ``end_on_error``), never sooner than ``error_backoff_s``.
+
+The settings and the plan are :mod:`mori.replay.config`; probing the target, its HTTP
+client and the error kinds, :mod:`mori.replay.target`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import math
 import random
 import string
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -40,86 +40,15 @@ import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from mori.protocol.tokens import CHARS_PER_TOKEN
-from mori.replay.metrics import (
-    GatewayCounters,
-    ReplayResult,
-    RequestRecord,
-    gateway_counters,
-    is_gateway_metrics,
-    ttft_stats,
-)
+from mori.replay.config import ReplayConfig, build_plan, context_limit
+from mori.replay.metrics import GatewayCounters, ReplayResult, RequestRecord, ttft_stats
+from mori.replay.target import Target, error_kind, http_client, probe_target, scrape_counters
 from mori.sim.plan import ProgramRun, ReplayPlan
-from mori.sim.workload import workload_problems
 from mori.traces.model import SubagentSpawn, TraceSet
 
-_PROBE_TIMEOUT_S = 10.0
 _RELEASE_TIMEOUT_S = 10.0
 _VOCAB = tuple("".join(t) for t in zip(*(random.Random(7).choices(string.ascii_lowercase, k=4096)
                                          for _ in range(3)), strict=True))
-
-
-class TargetError(RuntimeError):
-    """The target cannot be used: unreachable, or not an OpenAI-compatible server."""
-
-
-class ReplaySettingsError(ValueError):
-    """The settings cannot be replayed (no program fits the context window)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayConfig:
-    """One replay. ``target``: the server's base URL (a trailing ``/v1`` is accepted).
-
-    ``max_context`` (trace tokens) None: the model's ``max_model_len`` from
-    ``/v1/models`` divided by ``token_scale`` when the target reports one, else no cut.
-    ``token_scale`` multiplies every token count sent (prompt, reuse, ``max_tokens``).
-    ``model`` None: the first model the target lists. ``request_timeout_s`` and
-    ``error_backoff_s`` are wall seconds.
-    """
-
-    target: str
-    programs: int
-    duration_s: float = 3600.0
-    time_scale: float = 1.0
-    seed: int = 0
-    stagger_s: float = 30.0
-    human_gap: str = "cap"
-    human_gap_cap_s: float = 60.0
-    max_context: int | None = None
-    model: str | None = None
-    text_prompts: bool = False
-    token_scale: float = 1.0
-    api_key: str = "EMPTY"
-    request_timeout_s: float = 300.0
-    end_on_error: bool = False
-    error_backoff_s: float = 0.1
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("duration_s", "time_scale", "stagger_s", "human_gap_cap_s", "token_scale",
-                     "request_timeout_s", "error_backoff_s"):
-            if not math.isfinite(getattr(self, name)):
-                problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
-        if not self.target.startswith(("http://", "https://")):
-            problems.append(f"target must be an http:// or https:// URL (got {self.target!r})")
-        problems += workload_problems(self.programs, self.duration_s, self.stagger_s,
-                                      self.human_gap, self.human_gap_cap_s, self.max_context)
-        if not self.time_scale > 0:
-            problems.append(f"time scale must be > 0 (got {self.time_scale})")
-        if not self.token_scale > 0:
-            problems.append(f"token scale must be > 0 (got {self.token_scale})")
-        if not self.request_timeout_s > 0:
-            problems.append(f"request timeout must be > 0 seconds (got {self.request_timeout_s})")
-        if self.error_backoff_s < 0:
-            problems.append(f"error backoff must be >= 0 (got {self.error_backoff_s})")
-        if problems:
-            raise ValueError("invalid replay settings: " + "; ".join(problems))
-
-    @property
-    def base_url(self) -> str:
-        """The target without a trailing slash or ``/v1``."""
-        url = self.target.rstrip("/")
-        return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,112 +61,6 @@ class ReplayProgress:
     steps: int
     errors: int
     live: int
-
-
-# -- the HTTP client -------------------------------------------------------------------
-def _http_module() -> Any:
-    """The httpx-family module the installed ``openai`` is built on (httpx or httpx2)."""
-    cls = openai.DefaultAsyncHttpxClient
-    if isinstance(cls, type):
-        for c in cls.__mro__:
-            if c.__name__ == "AsyncClient":
-                return importlib.import_module(c.__module__.partition(".")[0])
-    for name in ("httpx2", "httpx"):  # pragma: no cover - depends on the openai version
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise RuntimeError("openai's HTTP library (httpx) is not installed")  # pragma: no cover
-
-
-def _http_client(programs: int, timeout_s: float) -> Any:
-    """openai's async HTTP client with room for every program's connection at once."""
-    hx = _http_module()
-    limits = hx.Limits(max_connections=max(1000, 8 * programs),
-                       max_keepalive_connections=max(100, 2 * programs))
-    return openai.DefaultAsyncHttpxClient(limits=limits,
-                                          timeout=hx.Timeout(timeout_s, connect=10.0))
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    model: str
-    max_model_len: int | None
-    gateway: bool
-    counters: GatewayCounters | None
-
-
-async def _probe(client: openai.AsyncOpenAI, http: Any, cfg: ReplayConfig,
-                 headers: dict[str, str]) -> _Target:
-    """The model to use and what the target is; TargetError if it cannot be reached.
-
-    The model list goes through ``client``, which also readies it for the first request.
-    """
-    base = cfg.base_url
-    try:
-        page = await client.models.list(timeout=_PROBE_TIMEOUT_S)
-        entries = list(page.data)
-    except openai.APIStatusError as e:
-        raise TargetError(f"{base}/v1/models answered HTTP {e.status_code}; is {base} an "
-                          "OpenAI-compatible server?") from None
-    except openai.APIConnectionError as e:
-        cause = e.__cause__ or e
-        raise TargetError(f"cannot reach {base} ({type(cause).__name__}: "
-                          f"{cause or 'no answer'})") from None
-    except openai.APIError as e:
-        raise TargetError(f"{base}/v1/models did not answer a model list ({e})") from None
-    if cfg.model is None and not entries:
-        raise TargetError(f"{base} lists no model; pass one with --model")
-    model = cfg.model if cfg.model is not None else entries[0].id
-    entry = next((m for m in entries if m.id == model), None)
-    mml = (entry.model_extra or {}).get("max_model_len") if entry is not None else None
-    max_model_len = mml if isinstance(mml, int) and mml > 0 else None
-    gateway = False
-    metrics_text: str | None = None
-    try:
-        r = await http.get(f"{base}/v1/programs", headers=headers, timeout=_PROBE_TIMEOUT_S)
-        gateway = r.status_code == 200
-        r = await http.get(f"{base}/metrics", headers=headers, timeout=_PROBE_TIMEOUT_S)
-        if r.status_code == 200:
-            metrics_text = r.text
-            gateway = gateway or is_gateway_metrics(metrics_text)
-    except Exception:
-        pass
-    counters = gateway_counters(metrics_text) if gateway and metrics_text is not None else None
-    return _Target(model, max_model_len, gateway, counters)
-
-
-async def _scrape(http: Any, base: str, headers: dict[str, str]) -> GatewayCounters | None:
-    try:
-        r = await http.get(f"{base}/metrics", headers=headers, timeout=_PROBE_TIMEOUT_S)
-    except Exception:
-        return None
-    return gateway_counters(r.text) if r.status_code == 200 else None
-
-
-def _delta(end: int | None, start: int | None) -> int | None:
-    if end is None:
-        return None
-    return end - (start or 0)
-
-
-_HTTP_LIBRARIES = frozenset({"httpx", "httpx2", "httpcore", "httpcore2", "h11", "anyio", "ssl"})
-
-
-def error_kind(e: BaseException, streaming: bool) -> str:
-    """The kind a failed request is counted under (see :class:`ReplayResult`);
-    ``streaming``: tokens had arrived when it failed."""
-    if isinstance(e, TimeoutError | openai.APITimeoutError):
-        return "timeout"
-    if isinstance(e, openai.APIStatusError):
-        return f"http_{e.status_code}"
-    if isinstance(e, openai.APIConnectionError):
-        return "stream" if streaming else "connection"
-    if isinstance(e, openai.APIError):  # an error event in the stream
-        return "stream"
-    if isinstance(e, OSError) or type(e).__module__.partition(".")[0] in _HTTP_LIBRARIES:
-        return "stream" if streaming else "connection"  # the HTTP library's own error
-    return "other"
 
 
 # -- the replayer ----------------------------------------------------------------------
@@ -409,25 +232,6 @@ class _Replayer:
                               len(self.live))
 
 
-def context_limit(cfg: ReplayConfig, max_model_len: int | None) -> int | None:
-    """The context window programs are cut at, in trace tokens (None: no cut)."""
-    if cfg.max_context is not None:
-        return cfg.max_context
-    return max(1, int(max_model_len / cfg.token_scale)) if max_model_len else None
-
-
-def build_plan(cfg: ReplayConfig, traces: TraceSet, max_context: int | None) -> ReplayPlan:
-    """The replay plan of ``cfg`` (ReplaySettingsError if no program fits ``max_context``)."""
-    max_ctx = sys.maxsize if max_context is None else max_context
-    plan = ReplayPlan.build(traces.programs, slots=cfg.programs, seed=cfg.seed,
-                            stagger_s=cfg.stagger_s, max_context=max_ctx,
-                            human_gap=cfg.human_gap, human_gap_cap_s=cfg.human_gap_cap_s)
-    if not plan.programs:
-        raise ReplaySettingsError(f"no program of trace set {traces.name!r} fits a context of {max_ctx} "
-                         "tokens; raise --max-context or use other traces")
-    return plan
-
-
 async def replay(config: ReplayConfig, traces: TraceSet,
                  progress: Callable[[ReplayProgress], None] | None = None,
                  progress_interval_s: float = 0.5) -> ReplayResult:
@@ -439,13 +243,13 @@ async def replay(config: ReplayConfig, traces: TraceSet,
     """
     cfg = config
     headers = {"Authorization": f"Bearer {cfg.api_key}"}
-    http = _http_client(cfg.programs, cfg.request_timeout_s)
+    http = http_client(cfg.programs, cfg.request_timeout_s)
     wall0 = time.perf_counter()
     try:
         client = openai.AsyncOpenAI(base_url=f"{cfg.base_url}/v1", api_key=cfg.api_key,
                                     http_client=http, max_retries=0,
                                     timeout=cfg.request_timeout_s)
-        target = await _probe(client, http, cfg, headers)
+        target = await probe_target(client, http, cfg, headers)
         max_context = context_limit(cfg, target.max_model_len)
         plan = build_plan(cfg, traces, max_context)
         r = _Replayer(cfg, plan, client, http, target.model, headers, target.gateway)
@@ -465,7 +269,7 @@ async def replay(config: ReplayConfig, traces: TraceSet,
                 t.cancel()
             await asyncio.wait(tasks, timeout=10.0)
         wall = time.perf_counter() - wall0
-        counters = await _scrape(http, cfg.base_url, headers) if target.gateway else None
+        counters = await scrape_counters(http, cfg.base_url, headers) if target.gateway else None
         if r.release_supported and r.live:  # still running at the end: let the target know
             await asyncio.wait([asyncio.create_task(r.release(pid)) for pid in r.live],
                                timeout=_RELEASE_TIMEOUT_S)
@@ -475,7 +279,7 @@ async def replay(config: ReplayConfig, traces: TraceSet,
 
 
 def _result(cfg: ReplayConfig, traces: TraceSet, plan: ReplayPlan, r: _Replayer,
-            target: _Target, end: GatewayCounters | None, wall: float,
+            target: Target, end: GatewayCounters | None, wall: float,
             max_context: int | None) -> ReplayResult:
     dur = cfg.duration_s
     mean, p50, p90, p99 = ttft_stats(r.ttft)
@@ -500,3 +304,8 @@ def _result(cfg: ReplayConfig, traces: TraceSet, plan: ReplayPlan, r: _Replayer,
         events=tuple(sorted(r.events, key=lambda e: (e.sent_s, e.program_id, e.step))),
     )
 
+
+def _delta(end: int | None, start: int | None) -> int | None:
+    if end is None:
+        return None
+    return end - (start or 0)
