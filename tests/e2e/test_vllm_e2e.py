@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from mori.engines.base import Capability, EngineLoad, KVCapacity, RequestHints, Residency
+from mori.engines.base import Capability, KVCapacity, RequestHints, Residency
 from mori.engines.vllm import PrefixCacheCounters, VLLMAdapter
 
 from .conftest import VLLMServer, free_port, http_ok, stop_group
@@ -71,7 +71,6 @@ class AdapterRun:
     prefix_after: PrefixCacheCounters
     residency: Residency  # the last report polled
     residency_seen: bool  # both programs appeared within RESIDENCY_WAIT_S
-    load: EngineLoad
 
 
 async def run_adapter(vllm: VLLMServer) -> AdapterRun:
@@ -104,9 +103,8 @@ async def run_adapter(vllm: VLLMServer) -> AdapterRun:
             if seen or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.2)
-        load = await a.load()
         return AdapterRun(healthy, capacity, supports_residency, supports_prefetch, before,
-                          calls, after, res, seen, load)
+                          calls, after, res, seen)
     finally:
         await a.close()
 
@@ -175,16 +173,6 @@ def test_adapter_residency_covers_each_prompt(adapter_run: AdapterRun) -> None:
     gpu = adapter_run.residency.gpu_tokens
     short = {pid: gpu.get(pid, 0) for pid in ADAPTER_PROGRAMS if gpu.get(pid, 0) < 128}
     assert not short, f"programs with under 128 GPU tokens resident: {short} ({adapter_run.residency})"
-
-
-def test_adapter_load_has_nothing_running(adapter_run: AdapterRun) -> None:
-    assert adapter_run.load.running == 0, \
-        f"requests still running after every call returned: {adapter_run.load}"
-
-
-def test_adapter_kv_usage_is_a_fraction(adapter_run: AdapterRun) -> None:
-    assert 0.0 <= adapter_run.load.kv_usage <= 1.0, \
-        f"kv_usage outside 0..1: {adapter_run.load}"
 
 
 # -- the gateway in front of it --------------------------------------------------------------
