@@ -45,14 +45,8 @@ class SimConfig:
         if self.hardware not in PRESETS:
             problems.append(f"unknown hardware preset {self.hardware!r}; "
                             f"valid: {', '.join(PRESETS.names())}")
-        if not isinstance(self.policy_config, PolicyConfig):
+        if not isinstance(self.policy_config, PolicyConfig):  # its own fields checked it
             problems.append(f"policy_config must be a PolicyConfig (got {self.policy_config!r})")
-        else:
-            # PolicyConfig checks the ranges; NaN and infinity slip through those checks
-            for name in ("tick_s", "binary_threshold"):
-                value = getattr(self.policy_config, name)
-                if not math.isfinite(value):
-                    problems.append(f"{name} must be a finite number (got {value})")
         for name in ("cpu_ratio", "duration_s", "human_gap_cap_s", "stagger_s"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
