@@ -67,7 +67,6 @@ class RequestHints:
 
     program_id: str
     priority: int = 0
-    label: KVLabel = KVLabel.BUSY
     synthetic: Mapping[str, Any] | None = None
 
 
