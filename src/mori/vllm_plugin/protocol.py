@@ -1,0 +1,110 @@
+"""The label channel between the gateway and the MORI plug-in in each vLLM engine.
+
+Transport: ZMQ. The plug-in binds a ``ROUTER`` socket at the label endpoint (default
+``tcp://127.0.0.1:5558``; one endpoint per engine, i.e. per data-parallel rank); the
+gateway connects a ``DEALER``. Every message is one frame holding a JSON object with the
+protocol version ``v`` and an ``op``; the plug-in answers every message with one frame, a
+JSON object with ``v``, ``op`` and ``ok`` (and ``error`` when not ok).
+
+Messages (gateway -> plug-in):
+
+- ``{"v": 1, "op": "hello"}`` -> ``{"v": 1, "op": "hello", "ok": true, "plugin_version":
+  str, "block_size": int, "gpu_blocks": int, "cpu_tier_tokens": int, "programs": int}``:
+  the handshake; ``cpu_tier_tokens`` is 0 without a CPU tier.
+- ``{"v": 1, "op": "set", "labels": {program_id: label}}``: set labels (``busy``,
+  ``idle``, ``inactive``). A label for a program the engine has not seen yet is kept
+  for when it comes; it changes nothing now.
+- ``{"v": 1, "op": "replace", "labels": {...}}``: the full table (the gateway sends it
+  after each handshake): clear, then set.
+- ``{"v": 1, "op": "drop", "program": program_id}``: the program's KV is not wanted:
+  its cached blocks that no running request holds are evicted now, and its label is
+  forgotten.
+- ``{"v": 1, "op": "clear"}``: forget every label (blocks fall back to the default).
+
+A malformed message or an unknown op is answered ``ok: false`` with an ``error`` and
+otherwise ignored: it never stops the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL_VERSION = 1
+PLUGIN_VERSION = "0.1.0"
+DEFAULT_LABEL_ENDPOINT = "tcp://127.0.0.1:5558"
+LABELS = ("busy", "idle", "inactive")
+OPS = ("hello", "set", "replace", "drop", "clear")
+MAX_PROGRAM_ID = 1024  # characters; longer ids are refused
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol (the text says what is wrong)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One validated gateway -> plug-in message."""
+
+    op: str
+    labels: dict[str, str] | None = None  # set, replace
+    program: str | None = None  # drop
+
+
+def _program_id(v: object, where: str) -> str:
+    if not isinstance(v, str) or not v or len(v) > MAX_PROGRAM_ID:
+        raise ProtocolError(f"{where} must be a non-empty string of at most "
+                            f"{MAX_PROGRAM_ID} characters")
+    return v
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and validate one message; raises ``ProtocolError``."""
+    try:
+        obj = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("a message is a JSON object")
+    if obj.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {obj.get('v')!r} is not {PROTOCOL_VERSION}")
+    op = obj.get("op")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op {op!r}; ops: {', '.join(OPS)}")
+    if op in ("set", "replace"):
+        labels = obj.get("labels")
+        if not isinstance(labels, dict):
+            raise ProtocolError(f"{op}: 'labels' must be an object {{program_id: label}}")
+        out: dict[str, str] = {}
+        for pid, label in labels.items():
+            _program_id(pid, "a program id")
+            if label not in LABELS:
+                raise ProtocolError(f"label {label!r} of {pid!r} is not one of "
+                                    f"{', '.join(LABELS)}")
+            out[pid] = label
+        return Message(op, labels=out)
+    if op == "drop":
+        return Message(op, program=_program_id(obj.get("program"), "drop: 'program'"))
+    return Message(op)
+
+
+def encode(op: str, **fields: Any) -> bytes:
+    """One message (or reply) frame."""
+    return json.dumps({"v": PROTOCOL_VERSION, "op": op, **fields},
+                      separators=(",", ":")).encode()
+
+
+def reply(op: str, ok: bool = True, **fields: Any) -> bytes:
+    return encode(op, ok=ok, **fields)
+
+
+def decode_reply(frame: bytes) -> dict[str, Any]:
+    """A plug-in's reply as a dict; raises ``ProtocolError`` if it is not one."""
+    try:
+        obj = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"reply is not JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION or "ok" not in obj:
+        raise ProtocolError(f"not a version-{PROTOCOL_VERSION} reply: {obj!r}")
+    return obj
