@@ -26,7 +26,7 @@ the ``DecisionLog`` the inspection endpoints and the parity test read.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -181,10 +181,14 @@ class ExecutionCounts:
 class DecisionExecutor:
     """Carries out decisions on a world's engines, in the order the policy gave them."""
 
-    def __init__(self, profile: EngineProfile, capabilities: Sequence[frozenset[Capability]],
+    def __init__(self, profile: EngineProfile,
+                 capabilities: Callable[[int], frozenset[Capability]],
                  target: EngineTarget, log: DecisionLog | None = None) -> None:
+        """``capabilities(replica)``: the controls a replica offers now (read at every
+        decision: an engine may gain or lose a control, e.g. a plug-in that stops
+        answering)."""
         self.profile = profile
-        self.capabilities = list(capabilities)
+        self.capabilities = capabilities
         self.target = target
         self.log = log if log is not None else DecisionLog(0)
         self.counts = ExecutionCounts()
@@ -201,7 +205,7 @@ class DecisionExecutor:
                     from_cpu.add(d.program_id)
             elif isinstance(d, Demote):
                 self.counts.demotions[d.to] += 1
-            caps = self.capabilities[d.replica] if d.replica is not None else frozenset()
+            caps = self.capabilities(d.replica) if d.replica is not None else frozenset()
             reload = isinstance(d, Forward) and d.program_id in from_cpu
             for a in engine_actions(d, self.profile, caps, reload):
                 self._apply(a)

@@ -52,7 +52,8 @@ class Controller:
         self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
         self.log = DecisionLog(settings.decision_log)
-        self.executor = DecisionExecutor(policy.engine_profile, [a.capabilities for a in adapters],
+        self.executor = DecisionExecutor(policy.engine_profile,
+                                         lambda r: self.replicas[r].adapter.capabilities,
                                          _Target(self), self.log)
         self._orphans: list[str] = []
         self._ticker: asyncio.Task[None] | None = None

@@ -98,7 +98,7 @@ class Simulation:
             for i in range(config.replicas)
         ]
         self.executor = DecisionExecutor(
-            policy_cls.engine_profile, [SIM_ENGINE_CAPABILITIES] * config.replicas, self, log)
+            policy_cls.engine_profile, lambda replica: SIM_ENGINE_CAPABILITIES, self, log)
         self.live: dict[str, _Live] = {}
         self.c = Counters()
         self._ran = False
