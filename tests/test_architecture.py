@@ -4,8 +4,10 @@
 library. Layers, each importing only those below it: core < protocol < traces, sim <
 engines, enginesim < gateway, replay, sweep < cli. ``mori.protocol`` uses no third-party
 library but Starlette and uvicorn; the simulator (``mori.sim``, the real-time engine
-included) no HTTP library; the engine adapters (``mori.engines``) no simulator. ruff and
-mypy (strict, on the packages listed in pyproject.toml) must pass.
+included) no HTTP library; the engine adapters (``mori.engines``) no simulator. The vLLM
+plug-in (``mori.vllm_plugin``, loaded inside vLLM's processes) imports nothing else of
+MORI, and the others import only its protocol, which needs no vLLM. ruff and mypy (strict,
+on the packages listed in pyproject.toml) must pass.
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ LAYERS = {
     "replay": {"core", "protocol", "sim", "traces", "engines"},
     "gateway": {"core", "protocol", "engines", "enginesim"},
     "sweep": {"core", "sim", "traces"},
+    # runs inside vLLM's processes: nothing of MORI but itself (its protocol module is
+    # what the gateway's adapter imports)
+    "vllm_plugin": set(),
 }
+# what the other layers may import of the plug-in: its protocol (it needs no vLLM; the
+# engine adapters speak the label channel with it); the rest runs only inside vLLM
+PLUGIN_API = {"mori.vllm_plugin", "mori.vllm_plugin.protocol"}
 HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
         "prometheus_client"}
 
@@ -68,6 +76,8 @@ def test_layers_import_one_way(layer: str) -> None:
     for path in package_files(layer):
         for name in imports_of(path):
             if name.startswith("mori."):
+                if name in PLUGIN_API and layer != "protocol":
+                    continue
                 other = name.split(".")[1]
                 assert other in allowed, f"{path.relative_to(ROOT)} imports {name}"
 
@@ -78,6 +88,18 @@ def test_protocol_needs_only_starlette_and_uvicorn() -> None:
             top = name.split(".")[0]
             assert top in sys.stdlib_module_names or top in {"mori", "starlette", "uvicorn"}, (
                 f"{path.relative_to(ROOT)} imports {name}")
+
+
+def test_vllm_plugin_imports_without_vllm() -> None:
+    """The gateway side imports the plug-in's protocol where vLLM is not installed; the
+    label tables and the typed queue need no vLLM either (only ``scheduler`` does)."""
+    code = ("import sys, mori.vllm_plugin, mori.vllm_plugin.protocol, "
+            "mori.vllm_plugin.labels, mori.vllm_plugin.typed_queue; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
 
 
 def test_simulator_imports_no_http_library() -> None:

@@ -113,7 +113,8 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
     model = _build_model(venv)
     port, kv_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    env = {**os.environ, "MORI_VLLM_VENV": str(venv)}
+    # the start script asks this interpreter (it has mori's dependencies) for the flags
+    env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable}
     t0 = time.monotonic()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(

@@ -1,5 +1,5 @@
 """The ``mori`` command: ``simulate``, ``sweep``, ``trace``, ``serve``, ``replay``,
-``engine-sim``, ``policies``, ``presets`` and ``--version``.
+``engine-sim``, ``vllm-args``, ``policies``, ``presets`` and ``--version``.
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
 one line on stderr, no traceback), 1 when an output file cannot be written.
@@ -23,6 +23,7 @@ from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
 from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
 from mori.cli.trace_cmd import add_trace_parser, run_trace
+from mori.cli.vllm_args_cmd import add_vllm_args_parser, run_vllm_args
 from mori.core.costmodel import PRESETS
 from mori.core.policies import PAPER_POLICIES, POLICIES
 
@@ -93,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_replay_parser(sub)
     add_engine_sim_parser(sub)
+    add_vllm_args_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
     sub.add_parser("presets", help="list the hardware presets",
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_replay(args)
     if args.command == "engine-sim":
         return run_engine_sim(args)
+    if args.command == "vllm-args":
+        return run_vllm_args(args)
     try:
         return _simulate(args)
     except (UsageError, ConfigError) as e:

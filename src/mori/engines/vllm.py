@@ -2,7 +2,8 @@
 ``/metrics``, exact prompt sizes from ``/tokenize``, per-program residency from KV events,
 warm-up prefetch (``mori.engines.engine_common``).
 
-What the engine must run with (``scripts/start_vllm_cpu.sh`` does all of it)::
+What the engine must run with (``mori vllm-args`` prints it, with the MORI plug-in's
+flags; ``scripts/start_vllm_cpu.sh`` uses it)::
 
     --scheduling-policy priority          # else any priority but 0 is refused (400)
     --enable-prefix-caching
@@ -37,19 +38,54 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
   offloading connector loads the blocks the prefix cache finds on the host, and
   recomputes what is in neither tier), so the warm-up runs one prefill (of the part not
   on the GPU) and one decode step.
+- ``labels``: the label endpoint of the MORI plug-in in the engine
+  (``tcp://127.0.0.1:5558``; ``mori.vllm_plugin``, ``mori vllm-args``). When the plug-in
+  answers the handshake, the adapter declares ``LABELS`` and ``DROP``: ``set_label``,
+  ``drop`` and ``release`` (the label ``inactive``) go over the channel, and the
+  handshake's ``cpu_tier_tokens`` (when > 0 and ``cpu_tokens`` is not given) is the host
+  tier's capacity. When it does not answer, the adapter works as without the option
+  (the engine's eviction is plain LRU) and says so once. A check every
+  ``labels_check_s`` (5) re-handshakes: a plug-in that stops answering (a request or a
+  handshake gets no reply within ``labels_timeout_s``, 2) takes ``LABELS`` and ``DROP``
+  away; one that answers again first gets the full label table (``replace``), then they
+  come back. The first handshake of a new adapter does not clear the engine's labels (a
+  restarted gateway leaves them be; labels recorded before it are sent with ``set``).
+  A handshake from another plug-in instance (the engine restarted
+  between two checks) is answered with ``replace`` too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import hashlib
+import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from mori.engines.base import Capability, KVCapacity, RequestHints, UpstreamError
+from mori.core.types import KVLabel
+from mori.engines.base import (
+    Capability,
+    KVCapacity,
+    NotSupportedError,
+    RequestHints,
+    UpstreamError,
+)
 from mori.engines.engine_common import KVEventsAdapter
 from mori.engines.http import metric_sum, parse_prometheus
+from mori.engines.label_channel import (
+    LabelChannel,
+    LabelChannelDown,
+    LabelChannelError,
+    LabelRefused,
+)
+
+log = logging.getLogger(__name__)
 
 ATTRIBUTIONS = ("session", "salt", "tokens", "none")
+PLUGIN_CAPABILITIES = frozenset({Capability.LABELS, Capability.DROP})
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +133,11 @@ class VLLMAdapter(KVEventsAdapter):
                  cpu_tokens: int = 0, page_tokens: int = 0, connect_timeout_s: float = 5.0,
                  kv_events: str | None = None, kv_events_topic: str = "kv-events",
                  attribution: str = "session", priority: bool = True,
-                 priority_offset: int = 0, prefetch: bool | None = None) -> None:
+                 priority_offset: int = 0, prefetch: bool | None = None,
+                 labels: str | None = None, labels_timeout_s: float = 2.0,
+                 labels_check_s: float = 5.0) -> None:
+        if labels_check_s <= 0:
+            raise ValueError(f"labels_check_s must be > 0, got {labels_check_s}")
         if attribution not in ATTRIBUTIONS:
             raise ValueError(f"unknown attribution {attribution!r}; valid: "
                              f"{', '.join(ATTRIBUTIONS)}")
@@ -113,6 +153,161 @@ class VLLMAdapter(KVEventsAdapter):
         if prefetch or (prefetch is None and cpu_tokens > 0):
             caps.add(Capability.PREFETCH)
         self.capabilities = self.capabilities | caps
+        self.label_channel = LabelChannel(labels, labels_timeout_s) if labels else None
+        self.labels_check_s = labels_check_s
+        self.plugin: dict[str, Any] | None = None
+        """The plug-in's last handshake (None: it has not answered yet)."""
+        self.plugin_connections = 0  # handshakes that (re)established the channel
+        self._plugin_cpu_tokens = 0
+        self._labels_up = False  # the plug-in answers: labels are sent, not only recorded
+        self._label_error = ""
+        self._checker: asyncio.Task[None] | None = None
+
+    # -- lifecycle and the plug-in's label channel -------------------------------------------
+    async def start(self) -> None:
+        if self.label_channel is not None and self._checker is None:
+            if not await self._handshake():
+                log.warning("vLLM %s: eviction is plain LRU: the MORI plug-in did not answer "
+                            "at %s (%s); checking again every %g s", self.url,
+                            self.label_channel.endpoint, self._label_error,
+                            self.labels_check_s)
+            self._checker = asyncio.create_task(self._check_loop(),
+                                                name=f"mori labels {self.url}")
+        await super().start()
+
+    async def close(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
+            self._checker = None
+        if self.label_channel is not None:
+            await self.label_channel.close()
+        await super().close()
+
+    @property
+    def labels_up(self) -> bool:
+        """Whether the plug-in answers (labels and drops are sent to it)."""
+        return self._labels_up
+
+    async def _handshake(self) -> bool:
+        """Handshake; on success send what the engine must know of the table (all of it,
+        ``replace``, after an earlier connection; the recorded labels, ``set``, on the
+        first), then declare ``LABELS`` and ``DROP``."""
+        ch = self.label_channel
+        assert ch is not None
+        try:
+            hello = await ch.hello()
+            self._labels_up = True  # labels issued from now on are sent
+            if self.plugin_connections > 0:
+                await ch.replace()
+            elif ch.table:
+                await ch.set_many(dict(ch.table))
+        except LabelChannelError as e:
+            self._labels_up = False
+            self._label_error = str(e)
+            return False
+        self.plugin = hello
+        self.plugin_connections += 1
+        self._take_cpu_tier(hello)
+        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
+        return True
+
+    def _labels_lost(self, why: str) -> None:
+        self._label_error = why
+        if self._labels_up:
+            self._labels_up = False
+            self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
+            log.warning("vLLM %s: the MORI plug-in stopped answering (%s): eviction falls "
+                        "back to plain LRU until it answers again", self.url, why)
+
+    async def check_labels(self) -> bool:
+        """One check of the label channel (the background task runs it every
+        ``labels_check_s``); True when the plug-in answers."""
+        ch = self.label_channel
+        if ch is None:
+            return False
+        if not self._labels_up:
+            if not await self._handshake():
+                log.debug("vLLM %s: the MORI plug-in at %s still does not answer (%s)",
+                          self.url, ch.endpoint, self._label_error)
+                return False
+            log.info("vLLM %s: the MORI plug-in at %s answers%s: typed eviction on",
+                     self.url, ch.endpoint,
+                     f"; label table re-sent ({len(ch.table)} programs)"
+                     if self.plugin_connections > 1 else "")
+            return True
+        try:
+            hello = await ch.hello()
+            before, self.plugin = self.plugin, hello
+            # another instance: the engine restarted between two checks and lost its labels
+            if before is not None and hello.get("instance") != before.get("instance"):
+                log.info("vLLM %s: the MORI plug-in restarted; re-sending the label table "
+                         "(%d programs)", self.url, len(ch.table))
+                await ch.replace()
+        except LabelChannelError as e:
+            self._labels_lost(str(e))
+            return False
+        return True
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.labels_check_s)
+            try:
+                await self.check_labels()
+            except Exception:  # a check never ends the loop
+                log.exception("vLLM %s: label-channel check failed", self.url)
+
+    def _take_cpu_tier(self, hello: dict[str, Any]) -> None:
+        tokens = hello.get("cpu_tier_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+            return
+        self._plugin_cpu_tokens = tokens
+        cap = self._capacity
+        if self.cpu_tokens <= 0 and cap is not None and cap.cpu_tokens != tokens:
+            self._capacity = dataclasses.replace(cap, cpu_tokens=tokens)
+            if self.prefetch_opt is None:
+                self.capabilities = self.capabilities | {Capability.PREFETCH}
+
+    # -- KV controls over the label channel ----------------------------------------------------
+    def _channel(self, what: str) -> LabelChannel:
+        if self.label_channel is None:
+            raise NotSupportedError(f"vLLM {self.url} {what} only through the MORI plug-in "
+                                    "(the labels=ENDPOINT option)")
+        return self.label_channel
+
+    async def _send(self, request: Awaitable[None]) -> None:
+        try:
+            await request
+        except LabelChannelDown as e:
+            self._labels_lost(str(e))
+        except LabelRefused as e:
+            raise UpstreamError(str(e), unhealthy=False) from None
+
+    async def set_label(self, program_id: str, label: KVLabel) -> None:
+        """Label the program's KV; while the plug-in does not answer, the label is only
+        recorded (it goes with the table when the plug-in answers again)."""
+        ch = self._channel("takes eviction labels")
+        if not self._labels_up:
+            try:
+                ch.record(program_id, label.value)
+            except LabelRefused as e:
+                raise UpstreamError(str(e), unhealthy=False) from None
+            return
+        await self._send(ch.set_label(program_id, label.value))
+
+    async def drop(self, program_id: str) -> None:
+        """Evict the program's cached blocks now (those no running request holds)."""
+        ch = self._channel("drops one program's KV")
+        if not self._labels_up:
+            ch.forget(program_id)  # nothing to evict through: the engine's LRU decides
+            return
+        await self._send(ch.drop(program_id))
+
+    async def release(self, program_id: str) -> None:
+        await super().release(program_id)
+        if self.label_channel is not None:
+            await self.set_label(program_id, KVLabel.INACTIVE)
 
     # -- request shaping ----------------------------------------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
@@ -137,7 +332,8 @@ class VLLMAdapter(KVEventsAdapter):
         if self._capacity is not None:
             return self._capacity
         labels: dict[str, str] = {}
-        if self.kv_tokens <= 0 or self.page_tokens <= 0 or self.cpu_tokens <= 0:
+        cpu_known = self.cpu_tokens > 0 or self._plugin_cpu_tokens > 0
+        if self.kv_tokens <= 0 or self.page_tokens <= 0 or not cpu_known:
             try:
                 labels = cache_config(await self.get_text("/metrics"))
             except UpstreamError:
@@ -153,7 +349,7 @@ class VLLMAdapter(KVEventsAdapter):
                     "the capacity as kv_tokens (--backend vllm=URL,kv_tokens=N)",
                     unhealthy=False)
             gpu = blocks * block
-        cpu = self.cpu_tokens
+        cpu = self.cpu_tokens if self.cpu_tokens > 0 else self._plugin_cpu_tokens
         if cpu <= 0:
             cpu = (_label_int(labels, "num_cpu_blocks") or 0) * block
         self._capacity = KVCapacity(gpu_tokens=gpu, cpu_tokens=cpu, page_tokens=block)

@@ -1,7 +1,7 @@
 """MORI inside vLLM: typed eviction driven by the gateway's labels.
 
-The modules that import vLLM (``scheduler``, ``typed_queue``, ``server``) are imported only
-inside vLLM's own processes (``--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler``);
-this package and ``protocol`` import without vLLM, so the gateway's adapter can speak the
-label channel's protocol.
+Only ``scheduler`` imports vLLM; it is imported inside vLLM's own processes
+(``--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler``, see ``mori vllm-args``).
+``protocol`` (the label channel's messages), ``labels`` and ``typed_queue`` need no vLLM,
+so the gateway's adapter speaks the protocol and the tests exercise the queue anywhere.
 """

@@ -9,8 +9,10 @@ JSON object with ``v``, ``op`` and ``ok`` (and ``error`` when not ok).
 Messages (gateway -> plug-in):
 
 - ``{"v": 1, "op": "hello"}`` -> ``{"v": 1, "op": "hello", "ok": true, "plugin_version":
-  str, "block_size": int, "gpu_blocks": int, "cpu_tier_tokens": int, "programs": int}``:
-  the handshake; ``cpu_tier_tokens`` is 0 without a CPU tier.
+  str, "instance": str, "block_size": int, "gpu_blocks": int, "cpu_tier_tokens": int,
+  "programs": int}``: the handshake; ``cpu_tier_tokens`` is 0 without a CPU tier;
+  ``instance`` is new at every engine start, so a gateway sees a restart (and re-sends its
+  table) even when it missed the moment the engine was down.
 - ``{"v": 1, "op": "set", "labels": {program_id: label}}``: set labels (``busy``,
   ``idle``, ``inactive``). A label for a program the engine has not seen yet is kept
   for when it comes; it changes nothing now.

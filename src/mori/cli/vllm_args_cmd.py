@@ -1,0 +1,163 @@
+"""``mori vllm-args``: print the vLLM flags that run an engine the way MORI drives it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, TypeVar
+
+from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
+
+P = TypeVar("P", bound=argparse.ArgumentParser)
+
+SCHEDULER_CPU = "mori.vllm_plugin.scheduler.MoriScheduler"
+SCHEDULER_GPU = "mori.vllm_plugin.scheduler.MoriAsyncScheduler"
+DEFAULT_KV_EVENTS_ENDPOINT = "tcp://*:5557"
+KV_EVENTS_TOPIC = "kv-events"
+_NOT_IN_A_WORD = set(" \t\n\r\f\v\"'\\")
+
+EPILOG = f"""\
+what it prints:
+  --scheduler-cls {SCHEDULER_GPU}
+                  (--cpu-build: {SCHEDULER_CPU})
+  --additional-config {{"mori_label_endpoint":ADDR}}
+  --kv-events-config {{"enable_kv_cache_events":true,"publisher":"zmq",
+                      "endpoint":ADDR,"topic":"{KV_EVENTS_TOPIC}"}}
+  --scheduling-policy priority --enable-prefix-caching --enable-prompt-tokens-details
+  --kv-offloading-size N --kv-offloading-backend native     (with --cpu-gib N, GPU only)
+
+  The plug-in (--scheduler-cls) replaces vLLM's free-block queue with one that evicts
+  by MORI's labels (unhashed, then inactive, idle, busy; least recently used first
+  within each) and takes the labels over ZMQ at the label endpoint, which it binds. The
+  gateway connects to it: --backend vllm=URL,kv_events=ADDR,labels=ADDR. vLLM's Python
+  must import `mori.vllm_plugin` (install mori in vLLM's environment, or put mori's
+  src/ on its PYTHONPATH). --no-plugin leaves the plug-in's two flags out: plain vLLM,
+  as MORI's adapter also drives it (gating, priorities, KV events).
+
+  --cpu-gib gives vLLM its own host tier, which keeps and evicts blocks in its own
+  order (least recently used): MORI's order for the CPU tier is not built yet. vLLM's
+  CPU build has no host tier, so --cpu-gib with --cpu-build is an error.
+
+using the output:
+  The flags are printed on one line, separated by single spaces. No flag or value holds
+  a space, a single quote or a backslash, and none is shell-quoted: the line is meant to
+  be split on spaces and nothing else, and the double quotes of the JSON values are part
+  of the words. In bash, `$(...)` unquoted does exactly that (it splits on spaces and
+  does not remove quotes that come out of the substitution):
+
+    vllm serve MODEL $(mori vllm-args --label-endpoint tcp://127.0.0.1:5558)
+
+  A KV-events endpoint that binds every interface holds `*` ("tcp://*:5557"; vLLM binds
+  an endpoint with `*` and connects to others); bash leaves a pattern that matches no
+  file as it is, unless `nullglob` or `failglob` is set. To avoid globbing altogether:
+  read -r -a FLAGS <<< "$(mori vllm-args ...)"; vllm serve MODEL "${{FLAGS[@]}}".
+  In zsh, write ${{=$(mori vllm-args ...)}}.
+
+examples:
+  mori vllm-args --gpu --cpu-gib 64
+  mori vllm-args --cpu-build --label-endpoint tcp://127.0.0.1:6558
+  mori vllm-args --no-plugin
+"""
+
+
+class VLLMArgsError(ValueError):
+    """Options that cannot be turned into vLLM flags (the text says why)."""
+
+
+def _gib(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GiB: {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return v
+
+
+def add_vllm_args_parser(sub: argparse._SubParsersAction[P]) -> P:
+    """Add the ``vllm-args`` subcommand to ``sub``; returns its parser."""
+    p = sub.add_parser(
+        "vllm-args", help="print the vLLM flags for an engine MORI drives (with the plug-in)",
+        description="Print the flags `vllm serve` needs to run an engine the way MORI "
+        "drives it: the MORI scheduler plug-in and its label endpoint, KV-cache events, "
+        "priority scheduling, prefix caching, cached-token counts, and optionally vLLM's "
+        "host KV tier. Use: vllm serve MODEL $(mori vllm-args ...)",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--label-endpoint", default=DEFAULT_LABEL_ENDPOINT, metavar="ADDR",
+                   help="ZMQ endpoint the plug-in binds for the gateway's labels (default: "
+                        f"{DEFAULT_LABEL_ENDPOINT}; one per engine)")
+    p.add_argument("--kv-events-endpoint", default=DEFAULT_KV_EVENTS_ENDPOINT, metavar="ADDR",
+                   help="ZMQ endpoint vLLM publishes KV events on (default: "
+                        f"{DEFAULT_KV_EVENTS_ENDPOINT}; `*` binds, see below)")
+    p.add_argument("--cpu-gib", type=_gib, metavar="N",
+                   help="GiB of host memory for vLLM's own CPU KV tier (GPU builds only; "
+                        "evicted in vLLM's LRU order: MORI's CPU-tier order is not built "
+                        "yet)")
+    build = p.add_mutually_exclusive_group()
+    build.add_argument("--gpu", dest="build", action="store_const", const="gpu",
+                       help=f"vLLM on GPUs (the default): the scheduler is {SCHEDULER_GPU}")
+    build.add_argument("--cpu-build", dest="build", action="store_const", const="cpu",
+                       help=f"vLLM's CPU build: the scheduler is {SCHEDULER_CPU}; no host "
+                            "tier")
+    p.add_argument("--no-plugin", action="store_true",
+                   help="leave out --scheduler-cls and --additional-config (plain vLLM)")
+    p.set_defaults(build="gpu")
+    return p
+
+
+def _compact(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _word(name: str, value: str) -> str:
+    bad = sorted(set(value) & _NOT_IN_A_WORD)
+    if not value or bad:
+        raise VLLMArgsError(f"{name} {value!r}: an endpoint holds no spaces, quotes or "
+                            "backslashes (the flags are split on spaces)")
+    return value
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if v == int(v) else repr(v)
+
+
+def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
+               kv_events_endpoint: str = DEFAULT_KV_EVENTS_ENDPOINT,
+               cpu_gib: float | None = None, build: str = "gpu",
+               plugin: bool = True) -> list[str]:
+    """The vLLM flags, one list item per word (see the command's help)."""
+    if build not in ("gpu", "cpu"):
+        raise VLLMArgsError(f"build is gpu or cpu, got {build!r}")
+    if cpu_gib is not None and build == "cpu":
+        raise VLLMArgsError("--cpu-gib: vLLM's CPU build has no host KV tier "
+                            "(--kv-offloading-size is refused there); leave --cpu-gib out "
+                            "or use --gpu")
+    flags: list[str] = []
+    if plugin:
+        flags += ["--scheduler-cls", SCHEDULER_GPU if build == "gpu" else SCHEDULER_CPU,
+                  "--additional-config", _compact(
+                      {"mori_label_endpoint": _word("--label-endpoint", label_endpoint)})]
+    flags += ["--kv-events-config", _compact({
+        "enable_kv_cache_events": True, "publisher": "zmq",
+        "endpoint": _word("--kv-events-endpoint", kv_events_endpoint),
+        "topic": KV_EVENTS_TOPIC})]
+    flags += ["--scheduling-policy", "priority", "--enable-prefix-caching",
+              "--enable-prompt-tokens-details"]
+    if cpu_gib is not None:
+        flags += ["--kv-offloading-size", _number(cpu_gib), "--kv-offloading-backend",
+                  "native"]
+    return flags
+
+
+def run_vllm_args(args: argparse.Namespace) -> int:
+    try:
+        flags = vllm_flags(label_endpoint=args.label_endpoint,
+                           kv_events_endpoint=args.kv_events_endpoint, cpu_gib=args.cpu_gib,
+                           build=args.build, plugin=not args.no_plugin)
+    except VLLMArgsError as e:
+        print(f"mori vllm-args: error: {e}", file=sys.stderr)
+        return 2
+    print(" ".join(flags))
+    return 0

@@ -1,0 +1,190 @@
+"""vLLM schedulers that evict KV blocks by MORI's labels.
+
+Load one with ``--scheduler-cls``: ``mori.vllm_plugin.scheduler.MoriScheduler`` on the CPU
+build (the CPU platform turns async scheduling off), ``MoriAsyncScheduler`` where vLLM
+schedules asynchronously (GPU). ``mori`` must be importable in the engine process
+(installed, or on ``PYTHONPATH``). The label endpoint it binds: ``--additional-config
+'{"mori_label_endpoint": "tcp://127.0.0.1:5558"}'`` or ``$MORI_LABEL_ENDPOINT``
+(``mori vllm-args`` prints the flags).
+
+What the mixin adds to vLLM's scheduler:
+
+- at construction, the block pool's ``free_block_queue`` is replaced by a
+  :class:`~mori.vllm_plugin.typed_queue.TypedFreeBlockQueue` holding the same free blocks
+  (in the same order within each list), and the label channel's server thread starts
+  (:mod:`mori.vllm_plugin.server`);
+- at the start of each ``schedule()``, the label operations received since the last step
+  are applied (the free blocks whose label changed move between lists; a ``drop`` evicts
+  the program's unshared, unheld cached blocks through ``BlockPool.evict_blocks``);
+- after each ``schedule()``, the blocks of the running requests are tied to their programs
+  (``Request.session_id``), incrementally;
+- ``reset_prefix_cache`` forgets every block's programs and re-sorts the free queue;
+  ``shutdown`` stops the server.
+
+An error in MORI's own bookkeeping is logged and never stops the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .labels import LabelTable
+from .protocol import Message
+from .server import LabelServer, label_endpoint
+from .typed_queue import TypedFreeBlockQueue
+
+logger = logging.getLogger("vllm.mori_plugin.scheduler")
+
+CONFIG_KEY = "mori_label_endpoint"  # in --additional-config; else $MORI_LABEL_ENDPOINT
+LOG_EVERY_S = 5.0  # at most one INFO line about applied labels per this many seconds
+
+
+class MoriSchedulerMixin:
+    """The MORI additions; mixed in before a vLLM ``Scheduler`` class."""
+
+    # provided by vLLM's Scheduler
+    kv_cache_manager: Any
+    running: list[Any]
+    block_size: int
+    kv_cache_config: Any
+    vllm_config: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mori_labels = LabelTable()
+        self._mori_learned: dict[tuple[str, int], tuple[int, int]] = {}
+        self._mori_log_at = 0.0
+        self._mori_counts: dict[str, int] = {}
+        pool = self.kv_cache_manager.block_pool
+        self.mori_queue = TypedFreeBlockQueue.replacing(
+            pool.free_block_queue, label_of=self.mori_labels.label_of,
+            on_pop=self._mori_on_pop)
+        pool.free_block_queue = self.mori_queue
+        rank = int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+        extra = getattr(self.vllm_config, "additional_config", None)
+        configured = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+        self.mori_server = LabelServer(label_endpoint(rank, configured=configured),
+                                       self._mori_info)
+        self.mori_server.start()
+        logger.info("MORI scheduler: typed free queue over %d blocks (%d free); labels "
+                    "from %s", pool.num_gpu_blocks, self.mori_queue.num_free_blocks,
+                    self.mori_server.endpoint)
+
+    # -- hooks into vLLM's scheduler ----------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._mori_apply_labels()
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self._mori_learn_running()
+        return out
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+        ok = super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+        try:
+            if ok:
+                self.mori_labels.forget_all_blocks()
+                self._mori_learned.clear()
+            self.mori_queue.rebuild()
+        except Exception:
+            logger.exception("MORI scheduler: re-sorting the free queue after a reset failed")
+        return ok
+
+    def shutdown(self) -> None:
+        try:
+            self.mori_server.close()
+        except Exception:
+            logger.exception("MORI scheduler: closing the label channel failed")
+        super().shutdown()  # type: ignore[misc]
+
+    # -- MORI -------------------------------------------------------------------------------
+    def _mori_info(self) -> dict[str, Any]:
+        return {"block_size": int(self.block_size),
+                "gpu_blocks": int(self.kv_cache_config.num_blocks),
+                "cpu_tier_tokens": 0,
+                "programs": len(self.mori_labels)}
+
+    def _mori_on_pop(self, block: Any) -> None:
+        self.mori_labels.forget_block(block.block_id)
+
+    def _mori_apply_labels(self) -> None:
+        """Apply the label operations received since the last step."""
+        try:
+            msgs = self.mori_server.drain()
+            if msgs:
+                self._mori_apply(msgs)
+        except Exception:
+            logger.exception("MORI scheduler: applying labels failed")
+
+    def _mori_apply(self, msgs: list[Message]) -> None:
+        pool = self.kv_cache_manager.block_pool
+        affected: set[int] = set()
+        evicted = 0
+        for msg in msgs:
+            if msg.op == "set":
+                affected |= self.mori_labels.set_labels(msg.labels or {})
+            elif msg.op == "replace":
+                affected |= self.mori_labels.replace(msg.labels or {})
+            elif msg.op == "clear":
+                affected |= self.mori_labels.clear()
+            elif msg.op == "drop" and msg.program is not None:
+                evict, more = self.mori_labels.drop(msg.program, pool.blocks)
+                if evict:
+                    self.kv_cache_manager.evict_blocks(evict)
+                    evicted += len(evict)
+                affected |= more
+        moved = self.mori_queue.reclassify(pool.blocks[b] for b in affected)
+        c = self._mori_counts
+        for msg in msgs:
+            c[msg.op] = c.get(msg.op, 0) + 1
+        c["moved"] = c.get("moved", 0) + moved
+        c["evicted"] = c.get("evicted", 0) + evicted
+        now = time.monotonic()
+        if now - self._mori_log_at >= LOG_EVERY_S:
+            self._mori_log_at = now
+            logger.info("MORI labels applied: %s; %d programs labelled; free blocks by "
+                        "class: %s", ", ".join(f"{k}={v}" for k, v in sorted(c.items())),
+                        len(self.mori_labels), self.mori_queue.sizes())
+            c.clear()
+        else:
+            logger.debug("MORI labels applied: %d messages, %d blocks moved, %d evicted",
+                         len(msgs), moved, evicted)
+
+    def _mori_learn_running(self) -> None:
+        """Tie the running requests' new blocks to their programs."""
+        try:
+            learned: dict[tuple[str, int], tuple[int, int]] = {}
+            old = self._mori_learned
+            for req in self.running:
+                program = getattr(req, "session_id", None)
+                if not program:
+                    continue
+                rid = req.request_id
+                groups = self.kv_cache_manager.get_blocks(rid).blocks
+                for g, blocks in enumerate(groups):
+                    n = len(blocks)
+                    if n == 0:
+                        continue
+                    start = 0
+                    seen = old.get((rid, g))
+                    if seen is not None and 0 < seen[0] <= n \
+                            and blocks[seen[0] - 1].block_id == seen[1]:
+                        start = seen[0]
+                    if start < n:
+                        self.mori_labels.learn(
+                            program, [b.block_id for b in blocks[start:] if not b.is_null])
+                    learned[(rid, g)] = (n, blocks[n - 1].block_id)
+            self._mori_learned = learned
+        except Exception:
+            logger.exception("MORI scheduler: learning the running requests' blocks failed")
+
+
+class MoriScheduler(MoriSchedulerMixin, Scheduler):  # type: ignore[misc]
+    """vLLM's synchronous ``Scheduler`` with MORI's typed eviction (the CPU build)."""
+
+
+class MoriAsyncScheduler(MoriSchedulerMixin, AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler`` with MORI's typed eviction (GPU engines)."""

@@ -1,0 +1,124 @@
+"""``mori vllm-args``: the vLLM flags it prints, parsed back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mori.cli.main import main
+from mori.cli.vllm_args_cmd import SCHEDULER_CPU, SCHEDULER_GPU, vllm_flags
+from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+BASE = {"--scheduling-policy": "priority", "--enable-prefix-caching": None,
+        "--enable-prompt-tokens-details": None}
+
+
+def printed(capsys: pytest.CaptureFixture[str], *argv: str) -> list[str]:
+    assert main(["vllm-args", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and out.count("\n") == 1
+    line = out.rstrip("\n")
+    assert "  " not in line and "'" not in line and "\\" not in line
+    return line.split(" ")
+
+
+def parse(words: list[str]) -> dict[str, Any]:
+    """The flags as {flag: value} (None for a bare flag); JSON values decoded."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(words):
+        flag = words[i]
+        assert flag.startswith("--"), words
+        if i + 1 < len(words) and not words[i + 1].startswith("--"):
+            value: Any = words[i + 1]
+            if value.startswith("{"):
+                value = json.loads(value)
+            out[flag] = value
+            i += 2
+        else:
+            out[flag] = None
+            i += 1
+    return out
+
+
+def test_gpu_is_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    words = printed(capsys)
+    assert words == printed(capsys, "--gpu")
+    flags = parse(words)
+    assert flags == {
+        "--scheduler-cls": SCHEDULER_GPU,
+        "--additional-config": {"mori_label_endpoint": DEFAULT_LABEL_ENDPOINT},
+        "--kv-events-config": {"enable_kv_cache_events": True, "publisher": "zmq",
+                               "endpoint": "tcp://*:5557", "topic": "kv-events"},
+        **BASE}
+
+
+def test_cpu_build_and_endpoints(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = parse(printed(capsys, "--cpu-build", "--label-endpoint", "tcp://127.0.0.1:6558",
+                          "--kv-events-endpoint", "tcp://*:6557"))
+    assert flags["--scheduler-cls"] == SCHEDULER_CPU
+    assert flags["--additional-config"] == {"mori_label_endpoint": "tcp://127.0.0.1:6558"}
+    assert flags["--kv-events-config"]["endpoint"] == "tcp://*:6557"
+    assert "--kv-offloading-size" not in flags
+
+
+def test_cpu_gib_on_gpu_adds_vllms_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = parse(printed(capsys, "--gpu", "--cpu-gib", "64"))
+    assert flags["--kv-offloading-size"] == "64"
+    assert flags["--kv-offloading-backend"] == "native"
+    assert parse(printed(capsys, "--cpu-gib", "0.5"))["--kv-offloading-size"] == "0.5"
+
+
+def test_cpu_gib_on_the_cpu_build_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", "--cpu-build", "--cpu-gib", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "CPU build has no host KV tier" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["--gpu", "--cpu-build"], ["--cpu-gib", "0"],
+                                  ["--cpu-gib", "lots"], ["--cpu-gib", "nan"]])
+def test_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", *argv]) == 2
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://a b:1", "tcp://'x':1", 'tcp://"x":1', ""])
+def test_endpoints_that_would_break_the_line_are_refused(
+        endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", "--label-endpoint", endpoint]) == 2
+    assert "--label-endpoint" in capsys.readouterr().err
+
+
+def test_no_plugin_leaves_the_plugin_flags_out(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = parse(printed(capsys, "--no-plugin"))
+    assert "--scheduler-cls" not in flags and "--additional-config" not in flags
+    assert flags["--kv-events-config"]["publisher"] == "zmq"
+    assert BASE.items() <= flags.items()
+
+
+def test_help_says_what_is_not_built(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "MORI's order for the CPU tier is not built yet" in text
+    assert "vllm serve MODEL $(mori vllm-args" in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_command_substitution_gives_the_same_words() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    script = ('set -- $("$0" -m mori vllm-args --cpu-build --kv-events-endpoint '
+              'tcp://*:6557); printf "%s\\n" "$@"')
+    res = subprocess.run(["bash", "-c", script, sys.executable], capture_output=True,
+                         text=True, env=env, check=True, timeout=120)
+    assert res.stdout.splitlines() == vllm_flags(build="cpu",
+                                                 kv_events_endpoint="tcp://*:6557")

@@ -1,0 +1,73 @@
+"""The label tables on their own."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from mori.vllm_plugin.labels import LabelTable
+
+
+def test_default_label_is_busy_and_labels_only_demote() -> None:
+    t = LabelTable()
+    assert t.label_of_block(5) == "busy"  # no program
+    t.learn("a", [5])
+    assert t.label_of_block(5) == "busy"  # a program without a label
+    assert t.set_labels({"a": "inactive"}) == {5}
+    assert t.label_of_block(5) == "inactive"
+    t.learn("z", [5])  # an unlabelled program shares it: back to busy
+    assert t.label_of_block(5) == "busy"
+
+
+def test_most_protective_label_wins() -> None:
+    t = LabelTable()
+    t.learn("a", [1, 2])
+    t.learn("b", [2])
+    t.set_labels({"a": "inactive", "b": "idle"})
+    assert (t.label_of_block(1), t.label_of_block(2)) == ("inactive", "idle")
+    t.set_labels({"a": "busy"})
+    assert t.label_of_block(2) == "busy"
+
+
+def test_replace_and_clear_report_every_changed_program() -> None:
+    t = LabelTable()
+    t.learn("a", [1])
+    t.learn("b", [2])
+    t.learn("c", [3])
+    t.set_labels({"a": "idle", "b": "inactive"})
+    # a: idle -> busy (set explicitly), b: forgotten (inactive -> busy), c: busy -> idle
+    assert t.replace({"a": "busy", "c": "idle"}) == {1, 2, 3}
+    assert t.labels() == {"a": "busy", "c": "idle"}
+    assert t.clear() == {3}
+    with pytest.raises(ValueError):
+        t.replace({"a": "sleepy"})
+    assert t.labels() == {}
+
+
+def test_tables_are_bounded() -> None:
+    t = LabelTable(max_programs=2, max_programs_per_block=2)
+    t.learn("a", [1])
+    t.set_labels({"a": "inactive", "b": "idle"})
+    assert t.set_labels({"c": "idle"}) == {1}  # a's label is forgotten: its block changes
+    assert t.labels() == {"b": "idle", "c": "idle"}
+    t.learn("b", [9])
+    t.learn("c", [9])
+    t.learn("d", [9])  # a third program: the block is widely shared, kept busy
+    assert t.label_of_block(9) == "busy"
+    t.forget_block(9)
+    assert t.programs_of(9) == frozenset() and t.blocks_of("b") == frozenset()
+
+
+def test_drop() -> None:
+    t = LabelTable()
+    blocks = [SimpleNamespace(block_id=i, ref_cnt=0, block_hash=b"h") for i in range(6)]
+    blocks[2].ref_cnt = 1  # held by a running request
+    blocks[4].block_hash = None  # not cached
+    t.learn("a", [1, 2, 3, 4])
+    t.learn("b", [3])
+    t.set_labels({"a": "idle", "b": "inactive"})
+    evict, affected = t.drop("a", blocks)
+    assert evict == {1} and affected == {1, 2, 3, 4}
+    assert t.label_of_block(3) == "inactive" and t.labels() == {"b": "inactive"}
+    assert t.blocks_of("a") == frozenset()

@@ -1,0 +1,185 @@
+"""MORI's scheduler classes, built as vLLM's EngineCore builds a scheduler (no model runs:
+the steps' outputs are made up), with labels sent over the real label channel."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+
+from mori.vllm_plugin import protocol
+from mori.vllm_plugin.protocol import encode
+from mori.vllm_plugin.scheduler import MoriAsyncScheduler, MoriScheduler
+from mori.vllm_plugin.typed_queue import TypedFreeBlockQueue
+
+from .conftest import Request, SamplingParams, free_port, sha256
+
+BLOCK = 16
+NUM_BLOCKS = 17  # 16 usable
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+              "vocab_size": 552, "max_position_embeddings": 2048, "bos_token_id": 1,
+              "eos_token_id": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def vllm_config(model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
+    mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, seed=0,
+                     skip_tokenizer_init=True)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                         is_encoder_decoder=False, enable_chunked_prefill=True,
+                         async_scheduling=False)
+    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                     enable_prefix_caching=True)
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                    device_config=DeviceConfig("cpu"))
+    cc.num_gpu_blocks = NUM_BLOCKS
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
+                                                      head_size=64, dtype=torch.float32))])
+    return vc, kvc
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[VllmConfig, KVCacheConfig]:
+    d = tmp_path_factory.mktemp("tiny-llama-config")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return vllm_config(d)
+
+
+@pytest.fixture
+def endpoint(monkeypatch: pytest.MonkeyPatch) -> str:
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MORI_LABEL_ENDPOINT", ep)
+    return ep
+
+
+def build(cls: type, configs: tuple[VllmConfig, KVCacheConfig]) -> Any:
+    vc, kvc = configs
+    return cls(vllm_config=vc, kv_cache_config=kvc,
+               structured_output_manager=StructuredOutputManager(vc), block_size=BLOCK,
+               log_stats=False)
+
+
+@contextmanager
+def connect(endpoint: str) -> Iterator[Any]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+
+    def ask(op: str, **fields: Any) -> dict[str, Any]:
+        sock.send(encode(op, **fields))
+        assert sock.poll(5000), f"no reply to {op} within 5 s"
+        return protocol.decode_reply(sock.recv_multipart()[-1])
+
+    try:
+        yield ask
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.fixture
+def dealer(endpoint: str) -> Iterator[Any]:
+    with connect(endpoint) as ask:
+        yield ask
+
+
+def request(rid: str, program: str | None, n_blocks: int, base: int) -> Request:
+    return Request(rid, [base + i for i in range(n_blocks * BLOCK)],
+                   SamplingParams(max_tokens=1), None, block_hasher=HASHER,
+                   session_id=program)
+
+
+def run_to_completion(s: Any, max_steps: int = 20) -> None:
+    for _ in range(max_steps):
+        if not s.has_requests():
+            return
+        out = s.schedule()
+        ids = list(out.num_scheduled_tokens)
+        s.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[7] for _ in ids]))
+    pytest.fail("the requests did not finish")
+
+
+def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.mori_plugin")
+    s = build(MoriScheduler, configs)
+    try:
+        pool = s.kv_cache_manager.block_pool
+        q = pool.free_block_queue
+        assert isinstance(q, TypedFreeBlockQueue) and q is s.mori_queue
+        assert q.num_free_blocks == NUM_BLOCKS - 1
+        hello = dealer("hello")
+        assert hello["ok"] and hello["block_size"] == BLOCK
+        assert hello["gpu_blocks"] == NUM_BLOCKS and hello["cpu_tier_tokens"] == 0
+
+        for rid, prog, base in (("ra", "a", 1000), ("rb", "b", 2000), ("rn", None, 3000)):
+            s.add_request(request(rid, prog, 3, base))
+        run_to_completion(s)
+        a, b = s.mori_labels.blocks_of("a"), s.mori_labels.blocks_of("b")
+        assert len(a) == len(b) == 3 and not a & b
+        assert q.sizes() == {"unhashed": 7, "inactive": 0, "idle": 0, "busy": 9}
+
+        assert dealer("set", labels={"a": "inactive", "b": "idle"})["ok"]
+        assert q.sizes()["busy"] == 9  # applied at the next step, not before
+        s.add_request(request("rc", "c", 2, 4000))
+        run_to_completion(s)
+        sizes = q.sizes()
+        assert (sizes["inactive"], sizes["idle"]) == (3, 3), sizes
+        assert hello["programs"] == 0 and dealer("hello")["programs"] == 2
+        assert any("MORI labels applied" in r.getMessage() for r in caplog.records)
+
+        # under memory pressure, after the blocks never cached: a's, then b's, then the rest
+        cached = [blk.block_id for blk in q.get_all_free_blocks()
+                  if blk.block_hash is not None]
+        assert set(cached[:3]) == a and set(cached[3:6]) == b
+
+        # drop: b's cached blocks are evicted (no hash, first in the queue)
+        assert dealer("drop", program="b")["ok"]
+        s.schedule()
+        assert all(pool.blocks[x].block_hash is None for x in b)
+        assert q.sizes()["idle"] == 0 and "b" not in s.mori_labels.labels()
+
+        # a bad message changes nothing and the engine goes on
+        assert dealer("set", labels={"a": "sleepy"})["ok"] is False
+        s.schedule()
+
+        # reset: every hash is gone, the queue is re-sorted
+        assert s.reset_prefix_cache()
+        assert q.sizes() == {"unhashed": NUM_BLOCKS - 1, "inactive": 0, "idle": 0, "busy": 0}
+    finally:
+        s.shutdown()
+    assert not s.mori_server.running
+
+
+def test_mori_async_scheduler_and_the_endpoint_from_additional_config(
+        configs: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mori vllm-args`` passes the endpoint as ``--additional-config``."""
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("MORI_LABEL_ENDPOINT", "tcp://127.0.0.1:1")  # overridden
+    monkeypatch.setattr(configs[0], "additional_config", {"mori_label_endpoint": ep})
+    s = build(MoriAsyncScheduler, configs)
+    try:
+        assert isinstance(s.kv_cache_manager.block_pool.free_block_queue, TypedFreeBlockQueue)
+        assert s.mori_server.endpoint == ep
+        with connect(ep) as ask:
+            assert ask("hello")["ok"]
+    finally:
+        s.shutdown()

@@ -1,0 +1,106 @@
+"""The label channel's server: replies, refusals, coalescing, and a real ZMQ round trip."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import zmq
+
+from mori.vllm_plugin import protocol
+from mori.vllm_plugin.protocol import Message, encode
+from mori.vllm_plugin.server import LabelServer, label_endpoint
+
+from .conftest import free_port
+
+INFO = {"block_size": 32, "gpu_blocks": 64, "cpu_tier_tokens": 0, "programs": 0}
+
+
+def server(endpoint: str = "inproc://unused") -> LabelServer:
+    return LabelServer(endpoint, lambda: dict(INFO))
+
+
+def test_hello_and_accepted_ops() -> None:
+    s = server()
+    r = json.loads(s.handle(encode("hello")))
+    assert r == {"v": 1, "op": "hello", "ok": True,
+                 "plugin_version": protocol.PLUGIN_VERSION, **INFO}
+    assert json.loads(s.handle(encode("set", labels={"a": "idle"}))) == {
+        "v": 1, "op": "set", "ok": True}
+    assert json.loads(s.handle(encode("drop", program="a")))["ok"] is True
+    assert [m.op for m in s.drain()] == ["set", "drop"]
+    assert s.drain() == []
+
+
+def test_bad_messages_are_refused_not_raised() -> None:
+    s = server()
+    for frame, op in [(b"\xff\xfe", "error"), (b"[1]", "error"),
+                      (encode("frobnicate"), "frobnicate"),
+                      (json.dumps({"v": 9, "op": "hello"}).encode(), "hello"),
+                      (encode("set", labels={"a": "sleepy"}), "set"),
+                      (encode("set", labels=[1]), "set"),
+                      (encode("drop"), "drop")]:
+        r = json.loads(s.handle(frame))
+        assert r["ok"] is False and r["op"] == op and r["error"], (frame, r)
+    assert s.rejected == 7 and s.drain() == []
+
+
+def test_pending_operations_coalesce() -> None:
+    s = server()
+    s.enqueue(Message("set", labels={"a": "idle"}))
+    s.enqueue(Message("set", labels={"a": "busy", "b": "idle"}))
+    s.enqueue(Message("drop", program="c"))
+    s.enqueue(Message("set", labels={"d": "inactive"}))
+    s.enqueue(Message("replace", labels={"e": "idle"}))  # supersedes the sets
+    s.enqueue(Message("set", labels={"f": "busy"}))  # merges into the replace
+    got = s.drain()
+    assert got == [Message("drop", program="c"),
+                   Message("replace", labels={"e": "idle", "f": "busy"})]
+    small = LabelServer("inproc://x", dict, max_pending=2)
+    for p in "abc":
+        small.enqueue(Message("drop", program=p))
+    assert [m.program for m in small.drain()] == ["b", "c"]
+
+
+def test_endpoint_per_data_parallel_rank() -> None:
+    assert label_endpoint(0, {}) == protocol.DEFAULT_LABEL_ENDPOINT
+    env = {"MORI_LABEL_ENDPOINT": "tcp://127.0.0.1:6000"}
+    assert label_endpoint(0, env) == "tcp://127.0.0.1:6000"
+    assert label_endpoint(2, env) == "tcp://127.0.0.1:6002"
+    assert label_endpoint(1, {"MORI_LABEL_ENDPOINT": "ipc:///tmp/l"}) == "ipc:///tmp/l-1"
+    assert label_endpoint(0, env, configured="tcp://127.0.0.1:7000") == "tcp://127.0.0.1:7000"
+    assert label_endpoint(1, env, configured="") == "tcp://127.0.0.1:6001"
+
+
+def _ask(sock: zmq.Socket[Any], frame: bytes) -> dict[str, Any]:
+    sock.send(frame)
+    assert sock.poll(5000), "no reply within 5 s"
+    return protocol.decode_reply(sock.recv_multipart()[-1])
+
+
+def test_round_trip_over_zmq_and_clean_close() -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    s = server(endpoint)
+    assert s.start() and s.running
+    ctx = zmq.Context()
+    try:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(endpoint)
+        assert _ask(d, encode("hello"))["gpu_blocks"] == 64
+        assert _ask(d, encode("replace", labels={"a": "inactive"}))["ok"] is True
+        assert _ask(d, b"not json")["ok"] is False
+        assert _ask(d, encode("clear"))["ok"] is True
+        assert [m.op for m in s.drain()] == ["clear"]
+        # a second server cannot bind the same endpoint: it says so, and does not raise
+        other = server(endpoint)
+        assert other.start() is False
+        d.close(0)
+    finally:
+        s.close()
+        ctx.term()
+    assert not s.running
+    s.close()  # idempotent
+    again = server(endpoint)  # the port is free again
+    assert again.start()
+    again.close()
