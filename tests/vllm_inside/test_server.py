@@ -23,8 +23,9 @@ def server(endpoint: str = "inproc://unused") -> LabelServer:
 def test_hello_and_accepted_ops() -> None:
     s = server()
     r = json.loads(s.handle(encode("hello")))
-    assert r == {"v": 1, "op": "hello", "ok": True,
+    assert r == {"v": 1, "op": "hello", "ok": True, "instance": s.instance,
                  "plugin_version": protocol.PLUGIN_VERSION, **INFO}
+    assert len(s.instance) == 32 and server().instance != s.instance  # new at every start
     assert json.loads(s.handle(encode("set", labels={"a": "idle"}))) == {
         "v": 1, "op": "set", "ok": True}
     assert json.loads(s.handle(encode("drop", program="a")))["ok"] is True
