@@ -59,6 +59,7 @@ class Engine:
     url: str
     labels: str | None  # the label endpoint, with the plug-in
     log: Path
+    kv_events: str
 
 
 def _start(tmp: Path, plugin: bool) -> tuple[Engine, subprocess.Popen[bytes]]:
@@ -82,7 +83,8 @@ def _start(tmp: Path, plugin: bool) -> tuple[Engine, subprocess.Popen[bytes]]:
             pytest.fail(f"vLLM ({'plug-in' if plugin else 'plain'}) did not start:\n{tail}",
                         pytrace=False)
         time.sleep(1.0)
-    return Engine(url, f"tcp://127.0.0.1:{label_port}" if plugin else None, log), proc
+    return Engine(url, f"tcp://127.0.0.1:{label_port}" if plugin else None, log,
+                  f"tcp://127.0.0.1:{kv_port}"), proc
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:

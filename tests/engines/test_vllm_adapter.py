@@ -72,7 +72,7 @@ def test_capacity_from_cache_config_info() -> None:
         await a.start()
         try:
             cap = await a.capacity()
-            assert (cap.gpu_tokens, cap.cpu_tokens, cap.page_tokens) == (2048, 0, 32)
+            assert (cap.gpu_tokens, cap.cpu_tokens, cap.page_tokens) == (2016, 0, 32)  # 63 usable blocks: one is the null block
             assert not a.supports(Capability.PREFETCH)  # no host tier reported
             assert a.supports(Capability.PRIORITY) and a.supports(Capability.TOKENIZE)
             assert not a.supports(Capability.RESIDENCY)  # no kv_events endpoint

@@ -348,7 +348,7 @@ class VLLMAdapter(KVEventsAdapter):
                     f"vLLM {self.url} exports no vllm:cache_config_info num_gpu_blocks; give "
                     "the capacity as kv_tokens (--backend vllm=URL,kv_tokens=N)",
                     unhealthy=False)
-            gpu = blocks * block
+            gpu = (blocks - 1) * block  # vLLM keeps one block aside (its null block)
         cpu = self.cpu_tokens if self.cpu_tokens > 0 else self._plugin_cpu_tokens
         if cpu <= 0:
             cpu = (_label_int(labels, "num_cpu_blocks") or 0) * block
