@@ -261,7 +261,7 @@ def test_handshake_declares_labels_and_drop_and_cpu_tier() -> None:
             await a.start()
             assert a.capabilities >= PLUGIN_CAPS and a.labels_up
             cap = await a.capacity()
-            assert (cap.gpu_tokens, cap.cpu_tokens) == (2048, 8192)
+            assert (cap.gpu_tokens, cap.cpu_tokens) == (2016, 8192)  # 63 usable blocks of 32
             assert a.supports(Capability.PREFETCH)  # a host tier: warm-ups make sense
             assert plug.ops == ["hello"]  # a fresh adapter neither clears nor replaces
             assert a.plugin is not None and a.plugin["plugin_version"]
@@ -327,7 +327,7 @@ def test_without_plugin_the_adapter_works_as_before(caplog: pytest.LogCaptureFix
             assert not (PLUGIN_CAPS & a.capabilities) and not a.labels_up
             assert {Capability.PRIORITY, Capability.TOKENIZE} <= a.capabilities
             cap = await a.capacity()
-            assert (cap.gpu_tokens, cap.cpu_tokens) == (2048, 0)
+            assert (cap.gpu_tokens, cap.cpu_tokens) == (2016, 0)  # 63 usable blocks of 32
             resp = await a.forward("/v1/chat/completions", CHAT, False, RequestHints("p"))
             assert resp.status == 200
             # controls issued anyway (a race with the capability change) are recorded only
