@@ -130,3 +130,198 @@ def test_scheduler_cls_is_resolved_by_qualified_name() -> None:
         "SchedulerConfig.scheduler_cls (--scheduler-cls) is gone")
     src = inspect.getsource(SchedulerConfig.get_scheduler_cls)
     assert "resolve_obj_by_qualname" in src, "--scheduler-cls is no longer a qualified name"
+
+
+# -- the CPU tier (mori.vllm_plugin.cpu_tier) ---------------------------------------------
+CPU_TIER = "mori.vllm_plugin.cpu_tier"
+# CachePolicy (vllm/v1/kv_offload/cpu/policies/base.py): the abstract methods, and every
+# method the manager calls (MoriCachePolicy overrides them all: a hook it does not override
+# would run the base's default, which touches)
+POLICY_ABSTRACT = {"get", "insert", "remove", "touch", "evict", "clear"}
+POLICY_METHODS = POLICY_ABSTRACT | {"on_store_miss", "on_request_finished", "mark_evictable",
+                                    "mark_non_evictable"}
+WORKER_ABSTRACT = {"submit_store", "submit_load", "get_finished", "wait"}
+
+
+def _fields(cls: type) -> set[str]:
+    return set(getattr(cls, "__dataclass_fields__", {}))
+
+
+def test_cache_policy_method_set() -> None:
+    from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
+
+    from mori.vllm_plugin.cpu_tier import MoriCachePolicy
+    abstract = set(CachePolicy.__abstractmethods__)
+    assert abstract == POLICY_ABSTRACT, (
+        f"CachePolicy's abstract methods are now {sorted(abstract)} (were "
+        f"{sorted(POLICY_ABSTRACT)}): MoriCachePolicy must implement the new ones")
+    theirs = _public_methods(CachePolicy)
+    assert theirs == POLICY_METHODS, (
+        f"CachePolicy's methods changed: new {sorted(theirs - POLICY_METHODS)}, gone "
+        f"{sorted(POLICY_METHODS - theirs)}; MoriCachePolicy must follow")
+    for name in POLICY_METHODS:
+        assert name in vars(MoriCachePolicy), f"MoriCachePolicy does not override {name}"
+        ours = inspect.signature(getattr(MoriCachePolicy, name))
+        ref = inspect.signature(getattr(CachePolicy, name))
+        assert list(ours.parameters) == list(ref.parameters), (
+            f"CachePolicy.{name}{ref} but MoriCachePolicy.{name}{ours}")
+    params = list(inspect.signature(CachePolicy.__init__).parameters)
+    assert params == ["self", "cache_capacity"], f"CachePolicy.__init__ is now {params}"
+    src = inspect.getsource(importlib.import_module("vllm.v1.kv_offload.cpu.manager"))
+    assert "policy_cls(cache_capacity=" in src, (
+        "CPUOffloadingManager no longer builds its policy as policy_cls(cache_capacity=...)")
+    chunk = ChunkStatus(3)
+    assert (chunk.ref_cnt, chunk.chunk_id) == (-1, 3), "ChunkStatus's fields changed"
+    from vllm.v1.kv_offload.cpu.policies.base import order_request_keys
+    params = list(inspect.signature(order_request_keys).parameters)
+    assert params == ["key_groups", "req_context"], f"order_request_keys is now {params}"
+
+
+def test_req_context_carries_the_requests_kv_transfer_params() -> None:
+    """The policy reads the program from ``ReqContext.kv_transfer_params``, which the
+    offloading connector takes from ``Request.kv_transfer_params`` when the scheduler adds
+    the request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import scheduler as osched
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from mori.vllm_plugin.cpu_tier import PROGRAM_KEY, program_of
+
+    from .conftest import Request, SamplingParams
+    fields = _fields(ReqContext)
+    assert {"req_id", "kv_transfer_params"} <= fields, (
+        f"ReqContext's fields are now {sorted(fields)}: the policy reads "
+        "kv_transfer_params (and the tests build contexts with req_id)")
+    ctx = ReqContext("r")
+    ctx.set_state(1.5)
+    assert ctx.get_state(float) == 1.5, "ReqContext.get_state/set_state changed"
+    assert callable(getattr(osched, "_create_req_context", None)), (
+        "offloading/scheduler.py's _create_req_context is gone: check where ReqContext "
+        "gets kv_transfer_params now")
+    params = {PROGRAM_KEY: "prog"}
+    req = Request("x", [1, 2, 3, 4], SamplingParams(
+        max_tokens=1, extra_args={"kv_transfer_params": params}), None)
+    assert req.kv_transfer_params == params, (
+        "Request no longer takes kv_transfer_params from sampling_params.extra_args")
+    assert program_of(osched._create_req_context(req)) == "prog", (
+        "the offloading connector's ReqContext no longer carries the request's "
+        "kv_transfer_params")
+    req = Request("y", [1, 2, 3, 4], SamplingParams(max_tokens=1), None)
+    req.kv_transfer_params = {PROGRAM_KEY: "set-later"}  # what add_request will do
+    assert program_of(osched._create_req_context(req)) == "set-later"
+    from vllm.v1.core.sched.scheduler import Scheduler
+    src = inspect.getsource(Scheduler.add_request)
+    assert "connector.on_new_request(request)" in src, (
+        "Scheduler.add_request no longer hands the request to the connector: the "
+        "mori_program injection must happen before the connector first sees the request")
+
+
+def test_offloading_spec_and_worker() -> None:
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        OffloadingSpec,
+        OffloadingWorker,
+        TransferResult,
+    )
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from mori.vllm_plugin.cpu_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
+    abstract = set(OffloadingSpec.__abstractmethods__)
+    assert abstract == {"get_manager", "get_worker"}, (
+        f"OffloadingSpec's abstract methods are now {sorted(abstract)}")
+    ref = inspect.signature(OffloadingSpec.get_worker)
+    assert list(ref.parameters) == ["self", "kv_caches"], f"OffloadingSpec.get_worker{ref}"
+    ours = inspect.signature(MoriHostOffloadingSpec.get_worker)
+    assert list(ours.parameters) == list(ref.parameters), (
+        f"OffloadingSpec.get_worker{ref} but MoriHostOffloadingSpec.get_worker{ours}")
+    assert issubclass(MoriHostOffloadingSpec, CPUOffloadingSpec)
+    src = (VLLM_SRC / "distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
+           ).read_text()
+    assert "self.spec.get_worker(kv_caches)" in src, (
+        "the offloading connector's worker side no longer gets its worker from "
+        "spec.get_worker(kv_caches)")
+    abstract = set(OffloadingWorker.__abstractmethods__)
+    assert abstract == WORKER_ABSTRACT, (
+        f"OffloadingWorker's abstract methods are now {sorted(abstract)} (were "
+        f"{sorted(WORKER_ABSTRACT)}): HostCopyOffloadingWorker must follow")
+    for name in WORKER_ABSTRACT:
+        ours = inspect.signature(getattr(HostCopyOffloadingWorker, name))
+        ref = inspect.signature(getattr(OffloadingWorker, name))
+        assert list(ours.parameters) == list(ref.parameters), (
+            f"OffloadingWorker.{name}{ref} but HostCopyOffloadingWorker.{name}{ours}")
+    for cls, needed in ((CanonicalKVCaches, {"tensors", "group_data_refs"}),
+                        (CanonicalKVCacheTensor, {"tensor", "page_size_bytes"}),
+                        (CanonicalKVCacheRef, {"tensor_idx", "page_size_bytes"}),
+                        (TransferResult, {"job_id", "success", "transfer_size",
+                                          "transfer_time"})):
+        assert needed <= _fields(cls), (
+            f"{cls.__name__}'s fields are now {sorted(_fields(cls))}; the copy worker reads "
+            f"{sorted(needed)}")
+    spec = GPULoadStoreSpec([4, 5], [2], [1])
+    for name in ("block_ids", "group_sizes", "block_indices"):
+        assert hasattr(spec, name), f"GPULoadStoreSpec.{name} is gone"
+
+
+def _offloading_config(extra: dict[str, object]) -> object:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    try:
+        return OffloadingConfig(
+            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",),
+                                          group_id=0),),
+            worker_kv_bytes_per_block=4096, enable_kv_cache_events=False,
+            extra_config=extra, engine_id="e",
+            model=OffloadingModelConfig(name="m", dtype="float32"),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1,
+                data_parallel_rank_local=None, is_parallelism_agnostic=True))
+    except TypeError as e:
+        pytest.fail(f"vllm.v1.kv_offload.config's OffloadingConfig changed ({e})",
+                    pytrace=False)
+
+
+def test_offloading_factory_keys() -> None:
+    """The ``kv_connector_extra_config`` keys that load the CPU tier (what
+    ``cpu_tier.kv_transfer_config`` emits) still mean what they did."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from mori.vllm_plugin.cpu_tier import (
+        MoriCachePolicy,
+        MoriHostOffloadingSpec,
+        kv_transfer_config,
+    )
+    extra = kv_transfer_config(1 << 20)["kv_connector_extra_config"]
+    assert set(extra) == {"cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path",
+                          "offload_prompt_only", "spec_name", "spec_module_path"}
+    assert OffloadingSpecFactory.get_spec_cls(extra) is MoriHostOffloadingSpec, (
+        "OffloadingSpecFactory.get_spec_cls no longer loads spec_name from spec_module_path")
+    assert CachePolicyFactory.get_cache_policy_cls(
+        "MoriCachePolicy", CPU_TIER) is MoriCachePolicy, (
+        "CachePolicyFactory.get_cache_policy_cls no longer loads an out-of-tree policy "
+        "from its module path")
+    spec = OffloadingSpecFactory.create_spec(_offloading_config(extra))
+    assert isinstance(spec, MoriHostOffloadingSpec)
+    assert (spec.eviction_policy, spec.cache_policy_module_path) == (
+        "MoriCachePolicy", CPU_TIER), (
+        "CPUOffloadingSpec no longer reads eviction_policy / cache_policy_module_path")
+    assert spec.num_chunks == (1 << 20) // 4096, (
+        f"CPUOffloadingSpec sizes the tier differently from cpu_bytes_to_use now "
+        f"({spec.num_chunks} chunks of 4096 bytes for 1 MiB)")
+    assert spec.offload_prompt_only is False, "OffloadingSpec ignores offload_prompt_only"
+    manager = spec.get_manager()
+    assert isinstance(getattr(manager, "_policy", None), MoriCachePolicy), (
+        "CPUOffloadingManager no longer keeps the configured policy as _policy")
+    src = (VLLM_SRC / "distributed/kv_transfer/kv_connector/v1/offloading/config.py"
+           ).read_text()
+    assert 'extra_config.get("block_size")' in src, (
+        "the offloading config no longer reads block_size (tokens per host chunk)")

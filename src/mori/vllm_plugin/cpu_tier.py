@@ -1,0 +1,583 @@
+"""MORI's CPU tier for vLLM 0.32's ``OffloadingConnector``: typed eviction of host chunks.
+
+vLLM's ``OffloadingConnector`` (``--kv-transfer-config '{"kv_connector":
+"OffloadingConnector", ...}'``) copies KV blocks evicted from the GPU prefix cache to a host
+tier and loads them back on a prefix hit. Its ``CPUOffloadingManager``
+(``v1/kv_offload/cpu/manager.py``) keeps the host chunks and delegates the choice of
+which chunk to evict to a ``CachePolicy`` resolved by name, out of tree included
+(``eviction_policy`` + ``cache_policy_module_path`` in ``kv_connector_extra_config``;
+``v1/kv_offload/cpu/policies/factory.py:39-82``). Paths below are relative to the
+installed ``vllm`` package (0.32), lines as of that version.
+
+This module provides:
+
+- :class:`MoriCachePolicy`, that ``CachePolicy``. It evicts host chunks by class, in this
+  order: ``inactive`` first, then ``busy``, then ``idle`` (kept longest: an idle program's
+  next turn is the one the host tier saves — a busy program's KV is on the GPU anyway),
+  least recently used first within a class, recency kept exactly as vLLM's
+  ``LRUCachePolicy`` keeps it (``v1/kv_offload/cpu/policies/lru.py``). A chunk's class is
+  the most protective (``idle`` > ``busy`` > ``inactive``) label among the programs whose
+  requests used it; a chunk no known program used is ``busy``, as is a program without a
+  label. So an unbound policy, or one whose gateway is silent, evicts exactly as vLLM's LRU
+  does.
+- :class:`HostCopyOffloadingWorker`, an ``OffloadingWorker`` that copies between the
+  engine's KV cache tensors and host chunks with plain synchronous torch copies, in the
+  byte layout of vLLM's ``CPUOffloadingWorker`` (direct layout).
+- :class:`MoriHostOffloadingSpec`, a ``CPUOffloadingSpec`` (vLLM's sizing, manager, cache
+  policy and metrics) whose worker is the copy worker: vLLM's own worker is CUDA/XPU only
+  (``v1/kv_offload/cpu/spec.py:196-207`` refuses the CPU platform), so this is what gives
+  vLLM's CPU build a host tier. On GPUs leave ``spec_name`` out and keep vLLM's worker.
+- :func:`kv_transfer_config`, the ``--kv-transfer-config`` value that loads them.
+
+How the policy learns a chunk's program and that program's label:
+
+- the program is ``kv_transfer_params["mori_program"]`` of the request context
+  (``ReqContext.kv_transfer_params`` is the request's ``kv_transfer_params``:
+  ``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:548-560``), read once
+  per request and kept in the context's scratch state;
+- the label is ``label(program)``, a callable bound with :meth:`MoriCachePolicy.bind`
+  (the MORI scheduler's ``LabelTable.label``). When labels change, the binder calls
+  :meth:`MoriCachePolicy.relabel` (or :meth:`MoriCachePolicy.relabel_all`) so that the
+  affected chunks move to their new class.
+
+**Not done yet (the next step):** the scheduler mixin (``scheduler.py``) does not bind its
+label table to the policy (after ``super().__init__()``: the policy is built inside it —
+``Scheduler`` -> ``OffloadingConnector`` -> ``spec.get_manager()`` -> ``CPUOffloadingManager``
+-> ``policy_cls(cache_capacity=...)`` — and registered in :func:`live_policies`), nor calls
+``relabel`` when labels arrive, nor puts ``mori_program`` (the request's ``session_id``) into
+``kv_transfer_params`` in ``add_request`` (it must, before ``super().add_request()``: that
+hands the request to the connector, which builds the request's ``ReqContext`` then —
+``v1/core/sched/scheduler.py:2616-2640``); ``mori vllm-args`` does not emit
+:func:`kv_transfer_config`. Until then every chunk is ``busy`` and the tier is plain LRU.
+
+This module imports vLLM (and torch); it is imported inside vLLM's processes only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    OffloadKey,
+    ReqContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from .labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
+
+logger = logging.getLogger("vllm.mori_plugin.cpu_tier")
+
+PROGRAM_KEY = "mori_program"  # in a request's kv_transfer_params
+# Protection of a host chunk by label (higher is evicted later).
+CPU_PROTECTION = {"inactive": 0, "busy": 1, "idle": 2}
+EVICT_ORDER = ("inactive", "busy", "idle")  # evicted first .. last
+WIDE_CLASS = "idle"  # a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs
+COMPACT_MIN = 64  # heaps are rebuilt when they hold > max(this, 4 x evictable) entries
+
+# The policies built in this process. vLLM builds the policy deep inside the scheduler's
+# construction and keeps it at scheduler.connector.connector_scheduler.manager._policy;
+# the registry lets the scheduler find it without walking those internals.
+_POLICIES: weakref.WeakSet[MoriCachePolicy] = weakref.WeakSet()
+
+
+def live_policies() -> list[MoriCachePolicy]:
+    """The :class:`MoriCachePolicy` instances alive in this process."""
+    return list(_POLICIES)
+
+
+def program_of(req_context: ReqContext) -> str | None:
+    """``kv_transfer_params["mori_program"]`` of a request context (a non-empty str)."""
+    params = req_context.kv_transfer_params
+    if isinstance(params, dict):
+        value = params.get(PROGRAM_KEY)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+@dataclass(slots=True)
+class _Program:
+    """Per-request scratch kept in ``ReqContext`` (by type): the request's program."""
+
+    name: str | None
+
+
+def _unbound_label(_program: str) -> str:
+    return DEFAULT_LABEL
+
+
+class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
+    """vLLM's ``CachePolicy`` (``v1/kv_offload/cpu/policies/base.py:48-142``) evicting by
+    MORI's labels.
+
+    Contract (the base class's, which ``CPUOffloadingManager`` relies on): ``get`` /
+    ``insert`` / ``remove`` keep the chunk table; ``mark_evictable`` /
+    ``mark_non_evictable`` follow a chunk's ``ref_cnt`` to and from 0 (only chunks at 0 —
+    stored and not being loaded — are eviction candidates); ``evict(n, protected)`` evicts
+    exactly ``n`` evictable chunks not in ``protected``, or changes nothing and returns
+    ``None``; ``clear`` forgets everything.
+
+    Recency mirrors ``LRUCachePolicy`` (``v1/kv_offload/cpu/policies/lru.py``): a chunk's
+    rank is set at ``insert`` and renewed by ``touch`` and ``on_request_finished`` (keys
+    applied tail first, so a request's prefix head is the most recent); evictable chunks sit
+    in lazily invalidated min-heaps by rank, one heap per class here instead of one in all.
+
+    Ownership: a chunk belongs to the programs of the requests that stored, reused or
+    touched it — recorded at ``on_store_miss`` (applied when the chunk is inserted), at
+    ``touch`` and at ``on_request_finished``. More than ``MAX_PROGRAMS_PER_BLOCK`` programs
+    make it *wide*: kept as ``idle`` (once bound). A label the callable returns that is not one of
+    ``CPU_PROTECTION``, or an error in it, counts as ``busy``.
+    """
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._rank: dict[OffloadKey, int] = {}
+        self._next_rank = 0
+        self._evictable: set[OffloadKey] = set()
+        self._cls: dict[OffloadKey, str] = {}  # the heap holding a key's live entry
+        self._heaps: dict[str, list[tuple[int, OffloadKey]]] = {c: [] for c in EVICT_ORDER}
+        self._owners: dict[OffloadKey, set[str]] = {}
+        self._keys_of: dict[str, set[OffloadKey]] = {}
+        self._wide: set[OffloadKey] = set()
+        self._pending_owner: dict[OffloadKey, str] = {}  # on_store_miss -> insert
+        self._label: Callable[[str], str] = _unbound_label
+        self._label_failed = False
+        self.bound = False
+        self.evicted_by_class: dict[str, int] = dict.fromkeys(EVICT_ORDER, 0)
+        _POLICIES.add(self)
+
+    # -- binding (by the MORI scheduler, in the engine-core process) ---------------------
+    def bind(self, label: Callable[[str], str]) -> None:
+        """Read programs' labels from ``label(program)`` from now on; re-files every
+        evictable chunk."""
+        self._label = label
+        self._label_failed = False
+        self.bound = True
+        self.relabel_all()
+
+    def relabel(self, programs: Iterable[str]) -> int:
+        """These programs' labels may have changed: move their evictable chunks to their
+        new class (keeping their recency). Returns how many chunks moved."""
+        keys: set[OffloadKey] = set()
+        for program in programs:
+            keys |= self._keys_of.get(program, set())
+        return self._refile_all(keys)
+
+    def relabel_all(self) -> int:
+        """Any label may have changed (``replace``, ``clear``): re-file every evictable
+        chunk (the others are filed when they become evictable)."""
+        return self._refile_all(list(self._evictable))
+
+    # -- reading --------------------------------------------------------------------------
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def programs_of(self, key: OffloadKey) -> frozenset[str]:
+        return frozenset(self._owners.get(key, ()))
+
+    def class_of(self, key: OffloadKey) -> str:
+        """The chunk's class now: the most protective label of its programs."""
+        if key in self._wide:  # unbound, every label is the default: so is this one
+            return WIDE_CLASS if self.bound else DEFAULT_LABEL
+        owners = self._owners.get(key)
+        if not owners:
+            return DEFAULT_LABEL
+        best = EVICT_ORDER[0]
+        for program in owners:
+            label = self._label_of(program)
+            if CPU_PROTECTION[label] > CPU_PROTECTION[best]:
+                best = label
+                if best == EVICT_ORDER[-1]:
+                    break
+        return best
+
+    def sizes(self) -> dict[str, int]:
+        """Evictable chunks per class (for logs)."""
+        out = dict.fromkeys(EVICT_ORDER, 0)
+        for key in self._evictable:
+            out[self._cls.get(key, DEFAULT_LABEL)] += 1
+        return out
+
+    # -- attribution ----------------------------------------------------------------------
+    def _label_of(self, program: str) -> str:
+        try:
+            label = self._label(program)
+        except Exception:
+            if not self._label_failed:
+                self._label_failed = True
+                logger.exception("MORI CPU tier: the label lookup failed; such chunks "
+                                 "count as %s", DEFAULT_LABEL)
+            return DEFAULT_LABEL
+        return label if label in CPU_PROTECTION else DEFAULT_LABEL
+
+    def _program(self, req_context: ReqContext) -> str | None:
+        state = req_context.get_state(_Program)
+        if state is None:
+            state = _Program(program_of(req_context))
+            req_context.set_state(state)
+        name: str | None = state.name
+        return name
+
+    def _own(self, key: OffloadKey, program: str | None) -> None:
+        if program is None or key not in self.chunks or key in self._wide:
+            return
+        owners = self._owners.setdefault(key, set())
+        if program in owners:
+            return
+        if len(owners) >= MAX_PROGRAMS_PER_BLOCK:
+            self._wide.add(key)
+        else:
+            owners.add(program)
+            self._keys_of.setdefault(program, set()).add(key)
+        self._refile(key)
+
+    def _disown(self, key: OffloadKey) -> None:
+        self._wide.discard(key)
+        for program in self._owners.pop(key, ()):
+            keys = self._keys_of.get(program)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._keys_of[program]
+
+    def _forget(self, key: OffloadKey) -> None:
+        self._rank.pop(key, None)
+        self._evictable.discard(key)
+        self._cls.pop(key, None)
+        self._disown(key)
+
+    # -- heaps (lazy invalidation, as LRUCachePolicy's) ---------------------------------
+    def _push(self, key: OffloadKey) -> None:
+        cls = self.class_of(key)
+        self._cls[key] = cls
+        heapq.heappush(self._heaps[cls], (self._rank[key], key))
+
+    def _refile(self, key: OffloadKey) -> bool:
+        if key in self._evictable and self.class_of(key) != self._cls.get(key):
+            self._push(key)
+            return True
+        return False
+
+    def _refile_all(self, keys: Iterable[OffloadKey]) -> int:
+        moved = sum(1 for key in keys if self._refile(key))
+        self._maybe_compact()
+        return moved
+
+    def _live(self, cls: str, entry: tuple[int, OffloadKey]) -> bool:
+        rank, key = entry
+        return (key in self._evictable and self._cls.get(key) == cls
+                and self._rank.get(key) == rank)
+
+    def _maybe_compact(self) -> None:
+        if sum(map(len, self._heaps.values())) <= max(COMPACT_MIN, 4 * len(self._evictable)):
+            return
+        heaps: dict[str, list[tuple[int, OffloadKey]]] = {c: [] for c in EVICT_ORDER}
+        for key in self._evictable:
+            heaps[self._cls[key]].append((self._rank[key], key))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps = heaps
+
+    def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            if key in self.chunks:
+                self._next_rank += 1
+                self._rank[key] = self._next_rank
+                if key in self._evictable:
+                    self._push(key)
+        self._maybe_compact()
+
+    # -- CachePolicy ----------------------------------------------------------------------
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self.chunks[key] = chunk
+        self._next_rank += 1
+        self._rank[key] = self._next_rank
+        if chunk.ref_cnt == 0:
+            self._evictable.add(key)
+            self._push(key)
+        self._own(key, self._pending_owner.pop(key, None))
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.chunks[key]
+        self._forget(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
+        program = self._program(req_context)
+        for key in keys:
+            self._own(key, program)
+        self._update_recency(reversed(keys))
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        # Not a use (LRUCachePolicy's default would touch): only remember whose chunks
+        # these will be, so that they are classed from their insertion on.
+        program = self._program(req_context)
+        if program is None:
+            return
+        if len(self._pending_owner) > max(COMPACT_MIN, 4 * self.cache_capacity):
+            self._pending_owner.clear()  # misses of requests that never finished
+        for key in keys:
+            self._pending_owner[key] = program
+
+    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]],
+                            insertion_only_keys: set[OffloadKey],
+                            reused_keys: set[OffloadKey],
+                            req_context: ReqContext) -> None:
+        del insertion_only_keys, reused_keys
+        program = self._program(req_context)
+        ordered = order_request_keys(key_groups, req_context)
+        for key in ordered:
+            self._pending_owner.pop(key, None)
+            self._own(key, program)
+        self._update_recency(reversed(ordered))
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._evictable.add(key)
+        self._push(key)
+        self._maybe_compact()
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._evictable.discard(key)
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._rank.clear()
+        self._next_rank = 0
+        self._evictable.clear()
+        self._cls.clear()
+        for heap in self._heaps.values():
+            heap.clear()
+        self._owners.clear()
+        self._keys_of.clear()
+        self._wide.clear()
+        self._pending_owner.clear()
+
+    def evict(self, n: int, protected: set[OffloadKey]
+              ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
+        picked: list[tuple[str, tuple[int, OffloadKey]]] = []
+        deferred: list[tuple[str, tuple[int, OffloadKey]]] = []
+        seen: set[OffloadKey] = set()
+        for cls in EVICT_ORDER:
+            heap = self._heaps[cls]
+            while heap and len(picked) < n:
+                entry = heapq.heappop(heap)
+                key = entry[1]
+                if not self._live(cls, entry) or key in seen:
+                    continue  # stale, or a duplicate of a picked entry
+                if key in protected:
+                    deferred.append((cls, entry))
+                    continue
+                seen.add(key)
+                picked.append((cls, entry))
+            if len(picked) >= n:
+                break
+        for cls, entry in deferred:
+            heapq.heappush(self._heaps[cls], entry)
+        if len(picked) < n:  # atomic: put the live entries back, change nothing
+            for cls, entry in picked:
+                heapq.heappush(self._heaps[cls], entry)
+            return None
+        out: list[tuple[OffloadKey, ChunkStatus]] = []
+        for cls, (_, key) in picked:
+            chunk = self.chunks.pop(key)
+            assert chunk.ref_cnt == 0
+            self._forget(key)
+            self.evicted_by_class[cls] += 1
+            out.append((key, chunk))
+        self._maybe_compact()
+        return out
+
+
+# ----------------------------------------------------------------------------------------
+# The CPU build's host tier
+# ----------------------------------------------------------------------------------------
+class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+    """An ``OffloadingWorker`` (``v1/kv_offload/base.py:568-592``) copying with plain,
+    synchronous torch copies, for KV caches that live in host memory (vLLM's CPU build).
+
+    Byte layout (that of ``CPUOffloadingWorker``'s direct layout,
+    ``v1/kv_offload/cpu/gpu_worker.py:764-830``): for each canonical KV tensor ``t`` (viewed as
+    ``(num_blocks, page_t)`` int8, ``page_t`` its padded page size), a host tensor
+    ``(num_chunks, page_t * blocks_per_chunk)`` int8; chunk ``c`` holds
+    ``blocks_per_chunk`` consecutive blocks of a request, block ``j`` of the chunk at bytes
+    ``[j * page_t, (j + 1) * page_t)``. A transfer whose first block is not chunk aligned
+    (``GPULoadStoreSpec.block_indices[g] % blocks_per_chunk``) skips that many sub-blocks of
+    its first chunk, per group (``v1/kv_offload/cpu/gpu_worker.py:600-634``). Each group
+    copies whole pages of the tensors its layers reference (once per tensor; vLLM copies
+    once per layer reference, un-padded — the same bytes); ``transfer_size`` is counted as
+    vLLM counts it (per reference, un-padded page).
+
+    A submit copies at once and returns ``True``; ``get_finished`` hands back the results
+    since the last call; ``wait`` has nothing to wait for. The connector submits a step's
+    stores at the start of the next step, after the forward pass that wrote those blocks,
+    and the loads before the forward pass that reads them
+    (``distributed/kv_transfer/kv_connector/v1/offloading/worker.py:246-271``), so
+    synchronous copies see the right bytes.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
+                 num_chunks: int) -> None:
+        if blocks_per_chunk < 1 or num_chunks < 0:
+            raise ValueError(f"blocks_per_chunk={blocks_per_chunk}, num_chunks={num_chunks}")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_chunks = num_chunks
+        self.engine: list[Any] = []  # (num_blocks, page) int8 views of the KV tensors
+        self.host: list[Any] = []  # (num_chunks, page * blocks_per_chunk) int8
+        self._host_sub: list[Any] = []  # the same, as (num_chunks * bpc, page)
+        for t in kv_caches.tensors:
+            page = int(t.page_size_bytes)
+            engine = t.tensor.view(torch.int8).view(-1, page)
+            if engine.device.type != "cpu":
+                raise ValueError(f"KV cache tensor on {engine.device}: the host copy worker "
+                                 "is for KV caches in host memory (vLLM's CPU build)")
+            host = torch.zeros((num_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            self.engine.append(engine)
+            self.host.append(host)
+            self._host_sub.append(host.view(num_chunks * blocks_per_chunk, page))
+        self._group_tensors = [sorted({r.tensor_idx for r in refs})
+                               for refs in kv_caches.group_data_refs]
+        self._group_bytes = [sum(int(r.page_size_bytes) for r in refs)
+                             for refs in kv_caches.group_data_refs]
+        self._done: list[TransferResult] = []
+
+    def _plan(self, engine_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec
+              ) -> list[tuple[int, Any, Any]]:
+        """Per group: (group, engine block ids, host sub-block ids), checked before any
+        byte is copied."""
+        bpc = self.blocks_per_chunk
+        engine_ids = np.asarray(engine_spec.block_ids, dtype=np.int64)
+        host_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
+        plan: list[tuple[int, Any, Any]] = []
+        off_e = off_h = 0
+        for g, (size, first) in enumerate(zip(engine_spec.group_sizes,
+                                              engine_spec.block_indices, strict=True)):
+            if size == 0:
+                continue
+            skip = int(first) % bpc
+            n_chunks = -(-(size + skip) // bpc)
+            if off_e + size > len(engine_ids) or off_h + n_chunks > len(host_ids):
+                break
+            pos = np.arange(skip, skip + size)
+            plan.append((g, engine_ids[off_e:off_e + size],
+                         host_ids[off_h + pos // bpc] * bpc + pos % bpc))
+            off_e += size
+            off_h += n_chunks
+        else:
+            if off_e == len(engine_ids) and off_h == len(host_ids):
+                return plan
+        raise ValueError(f"a transfer of {len(engine_ids)} blocks to {len(host_ids)} chunks "
+                         f"does not match its group sizes {list(engine_spec.group_sizes)} "
+                         f"and first blocks {list(engine_spec.block_indices)}")
+
+    def _transfer(self, job_id: int, engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
+                  store: bool) -> bool:
+        if not isinstance(host_spec, BlockIDsLoadStoreSpec):
+            raise TypeError(f"not a host chunk spec: {type(host_spec).__name__}")
+        start = time.perf_counter()
+        nbytes = 0
+        for g, engine_ids, host_ids in self._plan(engine_spec, host_spec):
+            e_idx, h_idx = torch.from_numpy(engine_ids), torch.from_numpy(host_ids)
+            for t in self._group_tensors[g]:
+                engine, host = self.engine[t], self._host_sub[t]
+                if store:
+                    host.index_copy_(0, h_idx, engine.index_select(0, e_idx))
+                else:
+                    engine.index_copy_(0, e_idx, host.index_select(0, h_idx))
+            nbytes += len(engine_ids) * self._group_bytes[g]
+        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                                         transfer_time=time.perf_counter() - start))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        return self._transfer(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        return self._transfer(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every copy is done when its submit returns
+
+
+class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``CPUOffloadingSpec`` (``v1/kv_offload/cpu/spec.py:43-207``) with
+    :class:`HostCopyOffloadingWorker` as its worker.
+
+    Everything else is vLLM's: the tier's size (``num_chunks``, from ``cpu_bytes_to_use``:
+    ``v1/kv_offload/cpu/spec.py:93-126``), the manager and its cache policy
+    (``eviction_policy``, ``cache_policy_module_path``: ``v1/kv_offload/cpu/spec.py:134-159``)
+    and the metrics. Loaded with ``spec_name`` / ``spec_module_path``
+    (``v1/kv_offload/factory.py:30-58``); the connector's worker side calls ``get_worker``
+    once, with the engine's KV caches
+    (``distributed/kv_transfer/kv_connector/v1/offloading/worker.py:68-69``).
+    """
+
+    _host_worker: HostCopyOffloadingWorker | None = None
+
+    @property
+    def cpu_tier_tokens(self) -> int:
+        """Tokens the tier holds (of the first KV cache group: for a model with one
+        group, the tier's size in tokens)."""
+        if not self.tokens_per_block:
+            return 0
+        return int(self.num_chunks * self.blocks_per_chunk * self.tokens_per_block[0])
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyOffloadingWorker:
+        if self._host_worker is None:
+            self._host_worker = HostCopyOffloadingWorker(
+                kv_caches, int(self.blocks_per_chunk), int(self.num_chunks))
+        return self._host_worker
+
+
+def kv_transfer_config(cpu_bytes: int, *, host_spec: bool = True,
+                       block_size: int | None = None) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for an ``OffloadingConnector`` host tier of
+    ``cpu_bytes`` evicted by :class:`MoriCachePolicy`.
+
+    ``host_spec``: use :class:`MoriHostOffloadingSpec` (vLLM's CPU build); ``False`` keeps
+    vLLM's ``CPUOffloadingSpec`` (GPUs). ``block_size``: tokens per host chunk (a multiple
+    of the engine's block size; vLLM's default, one block). ``offload_prompt_only`` is off:
+    an agent's next turn reuses its previous turns' generated tokens too.
+    """
+    if cpu_bytes <= 0:
+        raise ValueError(f"cpu_bytes must be > 0, not {cpu_bytes}")
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": int(cpu_bytes),
+        "eviction_policy": MoriCachePolicy.__name__,
+        "cache_policy_module_path": __name__,
+        "offload_prompt_only": False,
+    }
+    if host_spec:
+        extra["spec_name"] = MoriHostOffloadingSpec.__name__
+        extra["spec_module_path"] = __name__
+    if block_size is not None:
+        extra["block_size"] = int(block_size)
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}

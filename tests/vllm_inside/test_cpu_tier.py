@@ -1,0 +1,428 @@
+"""MORI's CPU tier (``mori.vllm_plugin.cpu_tier``) against vLLM's real offloading classes:
+the cache policy driven by ``CPUOffloadingManager`` as the connector drives it, the host
+copy worker's byte layout, and the host spec built by vLLM's own connector."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+    build_offloading_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from mori.vllm_plugin import cpu_tier
+from mori.vllm_plugin.cpu_tier import (
+    HostCopyOffloadingWorker,
+    MoriCachePolicy,
+    MoriHostOffloadingSpec,
+)
+
+from .test_scheduler import TINY_LLAMA
+
+MODULE = "mori.vllm_plugin.cpu_tier"
+_req_ids = iter(range(1_000_000))
+
+
+# -- the policy, through vLLM's CPUOffloadingManager -------------------------------------
+def make_manager(num_chunks: int, policy: str = "MoriCachePolicy") -> CPUOffloadingManager:
+    return CPUOffloadingManager(
+        num_chunks=num_chunks, cache_policy=policy,
+        cache_policy_module_path=MODULE if policy == "MoriCachePolicy" else None)
+
+
+def policy_of(mgr: CPUOffloadingManager) -> MoriCachePolicy:
+    pol = mgr._policy
+    assert isinstance(pol, MoriCachePolicy)
+    return pol
+
+
+def key(name: str, group: int = 0) -> OffloadKey:
+    return make_offload_key(name.encode().ljust(32, b"\0"), group)
+
+
+def keys(prefix: str, n: int) -> list[OffloadKey]:
+    return [key(f"{prefix}{i}") for i in range(n)]
+
+
+def ctx(program: str | None) -> ReqContext:
+    params = {cpu_tier.PROGRAM_KEY: program} if program is not None else None
+    return ReqContext(req_id=f"r{next(_req_ids)}", kv_transfer_params=params)
+
+
+def store(mgr: CPUOffloadingManager, program: str | None, ks: list[OffloadKey], *,
+          finish: bool = True) -> list[OffloadKey]:
+    """One request storing ``ks`` (a prefix, head first) as the connector does; returns
+    the keys evicted to make room."""
+    c = ctx(program)
+    mgr.on_new_request(c)
+    out = mgr.prepare_store(ks, c)
+    assert out is not None, "the tier could not make room"
+    mgr.complete_store(out.keys_to_store, c)
+    if finish:
+        mgr.on_request_finished(c)
+    return list(out.evicted_keys)
+
+
+def hits(mgr: CPUOffloadingManager, ks: Iterable[OffloadKey]) -> list[bool]:
+    return [mgr.lookup(k, ReqContext("probe")) == LookupResult.HIT for k in ks]
+
+
+def labelled(labels: dict[str, str]) -> Any:
+    return lambda program: labels.get(program, "busy")
+
+
+def test_evicts_inactive_then_busy_then_idle_lru_within() -> None:
+    mgr = make_manager(6)
+    labels = {"A": "idle", "B": "busy", "C": "inactive"}
+    policy_of(mgr).bind(labelled(labels))
+    for p in "ABC":  # A oldest, C newest
+        assert store(mgr, p, keys(p, 2)) == []
+    # inactive first, although C is the most recent
+    assert set(store(mgr, "D", keys("D", 2))) == set(keys("C", 2))
+    # then busy, LRU: B (older than D; a prefix's tail before its head), then D's tail
+    assert store(mgr, "E", keys("E", 3)) == [key("B1"), key("B0"), key("D1")]
+    assert hits(mgr, keys("A", 2)) == [True, True]  # idle kept longest
+    assert policy_of(mgr).evicted_by_class == {"inactive": 2, "busy": 3, "idle": 0}
+
+
+def test_unlabelled_chunks_count_as_busy() -> None:
+    mgr = make_manager(6)
+    pol = policy_of(mgr)
+    pol.bind(labelled({"X": "idle", "Y": "inactive"}))
+    store(mgr, None, keys("N", 2))  # no program at all: the oldest
+    store(mgr, "X", keys("X", 2))
+    store(mgr, "U", keys("U", 2))  # a program without a label: the newest
+    for k in keys("N", 2) + keys("U", 2):
+        assert pol.class_of(k) == "busy"
+    assert pol.sizes() == {"inactive": 0, "busy": 4, "idle": 2}
+    assert set(store(mgr, "Y", keys("Y", 4))) == set(keys("N", 2) + keys("U", 2))
+    assert hits(mgr, keys("X", 2)) == [True, True]
+
+
+def test_unbound_policy_evicts_exactly_as_vllms_lru() -> None:
+    """Same offers, loads and touches to vLLM's LRU and to the unbound MORI policy (every
+    chunk busy): the same evictions at every step."""
+    rng = random.Random(7)
+    lru, mori = make_manager(12, "lru"), make_manager(12)
+    assert not policy_of(mori).bound
+    for step in range(300):
+        program = rng.choice(["p", "q", "r", "s", None])
+        prefix = rng.choice("abcdefgh")
+        ks = keys(prefix, rng.randint(1, 5))
+        a, b = ctx(program), ctx(program)
+        for mgr, c in ((lru, a), (mori, b)):
+            mgr.on_new_request(c)
+        ready = [k for k in ks if lru.lookup(k, a) == LookupResult.HIT]
+        assert ready == [k for k in ks if mori.lookup(k, b) == LookupResult.HIT]
+        outs = []
+        for mgr, c in ((lru, a), (mori, b)):
+            if ready and step % 3 == 0:
+                mgr.prepare_load(ready, c)
+            if step % 5 == 0:
+                mgr.touch(ks, c)
+            out = mgr.prepare_store(ks, c)
+            outs.append(None if out is None else (out.keys_to_store, out.evicted_keys))
+            if out is not None:
+                mgr.complete_store(out.keys_to_store, c)
+            if ready and step % 3 == 0:
+                mgr.complete_load(ready, c)
+            mgr.on_request_finished(c)
+        assert outs[0] == outs[1], f"step {step}: LRU {outs[0]}, MORI {outs[1]}"
+
+
+def test_relabelling_resorts_the_stored_chunks() -> None:
+    mgr = make_manager(6)
+    pol = policy_of(mgr)
+    labels = {"A": "idle", "B": "busy", "C": "busy"}
+    pol.bind(labelled(labels))
+    for p in "ABC":
+        store(mgr, p, keys(p, 2))
+    labels["A"] = "inactive"
+    assert pol.relabel(["A"]) == 2
+    assert pol.relabel(["A"]) == 0  # nothing left to move
+    assert set(store(mgr, "D", keys("D", 2))) == set(keys("A", 2))
+    labels.update(B="idle", C="inactive")  # a replace: everything may have changed
+    assert pol.relabel_all() == 4
+    assert set(store(mgr, "E", keys("E", 2))) == set(keys("C", 2))
+    assert hits(mgr, keys("B", 2)) == [True, True]
+
+
+def test_a_chunk_being_loaded_is_never_evicted() -> None:
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    labels = {"F": "busy"}
+    pol.bind(labelled(labels))
+    store(mgr, "F", keys("F", 2))
+    store(mgr, "G", keys("G", 2))
+    loading = ctx("F")
+    mgr.on_new_request(loading)
+    mgr.prepare_load([key("F0")], loading)  # ref_cnt 1: not evictable
+    labels["F"] = "inactive"
+    pol.relabel(["F"])
+    assert store(mgr, "H", keys("H", 2)) == [key("F1"), key("G1")]
+    assert hits(mgr, [key("F0")]) == [True]
+    mgr.complete_load([key("F0")], loading)
+    mgr.on_request_finished(loading)
+    assert pol.class_of(key("F0")) == "inactive"
+    assert store(mgr, "I", keys("I", 1)) == [key("F0")]  # evictable again: first to go
+
+
+def test_evict_is_atomic_and_skips_protected_chunks() -> None:
+    mgr = make_manager(3)
+    pol = policy_of(mgr)
+    pol.bind(labelled({"A": "inactive", "B": "idle"}))
+    store(mgr, "A", keys("A", 2))
+    store(mgr, "B", keys("B", 1))
+    assert pol.evict(3, {key("A0")}) is None  # only 2 candidates left: nothing changes
+    assert pol.num_chunks == 3 and pol.sizes() == {"inactive": 2, "busy": 0, "idle": 1}
+    got = pol.evict(2, {key("A0")})
+    assert got is not None and [k for k, _ in got] == [key("A1"), key("B0")]
+    assert pol.evict(0, set()) == []
+
+
+def test_chunks_are_classed_from_their_store_on() -> None:
+    """A chunk is its program's from insertion (on_store_miss), not only once the request
+    finishes."""
+    mgr = make_manager(4)
+    policy_of(mgr).bind(labelled({"B": "busy", "C": "inactive"}))
+    store(mgr, "B", keys("B", 2))
+    store(mgr, "C", keys("C", 2), finish=False)  # still running
+    assert set(store(mgr, "D", keys("D", 2))) == set(keys("C", 2))
+
+
+def test_a_shared_chunk_takes_its_most_protective_label() -> None:
+    mgr = make_manager(3)
+    pol = policy_of(mgr)
+    pol.bind(labelled({"A": "inactive", "B": "idle"}))
+    store(mgr, "A", [key("P0"), key("A1")])
+    store(mgr, "B", [key("P0"), key("B1")])  # reuses A's first chunk
+    assert pol.programs_of(key("P0")) == {"A", "B"}
+    assert pol.class_of(key("P0")) == "idle"
+    # A1 (inactive) first; then the idle ones, LRU: B1 (B's tail) before P0
+    assert store(mgr, None, keys("X", 2)) == [key("A1"), key("B1")]
+    assert hits(mgr, [key("P0")]) == [True]
+
+
+def test_a_widely_shared_chunk_is_kept_as_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_tier, "MAX_PROGRAMS_PER_BLOCK", 2)
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    pol.bind(lambda program: "inactive")
+    for p in "abc":
+        store(mgr, p, [key("W0"), key(f"{p}1")])
+    assert store(mgr, "d", [key("W0"), key("d1")]) == [key("a1")]
+    assert pol.class_of(key("W0")) == "idle"
+    assert pol.class_of(key("b1")) == "inactive"
+    unbound = make_manager(4)  # unbound, every chunk is busy, wide ones included
+    for p in "abc":
+        store(unbound, p, [key("W0"), key(f"{p}1")])
+    assert policy_of(unbound).class_of(key("W0")) == "busy"
+
+
+def test_a_failing_label_lookup_counts_as_busy() -> None:
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+
+    def broken(program: str) -> str:
+        raise RuntimeError("label table gone")
+
+    pol.bind(broken)
+    store(mgr, "A", keys("A", 2))
+    assert pol.class_of(key("A0")) == "busy"
+    pol.bind(lambda program: "no such label")
+    assert pol.class_of(key("A0")) == "busy"
+
+
+def test_reset_cache_clears_the_policy() -> None:
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    pol.bind(labelled({"A": "inactive"}))
+    store(mgr, "A", keys("A", 3))
+    store(mgr, "B", keys("B", 1), finish=False)
+    mgr.reset_cache()
+    assert pol.num_chunks == 0 and pol.sizes() == dict.fromkeys(cpu_tier.EVICT_ORDER, 0)
+    assert pol.programs_of(key("A0")) == frozenset()
+    assert store(mgr, "C", keys("C", 4)) == []
+    assert pol in cpu_tier.live_policies()
+
+
+# -- the host copy worker -------------------------------------------------------------------
+def caches(num_blocks: int, page: int, refs: list[list[tuple[int, int]]],
+           num_tensors: int = 2) -> tuple[list[torch.Tensor], CanonicalKVCaches]:
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, generator=gen)
+          for _ in range(num_tensors)]
+    return ts, CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, page) for t in ts],
+        [[CanonicalKVCacheRef(i, size) for i, size in group] for group in refs])
+
+
+def test_copy_worker_round_trip_with_a_sub_block_skip() -> None:
+    page, bpc = 64, 2
+    ts, kv = caches(10, page, [[(0, page), (1, page)]])
+    w = HostCopyOffloadingWorker(kv, blocks_per_chunk=bpc, num_chunks=4)
+    assert [h.shape for h in w.host] == [(4, page * bpc)] * 2
+    # blocks 3, 4, 5 are a request's blocks 1, 2, 3: block 1 is the second half of a chunk
+    assert w.submit_store(7, GPULoadStoreSpec([3, 4, 5], [3], [1]), CPULoadStoreSpec([2, 0]))
+    for t in range(2):  # chunk 2 = (request block 0: untouched, block 1), chunk 0 = (2, 3)
+        assert torch.equal(w.host[t][2, page:], ts[t][3])
+        assert torch.equal(w.host[t][0], torch.cat([ts[t][4], ts[t][5]]))
+        assert not w.host[t][2, :page].any()
+    orig = [t[[3, 4, 5]].clone() for t in ts]
+    for t in ts:
+        t[3:6] = 0
+    assert w.submit_load(8, CPULoadStoreSpec([2, 0]), GPULoadStoreSpec([6, 7, 8], [3], [1]))
+    for t, o in zip(ts, orig, strict=True):
+        assert torch.equal(t[6:9], o)
+        assert not t[3:6].any()  # the load wrote only its destination blocks
+    res = w.get_finished()
+    assert [(r.job_id, r.success, r.transfer_size) for r in res] == [
+        (7, True, 3 * 2 * page), (8, True, 3 * 2 * page)]
+    assert w.get_finished() == []
+    w.wait({7, 8})
+
+
+def test_copy_worker_groups_copy_their_own_tensors() -> None:
+    """Two groups (the second on tensor 1 only, with an un-padded page of 48 bytes): each
+    group's blocks go to its own chunks, with its own skip; an empty group is skipped."""
+    page, bpc = 64, 4
+    ts, kv = caches(12, page, [[(0, page), (1, page)], [(1, 48)], [(0, page)]])
+    w = HostCopyOffloadingWorker(kv, blocks_per_chunk=bpc, num_chunks=3)
+    spec = GPULoadStoreSpec([1, 2, 9], [2, 1, 0], [0, 6, 0])
+    assert w.submit_store(1, spec, CPULoadStoreSpec([0, 1]))
+    host0 = [h.view(3 * bpc, page) for h in w.host]
+    for t in range(2):
+        assert torch.equal(host0[t][0], ts[t][1]) and torch.equal(host0[t][1], ts[t][2])
+    assert torch.equal(host0[1][1 * bpc + 2], ts[1][9])  # group 1, skip 6 % 4
+    assert not host0[0][1 * bpc + 2].any()  # group 1 does not touch tensor 0
+    (res,) = w.get_finished()
+    assert res.transfer_size == 2 * (2 * page) + 1 * 48
+
+
+def test_copy_worker_refuses_a_mismatched_transfer() -> None:
+    _, kv = caches(4, 64, [[(0, 64)]], num_tensors=1)
+    w = HostCopyOffloadingWorker(kv, blocks_per_chunk=2, num_chunks=2)
+    with pytest.raises(ValueError, match="does not match"):
+        w.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
+
+
+# -- the host spec, built by vLLM's own connector ------------------------------------------
+BLOCK = 16
+NUM_BLOCKS = 17
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PAGE = 2 * BLOCK * 1 * 64 * 4  # K and V, 1 KV head of 64 floats: bytes per block per layer
+
+
+def offloading_configs(model_dir: Path, kv_transfer: dict[str, Any]
+                       ) -> tuple[VllmConfig, KVCacheConfig]:
+    mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, seed=0,
+                     skip_tokenizer_init=True)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                         is_encoder_decoder=False, enable_chunked_prefill=True,
+                         async_scheduling=False)
+    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                     enable_prefix_caching=True)
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                    device_config=DeviceConfig("cpu"),
+                    kv_transfer_config=KVTransferConfig(**kv_transfer))
+    cc.num_gpu_blocks = NUM_BLOCKS
+    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(LAYERS, FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
+                                                   head_size=64, dtype=torch.float32))])
+    return vc, kvc
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama-config")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return d
+
+
+@pytest.mark.parametrize("cpu_bytes, block_size", [
+    (1 << 20, None), (1 << 20, 2 * BLOCK), (3 * (1 << 20) + 5, 4 * BLOCK)])
+def test_host_spec_sizes_the_tier_from_cpu_bytes(model_dir: Path, cpu_bytes: int,
+                                                 block_size: int | None) -> None:
+    vc, kvc = offloading_configs(
+        model_dir, cpu_tier.kv_transfer_config(cpu_bytes, block_size=block_size))
+    # what OffloadingConnector.__init__ does
+    # (vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py:87-89)
+    spec = OffloadingSpecFactory.create_spec(build_offloading_config(vc, kvc))
+    assert isinstance(spec, MoriHostOffloadingSpec)
+    bpc = (block_size or BLOCK) // BLOCK
+    chunk_bytes = -(-(PAGE * len(LAYERS) * bpc) // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert spec.blocks_per_chunk == bpc
+    assert spec.num_chunks == cpu_bytes // chunk_bytes
+    assert spec.cpu_tier_tokens == spec.num_chunks * bpc * BLOCK
+    assert spec.offload_prompt_only is False
+    conn = OffloadingConnector(vc, KVConnectorRole.SCHEDULER, kvc)
+    pol = conn.connector_scheduler.manager._policy
+    assert isinstance(pol, MoriCachePolicy) and pol.cache_capacity == spec.num_chunks
+    assert pol in cpu_tier.live_policies()
+
+
+def test_host_spec_worker_copies_the_registered_kv_caches(model_dir: Path) -> None:
+    """The connector's worker side, on the CPU build, gets the copy worker over the KV
+    cache tensors it registers (the CPU attention layout), and the copies reach them."""
+    vc, kvc = offloading_configs(model_dir, cpu_tier.kv_transfer_config(1 << 20))
+    conn = OffloadingConnector(vc, KVConnectorRole.WORKER, kvc)
+    kv = {n: torch.randn(NUM_BLOCKS, 1, BLOCK, 2 * 64) for n in LAYERS}
+    conn.register_kv_caches(kv)
+    w = conn.connector_worker.worker
+    assert isinstance(w, HostCopyOffloadingWorker)
+    assert conn.connector_worker.spec.get_worker(None) is w  # built once
+    assert [h.shape for h in w.host] == [(w.num_chunks, PAGE)] * len(LAYERS)
+    orig = {n: t[[2, 3]].clone() for n, t in kv.items()}
+    assert w.submit_store(1, GPULoadStoreSpec([2, 3], [2], [0]), CPULoadStoreSpec([5, 1]))
+    for t in kv.values():
+        t.zero_()
+    assert w.submit_load(2, CPULoadStoreSpec([5, 1]), GPULoadStoreSpec([7, 8], [2], [0]))
+    for n, t in kv.items():
+        assert torch.equal(t[[7, 8]], orig[n])
+    assert [r.transfer_size for r in w.get_finished()] == [2 * PAGE * len(LAYERS)] * 2
+
+
+def test_kv_transfer_config() -> None:
+    cfg = cpu_tier.kv_transfer_config(1 << 30, host_spec=False)
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra == {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "MoriCachePolicy",
+                     "cache_policy_module_path": MODULE, "offload_prompt_only": False}
+    extra = cpu_tier.kv_transfer_config(1, block_size=64)["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"], extra["block_size"]) == (
+        "MoriHostOffloadingSpec", MODULE, 64)
+    with pytest.raises(ValueError):
+        cpu_tier.kv_transfer_config(0)
