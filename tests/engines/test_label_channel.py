@@ -10,7 +10,7 @@ import json
 import logging
 import socket
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -155,6 +155,20 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
 
 # -- the channel alone ----------------------------------------------------------------------
 
+
+@contextlib.asynccontextmanager
+async def plugged(eng: FakeEngine, plugin: dict[str, Any] | None = None,
+                  **adapter: Any) -> AsyncIterator[tuple[VLLMAdapter, FakePlugin]]:
+    """A fake plug-in and a vLLM adapter labelling through it, both closed afterwards."""
+    plug = await FakePlugin(**(plugin or {})).start()
+    a = VLLMAdapter(eng.url, labels=plug.endpoint, **{**FAST, **adapter})
+    try:
+        yield a, plug
+    finally:
+        await a.close()
+        await plug.stop()
+        plug.close()
+
 def test_channel_messages_follow_the_protocol() -> None:
     async def go() -> None:
         plug = await FakePlugin(cpu_tier_tokens=4096).start()
@@ -255,9 +269,7 @@ def test_channel_without_plugin_does_not_pile_up() -> None:
 
 def test_handshake_declares_labels_and_drop_and_cpu_tier() -> None:
     async def go(eng: FakeEngine) -> None:
-        plug = await FakePlugin(cpu_tier_tokens=8192).start()
-        a = VLLMAdapter(eng.url, labels=plug.endpoint, **FAST)
-        try:
+        async with plugged(eng, plugin=dict(cpu_tier_tokens=8192), **FAST) as (a, plug):
             await a.start()
             assert a.capabilities >= PLUGIN_CAPS and a.labels_up
             cap = await a.capacity()
@@ -269,32 +281,20 @@ def test_handshake_declares_labels_and_drop_and_cpu_tier() -> None:
             typed = EngineProfile(cpu_tier=True, typed_eviction=True)
             acts = engine_actions(Promote("p", 0, Tier.NONE), typed, a.capabilities)
             assert acts == (SetLabel("p", 0, KVLabel.BUSY),)
-        finally:
-            await a.close()
-            await plug.stop()
-            plug.close()
     run(go)
 
 
 def test_operator_cpu_tokens_win_over_the_handshake() -> None:
     async def go(eng: FakeEngine) -> None:
-        plug = await FakePlugin(cpu_tier_tokens=8192).start()
-        a = VLLMAdapter(eng.url, labels=plug.endpoint, cpu_tokens=1000, **FAST)
-        try:
+        async with plugged(eng, plugin=dict(cpu_tier_tokens=8192), cpu_tokens=1000, **FAST) as (a, plug):
             await a.start()
             assert (await a.capacity()).cpu_tokens == 1000
-        finally:
-            await a.close()
-            await plug.stop()
-            plug.close()
     run(go)
 
 
 def test_controls_go_over_the_channel() -> None:
     async def go(eng: FakeEngine) -> None:
-        plug = await FakePlugin().start()
-        a = VLLMAdapter(eng.url, labels=plug.endpoint, **FAST)
-        try:
+        async with plugged(eng, **FAST) as (a, plug):
             await a.start()
             await a.set_label("p1", KVLabel.BUSY)
             await a.set_label("p2", KVLabel.IDLE)
@@ -311,10 +311,6 @@ def test_controls_go_over_the_channel() -> None:
             with pytest.raises(UpstreamError, match="1 to 1024"):
                 await a.set_label("x" * 2000, KVLabel.BUSY)
             assert a.labels_up  # a refusal does not take the channel down
-        finally:
-            await a.close()
-            await plug.stop()
-            plug.close()
     run(go)
 
 
@@ -362,9 +358,7 @@ def test_without_labels_option_no_label_controls() -> None:
 
 def test_plugin_goes_away_and_comes_back(caplog: pytest.LogCaptureFixture) -> None:
     async def go(eng: FakeEngine) -> None:
-        plug = await FakePlugin().start()
-        a = VLLMAdapter(eng.url, labels=plug.endpoint, **FAST)
-        try:
+        async with plugged(eng, **FAST) as (a, plug):
             await a.start()
             await a.set_label("p1", KVLabel.BUSY)
             await a.set_label("p2", KVLabel.IDLE)
@@ -384,10 +378,6 @@ def test_plugin_goes_away_and_comes_back(caplog: pytest.LogCaptureFixture) -> No
             assert a.capabilities >= PLUGIN_CAPS and a.labels_up
             await a.set_label("p4", KVLabel.BUSY)
             assert plug.ops[-1] == "set"
-        finally:
-            await a.close()
-            await plug.stop()
-            plug.close()
     with caplog.at_level(logging.INFO, logger="mori.engines.vllm"):
         run(go)
     msgs = [r.getMessage() for r in caplog.records]
@@ -418,9 +408,7 @@ def test_background_check_falls_back_and_restores() -> None:
 
 def test_another_plugin_instance_between_checks_gets_the_table() -> None:
     async def go(eng: FakeEngine) -> None:
-        plug = await FakePlugin().start()
-        a = VLLMAdapter(eng.url, labels=plug.endpoint, **FAST)
-        try:
+        async with plugged(eng, **FAST) as (a, plug):
             await a.start()
             await a.set_label("p1", KVLabel.IDLE)
             # the engine restarted (a new instance, no labels) without the channel noticing
@@ -430,18 +418,12 @@ def test_another_plugin_instance_between_checks_gets_the_table() -> None:
             assert plug.labels == {"p1": "idle"}
             assert await a.check_labels()
             assert plug.ops[-1] == "hello"  # it has them now: nothing re-sent
-        finally:
-            await a.close()
-            await plug.stop()
-            plug.close()
     run(go)
 
 
 def test_engine_restart_between_checks_gets_the_table_back() -> None:
     async def go(eng: FakeEngine) -> None:
-        plug = await FakePlugin().start()
-        a = VLLMAdapter(eng.url, labels=plug.endpoint, **FAST)
-        try:
+        async with plugged(eng, **FAST) as (a, plug):
             await a.start()
             await a.set_label("p1", KVLabel.IDLE)
             await plug.restart()  # a new socket on the same endpoint, no labels
@@ -452,10 +434,6 @@ def test_engine_restart_between_checks_gets_the_table_back() -> None:
                     break
             assert a.labels_up and a.capabilities >= PLUGIN_CAPS
             assert plug.ops[-1] == "replace" and plug.labels == {"p1": "idle"}
-        finally:
-            await a.close()
-            await plug.stop()
-            plug.close()
     run(go)
 
 
