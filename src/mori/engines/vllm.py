@@ -171,6 +171,10 @@ class VLLMAdapter(KVEventsAdapter):
                             "at %s (%s); checking again every %g s", self.url,
                             self.label_channel.endpoint, self._label_error,
                             self.labels_check_s)
+            else:
+                log.info("vLLM %s: the MORI plug-in at %s answers (version %s): typed "
+                         "eviction on", self.url, self.label_channel.endpoint,
+                         (self.plugin or {}).get("plugin_version"))
             self._checker = asyncio.create_task(self._check_loop(),
                                                 name=f"mori labels {self.url}")
         await super().start()
