@@ -92,8 +92,8 @@ def test_protocol_needs_only_starlette_and_uvicorn() -> None:
 
 def test_vllm_plugin_imports_without_vllm() -> None:
     """The gateway side imports the plug-in's protocol where vLLM is not installed; the
-    label tables and the typed queue need no vLLM either (only ``scheduler`` and
-    ``cpu_tier`` do)."""
+    label tables and the typed queue need no vLLM either (only ``scheduler``, ``cpu_tier``
+    and ``host_tier`` do)."""
     code = ("import sys, mori.vllm_plugin, mori.vllm_plugin.protocol, "
             "mori.vllm_plugin.labels, mori.vllm_plugin.typed_queue; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")

@@ -227,7 +227,7 @@ def test_offloading_spec_and_worker() -> None:
     )
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-    from mori.vllm_plugin.cpu_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
+    from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
     abstract = set(OffloadingSpec.__abstractmethods__)
     assert abstract == {"get_manager", "get_worker"}, (
         f"OffloadingSpec's abstract methods are now {sorted(abstract)}")
@@ -295,11 +295,8 @@ def test_offloading_factory_keys() -> None:
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from mori.vllm_plugin.cpu_tier import (
-        MoriCachePolicy,
-        MoriHostOffloadingSpec,
-        kv_transfer_config,
-    )
+    from mori.vllm_plugin.cpu_tier import MoriCachePolicy, kv_transfer_config
+    from mori.vllm_plugin.host_tier import MoriHostOffloadingSpec
     extra = kv_transfer_config(1 << 20)["kv_connector_extra_config"]
     assert set(extra) == {"cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path",
                           "offload_prompt_only", "spec_name", "spec_module_path"}

@@ -44,15 +44,13 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from mori.vllm_plugin import cpu_tier
-from mori.vllm_plugin.cpu_tier import (
-    HostCopyOffloadingWorker,
-    MoriCachePolicy,
-    MoriHostOffloadingSpec,
-)
+from mori.vllm_plugin.cpu_tier import MoriCachePolicy
+from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
 
 from .test_scheduler import TINY_LLAMA
 
 MODULE = "mori.vllm_plugin.cpu_tier"
+HOST_MODULE = "mori.vllm_plugin.host_tier"
 _req_ids = iter(range(1_000_000))
 
 
@@ -423,6 +421,6 @@ def test_kv_transfer_config() -> None:
                      "cache_policy_module_path": MODULE, "offload_prompt_only": False}
     extra = cpu_tier.kv_transfer_config(1, block_size=64)["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["spec_module_path"], extra["block_size"]) == (
-        "MoriHostOffloadingSpec", MODULE, 64)
+        "MoriHostOffloadingSpec", HOST_MODULE, 64)
     with pytest.raises(ValueError):
         cpu_tier.kv_transfer_config(0)

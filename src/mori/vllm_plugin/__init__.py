@@ -1,9 +1,10 @@
 """MORI inside vLLM: typed eviction driven by the gateway's labels.
 
-Only ``scheduler`` and ``cpu_tier`` import vLLM; they are imported inside vLLM's own
-processes (``--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler``, see ``mori
-vllm-args``; ``cpu_tier``, the host tier's cache policy and offloading spec, through
-``--kv-transfer-config``, see ``cpu_tier.kv_transfer_config``).
+Only ``scheduler``, ``cpu_tier`` and ``host_tier`` import vLLM; they are imported inside
+vLLM's own processes (``--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler``, see
+``mori vllm-args``; ``cpu_tier``, the host tier's cache policy, and ``host_tier``, the CPU
+build's copy worker and offloading spec, through ``--kv-transfer-config``, see
+``cpu_tier.kv_transfer_config``).
 ``protocol`` (the label channel's messages), ``labels`` and ``typed_queue`` need no vLLM,
 so the gateway's adapter speaks the protocol and the tests exercise the queue anywhere.
 """

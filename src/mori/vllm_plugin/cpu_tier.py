@@ -9,7 +9,7 @@ which chunk to evict to a ``CachePolicy`` resolved by name, out of tree included
 ``v1/kv_offload/cpu/policies/factory.py:39-82``). Paths below are relative to the
 installed ``vllm`` package (0.32), lines as of that version.
 
-This module provides:
+This module provides (the CPU build's copy worker and host spec are in ``host_tier``):
 
 - :class:`MoriCachePolicy`, that ``CachePolicy``. It evicts host chunks by class, in this
   order: ``inactive`` first, then ``busy``, then ``idle`` (kept longest: an idle program's
@@ -20,13 +20,6 @@ This module provides:
   requests used it; a chunk no known program used is ``busy``, as is a program without a
   label. So an unbound policy, or one whose gateway is silent, evicts exactly as vLLM's LRU
   does.
-- :class:`HostCopyOffloadingWorker`, an ``OffloadingWorker`` that copies between the
-  engine's KV cache tensors and host chunks with plain synchronous torch copies, in the
-  byte layout of vLLM's ``CPUOffloadingWorker`` (direct layout).
-- :class:`MoriHostOffloadingSpec`, a ``CPUOffloadingSpec`` (vLLM's sizing, manager, cache
-  policy and metrics) whose worker is the copy worker: vLLM's own worker is CUDA/XPU only
-  (``v1/kv_offload/cpu/spec.py:196-207`` refuses the CPU platform), so this is what gives
-  vLLM's CPU build a host tier. On GPUs leave ``spec_name`` out and keep vLLM's worker.
 - :func:`kv_transfer_config`, the ``--kv-transfer-config`` value that loads them.
 
 How the policy learns a chunk's program and that program's label:
@@ -57,26 +50,16 @@ from __future__ import annotations
 
 import heapq
 import logging
-import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
 from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
-    CanonicalKVCaches,
-    GPULoadStoreSpec,
-    LoadStoreSpec,
-    OffloadingWorker,
     OffloadKey,
     ReqContext,
-    TransferResult,
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
-from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from .labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
@@ -413,155 +396,12 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
 # ----------------------------------------------------------------------------------------
 # The CPU build's host tier
 # ----------------------------------------------------------------------------------------
-class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
-    """An ``OffloadingWorker`` (``v1/kv_offload/base.py:568-592``) copying with plain,
-    synchronous torch copies, for KV caches that live in host memory (vLLM's CPU build).
-
-    Byte layout (that of ``CPUOffloadingWorker``'s direct layout,
-    ``v1/kv_offload/cpu/gpu_worker.py:764-830``): for each canonical KV tensor ``t`` (viewed as
-    ``(num_blocks, page_t)`` int8, ``page_t`` its padded page size), a host tensor
-    ``(num_chunks, page_t * blocks_per_chunk)`` int8; chunk ``c`` holds
-    ``blocks_per_chunk`` consecutive blocks of a request, block ``j`` of the chunk at bytes
-    ``[j * page_t, (j + 1) * page_t)``. A transfer whose first block is not chunk aligned
-    (``GPULoadStoreSpec.block_indices[g] % blocks_per_chunk``) skips that many sub-blocks of
-    its first chunk, per group (``v1/kv_offload/cpu/gpu_worker.py:600-634``). Each group
-    copies whole pages of the tensors its layers reference (once per tensor; vLLM copies
-    once per layer reference, un-padded — the same bytes); ``transfer_size`` is counted as
-    vLLM counts it (per reference, un-padded page).
-
-    A submit copies at once and returns ``True``; ``get_finished`` hands back the results
-    since the last call; ``wait`` has nothing to wait for. The connector submits a step's
-    stores at the start of the next step, after the forward pass that wrote those blocks,
-    and the loads before the forward pass that reads them
-    (``distributed/kv_transfer/kv_connector/v1/offloading/worker.py:246-271``), so
-    synchronous copies see the right bytes.
-    """
-
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
-                 num_chunks: int) -> None:
-        if blocks_per_chunk < 1 or num_chunks < 0:
-            raise ValueError(f"blocks_per_chunk={blocks_per_chunk}, num_chunks={num_chunks}")
-        self.blocks_per_chunk = blocks_per_chunk
-        self.num_chunks = num_chunks
-        self.engine: list[Any] = []  # (num_blocks, page) int8 views of the KV tensors
-        self.host: list[Any] = []  # (num_chunks, page * blocks_per_chunk) int8
-        self._host_sub: list[Any] = []  # the same, as (num_chunks * bpc, page)
-        for t in kv_caches.tensors:
-            page = int(t.page_size_bytes)
-            engine = t.tensor.view(torch.int8).view(-1, page)
-            if engine.device.type != "cpu":
-                raise ValueError(f"KV cache tensor on {engine.device}: the host copy worker "
-                                 "is for KV caches in host memory (vLLM's CPU build)")
-            host = torch.zeros((num_chunks, page * blocks_per_chunk), dtype=torch.int8)
-            self.engine.append(engine)
-            self.host.append(host)
-            self._host_sub.append(host.view(num_chunks * blocks_per_chunk, page))
-        self._group_tensors = [sorted({r.tensor_idx for r in refs})
-                               for refs in kv_caches.group_data_refs]
-        self._group_bytes = [sum(int(r.page_size_bytes) for r in refs)
-                             for refs in kv_caches.group_data_refs]
-        self._done: list[TransferResult] = []
-
-    def _plan(self, engine_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec
-              ) -> list[tuple[int, Any, Any]]:
-        """Per group: (group, engine block ids, host sub-block ids), checked before any
-        byte is copied."""
-        bpc = self.blocks_per_chunk
-        engine_ids = np.asarray(engine_spec.block_ids, dtype=np.int64)
-        host_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
-        plan: list[tuple[int, Any, Any]] = []
-        off_e = off_h = 0
-        for g, (size, first) in enumerate(zip(engine_spec.group_sizes,
-                                              engine_spec.block_indices, strict=True)):
-            if size == 0:
-                continue
-            skip = int(first) % bpc
-            n_chunks = -(-(size + skip) // bpc)
-            if off_e + size > len(engine_ids) or off_h + n_chunks > len(host_ids):
-                break
-            pos = np.arange(skip, skip + size)
-            plan.append((g, engine_ids[off_e:off_e + size],
-                         host_ids[off_h + pos // bpc] * bpc + pos % bpc))
-            off_e += size
-            off_h += n_chunks
-        else:
-            if off_e == len(engine_ids) and off_h == len(host_ids):
-                return plan
-        raise ValueError(f"a transfer of {len(engine_ids)} blocks to {len(host_ids)} chunks "
-                         f"does not match its group sizes {list(engine_spec.group_sizes)} "
-                         f"and first blocks {list(engine_spec.block_indices)}")
-
-    def _transfer(self, job_id: int, engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
-                  store: bool) -> bool:
-        if not isinstance(host_spec, BlockIDsLoadStoreSpec):
-            raise TypeError(f"not a host chunk spec: {type(host_spec).__name__}")
-        start = time.perf_counter()
-        nbytes = 0
-        for g, engine_ids, host_ids in self._plan(engine_spec, host_spec):
-            e_idx, h_idx = torch.from_numpy(engine_ids), torch.from_numpy(host_ids)
-            for t in self._group_tensors[g]:
-                engine, host = self.engine[t], self._host_sub[t]
-                if store:
-                    host.index_copy_(0, h_idx, engine.index_select(0, e_idx))
-                else:
-                    engine.index_copy_(0, e_idx, host.index_select(0, h_idx))
-            nbytes += len(engine_ids) * self._group_bytes[g]
-        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
-                                         transfer_time=time.perf_counter() - start))
-        return True
-
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: LoadStoreSpec) -> bool:
-        return self._transfer(job_id, src_spec, dst_spec, store=True)
-
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
-        return self._transfer(job_id, dst_spec, src_spec, store=False)
-
-    def get_finished(self) -> list[TransferResult]:
-        done, self._done = self._done, []
-        return done
-
-    def wait(self, job_ids: set[int]) -> None:
-        return  # every copy is done when its submit returns
-
-
-class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
-    """vLLM's ``CPUOffloadingSpec`` (``v1/kv_offload/cpu/spec.py:43-207``) with
-    :class:`HostCopyOffloadingWorker` as its worker.
-
-    Everything else is vLLM's: the tier's size (``num_chunks``, from ``cpu_bytes_to_use``:
-    ``v1/kv_offload/cpu/spec.py:93-126``), the manager and its cache policy
-    (``eviction_policy``, ``cache_policy_module_path``: ``v1/kv_offload/cpu/spec.py:134-159``)
-    and the metrics. Loaded with ``spec_name`` / ``spec_module_path``
-    (``v1/kv_offload/factory.py:30-58``); the connector's worker side calls ``get_worker``
-    once, with the engine's KV caches
-    (``distributed/kv_transfer/kv_connector/v1/offloading/worker.py:68-69``).
-    """
-
-    _host_worker: HostCopyOffloadingWorker | None = None
-
-    @property
-    def cpu_tier_tokens(self) -> int:
-        """Tokens the tier holds (of the first KV cache group: for a model with one
-        group, the tier's size in tokens)."""
-        if not self.tokens_per_block:
-            return 0
-        return int(self.num_chunks * self.blocks_per_chunk * self.tokens_per_block[0])
-
-    def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyOffloadingWorker:
-        if self._host_worker is None:
-            self._host_worker = HostCopyOffloadingWorker(
-                kv_caches, int(self.blocks_per_chunk), int(self.num_chunks))
-        return self._host_worker
-
-
 def kv_transfer_config(cpu_bytes: int, *, host_spec: bool = True,
                        block_size: int | None = None) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for an ``OffloadingConnector`` host tier of
     ``cpu_bytes`` evicted by :class:`MoriCachePolicy`.
 
-    ``host_spec``: use :class:`MoriHostOffloadingSpec` (vLLM's CPU build); ``False`` keeps
+    ``host_spec``: use ``host_tier.MoriHostOffloadingSpec`` (CPU build); ``False`` keeps
     vLLM's ``CPUOffloadingSpec`` (GPUs). ``block_size``: tokens per host chunk (a multiple
     of the engine's block size; vLLM's default, one block). ``offload_prompt_only`` is off:
     an agent's next turn reuses its previous turns' generated tokens too.
@@ -575,8 +415,10 @@ def kv_transfer_config(cpu_bytes: int, *, host_spec: bool = True,
         "offload_prompt_only": False,
     }
     if host_spec:
-        extra["spec_name"] = MoriHostOffloadingSpec.__name__
-        extra["spec_module_path"] = __name__
+        from . import host_tier
+
+        extra["spec_name"] = host_tier.MoriHostOffloadingSpec.__name__
+        extra["spec_module_path"] = host_tier.__name__
     if block_size is not None:
         extra["block_size"] = int(block_size)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",

@@ -1,0 +1,175 @@
+"""A host KV tier for vLLM 0.32's CPU build: a copy worker and the offloading spec using it.
+
+vLLM's own ``CPUOffloadingWorker`` is CUDA/XPU only (``v1/kv_offload/cpu/spec.py:196-207``
+refuses the CPU platform). :class:`HostCopyOffloadingWorker` copies between the engine's
+KV cache tensors and host chunks with plain synchronous torch copies, in the byte layout
+of vLLM's worker (direct layout); :class:`MoriHostOffloadingSpec` is vLLM's
+``CPUOffloadingSpec`` with that worker. This exercises the CPU tier's control path on the
+CPU build (it says nothing of transfer speed); on GPUs vLLM's own spec and worker are used.
+The eviction order of the tier is ``mori.vllm_plugin.cpu_tier``'s.
+
+This module imports vLLM (and torch); it is imported inside vLLM's processes only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+logger = logging.getLogger("vllm.mori_plugin.host_tier")
+
+
+class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
+    """An ``OffloadingWorker`` (``v1/kv_offload/base.py:568-592``) copying with plain,
+    synchronous torch copies, for KV caches that live in host memory (vLLM's CPU build).
+
+    Byte layout (that of ``CPUOffloadingWorker``'s direct layout,
+    ``v1/kv_offload/cpu/gpu_worker.py:764-830``): for each canonical KV tensor ``t`` (viewed as
+    ``(num_blocks, page_t)`` int8, ``page_t`` its padded page size), a host tensor
+    ``(num_chunks, page_t * blocks_per_chunk)`` int8; chunk ``c`` holds
+    ``blocks_per_chunk`` consecutive blocks of a request, block ``j`` of the chunk at bytes
+    ``[j * page_t, (j + 1) * page_t)``. A transfer whose first block is not chunk aligned
+    (``GPULoadStoreSpec.block_indices[g] % blocks_per_chunk``) skips that many sub-blocks of
+    its first chunk, per group (``v1/kv_offload/cpu/gpu_worker.py:600-634``). Each group
+    copies whole pages of the tensors its layers reference (once per tensor; vLLM copies
+    once per layer reference, un-padded — the same bytes); ``transfer_size`` is counted as
+    vLLM counts it (per reference, un-padded page).
+
+    A submit copies at once and returns ``True``; ``get_finished`` hands back the results
+    since the last call; ``wait`` has nothing to wait for. The connector submits a step's
+    stores at the start of the next step, after the forward pass that wrote those blocks,
+    and the loads before the forward pass that reads them
+    (``distributed/kv_transfer/kv_connector/v1/offloading/worker.py:246-271``), so
+    synchronous copies see the right bytes.
+    """
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
+                 num_chunks: int) -> None:
+        if blocks_per_chunk < 1 or num_chunks < 0:
+            raise ValueError(f"blocks_per_chunk={blocks_per_chunk}, num_chunks={num_chunks}")
+        self.blocks_per_chunk = blocks_per_chunk
+        self.num_chunks = num_chunks
+        self.engine: list[Any] = []  # (num_blocks, page) int8 views of the KV tensors
+        self.host: list[Any] = []  # (num_chunks, page * blocks_per_chunk) int8
+        self._host_sub: list[Any] = []  # the same, as (num_chunks * bpc, page)
+        for t in kv_caches.tensors:
+            page = int(t.page_size_bytes)
+            engine = t.tensor.view(torch.int8).view(-1, page)
+            if engine.device.type != "cpu":
+                raise ValueError(f"KV cache tensor on {engine.device}: the host copy worker "
+                                 "is for KV caches in host memory (vLLM's CPU build)")
+            host = torch.zeros((num_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            self.engine.append(engine)
+            self.host.append(host)
+            self._host_sub.append(host.view(num_chunks * blocks_per_chunk, page))
+        self._group_tensors = [sorted({r.tensor_idx for r in refs})
+                               for refs in kv_caches.group_data_refs]
+        self._group_bytes = [sum(int(r.page_size_bytes) for r in refs)
+                             for refs in kv_caches.group_data_refs]
+        self._done: list[TransferResult] = []
+
+    def _plan(self, engine_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec
+              ) -> list[tuple[int, Any, Any]]:
+        """Per group: (group, engine block ids, host sub-block ids), checked before any
+        byte is copied."""
+        bpc = self.blocks_per_chunk
+        engine_ids = np.asarray(engine_spec.block_ids, dtype=np.int64)
+        host_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
+        plan: list[tuple[int, Any, Any]] = []
+        off_e = off_h = 0
+        for g, (size, first) in enumerate(zip(engine_spec.group_sizes,
+                                              engine_spec.block_indices, strict=True)):
+            if size == 0:
+                continue
+            skip = int(first) % bpc
+            n_chunks = -(-(size + skip) // bpc)
+            if off_e + size > len(engine_ids) or off_h + n_chunks > len(host_ids):
+                break
+            pos = np.arange(skip, skip + size)
+            plan.append((g, engine_ids[off_e:off_e + size],
+                         host_ids[off_h + pos // bpc] * bpc + pos % bpc))
+            off_e += size
+            off_h += n_chunks
+        else:
+            if off_e == len(engine_ids) and off_h == len(host_ids):
+                return plan
+        raise ValueError(f"a transfer of {len(engine_ids)} blocks to {len(host_ids)} chunks "
+                         f"does not match its group sizes {list(engine_spec.group_sizes)} "
+                         f"and first blocks {list(engine_spec.block_indices)}")
+
+    def _transfer(self, job_id: int, engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
+                  store: bool) -> bool:
+        if not isinstance(host_spec, BlockIDsLoadStoreSpec):
+            raise TypeError(f"not a host chunk spec: {type(host_spec).__name__}")
+        start = time.perf_counter()
+        nbytes = 0
+        for g, engine_ids, host_ids in self._plan(engine_spec, host_spec):
+            e_idx, h_idx = torch.from_numpy(engine_ids), torch.from_numpy(host_ids)
+            for t in self._group_tensors[g]:
+                engine, host = self.engine[t], self._host_sub[t]
+                if store:
+                    host.index_copy_(0, h_idx, engine.index_select(0, e_idx))
+                else:
+                    engine.index_copy_(0, e_idx, host.index_select(0, h_idx))
+            nbytes += len(engine_ids) * self._group_bytes[g]
+        self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
+                                         transfer_time=time.perf_counter() - start))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
+                     dst_spec: LoadStoreSpec) -> bool:
+        return self._transfer(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
+                    dst_spec: GPULoadStoreSpec) -> bool:
+        return self._transfer(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # every copy is done when its submit returns
+
+
+class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``CPUOffloadingSpec`` (``v1/kv_offload/cpu/spec.py:43-207``) with
+    :class:`HostCopyOffloadingWorker` as its worker.
+
+    Everything else is vLLM's: the tier's size (``num_chunks``, from ``cpu_bytes_to_use``:
+    ``v1/kv_offload/cpu/spec.py:93-126``), the manager and its cache policy
+    (``eviction_policy``, ``cache_policy_module_path``: ``v1/kv_offload/cpu/spec.py:134-159``)
+    and the metrics. Loaded with ``spec_name`` / ``spec_module_path``
+    (``v1/kv_offload/factory.py:30-58``); the connector's worker side calls ``get_worker``
+    once, with the engine's KV caches
+    (``distributed/kv_transfer/kv_connector/v1/offloading/worker.py:68-69``).
+    """
+
+    _host_worker: HostCopyOffloadingWorker | None = None
+
+    @property
+    def cpu_tier_tokens(self) -> int:
+        """Tokens the tier holds (of the first KV cache group: for a model with one
+        group, the tier's size in tokens)."""
+        if not self.tokens_per_block:
+            return 0
+        return int(self.num_chunks * self.blocks_per_chunk * self.tokens_per_block[0])
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyOffloadingWorker:
+        if self._host_worker is None:
+            self._host_worker = HostCopyOffloadingWorker(
+                kv_caches, int(self.blocks_per_chunk), int(self.num_chunks))
+        return self._host_worker
