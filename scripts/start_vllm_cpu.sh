@@ -15,7 +15,10 @@
 # PYTHONPATH; the vLLM venv needs no mori. MORI_VLLM_PLUGIN=1 loads MORI's scheduler
 # plug-in (--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler; src/ goes on the
 # vLLM process's PYTHONPATH), its label endpoint bound at tcp://127.0.0.1:LABEL_PORT
-# (default PORT+2000); without it vLLM runs plain (--no-plugin).
+# (default PORT+2000); without it vLLM runs plain (--no-plugin). MORI_VLLM_CPU_GIB=N adds
+# a host KV tier of N GiB (`--cpu-gib`: vLLM's OffloadingConnector with MORI's copy
+# worker; evicted in MORI's order with the plug-in, by vLLM's LRU without; src/ goes on
+# the vLLM process's PYTHONPATH for it too).
 #
 # Settings (environment): MORI_VLLM_BLOCK_SIZE (32; must be a multiple of 32 on the CPU),
 # MORI_VLLM_MAX_MODEL_LEN (what the pool holds, at most 4096), MORI_VLLM_MAX_NUM_SEQS (16).
@@ -53,13 +56,16 @@ if [ "${MORI_VLLM_PLUGIN:-0}" = "1" ]; then
 else
     MORI_ARGS+=(--no-plugin)
 fi
+if [ -n "${MORI_VLLM_CPU_GIB:-}" ]; then
+    MORI_ARGS+=(--cpu-gib "$MORI_VLLM_CPU_GIB")
+fi
 if ! MORI_FLAGS_LINE="$(PYTHONPATH="$SRC_PATH" "$MORI_PYTHON" -m mori "${MORI_ARGS[@]}")"; then
     echo "'$MORI_PYTHON -m mori ${MORI_ARGS[*]}' failed (set MORI_PYTHON to a Python with" \
          "mori's dependencies)" >&2
     exit 2
 fi
 read -r -a MORI_FLAGS <<< "$MORI_FLAGS_LINE"
-if [ "${MORI_VLLM_PLUGIN:-0}" = "1" ]; then
+if [ "${MORI_VLLM_PLUGIN:-0}" = "1" ] || [ -n "${MORI_VLLM_CPU_GIB:-}" ]; then
     export PYTHONPATH="$SRC_PATH"  # vLLM imports the plug-in from this tree
 fi
 

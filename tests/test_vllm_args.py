@@ -14,6 +14,7 @@ import pytest
 
 from mori.cli.main import main
 from mori.cli.vllm_args_cmd import SCHEDULER_CPU, SCHEDULER_GPU, vllm_flags
+from mori.vllm_plugin.connector_config import kv_transfer_config, tokens_per_chunk
 from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -70,19 +71,46 @@ def test_cpu_build_and_endpoints(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--kv-offloading-size" not in flags
 
 
-def test_cpu_gib_on_gpu_adds_vllms_host_tier(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cpu_gib_with_the_plugin_loads_moris_cpu_tier_order(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """On GPUs: vLLM's own spec and copies, MORI's eviction order."""
     flags = parse(printed(capsys, "--gpu", "--cpu-gib", "64"))
+    assert "--kv-offloading-size" not in flags
+    cfg = flags["--kv-transfer-config"]
+    assert (cfg["kv_connector"], cfg["kv_role"]) == ("OffloadingConnector", "kv_both")
+    assert cfg["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": 64 << 30, "eviction_policy": "MoriCachePolicy",
+        "cache_policy_module_path": "mori.vllm_plugin.cpu_tier",
+        "offload_prompt_only": False}
+
+
+def test_cpu_gib_on_the_cpu_build_uses_moris_host_spec(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    extra = parse(printed(capsys, "--cpu-build", "--cpu-gib", "0.5"))[
+        "--kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == 1 << 29
+    assert (extra["spec_name"], extra["spec_module_path"]) == (
+        "MoriHostOffloadingSpec", "mori.vllm_plugin.host_tier")
+    assert extra["eviction_policy"] == "MoriCachePolicy"
+
+
+def test_cpu_gib_without_the_plugin_is_vllms_lru_tier(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    flags = parse(printed(capsys, "--gpu", "--no-plugin", "--cpu-gib", "64"))
     assert flags["--kv-offloading-size"] == "64"
     assert flags["--kv-offloading-backend"] == "native"
-    assert parse(printed(capsys, "--cpu-gib", "0.5"))["--kv-offloading-size"] == "0.5"
+    assert parse(printed(capsys, "--no-plugin", "--cpu-gib", "0.5"))[
+        "--kv-offloading-size"] == "0.5"
+    extra = parse(printed(capsys, "--cpu-build", "--no-plugin", "--cpu-gib", "0.25"))[
+        "--kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["eviction_policy"] == "lru" and "cache_policy_module_path" not in extra
+    assert extra["spec_name"] == "MoriHostOffloadingSpec"
 
 
-def test_cpu_gib_on_the_cpu_build_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["vllm-args", "--cpu-build", "--cpu-gib", "4"]) == 2
+def test_a_cpu_tier_under_one_byte_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", "--cpu-build", "--cpu-gib", "1e-12"]) == 2
     captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "CPU build has no host KV tier" in captured.err
-    assert len(captured.err.strip().splitlines()) == 1
+    assert captured.out == "" and "less than one byte" in captured.err
 
 
 @pytest.mark.parametrize("argv", [["--gpu", "--cpu-build"], ["--cpu-gib", "0"],
@@ -106,10 +134,10 @@ def test_no_plugin_leaves_the_plugin_flags_out(capsys: pytest.CaptureFixture[str
     assert BASE.items() <= flags.items()
 
 
-def test_help_says_what_is_not_built(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_says_what_the_cpu_build_tier_proves(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["vllm-args", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "MORI's order for the CPU tier is not built yet" in text
+    assert "it runs the tier's control path, not its speed" in text
     assert "vllm serve MODEL $(mori vllm-args" in text
 
 
@@ -122,3 +150,24 @@ def test_bash_command_substitution_gives_the_same_words() -> None:
                          text=True, env=env, check=True, timeout=120)
     assert res.stdout.splitlines() == vllm_flags(build="cpu",
                                                  kv_events_endpoint="tcp://*:6557")
+
+
+def test_kv_transfer_config() -> None:
+    cfg = kv_transfer_config(1 << 30, host_spec=False)
+    assert cfg["kv_connector"] == "OffloadingConnector"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra == {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "MoriCachePolicy",
+                     "cache_policy_module_path": "mori.vllm_plugin.cpu_tier",
+                     "offload_prompt_only": False}
+    extra = kv_transfer_config(1, block_size=64)["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"], extra["block_size"]) == (
+        "MoriHostOffloadingSpec", "mori.vllm_plugin.host_tier", 64)
+    with pytest.raises(ValueError):
+        kv_transfer_config(0)
+
+
+@pytest.mark.parametrize("extra, tokens", [
+    (None, 32), ({}, 32), ({"block_size": 128}, 128), ({"blocks_per_chunk": 4}, 128)])
+def test_tokens_per_chunk_as_vllm_derives_it(extra: dict[str, int] | None,
+                                             tokens: int) -> None:
+    assert tokens_per_chunk(extra, 32) == tokens

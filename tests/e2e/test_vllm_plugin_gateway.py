@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 
-from .conftest import BLOCK_SIZE, free_port, http_ok, stop_group
+from .conftest import BLOCK_SIZE, NUM_BLOCKS, free_port, http_ok, stop_group
+from .plugin_engine import Engine, start_engine
 from .test_vllm_e2e import text, turn_of
-from .test_vllm_typed_eviction import Engine, _start
 
 pytestmark = pytest.mark.e2e
 
@@ -134,7 +134,7 @@ def plugin_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PluginRun]:
     if os.environ.get("MORI_SKIP_VLLM") == "1":
         pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
     tmp = tmp_path_factory.mktemp("plugin-gateway")
-    engine, proc = _start(tmp, plugin=True)
+    engine, proc = start_engine(tmp, plugin=True, num_blocks=NUM_BLOCKS)
     try:
         run = _run(engine, engine.kv_events, tmp / "gateway.log")
     finally:

@@ -20,124 +20,23 @@ the most recent, C, stays, whatever MORI thinks of them.
 
 from __future__ import annotations
 
-import json
 import os
-import random
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import (
-    BLOCK_SIZE,
-    SCRIPTS,
-    START_TIMEOUT_S,
-    _build_model,
-    _install_venv,
-    free_port,
-    http_ok,
-    stop_group,
-)
+from .conftest import BLOCK_SIZE, stop_group
+from .plugin_engine import Engine, ask, fit_prompt, label, post, start_engine
 
 pytestmark = pytest.mark.e2e
 
 NUM_BLOCKS = 64
 PROGRAM_BLOCKS = 14  # A, B and C each
 PRESSURE_BLOCKS = 34  # D
-WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "zeta",
-         "lambda", "tau", "rho", "phi", "chi", "psi", "eta", "iota", "nu", "xi", "mu")
-
-
-@dataclass(frozen=True)
-class Engine:
-    url: str
-    labels: str | None  # the label endpoint, with the plug-in
-    log: Path
-    kv_events: str
-
-
-def _start(tmp: Path, plugin: bool) -> tuple[Engine, subprocess.Popen[bytes]]:
-    venv = _install_venv()
-    model = _build_model(venv)
-    port, kv_port, label_port = free_port(), free_port(), free_port()
-    log = tmp / ("vllm-plugin.log" if plugin else "vllm-plain.log")
-    env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable,
-           "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(model), str(port), str(kv_port),
-             str(NUM_BLOCKS), str(label_port)], stdout=fh, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while not http_ok(url + "/health"):
-        if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
-            stop_group(proc)
-            tail = log.read_text(errors="replace")[-3000:]
-            pytest.fail(f"vLLM ({'plug-in' if plugin else 'plain'}) did not start:\n{tail}",
-                        pytrace=False)
-        time.sleep(1.0)
-    return Engine(url, f"tcp://127.0.0.1:{label_port}" if plugin else None, log,
-                  f"tcp://127.0.0.1:{kv_port}"), proc
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out: dict[str, Any] = json.loads(r.read())
-        return out
-
-
-def _prompt(url: str, seed: int, blocks: int) -> str:
-    """A text whose prompt is just under ``blocks`` KV blocks."""
-    rng = random.Random(seed)
-    words = [rng.choice(WORDS) for _ in range(blocks * BLOCK_SIZE)]
-    lo, hi = 1, len(words)
-    while lo < hi:  # the longest prefix of the words that fits the blocks
-        mid = (lo + hi + 1) // 2
-        n = _post(url + "/tokenize", {"model": "tiny", "prompt": " ".join(words[:mid])})["count"]
-        if n <= blocks * BLOCK_SIZE - 4:
-            lo = mid
-        else:
-            hi = mid - 1
-    return " ".join(words[:lo])
-
-
-def _ask(url: str, program: str, prompt: str) -> int:
-    """Send ``prompt`` as ``program``; the prompt tokens found cached."""
-    out = _post(url + "/v1/completions", {
-        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-        "session_id": program, "vllm_xargs": {"kv_cache_report_mode": "full"}})
-    details = out["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
-
-
-def _label(endpoint: str, labels: dict[str, str]) -> dict[str, Any]:
-    import zmq
-
-    from mori.vllm_plugin import protocol
-
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
-        replies = {}
-        for op, fields in (("hello", {}), ("set", {"labels": labels})):
-            sock.send(protocol.encode(op, **fields))
-            if not sock.poll(10_000):
-                pytest.fail(f"the plug-in did not answer {op!r} at {endpoint}", pytrace=False)
-            replies[op] = protocol.decode_reply(sock.recv())
-        return replies
-    finally:
-        sock.close()
 
 
 @dataclass(frozen=True)
@@ -150,22 +49,22 @@ class Outcome:
 
 def _scenario(engine: Engine) -> Outcome:
     url = engine.url
-    _post(url + "/reset_prefix_cache", {})
-    prompts = {p: _prompt(url, seed, PROGRAM_BLOCKS) for seed, p in enumerate("ABC")}
-    pressure = _prompt(url, 99, PRESSURE_BLOCKS)
-    sizes = {p: _post(url + "/tokenize", {"model": "tiny", "prompt": t})["count"]
+    post(url + "/reset_prefix_cache", {})
+    prompts = {p: fit_prompt(url, seed, PROGRAM_BLOCKS) for seed, p in enumerate("ABC")}
+    pressure = fit_prompt(url, 99, PRESSURE_BLOCKS)
+    sizes = {p: post(url + "/tokenize", {"model": "tiny", "prompt": t})["count"]
              for p, t in prompts.items()}
-    first = {p: _ask(url, f"prog-{p}", prompts[p]) for p in "ABC"}
+    first = {p: ask(url, f"prog-{p}", prompts[p]) for p in "ABC"}
     handshake = None
     if engine.labels is not None:
-        replies = _label(engine.labels, {"prog-A": "busy", "prog-B": "idle",
+        replies = label(engine.labels, {"prog-A": "busy", "prog-B": "idle",
                                          "prog-C": "inactive"})
         handshake = replies["hello"]
         assert replies["set"]["ok"], replies
         time.sleep(0.5)  # applied at the scheduler's next step: D's request is one
-    _ask(url, "prog-D", pressure)
+    ask(url, "prog-D", pressure)
     order = "ABC" if engine.labels is not None else "CBA"  # who should have stayed, first
-    cached = {p: _ask(url, f"prog-{p}", prompts[p]) for p in order}
+    cached = {p: ask(url, f"prog-{p}", prompts[p]) for p in order}
     return Outcome(sizes, first, cached, handshake)
 
 
@@ -176,7 +75,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Out
     tmp = tmp_path_factory.mktemp("typed")
     out: dict[str, Outcome] = {}
     for plugin in (True, False):
-        engine, proc = _start(tmp, plugin)
+        engine, proc = start_engine(tmp, plugin=plugin, num_blocks=NUM_BLOCKS)
         try:
             out["plugin" if plugin else "plain"] = _scenario(engine)
             log = engine.log.read_text(errors="replace")  # before the shutdown's own noise

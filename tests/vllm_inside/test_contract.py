@@ -291,11 +291,12 @@ def _offloading_config(extra: dict[str, object]) -> object:
 
 def test_offloading_factory_keys() -> None:
     """The ``kv_connector_extra_config`` keys that load the CPU tier (what
-    ``cpu_tier.kv_transfer_config`` emits) still mean what they did."""
+    ``connector_config.kv_transfer_config`` emits) still mean what they did."""
     from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from mori.vllm_plugin.cpu_tier import MoriCachePolicy, kv_transfer_config
+    from mori.vllm_plugin.connector_config import kv_transfer_config
+    from mori.vllm_plugin.cpu_tier import MoriCachePolicy
     from mori.vllm_plugin.host_tier import MoriHostOffloadingSpec
     extra = kv_transfer_config(1 << 20)["kv_connector_extra_config"]
     assert set(extra) == {"cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path",

@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from mori.vllm_plugin import cpu_tier
+from mori.vllm_plugin import connector_config, cpu_tier
 from mori.vllm_plugin.cpu_tier import MoriCachePolicy
 from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
 
@@ -176,6 +176,26 @@ def test_relabelling_resorts_the_stored_chunks() -> None:
     assert pol.relabel_all() == 4
     assert set(store(mgr, "E", keys("E", 2))) == set(keys("C", 2))
     assert hits(mgr, keys("B", 2)) == [True, True]
+
+
+def test_a_dropped_programs_own_chunks_go_first() -> None:
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    labels = {"A": "idle", "B": "idle", "C": "busy"}
+    pol.bind(labelled(labels))
+    store(mgr, "A", [key("P0"), key("A1")])
+    store(mgr, "B", [key("P0"), key("B1")])  # P0 shared with A
+    store(mgr, "C", keys("C", 1))
+    del labels["A"]  # the gateway dropped A: its label is gone (busy) ...
+    assert pol.drop("A") == 1  # ... and A1, A's alone, is inactive
+    assert pol.drop("A") == 0
+    assert pol.class_of(key("A1")) == "inactive"
+    assert pol.class_of(key("P0")) == "idle" and pol.programs_of(key("P0")) == {"B"}
+    assert store(mgr, None, keys("X", 1)) == [key("A1")]  # before C's busy chunk
+    # A's next request makes its chunks A's again
+    store(mgr, "A", [key("P0"), key("A2")])
+    assert pol.class_of(key("A2")) == "busy" and "A" in pol.programs_of(key("P0"))
+    assert "A" in pol.programs_of(key("A2"))
 
 
 def test_a_chunk_being_loaded_is_never_evicted() -> None:
@@ -375,7 +395,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_host_spec_sizes_the_tier_from_cpu_bytes(model_dir: Path, cpu_bytes: int,
                                                  block_size: int | None) -> None:
     vc, kvc = offloading_configs(
-        model_dir, cpu_tier.kv_transfer_config(cpu_bytes, block_size=block_size))
+        model_dir, connector_config.kv_transfer_config(cpu_bytes, block_size=block_size))
     # what OffloadingConnector.__init__ does
     # (vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py:87-89)
     spec = OffloadingSpecFactory.create_spec(build_offloading_config(vc, kvc))
@@ -395,7 +415,7 @@ def test_host_spec_sizes_the_tier_from_cpu_bytes(model_dir: Path, cpu_bytes: int
 def test_host_spec_worker_copies_the_registered_kv_caches(model_dir: Path) -> None:
     """The connector's worker side, on the CPU build, gets the copy worker over the KV
     cache tensors it registers (the CPU attention layout), and the copies reach them."""
-    vc, kvc = offloading_configs(model_dir, cpu_tier.kv_transfer_config(1 << 20))
+    vc, kvc = offloading_configs(model_dir, connector_config.kv_transfer_config(1 << 20))
     conn = OffloadingConnector(vc, KVConnectorRole.WORKER, kvc)
     kv = {n: torch.randn(NUM_BLOCKS, 1, BLOCK, 2 * 64) for n in LAYERS}
     conn.register_kv_caches(kv)
@@ -411,16 +431,3 @@ def test_host_spec_worker_copies_the_registered_kv_caches(model_dir: Path) -> No
     for n, t in kv.items():
         assert torch.equal(t[[7, 8]], orig[n])
     assert [r.transfer_size for r in w.get_finished()] == [2 * PAGE * len(LAYERS)] * 2
-
-
-def test_kv_transfer_config() -> None:
-    cfg = cpu_tier.kv_transfer_config(1 << 30, host_spec=False)
-    assert cfg["kv_connector"] == "OffloadingConnector"
-    extra = cfg["kv_connector_extra_config"]
-    assert extra == {"cpu_bytes_to_use": 1 << 30, "eviction_policy": "MoriCachePolicy",
-                     "cache_policy_module_path": MODULE, "offload_prompt_only": False}
-    extra = cpu_tier.kv_transfer_config(1, block_size=64)["kv_connector_extra_config"]
-    assert (extra["spec_name"], extra["spec_module_path"], extra["block_size"]) == (
-        "MoriHostOffloadingSpec", HOST_MODULE, 64)
-    with pytest.raises(ValueError):
-        cpu_tier.kv_transfer_config(0)

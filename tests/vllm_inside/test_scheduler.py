@@ -183,3 +183,63 @@ def test_mori_async_scheduler_and_the_endpoint_from_additional_config(
             assert ask("hello")["ok"]
     finally:
         s.shutdown()
+
+
+def test_the_scheduler_drives_moris_cpu_tier(configs: Any, endpoint: str, dealer: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the offloading connector loaded (``mori vllm-args --cpu-gib``), the scheduler
+    binds the connector's cache policy to its labels, tags requests with their program,
+    reports the tier's size, and relabels the host chunks when labels arrive."""
+    from vllm.config import KVTransferConfig
+
+    from mori.vllm_plugin.connector_config import PROGRAM_KEY, kv_transfer_config
+    from mori.vllm_plugin.cpu_tier import MoriCachePolicy
+
+    vc, kvc = configs
+    kvt = KVTransferConfig(**kv_transfer_config(1 << 20, block_size=2 * BLOCK))
+    monkeypatch.setattr(vc, "kv_transfer_config", kvt)
+    s = build(MoriScheduler, (vc, kvc))
+    try:
+        assert len(s.mori_cpu_policies) == 1
+        pol = s.mori_cpu_policies[0]
+        assert isinstance(pol, MoriCachePolicy) and pol.bound
+        assert s.connector.connector_scheduler.manager._policy is pol  # vLLM's own one
+        hello = dealer("hello")
+        assert hello["cpu_tier_tokens"] == pol.cache_capacity * 2 * BLOCK > 0
+
+        req = request("ra", "a", 3, 1000)
+        req.kv_transfer_params = {"other": 1}
+        s.add_request(req)
+        assert req.kv_transfer_params == {"other": 1, PROGRAM_KEY: "a"}
+        anon = request("rn", None, 2, 3000)
+        s.add_request(anon)
+        assert not (anon.kv_transfer_params or {}).get(PROGRAM_KEY)
+
+        # the policy reads the scheduler's labels
+        assert dealer("set", labels={"a": "idle", "b": "inactive"})["ok"]
+        s.schedule()
+        assert pol._label("a") == "idle" and pol._label("b") == "inactive"
+        calls: list[tuple[str, Any]] = []
+        monkeypatch.setattr(pol, "relabel", lambda ps: calls.append(("relabel", set(ps))))
+        monkeypatch.setattr(pol, "relabel_all", lambda: calls.append(("all", None)))
+        monkeypatch.setattr(pol, "drop", lambda p: calls.append(("drop", p)))
+        assert dealer("set", labels={"a": "busy"})["ok"]
+        s.schedule()
+        assert calls == [("relabel", {"a"})]
+        calls.clear()
+        assert dealer("drop", program="a")["ok"] and dealer("replace", labels={})["ok"]
+        s.schedule()
+        assert calls == [("drop", "a"), ("all", None)]
+    finally:
+        s.shutdown()
+
+
+def test_without_a_cpu_tier_nothing_is_tagged(configs: Any, endpoint: str) -> None:
+    s = build(MoriScheduler, configs)
+    try:
+        assert s.mori_cpu_policies == [] and s.mori_cpu_tier_tokens == 0
+        req = request("ra", "a", 1, 1000)
+        s.add_request(req)
+        assert req.kv_transfer_params is None
+    finally:
+        s.shutdown()

@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Any, TypeVar
 
+from mori.vllm_plugin.connector_config import GIB, kv_transfer_config
 from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
@@ -26,7 +27,7 @@ what it prints:
   --kv-events-config {{"enable_kv_cache_events":true,"publisher":"zmq",
                       "endpoint":ADDR,"topic":"{KV_EVENTS_TOPIC}"}}
   --scheduling-policy priority --enable-prefix-caching --enable-prompt-tokens-details
-  --kv-offloading-size N --kv-offloading-backend native     (with --cpu-gib N, GPU only)
+  --kv-transfer-config {{"kv_connector":"OffloadingConnector",...}}   (with --cpu-gib N)
 
   The plug-in (--scheduler-cls) replaces vLLM's free-block queue with one that evicts
   by MORI's labels (unhashed, then inactive, idle, busy; least recently used first
@@ -36,9 +37,16 @@ what it prints:
   src/ on its PYTHONPATH). --no-plugin leaves the plug-in's two flags out: plain vLLM,
   as MORI's adapter also drives it (gating, priorities, KV events).
 
-  --cpu-gib gives vLLM its own host tier, which keeps and evicts blocks in its own
-  order (least recently used): MORI's order for the CPU tier is not built yet. vLLM's
-  CPU build has no host tier, so --cpu-gib with --cpu-build is an error.
+  --cpu-gib N gives the engine a host KV tier of N GiB (fractions allowed): vLLM's
+  OffloadingConnector, every block written through to host memory, loaded back on a
+  prefix hit. With the plug-in, its chunks are evicted in MORI's order (inactive, then
+  busy, then idle; mori.vllm_plugin.cpu_tier.MoriCachePolicy), and the handshake tells
+  the gateway the tier's size. On GPUs the copies are vLLM's own; on the CPU build
+  (which vLLM gives no host tier) they are MORI's plain copy worker
+  (mori.vllm_plugin.host_tier): it runs the tier's control path, not its speed.
+  With --no-plugin the tier is evicted by vLLM's own LRU (on GPUs through vLLM's
+  --kv-offloading-size; on the CPU build through MORI's copy worker, which needs mori
+  importable by vLLM's Python).
 
 using the output:
   The flags are printed on one line, separated by single spaces. No flag or value holds
@@ -57,7 +65,7 @@ using the output:
 
 examples:
   mori vllm-args --gpu --cpu-gib 64
-  mori vllm-args --cpu-build --label-endpoint tcp://127.0.0.1:6558
+  mori vllm-args --cpu-build --cpu-gib 0.25 --label-endpoint tcp://127.0.0.1:6558
   mori vllm-args --no-plugin
 """
 
@@ -92,15 +100,14 @@ def add_vllm_args_parser(sub: argparse._SubParsersAction[P]) -> P:
                    help="ZMQ endpoint vLLM publishes KV events on (default: "
                         f"{DEFAULT_KV_EVENTS_ENDPOINT}; `*` binds, see below)")
     p.add_argument("--cpu-gib", type=_gib, metavar="N",
-                   help="GiB of host memory for vLLM's own CPU KV tier (GPU builds only; "
-                        "evicted in vLLM's LRU order: MORI's CPU-tier order is not built "
-                        "yet)")
+                   help="GiB of host memory for a CPU KV tier (fractions allowed), "
+                        "evicted in MORI's order with the plug-in (see below)")
     build = p.add_mutually_exclusive_group()
     build.add_argument("--gpu", dest="build", action="store_const", const="gpu",
                        help=f"vLLM on GPUs (the default): the scheduler is {SCHEDULER_GPU}")
     build.add_argument("--cpu-build", dest="build", action="store_const", const="cpu",
-                       help=f"vLLM's CPU build: the scheduler is {SCHEDULER_CPU}; no host "
-                            "tier")
+                       help=f"vLLM's CPU build: the scheduler is {SCHEDULER_CPU}; a host "
+                            "tier uses MORI's copy worker")
     p.add_argument("--no-plugin", action="store_true",
                    help="leave out --scheduler-cls and --additional-config (plain vLLM)")
     p.set_defaults(build="gpu")
@@ -130,10 +137,6 @@ def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
     """The vLLM flags, one list item per word (see the command's help)."""
     if build not in ("gpu", "cpu"):
         raise VLLMArgsError(f"build is gpu or cpu, got {build!r}")
-    if cpu_gib is not None and build == "cpu":
-        raise VLLMArgsError("--cpu-gib: vLLM's CPU build has no host KV tier "
-                            "(--kv-offloading-size is refused there); leave --cpu-gib out "
-                            "or use --gpu")
     flags: list[str] = []
     if plugin:
         flags += ["--scheduler-cls", SCHEDULER_GPU if build == "gpu" else SCHEDULER_CPU,
@@ -146,8 +149,15 @@ def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
     flags += ["--scheduling-policy", "priority", "--enable-prefix-caching",
               "--enable-prompt-tokens-details"]
     if cpu_gib is not None:
-        flags += ["--kv-offloading-size", _number(cpu_gib), "--kv-offloading-backend",
-                  "native"]
+        if build == "gpu" and not plugin:
+            flags += ["--kv-offloading-size", _number(cpu_gib), "--kv-offloading-backend",
+                      "native"]
+        else:
+            cpu_bytes = int(cpu_gib * GIB)
+            if cpu_bytes <= 0:
+                raise VLLMArgsError(f"--cpu-gib {cpu_gib} is less than one byte")
+            flags += ["--kv-transfer-config", _compact(kv_transfer_config(
+                cpu_bytes, host_spec=build == "cpu", mori_order=plugin))]
     return flags
 
 

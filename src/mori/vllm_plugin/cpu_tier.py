@@ -9,18 +9,17 @@ which chunk to evict to a ``CachePolicy`` resolved by name, out of tree included
 ``v1/kv_offload/cpu/policies/factory.py:39-82``). Paths below are relative to the
 installed ``vllm`` package (0.32), lines as of that version.
 
-This module provides (the CPU build's copy worker and host spec are in ``host_tier``):
-
-- :class:`MoriCachePolicy`, that ``CachePolicy``. It evicts host chunks by class, in this
-  order: ``inactive`` first, then ``busy``, then ``idle`` (kept longest: an idle program's
-  next turn is the one the host tier saves — a busy program's KV is on the GPU anyway),
-  least recently used first within a class, recency kept exactly as vLLM's
-  ``LRUCachePolicy`` keeps it (``v1/kv_offload/cpu/policies/lru.py``). A chunk's class is
-  the most protective (``idle`` > ``busy`` > ``inactive``) label among the programs whose
-  requests used it; a chunk no known program used is ``busy``, as is a program without a
-  label. So an unbound policy, or one whose gateway is silent, evicts exactly as vLLM's LRU
-  does.
-- :func:`kv_transfer_config`, the ``--kv-transfer-config`` value that loads them.
+This module provides :class:`MoriCachePolicy`, that ``CachePolicy`` (the CPU build's copy
+worker and host spec are in ``host_tier``; ``connector_config.kv_transfer_config`` is the
+flag that loads them). It evicts host chunks by class, in this order: ``inactive`` first,
+then ``busy``, then ``idle`` (kept longest: an idle program's next turn is the one the host
+tier saves; a busy program's KV is on the GPU anyway), least recently used first within a
+class, recency kept exactly as vLLM's ``LRUCachePolicy`` keeps it
+(``v1/kv_offload/cpu/policies/lru.py``). A chunk's class is the most protective (``idle`` >
+``busy`` > ``inactive``) label among the programs whose requests used it; a chunk no known
+program used is ``busy``, as is a program without a label. So an unbound policy, or one
+whose gateway is silent, evicts exactly as vLLM's LRU does. A chunk whose every program was
+dropped (:meth:`MoriCachePolicy.drop`) is ``inactive`` until a request uses it again.
 
 How the policy learns a chunk's program and that program's label:
 
@@ -33,15 +32,9 @@ How the policy learns a chunk's program and that program's label:
   :meth:`MoriCachePolicy.relabel` (or :meth:`MoriCachePolicy.relabel_all`) so that the
   affected chunks move to their new class.
 
-**Not done yet (the next step):** the scheduler mixin (``scheduler.py``) does not bind its
-label table to the policy (after ``super().__init__()``: the policy is built inside it —
-``Scheduler`` -> ``OffloadingConnector`` -> ``spec.get_manager()`` -> ``CPUOffloadingManager``
--> ``policy_cls(cache_capacity=...)`` — and registered in :func:`live_policies`), nor calls
-``relabel`` when labels arrive, nor puts ``mori_program`` (the request's ``session_id``) into
-``kv_transfer_params`` in ``add_request`` (it must, before ``super().add_request()``: that
-hands the request to the connector, which builds the request's ``ReqContext`` then —
-``v1/core/sched/scheduler.py:2616-2640``); ``mori vllm-args`` does not emit
-:func:`kv_transfer_config`. Until then every chunk is ``busy`` and the tier is plain LRU.
+The MORI scheduler (``scheduler.py``) binds every policy built in its process
+(:func:`live_policies`) to its label table, relabels on each label message, and copies
+``Request.session_id`` into ``kv_transfer_params`` when a request arrives.
 
 This module imports vLLM (and torch); it is imported inside vLLM's processes only.
 """
@@ -53,7 +46,6 @@ import logging
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from vllm.v1.kv_offload.base import (
     OffloadKey,
@@ -61,11 +53,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from .connector_config import PROGRAM_KEY
 from .labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
 logger = logging.getLogger("vllm.mori_plugin.cpu_tier")
 
-PROGRAM_KEY = "mori_program"  # in a request's kv_transfer_params
 # Protection of a host chunk by label (higher is evicted later).
 CPU_PROTECTION = {"inactive": 0, "busy": 1, "idle": 2}
 EVICT_ORDER = ("inactive", "busy", "idle")  # evicted first .. last
@@ -138,6 +130,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._owners: dict[OffloadKey, set[str]] = {}
         self._keys_of: dict[str, set[OffloadKey]] = {}
         self._wide: set[OffloadKey] = set()
+        self._dropped: set[OffloadKey] = set()  # every owner dropped: inactive
         self._pending_owner: dict[OffloadKey, str] = {}  # on_store_miss -> insert
         self._label: Callable[[str], str] = _unbound_label
         self._label_failed = False
@@ -162,6 +155,24 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
             keys |= self._keys_of.get(program, set())
         return self._refile_all(keys)
 
+    def drop(self, program: str) -> int:
+        """The gateway dropped ``program``: its chunks lose it as an owner, and those it
+        alone owned become ``inactive`` (evicted first) until a request uses them again.
+        Returns how many chunks became ``inactive``."""
+        orphaned = 0
+        for key in self._keys_of.pop(program, set()):
+            owners = self._owners.get(key)
+            if owners is None:
+                continue
+            owners.discard(program)
+            if not owners:
+                del self._owners[key]
+                self._dropped.add(key)
+                orphaned += 1
+            self._refile(key)
+        self._maybe_compact()
+        return orphaned
+
     def relabel_all(self) -> int:
         """Any label may have changed (``replace``, ``clear``): re-file every evictable
         chunk (the others are filed when they become evictable)."""
@@ -181,7 +192,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
             return WIDE_CLASS if self.bound else DEFAULT_LABEL
         owners = self._owners.get(key)
         if not owners:
-            return DEFAULT_LABEL
+            return EVICT_ORDER[0] if key in self._dropped else DEFAULT_LABEL
         best = EVICT_ORDER[0]
         for program in owners:
             label = self._label_of(program)
@@ -221,6 +232,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     def _own(self, key: OffloadKey, program: str | None) -> None:
         if program is None or key not in self.chunks or key in self._wide:
             return
+        self._dropped.discard(key)
         owners = self._owners.setdefault(key, set())
         if program in owners:
             return
@@ -233,6 +245,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
 
     def _disown(self, key: OffloadKey) -> None:
         self._wide.discard(key)
+        self._dropped.discard(key)
         for program in self._owners.pop(key, ()):
             keys = self._keys_of.get(program)
             if keys is not None:
@@ -353,6 +366,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._owners.clear()
         self._keys_of.clear()
         self._wide.clear()
+        self._dropped.clear()
         self._pending_owner.clear()
 
     def evict(self, n: int, protected: set[OffloadKey]
@@ -391,35 +405,3 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
             out.append((key, chunk))
         self._maybe_compact()
         return out
-
-
-# ----------------------------------------------------------------------------------------
-# The CPU build's host tier
-# ----------------------------------------------------------------------------------------
-def kv_transfer_config(cpu_bytes: int, *, host_spec: bool = True,
-                       block_size: int | None = None) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for an ``OffloadingConnector`` host tier of
-    ``cpu_bytes`` evicted by :class:`MoriCachePolicy`.
-
-    ``host_spec``: use ``host_tier.MoriHostOffloadingSpec`` (CPU build); ``False`` keeps
-    vLLM's ``CPUOffloadingSpec`` (GPUs). ``block_size``: tokens per host chunk (a multiple
-    of the engine's block size; vLLM's default, one block). ``offload_prompt_only`` is off:
-    an agent's next turn reuses its previous turns' generated tokens too.
-    """
-    if cpu_bytes <= 0:
-        raise ValueError(f"cpu_bytes must be > 0, not {cpu_bytes}")
-    extra: dict[str, Any] = {
-        "cpu_bytes_to_use": int(cpu_bytes),
-        "eviction_policy": MoriCachePolicy.__name__,
-        "cache_policy_module_path": __name__,
-        "offload_prompt_only": False,
-    }
-    if host_spec:
-        from . import host_tier
-
-        extra["spec_name"] = host_tier.MoriHostOffloadingSpec.__name__
-        extra["spec_module_path"] = host_tier.__name__
-    if block_size is not None:
-        extra["block_size"] = int(block_size)
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}

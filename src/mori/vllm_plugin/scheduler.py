@@ -21,6 +21,18 @@ What the mixin adds to vLLM's scheduler:
 - ``reset_prefix_cache`` forgets every block's programs and re-sorts the free queue;
   ``shutdown`` stops the server.
 
+With MORI's CPU tier (``--kv-transfer-config`` from ``mori vllm-args --cpu-gib``; the
+cache policy ``cpu_tier.MoriCachePolicy`` is built inside ``Scheduler.__init__``, by the
+offloading connector), the mixin also:
+
+- binds that policy to its label table (``LabelTable.label``), relabels the host chunks of
+  the programs a label message names (all of them for ``replace`` and ``clear``) and marks
+  a dropped program's host chunks ``inactive``;
+- copies each arriving request's ``session_id`` into its ``kv_transfer_params``
+  (``connector_config.PROGRAM_KEY``), which is all the connector shows the policy of a
+  request, before vLLM's ``add_request`` hands the request to the connector;
+- reports the tier's size in tokens in the handshake (``cpu_tier_tokens``).
+
 An error in MORI's own bookkeeping is logged and never stops the engine.
 """
 
@@ -33,6 +45,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from .connector_config import PROGRAM_KEY, tokens_per_chunk
 from .labels import LabelTable
 from .protocol import Message
 from .server import LabelServer, label_endpoint
@@ -55,8 +68,14 @@ class MoriSchedulerMixin:
     vllm_config: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        before = set(_cpu_policies())
         super().__init__(*args, **kwargs)
         self.mori_labels = LabelTable()
+        # the CPU tier's cache policies built by this scheduler's connector (none without)
+        self.mori_cpu_policies = [p for p in _cpu_policies() if p not in before]
+        for policy in self.mori_cpu_policies:
+            policy.bind(self.mori_labels.label)
+        self.mori_cpu_tier_tokens = self._mori_cpu_tier_tokens()
         self._mori_learned: dict[tuple[str, int], tuple[int, int]] = {}
         self._mori_log_at = 0.0
         self._mori_counts: dict[str, int] = {}
@@ -72,8 +91,10 @@ class MoriSchedulerMixin:
                                        self._mori_info)
         self.mori_server.start()
         logger.info("MORI scheduler: typed free queue over %d blocks (%d free); labels "
-                    "from %s", pool.num_gpu_blocks, self.mori_queue.num_free_blocks,
-                    self.mori_server.endpoint)
+                    "from %s; CPU tier: %s", pool.num_gpu_blocks,
+                    self.mori_queue.num_free_blocks, self.mori_server.endpoint,
+                    f"{self.mori_cpu_tier_tokens} tokens in MORI's order"
+                    if self.mori_cpu_policies else "none")
 
     # -- hooks into vLLM's scheduler ----------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -81,6 +102,19 @@ class MoriSchedulerMixin:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self._mori_learn_running()
         return out
+
+    def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.mori_cpu_policies:
+            try:
+                program = getattr(request, "session_id", None)
+                if isinstance(program, str) and program:
+                    params = request.kv_transfer_params
+                    params = dict(params) if isinstance(params, dict) else {}
+                    params[PROGRAM_KEY] = program
+                    request.kv_transfer_params = params
+            except Exception:
+                logger.exception("MORI scheduler: tagging a request with its program failed")
+        return super().add_request(request, *args, **kwargs)  # type: ignore[misc]
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
         ok = super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
@@ -104,8 +138,22 @@ class MoriSchedulerMixin:
     def _mori_info(self) -> dict[str, Any]:
         return {"block_size": int(self.block_size),
                 "gpu_blocks": int(self.kv_cache_config.num_blocks),
-                "cpu_tier_tokens": 0,
+                "cpu_tier_tokens": int(self.mori_cpu_tier_tokens),
                 "programs": len(self.mori_labels)}
+
+    def _mori_cpu_tier_tokens(self) -> int:
+        """The CPU tier's size in tokens (0 without one)."""
+        if not self.mori_cpu_policies:
+            return 0
+        try:
+            kvt = getattr(self.vllm_config, "kv_transfer_config", None)
+            extra = getattr(kvt, "kv_connector_extra_config", None)
+            chunk = tokens_per_chunk(extra if isinstance(extra, dict) else None,
+                                     int(self.block_size))
+            return sum(int(p.cache_capacity) for p in self.mori_cpu_policies) * chunk
+        except Exception:
+            logger.exception("MORI scheduler: sizing the CPU tier failed; reporting 0")
+            return 0
 
     def _mori_on_pop(self, block: Any) -> None:
         self.mori_labels.forget_block(block.block_id)
@@ -137,6 +185,8 @@ class MoriSchedulerMixin:
                     evicted += len(evict)
                 affected |= more
         moved = self.mori_queue.reclassify(pool.blocks[b] for b in affected)
+        if self.mori_cpu_policies:
+            self._mori_relabel_cpu(msgs)
         c = self._mori_counts
         for msg in msgs:
             c[msg.op] = c.get(msg.op, 0) + 1
@@ -152,6 +202,22 @@ class MoriSchedulerMixin:
         else:
             logger.debug("MORI labels applied: %d messages, %d blocks moved, %d evicted",
                          len(msgs), moved, evicted)
+
+    def _mori_relabel_cpu(self, msgs: list[Message]) -> None:
+        """Move the host chunks whose class the label messages changed."""
+        every = any(m.op in ("replace", "clear") for m in msgs)
+        named: set[str] = set()
+        for msg in msgs:
+            if msg.op == "set":
+                named |= set(msg.labels or {})
+            elif msg.op == "drop" and msg.program is not None:
+                for policy in self.mori_cpu_policies:
+                    policy.drop(msg.program)
+        for policy in self.mori_cpu_policies:
+            if every:
+                policy.relabel_all()
+            elif named:
+                policy.relabel(named)
 
     def _mori_learn_running(self) -> None:
         """Tie the running requests' new blocks to their programs."""
@@ -180,6 +246,16 @@ class MoriSchedulerMixin:
             self._mori_learned = learned
         except Exception:
             logger.exception("MORI scheduler: learning the running requests' blocks failed")
+
+
+def _cpu_policies() -> list[Any]:
+    """The CPU tier's cache policies alive in this process (none when the tier's module
+    cannot load: vLLM without the offloading classes)."""
+    try:
+        from .cpu_tier import live_policies
+    except Exception:
+        return []
+    return live_policies()
 
 
 class MoriScheduler(MoriSchedulerMixin, Scheduler):  # type: ignore[misc]

@@ -1,0 +1,138 @@
+"""Fresh vLLM CPU engines for the plug-in's end-to-end tests, and the calls they make.
+
+:func:`start_engine` starts ``scripts/start_vllm_cpu.sh`` on free ports, with or without
+MORI's plug-in and with or without a CPU KV tier, and waits for ``/health``; the caller
+stops it (``conftest.stop_group``). The helpers talk to it over HTTP and, for labels,
+over the plug-in's ZMQ channel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import (
+    BLOCK_SIZE,
+    SCRIPTS,
+    START_TIMEOUT_S,
+    _build_model,
+    _install_venv,
+    free_port,
+    http_ok,
+    stop_group,
+)
+
+WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "zeta",
+         "lambda", "tau", "rho", "phi", "chi", "psi", "eta", "iota", "nu", "xi", "mu")
+
+
+@dataclass(frozen=True)
+class Engine:
+    url: str
+    labels: str | None  # the label endpoint, with the plug-in
+    log: Path
+    kv_events: str
+
+
+def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | None = None,
+                 name: str | None = None) -> tuple[Engine, subprocess.Popen[bytes]]:
+    """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier)."""
+    venv = _install_venv()
+    model = _build_model(venv)
+    port, kv_port, label_port = free_port(), free_port(), free_port()
+    name = name or ("vllm-plugin" if plugin else "vllm-plain")
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable,
+           "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
+    if cpu_gib is not None:
+        env["MORI_VLLM_CPU_GIB"] = repr(cpu_gib)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(model), str(port), str(kv_port),
+             str(num_blocks), str(label_port)], stdout=fh, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while not http_ok(url + "/health"):
+        if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
+            stop_group(proc)
+            tail = log.read_text(errors="replace")[-3000:]
+            pytest.fail(f"vLLM ({name}) did not start:\n{tail}", pytrace=False)
+        time.sleep(1.0)
+    return Engine(url, f"tcp://127.0.0.1:{label_port}" if plugin else None, log,
+                  f"tcp://127.0.0.1:{kv_port}"), proc
+
+
+def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def fit_prompt(url: str, seed: int, blocks: int) -> str:
+    """A text whose prompt is just under ``blocks`` KV blocks."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(blocks * BLOCK_SIZE)]
+    lo, hi = 1, len(words)
+    while lo < hi:  # the longest prefix of the words that fits the blocks
+        mid = (lo + hi + 1) // 2
+        n = post(url + "/tokenize", {"model": "tiny", "prompt": " ".join(words[:mid])})["count"]
+        if n <= blocks * BLOCK_SIZE - 4:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(words[:lo])
+
+
+def ask(url: str, program: str, prompt: str) -> int:
+    """Send ``prompt`` as ``program``; the prompt tokens found cached."""
+    out = post(url + "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+        "session_id": program, "vllm_xargs": {"kv_cache_report_mode": "full"}})
+    details = out["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples on ``/metrics`` (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def label(endpoint: str, labels: dict[str, str]) -> dict[str, Any]:
+    """Handshake with the plug-in, then set ``labels``; the two replies by op."""
+    import zmq
+
+    from mori.vllm_plugin import protocol
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        replies = {}
+        for op, fields in (("hello", {}), ("set", {"labels": labels})):
+            sock.send(protocol.encode(op, **fields))
+            if not sock.poll(10_000):
+                pytest.fail(f"the plug-in did not answer {op!r} at {endpoint}", pytrace=False)
+            replies[op] = protocol.decode_reply(sock.recv())
+        return replies
+    finally:
+        sock.close()
