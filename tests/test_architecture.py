@@ -60,8 +60,10 @@ LAYERS = {
     "vllm_plugin": set(),
 }
 # what the other layers may import of the plug-in: its protocol (it needs no vLLM; the
-# engine adapters speak the label channel with it); the rest runs only inside vLLM
-PLUGIN_API = {"mori.vllm_plugin", "mori.vllm_plugin.protocol"}
+# engine adapters speak the label channel with it) and its connector config (`mori
+# vllm-args` prints it); the rest runs only inside vLLM
+PLUGIN_API = {"mori.vllm_plugin", "mori.vllm_plugin.protocol",
+              "mori.vllm_plugin.connector_config"}
 HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
         "prometheus_client"}
 
@@ -95,7 +97,8 @@ def test_vllm_plugin_imports_without_vllm() -> None:
     label tables and the typed queue need no vLLM either (only ``scheduler``, ``cpu_tier``
     and ``host_tier`` do)."""
     code = ("import sys, mori.vllm_plugin, mori.vllm_plugin.protocol, "
-            "mori.vllm_plugin.labels, mori.vllm_plugin.typed_queue; "
+            "mori.vllm_plugin.labels, mori.vllm_plugin.typed_queue, "
+            "mori.vllm_plugin.connector_config; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True)

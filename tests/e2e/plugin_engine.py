@@ -15,9 +15,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -31,6 +32,8 @@ from .conftest import (
     http_ok,
     stop_group,
 )
+
+T = TypeVar("T")
 
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta", "zeta",
          "lambda", "tau", "rho", "phi", "chi", "psi", "eta", "iota", "nu", "xi", "mu")
@@ -71,6 +74,27 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
         time.sleep(1.0)
     return Engine(url, f"tcp://127.0.0.1:{label_port}" if plugin else None, log,
                   f"tcp://127.0.0.1:{kv_port}"), proc
+
+
+def with_and_without_plugin(tmp: Path, scenario: Callable[[Engine], T], *, num_blocks: int,
+                            cpu_gib: float | None = None, name: str = "vllm"
+                            ) -> dict[str, T]:
+    """``scenario`` on a fresh engine with the plug-in, then on one without; the outcomes
+    by ``plugin`` / ``plain``. Each engine's log must hold no traceback."""
+    out: dict[str, T] = {}
+    if os.environ.get("MORI_SKIP_VLLM") == "1":
+        pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
+    for plugin in (True, False):
+        key = "plugin" if plugin else "plain"
+        engine, proc = start_engine(tmp, plugin=plugin, num_blocks=num_blocks,
+                                    cpu_gib=cpu_gib, name=f"{name}-{key}")
+        try:
+            out[key] = scenario(engine)
+            log = engine.log.read_text(errors="replace")  # before the shutdown's own noise
+            assert "Traceback" not in log, log[-3000:]
+        finally:
+            stop_group(proc)
+    return out
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -136,3 +160,34 @@ def label(endpoint: str, labels: dict[str, str]) -> dict[str, Any]:
         return replies
     finally:
         sock.close()
+
+
+@dataclass(frozen=True)
+class Pressured:
+    """Three programs' prompts after a fourth has pushed some of their KV out."""
+
+    prompts: dict[str, str]  # A, B, C
+    prompt_tokens: dict[str, int]
+    first: dict[str, int]  # cached tokens of each program's first request
+    handshake: dict[str, Any] | None  # the plug-in's hello (None without the plug-in)
+
+
+def three_then_pressure(engine: Engine, labels: dict[str, str], program_blocks: int,
+                        pressure_blocks: int) -> Pressured:
+    """Programs ``prog-A``, ``prog-B`` and ``prog-C`` each send a prompt of just under
+    ``program_blocks`` blocks; on a plug-in engine they are then labelled ``labels`` (by
+    letter); then ``prog-D`` sends one of ``pressure_blocks`` blocks."""
+    url = engine.url
+    prompts = {p: fit_prompt(url, seed, program_blocks) for seed, p in enumerate("ABC")}
+    pressure = fit_prompt(url, 99, pressure_blocks)
+    sizes = {p: post(url + "/tokenize", {"model": "tiny", "prompt": t})["count"]
+             for p, t in prompts.items()}
+    first = {p: ask(url, f"prog-{p}", prompts[p]) for p in "ABC"}
+    handshake = None
+    if engine.labels is not None:
+        replies = label(engine.labels, {f"prog-{p}": v for p, v in labels.items()})
+        handshake = replies["hello"]
+        assert replies["set"]["ok"], replies
+        time.sleep(0.5)  # applied at the scheduler's next step: D's request is one
+    ask(url, "prog-D", pressure)
+    return Pressured(prompts, sizes, first, handshake)

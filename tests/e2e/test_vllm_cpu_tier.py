@@ -24,17 +24,21 @@ inactive, is gone from both tiers. Without it, A (the oldest) is gone from both.
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from .conftest import BLOCK_SIZE, stop_group
-from .plugin_engine import Engine, ask, fit_prompt, label, metric, post, start_engine
+from .conftest import BLOCK_SIZE
+from .plugin_engine import (
+    Engine,
+    ask,
+    metric,
+    three_then_pressure,
+    with_and_without_plugin,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -61,46 +65,24 @@ class Outcome:
 
 def _scenario(engine: Engine) -> Outcome:
     url = engine.url
-    prompts = {p: fit_prompt(url, seed, PROGRAM_BLOCKS) for seed, p in enumerate("ABC")}
-    pressure = fit_prompt(url, 99, PRESSURE_BLOCKS)
-    sizes = {p: post(url + "/tokenize", {"model": "tiny", "prompt": t})["count"]
-             for p, t in prompts.items()}
-    first = {p: ask(url, f"prog-{p}", prompts[p]) for p in "ABC"}
-    handshake = None
-    if engine.labels is not None:
-        replies = label(engine.labels, {"prog-A": "idle", "prog-B": "busy",
-                                        "prog-C": "inactive"})
-        handshake = replies["hello"]
-        assert replies["set"]["ok"], replies
-        time.sleep(0.5)  # applied at the scheduler's next step: D's request is one
-    ask(url, "prog-D", pressure)
+    run = three_then_pressure(engine, {"A": "idle", "B": "busy", "C": "inactive"},
+                              PROGRAM_BLOCKS, PRESSURE_BLOCKS)
     cached: dict[str, int] = {}
     for p in ("AC" if engine.labels is not None else "CA"):
         if p == "A":
             hits0, loads0 = metric(url, HITS), metric(url, LOADS)
-        cached[p] = ask(url, f"prog-{p}", prompts[p])
+        cached[p] = ask(url, f"prog-{p}", run.prompts[p])
         if p == "A":
             hits1, loads1 = metric(url, HITS), metric(url, LOADS)
-    return Outcome(sizes, first, cached, int(hits1 - hits0), loads1 - loads0,
-                   metric(url, "vllm:kv_offload_store_bytes_total"), handshake)
+    return Outcome(run.prompt_tokens, run.first, cached, int(hits1 - hits0),
+                   loads1 - loads0, metric(url, "vllm:kv_offload_store_bytes_total"),
+                   run.handshake)
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
-    if os.environ.get("MORI_SKIP_VLLM") == "1":
-        pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
-    tmp = tmp_path_factory.mktemp("cpu-tier")
-    out: dict[str, Outcome] = {}
-    for plugin in (True, False):
-        name = "cpu-tier-plugin" if plugin else "cpu-tier-plain"
-        engine, proc = start_engine(tmp, plugin=plugin, num_blocks=NUM_BLOCKS,
-                                    cpu_gib=CPU_GIB, name=name)
-        try:
-            out["plugin" if plugin else "plain"] = _scenario(engine)
-            log = engine.log.read_text(errors="replace")
-            assert "Traceback" not in log, log[-3000:]
-        finally:
-            stop_group(proc)
+    out = with_and_without_plugin(tmp_path_factory.mktemp("cpu-tier"), _scenario,
+                                  num_blocks=NUM_BLOCKS, cpu_gib=CPU_GIB, name="cpu-tier")
     print("CPU tier:", {k: (v.cached, v.cpu_hits, v.load_bytes) for k, v in out.items()},
           file=sys.stderr)
     yield out

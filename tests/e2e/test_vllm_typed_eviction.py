@@ -20,17 +20,21 @@ the most recent, C, stays, whatever MORI thinks of them.
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from .conftest import BLOCK_SIZE, stop_group
-from .plugin_engine import Engine, ask, fit_prompt, label, post, start_engine
+from .conftest import BLOCK_SIZE
+from .plugin_engine import (
+    Engine,
+    ask,
+    post,
+    three_then_pressure,
+    with_and_without_plugin,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -50,38 +54,17 @@ class Outcome:
 def _scenario(engine: Engine) -> Outcome:
     url = engine.url
     post(url + "/reset_prefix_cache", {})
-    prompts = {p: fit_prompt(url, seed, PROGRAM_BLOCKS) for seed, p in enumerate("ABC")}
-    pressure = fit_prompt(url, 99, PRESSURE_BLOCKS)
-    sizes = {p: post(url + "/tokenize", {"model": "tiny", "prompt": t})["count"]
-             for p, t in prompts.items()}
-    first = {p: ask(url, f"prog-{p}", prompts[p]) for p in "ABC"}
-    handshake = None
-    if engine.labels is not None:
-        replies = label(engine.labels, {"prog-A": "busy", "prog-B": "idle",
-                                         "prog-C": "inactive"})
-        handshake = replies["hello"]
-        assert replies["set"]["ok"], replies
-        time.sleep(0.5)  # applied at the scheduler's next step: D's request is one
-    ask(url, "prog-D", pressure)
+    run = three_then_pressure(engine, {"A": "busy", "B": "idle", "C": "inactive"},
+                              PROGRAM_BLOCKS, PRESSURE_BLOCKS)
     order = "ABC" if engine.labels is not None else "CBA"  # who should have stayed, first
-    cached = {p: ask(url, f"prog-{p}", prompts[p]) for p in order}
-    return Outcome(sizes, first, cached, handshake)
+    cached = {p: ask(url, f"prog-{p}", run.prompts[p]) for p in order}
+    return Outcome(run.prompt_tokens, run.first, cached, run.handshake)
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
-    if os.environ.get("MORI_SKIP_VLLM") == "1":
-        pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
-    tmp = tmp_path_factory.mktemp("typed")
-    out: dict[str, Outcome] = {}
-    for plugin in (True, False):
-        engine, proc = start_engine(tmp, plugin=plugin, num_blocks=NUM_BLOCKS)
-        try:
-            out["plugin" if plugin else "plain"] = _scenario(engine)
-            log = engine.log.read_text(errors="replace")  # before the shutdown's own noise
-            assert "Traceback" not in log, log[-3000:]
-        finally:
-            stop_group(proc)
+    out = with_and_without_plugin(tmp_path_factory.mktemp("typed"), _scenario,
+                                  num_blocks=NUM_BLOCKS, name="typed")
     print("typed eviction:", {k: (v.first, v.cached) for k, v in out.items()}, file=sys.stderr)
     yield out
 

@@ -4,7 +4,8 @@ Only ``scheduler``, ``cpu_tier`` and ``host_tier`` import vLLM; they are importe
 vLLM's own processes (``--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler``, see
 ``mori vllm-args``; ``cpu_tier``, the host tier's cache policy, and ``host_tier``, the CPU
 build's copy worker and offloading spec, through ``--kv-transfer-config``, see
-``cpu_tier.kv_transfer_config``).
-``protocol`` (the label channel's messages), ``labels`` and ``typed_queue`` need no vLLM,
-so the gateway's adapter speaks the protocol and the tests exercise the queue anywhere.
+``connector_config.kv_transfer_config``).
+``protocol`` (the label channel's messages), ``labels``, ``typed_queue`` and
+``connector_config`` need no vLLM, so the gateway's adapter speaks the protocol, ``mori
+vllm-args`` prints the flags, and the tests exercise the queue anywhere.
 """
