@@ -1,19 +1,29 @@
 """Agent programs on one real vLLM, four ways: how many prompt tokens each recomputes.
 
     python bench/bench_vllm_agents.py [--programs 8] [--duration 600] [--time-scale 10]
-        [--token-scale 0.01] [--blocks 128] [--seed 0] [--arms a,b,c,d] [--json FILE]
+        [--token-scale 0.01] [--blocks 128] [--cpu-blocks 256] [--seed 0] [--arms a,b,c,d]
+        [--json FILE]
 
 The same agent programs (the shipped real traces, or ``--traces``; the same ``--seed``)
 are replayed closed-loop by ``mori replay``'s client against four arms, each on a fresh
 vLLM CPU engine (``scripts/start_vllm_cpu.sh``, tiny random-weight model, the same pool of
-``--blocks`` blocks of 32 tokens and the same flags):
+``--blocks`` blocks of 32 tokens, the same host KV tier of ``--cpu-blocks`` blocks, and
+the same flags):
 
   a  vLLM directly (no gateway; vLLM ignores the ``program_id`` field it does not know)
   b  ThunderAgent (``--router tr``) in front of vLLM; programs are released through its
      ``POST /programs/release``
   c  ``mori serve --backend vllm=URL,kv_events=...`` (plain vLLM engine, LRU eviction)
   d  ``mori serve --backend vllm=URL,kv_events=...,labels=...`` with MORI's scheduler
-     plug-in loaded in the engine (``MORI_VLLM_PLUGIN=1``: typed eviction)
+     plug-in loaded in the engine (``MORI_VLLM_PLUGIN=1``: typed eviction on the GPU and
+     in the host tier, whose size the gateway learns from the plug-in's handshake;
+     ``prefetch=false``: no warm-up requests, so that every arm's engine prompt tokens
+     are the clients' prompts)
+
+The host tier (``MORI_VLLM_CPU_GIB``, ``mori vllm-args --cpu-gib``) is vLLM's
+``OffloadingConnector`` with MORI's copy worker for the CPU build: every full block is
+written through to it and loaded back on a prefix hit. Arms (a), (b) and (c) evict it by
+vLLM's ``lru`` policy, arm (d) by MORI's labels. ``--cpu-blocks 0`` runs without it.
 
 Scaling to the tiny model: prompts are sent as text (``--text-prompts``); ``--token-scale``
 is engine tokens per trace token. The tiny model's tokenizer turns replay's 4 characters
@@ -24,12 +34,16 @@ slept ``/ --time-scale`` (``mori serve`` runs its policy clock at that scale; Th
 scheduler and metrics intervals, 5 s by default, are divided by it too).
 
 Source of truth for tokens: the engine's own counters (``vllm:prompt_tokens_total``,
-``vllm:prefix_cache_hits_total``, ``vllm:prefix_cache_queries_total``,
-``vllm:num_preemptions_total``), read from the engine's ``/metrics`` before and after each
-arm. Recomputed = prompt - cached. The CPU build has no CPU KV tier, so CPU-tier hits are
-0. The replay runs for a fixed time, so arms that hold requests back complete fewer of
-them: the recomputed share (recomputed / prompt) and recomputed per completed request
-compare arms fairly; the absolute count does not.
+``vllm:prefix_cache_hits_total`` (GPU), ``vllm:external_prefix_cache_hits_total`` (host
+tier), ``vllm:prefix_cache_queries_total``, ``vllm:num_preemptions_total``), read from
+the engine's ``/metrics`` before and after each arm. Recomputed = prompt - cached (GPU +
+host tier). The replay runs for a fixed time, so arms that hold requests back complete
+fewer of them: the recomputed share (recomputed / prompt) and recomputed per completed
+request compare arms fairly; the absolute count does not. A program's first turn has
+nothing to reuse, so part of every arm's recompute is cold; "later turns: recomputed
+share" counts only the turns whose prefix was computed before (from the usage the engine
+returns with each completed request: ``prompt_tokens`` less
+``prompt_tokens_details.cached_tokens``), the misses a cache policy can avoid.
 
 Each arm's processes run in their own process groups and are stopped at the arm's end,
 on failure too; a failing arm is reported as failed with the reason, the others run.
@@ -93,6 +107,8 @@ ARMS = {
 COUNTERS = {
     "prompt": "vllm:prompt_tokens_total",
     "hits": "vllm:prefix_cache_hits_total",
+    "cpu_hits": "vllm:external_prefix_cache_hits_total",
+    "loaded_bytes": "vllm:kv_offload_load_bytes_total",
     "queries": "vllm:prefix_cache_queries_total",
     "preemptions": "vllm:num_preemptions_total",
     "generation": "vllm:generation_tokens_total",
@@ -193,7 +209,16 @@ class Engine:
     start_s: float
 
 
-def start_engine(procs: Processes, logs: Path, blocks: int, plugin: bool, arm: str) -> Engine:
+def block_bytes() -> int:
+    """Bytes of KV of one 32-token block of the tiny model (bf16)."""
+    cfg = json.loads((MODEL / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return int(cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+               * BLOCK_SIZE)
+
+
+def start_engine(procs: Processes, logs: Path, blocks: int, cpu_blocks: int, plugin: bool,
+                 arm: str) -> Engine:
     if not (VLLM_VENV / "bin" / "python").exists():
         raise ArmFailed(f"no vLLM venv at {VLLM_VENV}: run scripts/vllm_cpu_env.sh")
     if not (MODEL / "config.json").exists():
@@ -202,6 +227,8 @@ def start_engine(procs: Processes, logs: Path, blocks: int, plugin: bool, arm: s
     port, kv_port, label_port = free_port(), free_port(), free_port()
     env = {**os.environ, "MORI_VLLM_VENV": str(VLLM_VENV), "MORI_PYTHON": sys.executable,
            "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
+    if cpu_blocks > 0:
+        env["MORI_VLLM_CPU_GIB"] = repr(cpu_blocks * block_bytes() / (1 << 30))
     log = logs / f"{arm}-vllm.log"
     proc = procs.start("vllm", ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(MODEL),
                                 str(port), str(kv_port), str(blocks), str(label_port)], log, env)
@@ -271,7 +298,10 @@ def start_mori(procs: Processes, logs: Path, engine: Engine, time_scale: float,
     port = free_port()
     backend = f"vllm={engine.url},kv_events={engine.kv_events}"
     if engine.labels:
-        backend += f",labels={engine.labels}"
+        # no warm-up requests: the adapter's warm-up re-sends a reloaded program's prompt
+        # just before the request itself, which adds engine prompt tokens without changing
+        # what is recomputed; off, every arm's prompt tokens are the clients' prompts
+        backend += f",labels={engine.labels},prefetch=false"
     log = logs / f"{arm}-mori-serve.log"
     proc = procs.start("mori serve", [
         sys.executable, "-m", "mori", "serve", "--backend", backend, "--port", str(port),
@@ -309,6 +339,7 @@ class Settings:
     token_scale: float  # engine tokens per trace token
     blocks: int
     seed: int
+    cpu_blocks: int = 0  # host-tier blocks (0: no host tier)
 
 
 def max_output_tokens(traces: TraceSet) -> int:
@@ -352,7 +383,8 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
     row: dict[str, Any] = {"arm": arm, "name": ARMS[arm], "ok": False}
     try:
         exe = thunderagent_exe(ta_src) if arm == "b" else None
-        engine = start_engine(procs, logs, s.blocks, plugin=arm == "d", arm=arm)
+        engine = start_engine(procs, logs, s.blocks, s.cpu_blocks, plugin=arm == "d",
+                              arm=arm)
         row["engine_start_s"] = round(engine.start_s, 1)
         status, body = http_get(engine.url + "/v1/models")
         max_model_len = int(json.loads(body)["data"][0]["max_model_len"]) if status == 200 else 0
@@ -373,7 +405,7 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
         time.sleep(1.0)  # the engine finishes aborting what the replay cancelled
         after = engine_counters(engine.url)
         d = {k: int(round(after[k] - before[k])) for k in COUNTERS}
-        recomputed = d["prompt"] - d["hits"]
+        recomputed = d["prompt"] - d["hits"] - d["cpu_hits"]
         row.update({
             "ok": True, "target": target, "max_model_len": max_model_len,
             "engine_tokens_per_text_token": round(ratio, 3),
@@ -387,7 +419,8 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             "programs_served": len({e.program_id for e in result.events
                                     if e.error is None and e.end_s is not None}),
             "prompt_tokens": d["prompt"], "cached_tokens_gpu": d["hits"],
-            "cached_tokens_cpu": 0, "prefix_cache_queries": d["queries"],
+            "cached_tokens_cpu": d["cpu_hits"], "cpu_tier_loaded_bytes": d["loaded_bytes"],
+            "prefix_cache_queries": d["queries"],
             "recomputed_tokens": recomputed,
             "recomputed_share": recomputed / d["prompt"] if d["prompt"] else None,
             "recomputed_per_request": (recomputed / result.steps if result.steps else None),
@@ -395,6 +428,7 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             "wall_s": round(result.wall_s, 2),
             "ttft_p50_wall_s": _wall(result.ttft_p50_s, s.time_scale),
             "ttft_p90_wall_s": _wall(result.ttft_p90_s, s.time_scale),
+            **turn_split(result.events),
             "gated_requests": result.gated_requests, "promotions": result.promotions,
             "demotions_to_none": result.demotions_to_none,
         })
@@ -418,14 +452,34 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
     return row
 
 
+def turn_split(events: Any) -> dict[str, Any]:
+    """Prompt and recomputed tokens of first turns (nothing to reuse: cold) and of later
+    turns (their prefix was computed before: a miss is a recompute the cache could have
+    saved), from the usage the engine returned to the client with each completed
+    request."""
+    out = {"first_turn_prompt": 0, "first_turn_recomputed": 0, "later_turn_prompt": 0,
+           "later_turn_recomputed": 0, "requests_with_usage": 0}
+    for e in events:
+        if e.error is not None or e.end_s is None or e.prompt_tokens is None:
+            continue
+        out["requests_with_usage"] += 1
+        kind = "first_turn" if e.step == 0 else "later_turn"
+        out[f"{kind}_prompt"] += e.prompt_tokens
+        out[f"{kind}_recomputed"] += e.prompt_tokens - (e.cached_tokens or 0)
+    later = out["later_turn_prompt"]
+    out["later_turn_recomputed_share"] = (out["later_turn_recomputed"] / later
+                                          if later else None)
+    return out
+
+
 def _wall(sim_s: float, time_scale: float) -> float | None:
     return None if sim_s is None or math.isnan(sim_s) else sim_s / time_scale
 
 
 # -- output -------------------------------------------------------------------------------
-HEADERS = ("arm", "requests done", "programs served", "errors", "prompt tok", "cached GPU", "cached CPU",
-           "recomputed", "recomputed share", "recomputed / req", "preemptions", "wall s",
-           "TTFT p50 / p90 ms")
+HEADERS = ("arm", "requests done", "programs served", "errors", "prompt tok", "cached GPU",
+           "cached CPU", "recomputed", "recomputed share", "recomputed / req",
+           "later turns: recomputed share", "preemptions", "wall s", "TTFT p50 / p90 ms")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -441,11 +495,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
         share = r["recomputed_share"]
         per = r["recomputed_per_request"]
+        later = r.get("later_turn_recomputed_share")
         out.append([
             label, str(r["requests_completed"]), str(r["programs_served"]), str(r["errors"]), f"{r['prompt_tokens']:,}",
-            f"{r['cached_tokens_gpu']:,}", "0", f"{r['recomputed_tokens']:,}",
+            f"{r['cached_tokens_gpu']:,}", f"{r['cached_tokens_cpu']:,}",
+            f"{r['recomputed_tokens']:,}",
             "-" if share is None else f"{share:.1%}", "-" if per is None else f"{per:,.0f}",
-            str(r["preemptions"]), f"{r['wall_s']:.1f}",
+            "-" if later is None else f"{later:.1%}", str(r["preemptions"]), f"{r['wall_s']:.1f}",
             f"{ms(r['ttft_p50_wall_s'])} / {ms(r['ttft_p90_wall_s'])}"])
     return format_table(HEADERS, out, [False] + [True] * (len(HEADERS) - 1))
 
@@ -492,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine tokens per trace token (default 0.01)")
     ap.add_argument("--blocks", type=int, default=128,
                     help="KV blocks of 32 tokens in the engine's pool (default 128)")
+    ap.add_argument("--cpu-blocks", type=int, default=256,
+                    help="blocks of 32 tokens in every arm's host KV tier; 0: none "
+                         "(default 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="a,b,c,d", help="arms to run, from a,b,c,d")
     ap.add_argument("--traces", type=Path, default=None,
@@ -507,19 +566,21 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in arms if a not in ARMS]
     if bad or not arms:
         ap.error(f"--arms takes letters from a,b,c,d (got {args.arms!r})")
-    if args.blocks < 8 or args.programs < 1 or not args.token_scale > 0 or \
+    if args.blocks < 8 or args.cpu_blocks < 0 or args.programs < 1 or not args.token_scale > 0 or \
             not args.time_scale > 0 or not args.duration > 0:
-        ap.error("--blocks >= 8, --programs >= 1, and positive scales and duration, please")
+        ap.error("--blocks >= 8, --cpu-blocks >= 0, --programs >= 1, and positive scales "
+                 "and duration, please")
     traces = load_traces(args.traces) if args.traces else default_traces()
     settings = Settings(args.programs, args.duration, args.time_scale, args.token_scale,
-                        args.blocks, args.seed)
+                        args.blocks, args.seed, args.cpu_blocks)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-agents-"))
     logs.mkdir(parents=True, exist_ok=True)
     ta_src = args.thunderagent_src or default_thunderagent_src()
     signal.signal(signal.SIGTERM, _sigterm)
     print(f"{len(arms)} arm(s), {args.programs} programs of {traces.name!r}, "
           f"{args.duration:g} simulated s at time scale {args.time_scale:g}, token scale "
-          f"{args.token_scale:g}, {args.blocks} blocks x {BLOCK_SIZE} tokens; logs in {logs}",
+          f"{args.token_scale:g}, {args.blocks} blocks x {BLOCK_SIZE} tokens, host tier "
+          f"{args.cpu_blocks} blocks; logs in {logs}",
           file=sys.stderr)
     rows = []
     try:
@@ -543,8 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         r = ok[0]
         print(f"engine tokens per replay text token {r['engine_tokens_per_text_token']}, "
               f"replay token scale {r['replay_token_scale']:.5f}, programs cut at "
-              f"{r['max_context']:,} trace tokens (max_model_len {r['max_model_len']}); "
-              "cached CPU is 0: the CPU build has no CPU KV tier")
+              f"{r['max_context']:,} trace tokens (max_model_len {r['max_model_len']})")
     for line in verdict(rows):
         print(line)
     if args.json is not None:

@@ -173,3 +173,40 @@ def test_python_dash_m_mori() -> None:
     proc = subprocess.run([sys.executable, "-m", "mori", "--version"], capture_output=True,
                           text=True, env=env, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == f"mori {__version__}"
+
+
+TINY_RUN = ["simulate", "--quiet", "--hardware", "cpu-tiny-llama", "--policy", "smg,mori",
+            "--programs", "2", "--duration", "60", "--token-scale", "0.01"]
+
+
+def test_engine_model_options_reach_the_runs(tmp_path: Path) -> None:
+    out = tmp_path / "tiny.json"
+    assert main([*TINY_RUN, "--gpu-kv-tokens", "2050", "--cpu-kv-tokens", "1024",
+                 "--time-scale", "10", "--max-context", "150000", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["gpu_kv_tokens"], r["cpu_kv_tokens"], r["token_scale"],
+             r["time_scale"], r["gpu_kv_capacity_tokens"], r["cpu_kv_capacity_tokens"])
+            for r in rows] == [("smg", 2050, 1024, 0.01, 10.0, 2048, 0),
+                               ("mori", 2050, 1024, 0.01, 10.0, 2048, 1024)]
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('gpu-kv-tokens = 4064\ncpu_kv_tokens = 0\ntime-scale = 2\n'
+                   'token_scale = 0.01\njson = "cfg.json"\n')
+    assert main(["simulate", "--quiet", "--config", str(cfg), "--hardware", "cpu-tiny-llama",
+                 "--policy", "mori", "--programs", "2", "--duration", "30"]) == 0
+    row = json.loads((tmp_path / "cfg.json").read_text())[0]
+    assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"], row["time_scale"],
+            row["max_context"]) == (4_064, 0, 2.0, 406_400)
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--token-scale", "0", "token_scale must be > 0"),
+    ("--time-scale", "-1", "time_scale must be > 0"),
+    ("--gpu-kv-tokens", "16", "gpu_kv_tokens must hold at least one page of 32 tokens"),
+    ("--cpu-kv-tokens", "-5", "cpu_kv_tokens must be >= 0"),
+    ("--time-scale", "inf", "finite"),
+])
+def test_bad_engine_model_options_exit_2(capsys: pytest.CaptureFixture[str], flag: str,
+                                         value: str, expected: str) -> None:
+    assert main([*TINY_RUN, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err

@@ -16,7 +16,13 @@ from mori.core.costmodel import (
     get_preset,
     prefill_attn_ctx,
 )
-from mori.core.hardware import LLAMA_3_1_70B, QWEN2_5_7B, QWEN3_30B_A3B, allreduce_estimate_s
+from mori.core.hardware import (
+    LLAMA_3_1_70B,
+    QWEN2_5_7B,
+    QWEN3_30B_A3B,
+    TINY_LLAMA,
+    allreduce_estimate_s,
+)
 from mori.core.registry import (
     DuplicateNameError,
     FrozenRegistryError,
@@ -50,7 +56,7 @@ def naive_decode_run(cm: CostModel, batch: int, ctx_sum0: int, n: int) -> float:
 
 
 def test_preset_names_registered() -> None:
-    assert PRESETS.names() == sorted(PRESET_NAMES)
+    assert PRESETS.names() == sorted([*PRESET_NAMES, "cpu-tiny-llama"])
     for name in PRESET_NAMES:
         assert name in PRESETS
         assert get_preset(name).name == name
@@ -139,10 +145,10 @@ def test_unknown_preset_lists_valid_names() -> None:
         get_preset("h100-nonexistent")
     message = str(info.value)
     assert "h100-nonexistent" in message
-    assert ", ".join(sorted(PRESET_NAMES)) in message
+    assert ", ".join(PRESETS.names()) in message
     assert isinstance(info.value, KeyError)
     assert isinstance(info.value, ValueError)
-    assert info.value.valid == sorted(PRESET_NAMES)
+    assert info.value.valid == sorted([*PRESET_NAMES, "cpu-tiny-llama"])
 
 
 def test_registry_contract() -> None:
@@ -364,3 +370,57 @@ def test_decode_iters_within_edges() -> None:
     assert cm.decode_run_time(32, 32 * 1000, n) <= 3600.0 < cm.decode_run_time(32, 32 * 1000, n + 1)
     with pytest.raises(ValueError):
         cm.decode_iters_within(32, 0, math.inf)
+
+
+# --- the CPU engine of the real-engine benchmark -----------------------------------
+
+
+def test_cpu_tiny_llama_pool_is_the_engines_127_blocks() -> None:
+    preset = get_preset("cpu-tiny-llama")
+    assert preset.page_tokens == 32
+    assert preset.gpu_kv_capacity_tokens == 4_064 == (128 - 1) * 32
+    assert preset.model.context_window == 4_064
+    assert CostModel(preset).gpu_kv_capacity_tokens == 4_064
+
+
+def test_tiny_llama_parameters_from_its_config() -> None:
+    # embeddings 552 x 128 twice; per layer q, o 128 x 128, k, v 128 x 64, MLP 3 x 128 x 256,
+    # two norms of 128; a final norm of 128
+    layer = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256 + 2 * 128
+    assert TINY_LLAMA.embedding_params == 2 * 552 * 128
+    assert TINY_LLAMA.params_total == 2 * 552 * 128 + 2 * layer + 128 == 436_864
+    assert TINY_LLAMA.kv_bytes_per_token == 2 * 2 * 1 * 64 * 2  # 16 KiB per 32-token block
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 10.0])
+def test_time_scale_multiplies_every_duration(scale: float) -> None:
+    base = CostModel(get_preset("h200-qwen3-30b-a3b"))
+    slow = CostModel(base.preset, time_scale=scale)
+    for args in [(8_192, prefill_attn_ctx(8_192, 1_000), 0, 0), (0, 0.0, 16, 40_000),
+                 (512, prefill_attn_ctx(512, 0), 32, 100_000)]:
+        assert slow.iteration_time(*args) == pytest.approx(scale * base.iteration_time(*args))
+    assert slow.decode_run_time(16, 40_000, 300) == pytest.approx(
+        scale * base.decode_run_time(16, 40_000, 300))
+    assert slow.reload_time(10_000) == pytest.approx(scale * base.reload_time(10_000))
+    elapsed = base.decode_run_time(16, 40_000, 123)
+    assert slow.decode_iters_within(16, 40_000, scale * elapsed * (1 + 1e-12)) == 123
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+def test_bad_time_scale_is_refused(scale: float) -> None:
+    with pytest.raises(ValueError, match="time_scale"):
+        CostModel(get_preset("h200-qwen3-30b-a3b"), time_scale=scale)
+
+
+# bench/calibrate_cpu_engine.py --reps 5, 2026-12-01: the recorded fit the preset reproduces
+CPU_FIT_A, CPU_FIT_B = -0.0121, 1.664e-4  # prefill seconds = a + b x tokens
+CPU_PREFILL_2048_S = 0.3087  # measured median
+CPU_DECODE_STEP_S = 0.00230
+
+
+def test_cpu_tiny_llama_matches_its_recorded_calibration() -> None:
+    cm = CostModel(get_preset("cpu-tiny-llama"))
+    prefill = cm.prefill_chunk_time(2_048, 0)  # one chunk of 2,048
+    assert prefill == pytest.approx(CPU_FIT_A + CPU_FIT_B * 2_048, rel=0.20)
+    assert prefill == pytest.approx(CPU_PREFILL_2048_S, rel=0.20)
+    assert cm.decode_run_time(1, 200, 1) == pytest.approx(CPU_DECODE_STEP_S, rel=0.20)

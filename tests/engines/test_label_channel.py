@@ -273,7 +273,9 @@ def test_handshake_declares_labels_and_drop_and_cpu_tier() -> None:
             await a.start()
             assert a.capabilities >= PLUGIN_CAPS and a.labels_up
             cap = await a.capacity()
-            assert (cap.gpu_tokens, cap.cpu_tokens) == (2016, 8192)  # 63 usable blocks of 32
+            # 63 usable blocks of 32; the write-through host tier mirrors them, so the
+            # policy's CPU tier is what it holds beyond the GPU pool
+            assert (cap.gpu_tokens, cap.cpu_tokens) == (2016, 8192 - 2016)
             assert a.supports(Capability.PREFETCH)  # a host tier: warm-ups make sense
             assert plug.ops == ["hello"]  # a fresh adapter neither clears nor replaces
             assert a.plugin is not None and a.plugin["plugin_version"]
@@ -281,6 +283,15 @@ def test_handshake_declares_labels_and_drop_and_cpu_tier() -> None:
             typed = EngineProfile(cpu_tier=True, typed_eviction=True)
             acts = engine_actions(Promote("p", 0, Tier.NONE), typed, a.capabilities)
             assert acts == (SetLabel("p", 0, KVLabel.BUSY),)
+    run(go)
+
+
+def test_a_host_tier_no_larger_than_the_gpu_pool_gives_no_cpu_tier() -> None:
+    async def go(eng: FakeEngine) -> None:
+        async with plugged(eng, plugin=dict(cpu_tier_tokens=2016), **FAST) as (a, plug):
+            await a.start()
+            assert (await a.capacity()).cpu_tokens == 0
+            assert not a.supports(Capability.PREFETCH)
     run(go)
 
 

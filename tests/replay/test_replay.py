@@ -131,6 +131,9 @@ def test_requests_follow_the_trace(engine_run: tuple[FakeEngine, ReplayResult]) 
             assert b["messages"][0]["role"] == "user" and len(b["messages"][0]["content"]) < 40
     assert finished >= result.programs_finished - 1 > 3
     assert result.output_tokens == sum(e.output_tokens for e in result.events)
+    # the server's usage, per request (this server reports 5 prompt tokens, no cache)
+    done = [e for e in result.events if e.end_s is not None and e.error is None]
+    assert done and all(e.prompt_tokens == 5 and e.cached_tokens is None for e in done)
 
 
 def test_gaps_and_subagents_in_scaled_time(engine_run: tuple[FakeEngine, ReplayResult]
@@ -330,7 +333,7 @@ def test_cli_writes_table_json_and_events(server: FakeEngine, tmp_path: Path,
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert len(lines) == r["requests"]
     assert set(lines[0]) == {"program_id", "step", "sent_s", "first_token_s", "end_s",
-                             "output_tokens", "error"}
+                             "output_tokens", "error", "prompt_tokens", "cached_tokens"}
 
 
 def test_cli_unreachable_target_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -51,11 +51,13 @@ context window (--max-context):
   A program's steps are kept while prompt + output fit the context window (the model's,
   or --max-context); the rest is cut, as a real session would have compacted there. A
   program whose first step does not fit is left out; a note after the table says how
-  many were.
+  many were. The cut is in trace tokens: with --token-scale S the model's window counts
+  as window / S trace tokens, as `mori replay` cuts.
 
 config file (--config FILE.toml):
 {textwrap.fill("Keys are the long options above, with dashes or underscores: "
-                + ", ".join(valid_keys()) + ".", 88, initial_indent="  ", subsequent_indent="  ")}
+                + ", ".join(valid_keys()) + ".", 88, initial_indent="  ", subsequent_indent="  ",
+                break_on_hyphens=False)}
   List options take arrays (policy = ["mori", "smg"], programs = [20, 50]); flags on the
   command line override the file; relative paths are relative to the file's folder.
 

@@ -183,10 +183,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("human_gap_cap", float, _SIM.human_gap_cap_s, metavar="S", field="human_gap_cap_s",
            help="cap on a human gap, seconds"),
     Option("max_context", int, None, metavar="TOKENS",
-           help="cut programs at this context length (default: the model's context window)"),
+           help="cut programs at this context length in trace tokens (default: the model's "
+                "context window / --token-scale)"),
     Option("share_prefix", bool, _SIM.share_prefix,
            help="let programs share their common system-prompt prefix in the KV cache "
                 "(default: off)"),
+    Option("gpu_kv_tokens", int, _SIM.gpu_kv_tokens, metavar="TOKENS",
+           help="GPU KV pool of each replica in tokens, rounded down to the preset's pages "
+                "(default: the preset's pool)"),
+    Option("cpu_kv_tokens", int, _SIM.cpu_kv_tokens, metavar="TOKENS",
+           help="CPU KV tier of each replica in tokens of KV not on the GPU; replaces "
+                "--cpu-ratio; 0: none (default: --cpu-ratio x the GPU pool)"),
+    Option("token_scale", float, _SIM.token_scale, metavar="S",
+           help="engine tokens per trace token: every prompt, reusable prefix and output "
+                "length is multiplied by S, rounded, at least 1, as `mori replay "
+                "--token-scale` sends them"),
+    Option("time_scale", float, _SIM.time_scale, metavar="T",
+           help="engine slowdown: every engine duration (steps, KV reloads) is multiplied "
+                "by T, as when a trace is replayed at `--time-scale T` against a real engine"),
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="period of the policy's control loop, seconds"),
     Option("window", int, _POLICY.idleness_window, metavar="K", field="idleness_window",

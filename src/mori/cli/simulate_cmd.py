@@ -51,6 +51,10 @@ class Settings:
     human_gap_cap: float
     max_context: int | None
     share_prefix: bool
+    gpu_kv_tokens: int | None
+    cpu_kv_tokens: int | None
+    token_scale: float
+    time_scale: float
     tick: float
     window: int
     jobs: int
@@ -81,7 +85,9 @@ def build_grid(s: Settings) -> list[SimConfig]:
         SimConfig(policy=pol, programs=n, hardware=hw, cpu_ratio=cpu, replicas=s.replicas,
                   duration_s=s.duration, seed=s.seed, human_gap=s.human_gap,
                   human_gap_cap_s=s.human_gap_cap, max_context=s.max_context,
-                  share_prefix=s.share_prefix, policy_config=knobs)
+                  share_prefix=s.share_prefix, gpu_kv_tokens=s.gpu_kv_tokens,
+                  cpu_kv_tokens=s.cpu_kv_tokens, token_scale=s.token_scale,
+                  time_scale=s.time_scale, policy_config=knobs)
         for hw in s.hardware for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
     ]
 
@@ -168,7 +174,9 @@ def run_simulate(s: Settings) -> int:
     except SettingsError as e:
         raise UsageError(str(e)) from None
     print(results_table(results))
-    note = left_out_note(results, traces.name, len(traces.programs), s.max_context)
+    cuts = {r.max_context for r in results}  # trace tokens, the token scale applied
+    cut = s.max_context or (cuts.pop() if len(cuts) == 1 else None)
+    note = left_out_note(results, traces.name, len(traces.programs), cut)
     if note:
         print(note)
     written = []

@@ -9,6 +9,9 @@ with tensor-parallel degree t (COSTMODEL.md):
 
 The linear layers of all tokens share one weight read, hence the max (roofline). Decode
 attention is a KV read, so it sits in the memory term; prefill attention is compute.
+Every duration is multiplied by the model's ``time_scale`` (1 by default): an engine
+whose clock runs that many times slower than the workload's, as when a trace is replayed
+at ``--time-scale T`` against a real engine.
 The specs and presets live in ``mori.core.hardware`` and are re-exported here.
 """
 
@@ -49,26 +52,39 @@ def prefill_attn_ctx(new: int, cached: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
-    """Step times for one replica described by a ``HardwarePreset``. Immutable."""
+    """Step times for one replica described by a ``HardwarePreset``. Immutable.
+
+    ``time_scale``: every duration it gives (iterations, decode runs, reloads) is
+    multiplied by this factor (> 0); the preset's figures are for 1.
+    """
 
     preset: HardwarePreset
+    time_scale: float = 1.0
     # Per-unit times, precomputed once (seconds per token / per byte / per FLOP unit).
     _s_per_linear_token: float = field(init=False, repr=False, compare=False)
     _s_per_attn_unit: float = field(init=False, repr=False, compare=False)
     _s_per_hbm_byte: float = field(init=False, repr=False, compare=False)
     _kv_bytes_gpu: int = field(init=False, repr=False, compare=False)
     _overhead: float = field(init=False, repr=False, compare=False)
+    _tau: float = field(init=False, repr=False, compare=False)
+    _allreduce: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        p = self.preset
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"time_scale must be a finite number > 0 (got {self.time_scale})")
+        p, k = self.preset, self.time_scale
         m, g, t = p.model, p.gpu, p.tp
         set_ = object.__setattr__
-        set_(self, "_s_per_linear_token", m.linear_flops_per_token / (t * p.eta_gemm * g.flops))
-        set_(self, "_s_per_attn_unit", m.attn_flops_per_token_per_ctx / (t * p.eta_attn * g.flops))
+        set_(self, "_s_per_linear_token",
+             m.linear_flops_per_token / (t * p.eta_gemm * g.flops) * k)
+        set_(self, "_s_per_attn_unit",
+             m.attn_flops_per_token_per_ctx / (t * p.eta_attn * g.flops) * k)
         # Bytes are per GPU already (weights / t, KV shard), so no further / t here.
-        set_(self, "_s_per_hbm_byte", 1.0 / (p.eta_mem * g.mem_bw))
+        set_(self, "_s_per_hbm_byte", 1.0 / (p.eta_mem * g.mem_bw) * k)
         set_(self, "_kv_bytes_gpu", p.kv_bytes_per_token_per_gpu)
-        set_(self, "_overhead", p.tau + p.allreduce_s)
+        set_(self, "_tau", p.tau * k)
+        set_(self, "_allreduce", p.allreduce_s * k)
+        set_(self, "_overhead", (p.tau + p.allreduce_s) * k)
 
     @classmethod
     def from_preset_name(cls, name: str) -> CostModel:
@@ -105,7 +121,7 @@ class CostModel:
             + self._kv_bytes_gpu * decode_ctx_sum
         ) * self._s_per_hbm_byte
         attention = prefill_attn_ctx * self._s_per_attn_unit
-        return self.preset.tau + max(compute, memory) + attention + self.preset.allreduce_s
+        return self._tau + max(compute, memory) + attention + self._allreduce
 
     def prefill_chunk_time(self, new: int, cached: int) -> float:
         """One iteration prefilling ``new`` tokens on top of ``cached`` ones, no decodes."""
@@ -168,4 +184,4 @@ class CostModel:
         """
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
-        return tokens * self._kv_bytes_gpu / self.preset.gpu.pcie_bw
+        return tokens * self._kv_bytes_gpu / self.preset.gpu.pcie_bw * self.time_scale

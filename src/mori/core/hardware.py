@@ -1,4 +1,5 @@
-"""Model and GPU specifications, and the hardware presets of the paper's experiments.
+"""Model and GPU specifications, and the hardware presets of the paper's experiments
+(plus ``cpu-tiny-llama``, the CPU engine of the real-engine benchmark).
 
 Pure data: frozen dataclasses whose derived figures are properties. The numbers come
 from the public model configs and GPU datasheets listed in COSTMODEL.md; the
@@ -14,6 +15,8 @@ from mori.core.registry import Registry
 
 __all__ = [
     "B200",
+    "CPU_VLLM",
+    "CPU_VLLM_POOL_TOKENS",
     "H100_SXM",
     "H200",
     "H200_80G",
@@ -21,6 +24,7 @@ __all__ = [
     "PRESETS",
     "QWEN2_5_7B",
     "QWEN3_30B_A3B",
+    "TINY_LLAMA",
     "GPUSpec",
     "HardwarePreset",
     "ModelSpec",
@@ -262,6 +266,33 @@ LLAMA_3_1_70B = ModelSpec(
     embedding_params=2 * 128_256 * 8_192,
 )
 
+# A random-weight 2-layer Llama (scripts/make_tiny_model.py) that vLLM's CPU build serves
+# in the real-engine benchmark: hidden 128, 2 query heads and 1 KV head of 64, MLP 256,
+# vocabulary 552, untied head, bf16.
+_TINY_HIDDEN, _TINY_HEADS, _TINY_KV_HEADS, _TINY_HEAD_DIM = 128, 2, 1, 64
+_TINY_MLP, _TINY_VOCAB, _TINY_LAYERS = 256, 552, 2
+_TINY_LAYER_PARAMS = (
+    _TINY_HIDDEN * _TINY_HEADS * _TINY_HEAD_DIM * 2  # q and o projections
+    + _TINY_HIDDEN * _TINY_KV_HEADS * _TINY_HEAD_DIM * 2  # k and v projections
+    + _TINY_HIDDEN * _TINY_MLP * 3  # MLP gate, up and down
+    + _TINY_HIDDEN * 2  # the two RMS norms
+)
+_TINY_EMBEDDINGS = 2 * _TINY_VOCAB * _TINY_HIDDEN  # input embedding + untied lm_head
+_TINY_PARAMS = _TINY_EMBEDDINGS + _TINY_LAYERS * _TINY_LAYER_PARAMS + _TINY_HIDDEN  # final norm
+
+TINY_LLAMA = ModelSpec(
+    name="tiny-llama (random, 2 layers)",
+    layers=_TINY_LAYERS,
+    q_heads=_TINY_HEADS,
+    kv_heads=_TINY_KV_HEADS,
+    head_dim=_TINY_HEAD_DIM,
+    params_total=_TINY_PARAMS,  # 436,864
+    params_active=_TINY_PARAMS,
+    embedding_params=_TINY_EMBEDDINGS,
+    # the engine's max_model_len with 128 blocks of 32 tokens: (128 - 1) x 32
+    context_window=4_064,
+)
+
 # --- GPUs (datasheets; memory as the driver reports it) ----------------------------
 
 H100_SXM = GPUSpec("H100-SXM", hbm_bytes=81_559 * _MiB, mem_bw=3.35e12, flops=989e12)
@@ -269,6 +300,41 @@ H200 = GPUSpec("H200", hbm_bytes=143_771 * _MiB, mem_bw=4.8e12, flops=989e12)
 # The paper's "H200 capped to 80 GB": same chip, 80 GB usable.
 H200_80G = GPUSpec("H200-80GB", hbm_bytes=80 * 10**9, mem_bw=4.8e12, flops=989e12)
 B200 = GPUSpec("B200", hbm_bytes=178 * _GiB, mem_bw=8.0e12, flops=2_250e12)
+
+# vLLM's CPU build as the "GPU" of the tiny model. Its KV pool is set by block count
+# (``--num-gpu-blocks-override 128``, one block kept aside), not by memory, so the memory
+# here is whatever makes the preset's pool come out at 127 blocks x 32 = 4,064 tokens
+# with ``mem_fraction_static=1``: the weights plus exactly that much KV. The speed
+# figures are effective ones, fitted to the engine's measured step times (see
+# ``_CPU_VLLM_*`` below); they are not a datasheet's.
+CPU_VLLM_POOL_TOKENS = 127 * 32
+"""The KV pool of the benchmark's vLLM CPU engine: 128 blocks of 32 tokens, less one."""
+
+# Calibrated 2026-12-01 with bench/calibrate_cpu_engine.py --reps 5 (vLLM 0.32.0 CPU build,
+# 2 cores; medians of 5 requests): prefill of 63 / 513 / 1,023 / 2,048 / 3,500 fresh tokens
+# took 17.7 / 68.3 / 149.0 / 308.7 / 585.2 ms over HTTP, fit prefill s = -0.0121 +
+# 1.664e-4 x tokens (quadratic: 0.0078 + 1.220e-4 x + 1.228e-8 x^2; attention makes it
+# superlinear), and one decode step of one request 2.30 ms. Repeated runs (a shared
+# 2-core machine) varied by up to about 20%. tau is the decode step less its weight read; the
+# linear and attention rates are fitted to the prefill times (the attention one sets the
+# effective FLOP/s, eta_attn = 1); the memory figures are nominal (the tiny model's reads
+# take microseconds).
+_CPU_VLLM_TAU = 0.00217  # seconds per engine iteration (scheduling, sampling, output)
+_CPU_VLLM_FLOPS = 4.91e10  # effective FLOP/s of the attention kernels
+_CPU_VLLM_MEM_BW = 2.0e10  # bytes/s, nominal
+_CPU_VLLM_ETA_GEMM = 0.0931  # the linear layers run at 9.3% of the attention's rate
+_CPU_VLLM_ETA_ATTN = 1.0
+_CPU_VLLM_ETA_MEM = 1.0
+_CPU_VLLM_COPY_BW = 10e9  # host-tier copies are memory copies on the CPU build (not measured)
+
+CPU_VLLM = GPUSpec(
+    "CPU (vLLM CPU build)",
+    hbm_bytes=TINY_LLAMA.weight_bytes
+    + CPU_VLLM_POOL_TOKENS * TINY_LLAMA.kv_bytes_per_token,
+    mem_bw=_CPU_VLLM_MEM_BW,
+    flops=_CPU_VLLM_FLOPS,
+    pcie_bw=_CPU_VLLM_COPY_BW,
+)
 
 # --- Presets -----------------------------------------------------------------------
 # mem_fraction_static was chosen per preset to reproduce the KV pool sizes SGLang 0.5.10
@@ -304,6 +370,21 @@ def _build_presets() -> Registry[HardwarePreset]:
             chunk_size=16_384,
             allreduce_s=allreduce_estimate_s(LLAMA_3_1_70B.layers, 2),  # 1.6 ms
         ),
+        # The tiny model on vLLM's CPU build, as bench/bench_vllm_agents.py runs it:
+        # blocks of 32 tokens, 2,048-token prefill chunks (vLLM's CPU default
+        # max_num_batched_tokens for the API server).
+        HardwarePreset(
+            name="cpu-tiny-llama",
+            gpu=CPU_VLLM,
+            model=TINY_LLAMA,
+            mem_fraction_static=1.0,  # -> 4,064 tokens (see CPU_VLLM)
+            chunk_size=2_048,
+            page_tokens=32,
+            eta_mem=_CPU_VLLM_ETA_MEM,
+            eta_gemm=_CPU_VLLM_ETA_GEMM,
+            eta_attn=_CPU_VLLM_ETA_ATTN,
+            tau=_CPU_VLLM_TAU,
+        ),
     )
     for preset in presets:
         registry.register(preset.name, preset)
@@ -312,7 +393,8 @@ def _build_presets() -> Registry[HardwarePreset]:
 
 
 PRESETS: Registry[HardwarePreset] = _build_presets()
-"""The paper's configurations, by name; built once at import and frozen."""
+"""The paper's configurations and the CPU engine of the real-engine benchmark
+(``cpu-tiny-llama``), by name; built once at import and frozen."""
 
 
 def get_preset(name: str) -> HardwarePreset:

@@ -42,8 +42,11 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
   (``tcp://127.0.0.1:5558``; ``mori.vllm_plugin``, ``mori vllm-args``). When the plug-in
   answers the handshake, the adapter declares ``LABELS`` and ``DROP``: ``set_label``,
   ``drop`` and ``release`` (the label ``inactive``) go over the channel, and the
-  handshake's ``cpu_tier_tokens`` (when > 0 and ``cpu_tokens`` is not given) is the host
-  tier's capacity. When it does not answer, the adapter works as without the option
+  handshake's ``cpu_tier_tokens`` (when > 0 and ``cpu_tokens`` is not given) sizes the
+  policy's CPU tier. That host tier is write-through (vLLM's offloading connector copies
+  every block as it is computed), so it also mirrors what is on the GPU: the policy's CPU
+  tier is what it holds beyond the GPU pool, ``cpu_tier_tokens - gpu_tokens`` (0 when
+  the host tier is no larger than the GPU pool), the simulator's write-through model. When it does not answer, the adapter works as without the option
   (the engine's eviction is plain LRU) and says so once. A check every
   ``labels_check_s`` (5) re-handshakes: a plug-in that stops answering (a request or a
   handshake gets no reply within ``labels_timeout_s``, 2) takes ``LABELS`` and ``DROP``
@@ -119,6 +122,12 @@ def cache_config(metrics_text: str) -> dict[str, str]:
 def program_salt(program_id: str) -> str:
     """The ``cache_salt`` for a program: stable, opaque, distinct per program."""
     return "mori-" + hashlib.sha256(program_id.encode()).hexdigest()[:24]
+
+
+def beyond_mirror(host_tokens: int, gpu_tokens: int) -> int:
+    """The CPU tier a write-through host tier of ``host_tokens`` gives the policy: what it
+    holds beyond a mirror of the GPU pool's ``gpu_tokens``."""
+    return max(0, host_tokens - gpu_tokens)
 
 
 class VLLMAdapter(KVEventsAdapter):
@@ -268,9 +277,11 @@ class VLLMAdapter(KVEventsAdapter):
             return
         self._plugin_cpu_tokens = tokens
         cap = self._capacity
-        if self.cpu_tokens <= 0 and cap is not None and cap.cpu_tokens != tokens:
-            self._capacity = dataclasses.replace(cap, cpu_tokens=tokens)
-            if self.prefetch_opt is None:
+        if self.cpu_tokens <= 0 and cap is not None:
+            cpu = beyond_mirror(tokens, cap.gpu_tokens)
+            if cap.cpu_tokens != cpu:
+                self._capacity = dataclasses.replace(cap, cpu_tokens=cpu)
+            if cpu > 0 and self.prefetch_opt is None:
                 self.capabilities = self.capabilities | {Capability.PREFETCH}
 
     # -- KV controls over the label channel ----------------------------------------------------
@@ -353,8 +364,11 @@ class VLLMAdapter(KVEventsAdapter):
                     "the capacity as kv_tokens (--backend vllm=URL,kv_tokens=N)",
                     unhealthy=False)
             gpu = (blocks - 1) * block  # vLLM keeps one block aside (its null block)
-        cpu = self.cpu_tokens if self.cpu_tokens > 0 else self._plugin_cpu_tokens
-        if cpu <= 0:
+        if self.cpu_tokens > 0:
+            cpu = self.cpu_tokens
+        elif self._plugin_cpu_tokens > 0:
+            cpu = beyond_mirror(self._plugin_cpu_tokens, gpu)
+        else:
             cpu = (_label_int(labels, "num_cpu_blocks") or 0) * block
         self._capacity = KVCapacity(gpu_tokens=gpu, cpu_tokens=cpu, page_tokens=block)
         if cpu > 0 and self.prefetch_opt is None:

@@ -165,6 +165,8 @@ class _Replayer:
         end: float | None = None
         received = 0
         usage: int | None = None
+        prompt_used: int | None = None
+        cached: int | None = None
         error: str | None = None
         try:
             async with asyncio.timeout(self.cfg.request_timeout_s):
@@ -173,8 +175,10 @@ class _Replayer:
                     stream=True, stream_options={"include_usage": True}, extra_body=extra)
                 try:
                     async for chunk in stream:
-                        if chunk.usage is not None and chunk.usage.completion_tokens is not None:
-                            usage = chunk.usage.completion_tokens
+                        if chunk.usage is not None:
+                            if chunk.usage.completion_tokens is not None:
+                                usage = chunk.usage.completion_tokens
+                            prompt_used, cached = _prompt_usage(chunk.usage)
                         for choice in chunk.choices:
                             d = choice.delta
                             extra_d = d.model_extra or {}
@@ -199,7 +203,8 @@ class _Replayer:
             if error is not None:
                 end = self.now()
                 self.errors[error] += 1
-            self.events.append(RequestRecord(run.pid, index, sent, first, end, received, error))
+            self.events.append(RequestRecord(run.pid, index, sent, first, end, received, error,
+                                             prompt_used, cached))
         return error is None
 
     async def release(self, pid: str) -> None:
@@ -230,6 +235,15 @@ class _Replayer:
         return ReplayProgress(min(self.now(), self.cfg.duration_s), self.cfg.duration_s,
                               self.requests, self.steps, sum(self.errors.values()),
                               len(self.live))
+
+
+def _prompt_usage(usage: Any) -> tuple[int | None, int | None]:
+    """``(prompt_tokens, cached_tokens)`` of a usage object (None where not reported)."""
+    prompt = getattr(usage, "prompt_tokens", None)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    return (prompt if isinstance(prompt, int) else None,
+            cached if isinstance(cached, int) else None)
 
 
 async def replay(config: ReplayConfig, traces: TraceSet,

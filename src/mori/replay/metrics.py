@@ -24,6 +24,8 @@ class RequestRecord:
     Times in simulated seconds since the start of the replay. ``first_token_s`` is None
     when no token arrived; ``end_s`` None when the run ended with the request in flight;
     ``error`` the error kind (see :attr:`ReplayResult.errors`) or None.
+    ``prompt_tokens`` and ``cached_tokens``: the server's usage (``prompt_tokens``,
+    ``prompt_tokens_details.cached_tokens``) when it reported them, else None.
     """
 
     program_id: str
@@ -33,6 +35,8 @@ class RequestRecord:
     end_s: float | None
     output_tokens: int = 0
     error: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

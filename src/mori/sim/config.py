@@ -22,6 +22,21 @@ class SimConfig:
     ``policy`` names the policy; ``policy_config`` holds its knobs (tick, idleness window,
     ...), validated by :class:`~mori.core.policy.PolicyConfig` itself. Its
     ``page_tokens`` is not used: the simulator accounts KV in the preset's pages.
+
+    Modelling a given engine (e.g. a benchmark's small real one):
+
+    - ``gpu_kv_tokens``: the GPU KV pool of a replica in tokens instead of the preset's,
+      rounded down to whole pages of the preset (at least one page).
+    - ``cpu_kv_tokens``: the CPU tier in tokens, in whole pages, as the policy sees it
+      (the capacity for KV that is *not* on the GPU); given, it replaces ``cpu_ratio``.
+      0: no CPU tier. Policies whose engine has no CPU tier ignore both.
+    - ``token_scale``: every token count of the trace (prompt, reusable prefix, output)
+      is multiplied by it, rounded, at least 1 (as ``mori replay --token-scale`` sends
+      them). ``max_context`` stays in trace tokens (None: the context window divided by
+      ``token_scale``, as the replay cuts at ``max_model_len / token_scale``).
+    - ``time_scale``: every engine duration (iterations, KV reloads) is multiplied by it:
+      the engine runs that many times slower relative to the trace's gaps, which is what
+      replaying a trace at ``--time-scale`` T against a real engine amounts to.
     """
 
     policy: str = "mori"
@@ -36,6 +51,10 @@ class SimConfig:
     max_context: int | None = None
     share_prefix: bool = False
     stagger_s: float = 30.0
+    gpu_kv_tokens: int | None = None
+    cpu_kv_tokens: int | None = None
+    token_scale: float = 1.0
+    time_scale: float = 1.0
     policy_config: PolicyConfig = PolicyConfig()
 
     def __post_init__(self) -> None:
@@ -47,9 +66,14 @@ class SimConfig:
                             f"valid: {', '.join(PRESETS.names())}")
         if not isinstance(self.policy_config, PolicyConfig):  # its own fields checked it
             problems.append(f"policy_config must be a PolicyConfig (got {self.policy_config!r})")
-        for name in ("cpu_ratio", "duration_s", "human_gap_cap_s", "stagger_s"):
+        for name in ("cpu_ratio", "duration_s", "human_gap_cap_s", "stagger_s", "token_scale",
+                     "time_scale"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
+        for name in ("token_scale", "time_scale"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name} must be > 0 (got {getattr(self, name)})")
+        problems += self._kv_problems()
         if self.replicas < 1:
             problems.append(f"replicas must be >= 1 (got {self.replicas})")
         if self.cpu_ratio < 0:
@@ -58,3 +82,15 @@ class SimConfig:
                                       self.human_gap, self.human_gap_cap_s, self.max_context)
         if problems:
             raise ValueError("invalid simulation settings: " + "; ".join(problems))
+
+    def _kv_problems(self) -> list[str]:
+        """What is wrong with the KV pool overrides (empty when nothing is)."""
+        problems = []
+        if self.gpu_kv_tokens is not None:
+            page = PRESETS.get(self.hardware).page_tokens if self.hardware in PRESETS else 1
+            if self.gpu_kv_tokens < page:
+                problems.append(f"gpu_kv_tokens must hold at least one page of {page} tokens "
+                                f"(got {self.gpu_kv_tokens})")
+        if self.cpu_kv_tokens is not None and self.cpu_kv_tokens < 0:
+            problems.append(f"cpu_kv_tokens must be >= 0 (got {self.cpu_kv_tokens})")
+        return problems

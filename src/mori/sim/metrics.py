@@ -68,7 +68,12 @@ class RunResult:
     """What one run measured, with the run's configuration.
 
     ``traces`` is the trace set's name and ``max_context`` the context length programs
-    were cut at (``config.max_context``, or the model's context window when that is None).
+    were cut at, in trace tokens (``config.max_context``, or the model's context window
+    divided by ``config.token_scale`` when that is None). Token counts (``prompt_tokens``,
+    ``output_tokens``, ...) are the engine's, after the token scale; times are simulated
+    seconds, engine durations multiplied by ``config.time_scale``.
+    ``gpu_hit_rate`` and ``cpu_hit_rate``: the shares of ``prompt_tokens`` found in the
+    GPU pool and reloaded from the CPU tier (their sum is the prefix-cached share).
     """
 
     config: SimConfig
@@ -127,14 +132,18 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     """The settings of a run as a flat result record holds them (see ``RESULT_SETTINGS``).
 
     The policy knobs a record carries are ``tick_s``, ``idleness_window`` and
-    ``binary_threshold``; ``max_context`` is the length programs were cut at.
+    ``binary_threshold``; ``max_context`` is the length programs were cut at (trace
+    tokens); ``gpu_kv_tokens`` and ``cpu_kv_tokens`` are the overrides asked for (None:
+    none; the pools simulated are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``).
     """
     c, p = config, config.policy_config
     return {"policy": c.policy, "programs": c.programs, "hardware": c.hardware,
             "cpu_ratio": c.cpu_ratio, "replicas": c.replicas, "duration_s": c.duration_s,
             "seed": c.seed, "traces": traces, "human_gap": c.human_gap,
             "human_gap_cap_s": c.human_gap_cap_s, "max_context": max_context,
-            "share_prefix": c.share_prefix, "stagger_s": c.stagger_s, "tick_s": p.tick_s,
+            "share_prefix": c.share_prefix, "stagger_s": c.stagger_s,
+            "gpu_kv_tokens": c.gpu_kv_tokens, "cpu_kv_tokens": c.cpu_kv_tokens,
+            "token_scale": c.token_scale, "time_scale": c.time_scale, "tick_s": p.tick_s,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold}
 
 

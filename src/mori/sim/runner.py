@@ -27,6 +27,7 @@ from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
 from mori.sim.metrics import Counters, RunResult, percentile
 from mori.sim.plan import ProgramRun, ReplayPlan
+from mori.sim.workload import scale_program
 from mori.traces.model import ProgramTrace, TraceSet
 
 
@@ -38,6 +39,32 @@ class SettingsError(ValueError):
 class _Live(ProgramRun):
     req: SimRequest | None = None
     children: list[_Live] = field(default_factory=list)
+
+
+def kv_pages(config: SimConfig, cpu_tier: bool) -> tuple[int, int]:
+    """The GPU and CPU pages of one replica: the preset's GPU pool, or
+    ``config.gpu_kv_tokens``; the CPU tier (when the policy's engine has one) from
+    ``config.cpu_kv_tokens``, else ``cpu_ratio`` x the GPU pool. Whole pages."""
+    preset = get_preset(config.hardware)
+    page = preset.page_tokens
+    gpu_tokens = (config.gpu_kv_tokens if config.gpu_kv_tokens is not None
+                  else preset.gpu_kv_capacity_tokens)
+    gpu_pages = gpu_tokens // page
+    if not cpu_tier:
+        return gpu_pages, 0
+    if config.cpu_kv_tokens is not None:
+        return gpu_pages, config.cpu_kv_tokens // page
+    return gpu_pages, int(gpu_pages * config.cpu_ratio)
+
+
+def context_cut(config: SimConfig) -> int:
+    """The context length programs are cut at, in trace tokens: ``max_context``, else the
+    model's context window in trace tokens (divided by ``token_scale``, as the replay
+    divides the engine's ``max_model_len``)."""
+    if config.max_context is not None:
+        return config.max_context
+    window = get_preset(config.hardware).model.context_window
+    return window if config.token_scale == 1.0 else max(1, int(window / config.token_scale))
 
 
 SIM_ENGINE_CAPABILITIES = frozenset({Capability.LABELS, Capability.OFFLOAD, Capability.DROP})
@@ -57,22 +84,22 @@ class Simulation:
         self.trace_name = traces.name
         preset = get_preset(config.hardware)
         policy_cls = POLICIES.get(config.policy)
-        self.cost = CostModel(preset)
+        self.cost = CostModel(preset, time_scale=config.time_scale)
         page = preset.page_tokens
-        self.gpu_pages = preset.gpu_kv_capacity_tokens // page
-        cpu_tier = policy_cls.engine_profile.cpu_tier
-        self.cpu_pages = int(self.gpu_pages * config.cpu_ratio) if cpu_tier else 0
-        max_ctx = config.max_context or preset.model.context_window
+        self.gpu_pages, self.cpu_pages = kv_pages(config, policy_cls.engine_profile.cpu_tier)
+        max_ctx = context_cut(config)
         # the replay rules: prepared traces, seeded order and slot start times
         self.plan = ReplayPlan.build(traces.programs, slots=config.programs, seed=config.seed,
                                      stagger_s=config.stagger_s, max_context=max_ctx,
                                      human_gap=config.human_gap,
                                      human_gap_cap_s=config.human_gap_cap_s)
+        # the engine's token counts (the plan's order indexes the same list)
+        self.plan.programs = [scale_program(p, config.token_scale) for p in self.plan.programs]
         programs, self.left_out = self.plan.programs, self.plan.left_out
         if not programs:
             raise SettingsError(
-                f"no program of trace set {traces.name!r} fits a context of {max_ctx} tokens; "
-                "raise --max-context or use other traces")
+                f"no program of trace set {traces.name!r} fits a context of {max_ctx} trace "
+                "tokens; raise --max-context or use other traces")
         cap_tokens = self.gpu_pages * page
         for p in programs:
             for q in p.all_programs():
@@ -81,7 +108,8 @@ class Simulation:
                     raise SettingsError(
                         f"program {q.name!r} needs {need} tokens of KV at its peak but one "
                         f"replica's GPU tier holds {cap_tokens} tokens on {preset.name}; "
-                        "lower --max-context to cut long programs, or pick a larger preset")
+                        "lower --max-context to cut long programs, or pick a larger preset "
+                        "(or --gpu-kv-tokens)")
         self.programs = programs
         kv_bytes = preset.kv_bytes_per_token_per_gpu * preset.tp
         self.kv_bytes = kv_bytes
@@ -222,7 +250,7 @@ class Simulation:
         page = self.cost.preset.page_tokens
         return RunResult(
             config=cfg, traces=self.trace_name,
-            max_context=cfg.max_context or self.cost.preset.model.context_window,
+            max_context=context_cut(cfg),
             output_tokens=c.output_tokens, output_tokens_per_s=c.output_tokens / dur,
             steps=c.steps, steps_per_s=c.steps / dur, requests=c.requests,
             programs_started=c.programs_started, programs_finished=c.programs_finished,

@@ -7,6 +7,9 @@ Rules (documented in the README):
 - Human time: a gap after a final answer (``GapKind.HUMAN``) is a person reading and
   typing, not a tool. ``cap`` (default) limits it to ``human_gap_cap_s``; ``replace``
   substitutes the program's median tool gap (or the cap when it has no tool gaps).
+- Token scale (simulator): a prepared program's token counts are multiplied by the
+  scale, rounded, at least 1, exactly as ``mori replay --token-scale`` sends them; the
+  context-window cut is made before, on the trace's own counts.
 """
 
 from __future__ import annotations
@@ -60,6 +63,32 @@ def prepare(programs: list[ProgramTrace] | tuple[ProgramTrace, ...], max_context
     kept = [q for p in programs
             if (q := prepare_program(p, max_context, human_gap, human_cap_s)) is not None]
     return kept, len(programs) - len(kept)
+
+
+def scale_tokens(n: int, token_scale: float) -> int:
+    """``n`` trace tokens as engine tokens: ``max(1, round(n * token_scale))`` (``n``
+    itself at scale 1), the replay client's rounding."""
+    return n if token_scale == 1.0 else max(1, round(n * token_scale))
+
+
+def scale_program(p: ProgramTrace, token_scale: float) -> ProgramTrace:
+    """``p`` (prepared) with every token count scaled by :func:`scale_tokens`, its
+    subagents' too: prompt and output; the reusable prefix as the replay sends it (0
+    stays 0, else at most the scaled prompt); the shared prefix likewise."""
+    if token_scale == 1.0:
+        return p
+    steps = []
+    for s in p.steps:
+        prompt = scale_tokens(s.prompt_tokens, token_scale)
+        reuse = min(scale_tokens(s.reuse_tokens, token_scale), prompt) if s.reuse_tokens else 0
+        subs = tuple(SubagentSpawn(sp.delay_s, scale_program(sp.program, token_scale))
+                     for sp in s.subagents)
+        steps.append(replace(s, prompt_tokens=prompt, reuse_tokens=reuse,
+                             output_tokens=scale_tokens(s.output_tokens, token_scale),
+                             subagents=subs))
+    shared = (scale_tokens(p.shared_prefix_tokens, token_scale)
+              if p.shared_prefix_tokens else 0)
+    return replace(p, steps=tuple(steps), shared_prefix_tokens=shared)
 
 
 def workload_problems(programs: int, duration_s: float, stagger_s: float, human_gap: str,

@@ -1,0 +1,378 @@
+"""Calibrate the ``cpu-tiny-llama`` preset: prefill and decode times of vLLM's CPU build.
+
+    python bench/calibrate_cpu_engine.py [--sizes 64,512,1024,2048,3500] [--reps 3]
+        [--blocks 128] [--json FILE]
+
+Starts one engine as the real-engine benchmark does (``scripts/start_vllm_cpu.sh``, the
+tiny random-weight model, ``--blocks`` blocks of 32 tokens, no MORI plug-in, no host
+tier), then times plain HTTP POSTs to ``/v1/completions`` (model ``tiny``, temperature
+0, ``ignore_eos``), each a fresh prompt of random three-letter words, so that nothing is
+served from the prefix cache (the cache is also reset before each request):
+
+- prefill: a prompt of about N tokens with ``max_tokens`` 1, for each N of ``--sizes``
+  (the x value is the engine's own ``usage.prompt_tokens``);
+- decode: a prompt of about 200 tokens with ``max_tokens`` 1 and 64; the difference over
+  63 is one decode step of one running request.
+
+Each figure is the median of ``--reps`` requests, after two warm-up requests. Fits:
+prefill seconds = a + b x tokens (least squares over the sizes; a quadratic fit is
+printed too, as attention makes long prefills superlinear) and decode seconds per step
+= c. Then the preset constants that reproduce them: ``tau`` (per-iteration overhead)
+is the decode step less its (tiny) weight and KV read, the linear and attention FLOP
+rates are fitted to the prefill times less ``tau`` (non-negative least squares over the
+cost model's own prefill terms, chunks of 2,048 tokens included), and the effective
+FLOP/s is the larger of the two rates, so that one efficiency is 1 and the other below.
+The modelled times are checked with :class:`~mori.core.costmodel.CostModel` directly.
+
+The engine runs in its own process group, stopped at the end (on failure too). Needs the
+vLLM CPU venv and the tiny model (``scripts/vllm_cpu_env.sh``,
+``scripts/make_tiny_model.py``); run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mori.cli.table import format_table  # noqa: E402
+from mori.core.costmodel import CostModel, get_preset  # noqa: E402
+from mori.core.hardware import HardwarePreset  # noqa: E402
+
+CACHE = Path(os.environ.get("MORI_CACHE", Path.home() / ".cache" / "mori"))
+MODEL = CACHE / "tiny-llama"
+PRESET = "cpu-tiny-llama"
+ENGINE_START_S = 300.0
+DECODE_PROMPT = 200
+DECODE_LONG = 64
+NOMINAL_MEM_BW = 20e9  # bytes/s: a CPU's DRAM; weights and KV of the tiny model are small
+ATTN_FLOOR = 0.01  # attention keeps at least this share of the 2,048-token prefill work
+
+
+# -- the engine ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_engine(blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The engine process (its own process group) and its base URL, once it is healthy."""
+    port, kv_port = free_port(), free_port()
+    env = {**os.environ, "MORI_PYTHON": sys.executable, "MORI_VLLM_PLUGIN": "0"}
+    env.pop("MORI_VLLM_CPU_GIB", None)
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "start_vllm_cpu.sh"), str(MODEL), str(port),
+             str(kv_port), str(blocks)],
+            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while get_status(url + "/health") != 200:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine exited with status {proc.returncode}; see {log}")
+        if time.monotonic() - t0 > ENGINE_START_S:
+            raise RuntimeError(f"the engine did not start within {ENGINE_START_S:.0f} s; "
+                               f"see {log}")
+        time.sleep(0.5)
+    return proc, url
+
+
+def stop_engine(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the engine's process group: SIGTERM, then SIGKILL after 20 s."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    with contextlib.suppress(ProcessLookupError):  # stragglers of an exited leader
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+def post(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0
+         ) -> dict[str, Any]:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        text = r.read()
+    out: dict[str, Any] = json.loads(text) if text.strip() else {}
+    return out
+
+
+# -- prompts and timings ------------------------------------------------------------------
+class Prompts:
+    """Fresh prompts of random three-letter words, sized with the engine's ``/tokenize``."""
+
+    def __init__(self, url: str, seed: int = 11) -> None:
+        self.url = url
+        self.rng = random.Random(seed)
+        self.vocab = ["".join(self.rng.choices(string.ascii_lowercase, k=3))
+                      for _ in range(4096)]
+        sample = self.words(2000)
+        self.tokens_per_word = self.count(sample) / 2000
+
+    def words(self, n: int) -> str:
+        return " ".join(self.rng.choices(self.vocab, k=n))
+
+    def count(self, text: str) -> int:
+        out = post(self.url + "/tokenize", {"model": "tiny", "prompt": text})
+        return int(out["count"])
+
+    def of(self, tokens: int) -> str:
+        """A new prompt of about ``tokens`` tokens (special tokens included)."""
+        text = self.words(max(1, round(tokens / self.tokens_per_word)))
+        for _ in range(3):  # trim or extend toward the target
+            n = self.count(text)
+            if abs(n - tokens) <= 2:
+                break
+            words = text.split()
+            change = round((tokens - n) / self.tokens_per_word)
+            text = (" ".join(words[:change]) if change < 0 else
+                    text + " " + self.words(max(1, change)))
+        return text
+
+
+def timed_completion(url: str, prompt: str, max_tokens: int) -> tuple[int, int, float]:
+    """(prompt tokens, completion tokens, wall seconds) of one request, cache reset before."""
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        post(url + "/reset_prefix_cache")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    out = post(url + "/v1/completions", body)
+    dt = time.perf_counter() - t0
+    usage = out["usage"]
+    return int(usage["prompt_tokens"]), int(usage["completion_tokens"]), dt
+
+
+def measure_prefill(url: str, prompts: Prompts, sizes: list[int], reps: int
+                    ) -> list[tuple[int, float]]:
+    """(prompt tokens, median seconds) per size, ``max_tokens`` 1."""
+    out = []
+    for size in sizes:
+        runs = [timed_completion(url, prompts.of(size), 1) for _ in range(reps)]
+        tokens = round(statistics.median(r[0] for r in runs))
+        out.append((tokens, statistics.median(r[2] for r in runs)))
+        print(f"prefill {tokens:5d} tokens: {1e3 * out[-1][1]:8.1f} ms "
+              f"({', '.join(f'{1e3 * r[2]:.1f}' for r in runs)})", file=sys.stderr)
+    return out
+
+
+def measure_decode(url: str, prompts: Prompts, reps: int) -> float:
+    """Seconds per decode step of one running request (about 200 tokens of context)."""
+    steps = []
+    for _ in range(reps):
+        _, _, short = timed_completion(url, prompts.of(DECODE_PROMPT), 1)
+        _, n, long = timed_completion(url, prompts.of(DECODE_PROMPT), DECODE_LONG)
+        steps.append((long - short) / max(1, n - 1))
+    step = statistics.median(steps)
+    print(f"decode step: {1e3 * step:.2f} ms ({', '.join(f'{1e3 * s:.2f}' for s in steps)})",
+          file=sys.stderr)
+    return step
+
+
+# -- fits -----------------------------------------------------------------------------------
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares a + b x."""
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+def fit_quadratic(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """Least squares a + b x + q x^2 (the normal equations, by Cramer's rule)."""
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    s = [sum(x ** k for x in xs) for k in range(5)]
+    t = [sum(y * x ** k for x, y in zip(xs, ys, strict=True)) for k in range(3)]
+    m = [[s[0], s[1], s[2]], [s[1], s[2], s[3]], [s[2], s[3], s[4]]]
+
+    def det(a: list[list[float]]) -> float:
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+
+    d = det(m)
+    coef = []
+    for col in range(3):
+        mc = [row[:col] + [t[i]] + row[col + 1:] for i, row in enumerate(m)]
+        coef.append(det(mc) / d)
+    return coef[0], coef[1], coef[2]
+
+
+def prefill_terms(preset: HardwarePreset, tokens: int) -> tuple[int, float, float]:
+    """The cost model's prefill of ``tokens`` new tokens in chunks: (iterations, linear
+    token count, attention units = sum of attended context)."""
+    chunk, done, iters, attn = preset.chunk_size, 0, 0, 0.0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        attn += n * done + n * n / 2
+        done += n
+        iters += 1
+    return iters, float(tokens), attn
+
+
+def _nnls2(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = p u + q v with p, q >= 0 (two unknowns: try both, then each)."""
+    suu = sum(u * u for u, _ in rows)
+    svv = sum(v * v for _, v in rows)
+    suv = sum(u * v for u, v in rows)
+    suy = sum(u * y for (u, _), y in zip(rows, ys, strict=True))
+    svy = sum(v * y for (_, v), y in zip(rows, ys, strict=True))
+    det = suu * svv - suv * suv
+    if det > 0:
+        p, q = (suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det
+        if p >= 0 and q >= 0:
+            return p, q
+    only_u = (max(0.0, suy / suu), 0.0)
+    only_v = (0.0, max(0.0, svy / svv))
+
+    def sse(pq: tuple[float, float]) -> float:
+        return sum((y - pq[0] * u - pq[1] * v) ** 2 for (u, v), y in zip(rows, ys, strict=True))
+
+    return min(only_u, only_v, key=sse)
+
+
+def _prefill_rates(base: HardwarePreset, points: list[tuple[int, float]], tau: float
+                   ) -> tuple[float, float]:
+    """Seconds per linear token and per attention unit that fit the prefill times less
+    ``tau`` per iteration; attention keeps a floor (the model cannot make it free)."""
+    rows, ys = [], []
+    for tokens, seconds in points:
+        iters, lin, attn = prefill_terms(base, tokens)
+        rows.append((lin, attn))
+        ys.append(seconds - iters * tau)
+    s_lin, s_attn = _nnls2(rows, ys)
+    _, lin2k, attn2k = prefill_terms(base, base.chunk_size)
+    floor = ATTN_FLOOR * (s_lin * lin2k + s_attn * attn2k) / attn2k
+    if s_attn < floor:
+        s_lin, s_attn = max(s_lin - (floor - s_attn) * attn2k / lin2k, 1e-12), floor
+    return max(s_lin, 1e-12), s_attn
+
+
+def preset_constants(points: list[tuple[int, float]], step: float) -> dict[str, float]:
+    """tau, flops, eta_gemm, eta_attn, mem_bw and eta_mem that reproduce the timings.
+
+    A decode step is ``tau`` plus the larger of one token's linear work and the weight and
+    KV read, so ``tau`` and the prefill rates are fitted in turn until they agree.
+    """
+    base = get_preset(PRESET)
+    m = base.model
+    decode_read = (m.weight_bytes + m.kv_bytes_per_token * DECODE_PROMPT) / NOMINAL_MEM_BW
+    s_lin = 0.0
+    for _ in range(20):
+        tau = max(0.0, step - max(decode_read, s_lin))
+        s_lin, s_attn = _prefill_rates(base, points, tau)
+    lin_rate = m.linear_flops_per_token / s_lin  # effective FLOP/s of each kind
+    attn_rate = m.attn_flops_per_token_per_ctx / s_attn
+    flops = max(lin_rate, attn_rate)
+    return {"tau": tau, "flops": flops, "eta_gemm": lin_rate / flops,
+            "eta_attn": attn_rate / flops, "mem_bw": NOMINAL_MEM_BW, "eta_mem": 1.0}
+
+
+def calibrated_preset(c: dict[str, float]) -> HardwarePreset:
+    base = get_preset(PRESET)
+    gpu = dataclasses.replace(base.gpu, flops=c["flops"], mem_bw=c["mem_bw"])
+    return dataclasses.replace(base, gpu=gpu, tau=c["tau"], eta_gemm=c["eta_gemm"],
+                               eta_attn=c["eta_attn"], eta_mem=c["eta_mem"])
+
+
+def modelled_prefill(cost: CostModel, tokens: int) -> float:
+    """The cost model's prefill of ``tokens`` fresh tokens, chunk by chunk."""
+    chunk, done, total = cost.preset.chunk_size, 0, 0.0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        total += cost.prefill_chunk_time(n, done)
+        done += n
+    return total
+
+
+def report(points: list[tuple[int, float]], a: float, b: float, step: float,
+           c: dict[str, float]) -> str:
+    cost = CostModel(calibrated_preset(c))
+    rows = []
+    for tokens, seconds in points:
+        model = modelled_prefill(cost, tokens)
+        rows.append([f"prefill {tokens}", f"{1e3 * seconds:.1f}", f"{1e3 * (a + b * tokens):.1f}",
+                     f"{1e3 * model:.1f}", f"{model / (a + b * tokens) - 1:+.0%}"])
+    model_step = cost.decode_run_time(1, DECODE_PROMPT, 1)
+    rows.append(["decode step", f"{1e3 * step:.2f}", f"{1e3 * step:.2f}",
+                 f"{1e3 * model_step:.2f}", f"{model_step / step - 1:+.0%}"])
+    return format_table(("what", "measured ms", "fit ms", "model ms", "model vs fit"), rows,
+                        (False, True, True, True, True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64,512,1024,2048,3500",
+                    help="prefill prompt sizes in tokens (default 64,512,1024,2048,3500)")
+    ap.add_argument("--reps", type=int, default=3, help="requests per figure (default 3)")
+    ap.add_argument("--blocks", type=int, default=128,
+                    help="KV blocks of 32 tokens in the engine's pool (default 128)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if not sizes or min(sizes) < 1 or max(sizes) + 1 > (args.blocks - 1) * 32 or args.reps < 1:
+        ap.error("sizes must be positive and fit the pool; --reps >= 1")
+    log = Path(tempfile.mkdtemp(prefix="calibrate-cpu-engine-")) / "vllm.log"
+    proc, url = start_engine(args.blocks, log)
+    try:
+        prompts = Prompts(url)
+        for _ in range(2):  # warm-up
+            timed_completion(url, prompts.of(256), 8)
+        points = measure_prefill(url, prompts, sizes, args.reps)
+        step = measure_decode(url, prompts, args.reps)
+    finally:
+        stop_engine(proc)
+    a, b = fit_line(points)
+    qa, qb, qq = fit_quadratic(points) if len(points) >= 3 else (a, b, 0.0)
+    constants = preset_constants(points, step)
+    print(f"fit: prefill seconds = {a:.4f} + {b:.3e} x tokens; decode step = {step:.4f} s")
+    print(f"(quadratic: prefill seconds = {qa:.4f} + {qb:.3e} x tokens + {qq:.3e} x tokens^2)")
+    print("preset constants: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))
+    print(report(points, a, b, step, constants))
+    if args.json is not None:
+        doc = {"prefill": points, "fit": {"a": a, "b": b, "decode_step": step},
+               "quadratic_fit": {"a": qa, "b": qb, "q": qq},
+               "constants": constants}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

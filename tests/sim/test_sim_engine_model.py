@@ -1,0 +1,120 @@
+"""Modelling a given engine: KV pool overrides, token scale and time scale of a run."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from mori.core.costmodel import get_preset
+from mori.replay.client import _Replayer
+from mori.sim.config import SimConfig
+from mori.sim.metrics import RESULT_SETTINGS
+from mori.sim.runner import Simulation, context_cut, simulate
+from mori.sim.workload import scale_program, scale_tokens
+from mori.traces import default_traces
+from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet
+
+TINY = "cpu-tiny-llama"
+
+
+def one_step(prompt: int = 1_000, output: int = 8) -> TraceSet:
+    return TraceSet("one", (ProgramTrace("p", (Step(prompt, output, 0.0, GapKind.END),)),))
+
+
+@pytest.mark.parametrize("bad", [
+    dict(token_scale=0.0), dict(token_scale=-1.0), dict(token_scale=math.nan),
+    dict(time_scale=0.0), dict(time_scale=math.inf), dict(time_scale=-2.0),
+    dict(gpu_kv_tokens=0), dict(hardware=TINY, gpu_kv_tokens=31),
+    dict(cpu_kv_tokens=-1),
+])
+def test_bad_engine_settings_are_refused(bad: dict[str, object]) -> None:
+    name = next(k for k in bad if k != "hardware")
+    with pytest.raises(ValueError, match=f"invalid simulation settings: .*{name}"):
+        SimConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("scale", [0.01, 0.37, 1.0, 2.5])
+def test_token_scale_rounds_as_the_replay_client(scale: float) -> None:
+    replayer = SimpleNamespace(cfg=SimpleNamespace(token_scale=scale))
+    for n in (0, 1, 49, 50, 51, 150, 250, 1_234, 99_999):
+        assert scale_tokens(n, scale) == _Replayer.tokens(replayer, n)  # type: ignore[arg-type]
+
+
+def test_scale_program_scales_every_count_and_subagents() -> None:
+    child = ProgramTrace("c", (Step(300, 49, 0.0, GapKind.END),))
+    p = ProgramTrace("p", (
+        Step(1_250, 150, 1.0, GapKind.SUBAGENT, 0, (SubagentSpawn(0.5, child),)),
+        Step(2_000, 20, 0.0, GapKind.END, 1_240),
+    ), shared_prefix_tokens=900)
+    q = scale_program(p, 0.01)
+    assert [(s.prompt_tokens, s.reuse_tokens, s.output_tokens) for s in q.steps] == [
+        (12, 0, 2), (20, 12, 1)]
+    assert q.shared_prefix_tokens == 9
+    assert q.steps[0].subagents[0].program.steps[0].prompt_tokens == 3
+    assert q.steps[0].gap_s == 1.0 and q.steps[0].subagents[0].delay_s == 0.5
+    assert scale_program(p, 1.0) is p
+
+
+def test_the_engine_sees_scaled_tokens() -> None:
+    cfg = SimConfig(policy="smg", programs=1, duration_s=100, stagger_s=0, hardware=TINY,
+                    token_scale=0.01)
+    r = simulate(cfg, one_step(prompt=150_000, output=250))
+    assert r.steps >= 1
+    assert r.prompt_tokens % 1_500 == 0 and r.prompt_tokens >= r.steps * 1_500
+    assert r.output_tokens >= r.steps * 2  # round(2.5) == 2
+
+
+def test_max_context_stays_in_trace_tokens() -> None:
+    window = get_preset(TINY).model.context_window
+    assert context_cut(SimConfig(hardware=TINY, token_scale=0.01)) == window * 100
+    assert context_cut(SimConfig(hardware=TINY, token_scale=0.01, max_context=300_000)) == 300_000
+    assert context_cut(SimConfig(hardware=TINY)) == window
+    # 300,000 trace tokens fit the cut of 406,400, and 3,000 engine tokens the pool
+    r = simulate(SimConfig(policy="smg", programs=1, duration_s=50, stagger_s=0,
+                           hardware=TINY, token_scale=0.01), one_step(prompt=300_000))
+    assert r.max_context == window * 100 and r.programs_left_out == 0
+
+
+def test_time_scale_multiplies_engine_durations() -> None:
+    def ttft(scale: float) -> float:
+        cfg = SimConfig(policy="smg", programs=1, duration_s=1_000, stagger_s=0,
+                        hardware=TINY, time_scale=scale)
+        return simulate(cfg, one_step()).ttft_mean_s
+
+    one, two = ttft(1.0), ttft(2.0)
+    assert one > 0
+    assert two == pytest.approx(2 * one, rel=1e-9)
+
+
+def test_gpu_kv_tokens_override_the_presets_pool() -> None:
+    cfg = SimConfig(policy="smg", programs=1, duration_s=30, hardware=TINY, gpu_kv_tokens=1_000)
+    r = simulate(cfg, one_step(prompt=500))
+    assert r.gpu_kv_capacity_tokens == 992  # 31 whole pages of 32
+    assert simulate(SimConfig(policy="smg", programs=1, duration_s=30, hardware=TINY),
+                    one_step(prompt=500)).gpu_kv_capacity_tokens == 4_064
+
+
+def test_cpu_kv_tokens_override_the_cpu_ratio() -> None:
+    def cpu(policy: str, **kw: object) -> int:
+        cfg = SimConfig(policy=policy, programs=1, duration_s=30, hardware=TINY, **kw)  # type: ignore[arg-type]
+        return Simulation(cfg, one_step(prompt=500)).run().cpu_kv_capacity_tokens
+
+    assert cpu("mori", cpu_ratio=5.0) == 5 * 4_064
+    assert cpu("mori", cpu_ratio=5.0, cpu_kv_tokens=8_200) == 8_192  # whole pages
+    assert cpu("mori", cpu_ratio=5.0, cpu_kv_tokens=0) == 0
+    assert cpu("smg", cpu_kv_tokens=8_192) == 0  # its engine has no CPU tier
+
+
+def test_the_record_carries_the_engine_settings() -> None:
+    cfg = SimConfig(policy="mori", programs=2, duration_s=30, hardware=TINY,
+                    gpu_kv_tokens=2_048, cpu_kv_tokens=4_096, token_scale=0.01, time_scale=10,
+                    max_context=150_000)
+    row = simulate(cfg, default_traces()).to_dict()
+    assert list(row)[:len(RESULT_SETTINGS)] == list(RESULT_SETTINGS)
+    assert {k: row[k] for k in ("gpu_kv_tokens", "cpu_kv_tokens", "token_scale",
+                                "time_scale")} == {"gpu_kv_tokens": 2_048,
+                                                   "cpu_kv_tokens": 4_096,
+                                                   "token_scale": 0.01, "time_scale": 10}
+    assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"]) == (2_048, 4_096)

@@ -1,0 +1,74 @@
+"""bench/sim_fidelity.py: the simulator against a (here synthetic) real-engine bench run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from mori.traces import default_traces
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sim_fidelity.py"
+
+
+@pytest.fixture(scope="module")
+def fidelity_mod() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("sim_fidelity", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_doc(cpu_blocks: int) -> dict[str, Any]:
+    settings = {"programs": 2, "duration_s": 60.0, "time_scale": 10.0, "token_scale": 0.01,
+                "blocks": 128, "seed": 0, "cpu_blocks": cpu_blocks, "block_size": 32,
+                "traces": default_traces().name, "arms": ["a", "b", "d"]}
+
+    def arm(name: str, gpu: int, cpu: int) -> dict[str, Any]:
+        return {"arm": name, "name": f"arm {name}", "ok": True, "prompt_tokens": 10_000,
+                "cached_tokens_gpu": gpu, "cached_tokens_cpu": cpu, "max_context": 370_000,
+                "requests_completed": 17}
+
+    return {"settings": settings,
+            "arms": [arm("a", 5_000, 0), arm("b", 1, 1), arm("d", 4_000, 3_000)]}
+
+
+def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
+    report = fidelity_mod.fidelity(bench_doc(cpu_blocks=256), default_traces())
+    assert [(r["arm"], r["sim_policy"]) for r in report.rows] == [("a", "smg"), ("d", "mori")]
+    a, d = report.rows
+    assert a["real_cached_share"] == 0.5 and d["real_cached_share"] == 0.7
+    for r in report.rows:
+        assert r["sim_prompt_tokens"] > 0 and r["sim_requests_completed"] >= 0
+        assert r["sim_cached_share"] == pytest.approx(
+            r["sim_cached_share_gpu"] + r["sim_cached_share_cpu"])
+        assert r["diff_pp"] == pytest.approx(100 * (r["sim_cached_share"] - r["real_cached_share"]))
+        assert r["within"] == (abs(r["diff_pp"]) <= 10)
+        assert r["real_requests_completed"] == 17
+        assert r["sim_gpu_kv_tokens"] == 127 * 32 and r["max_context"] == 370_000
+    # the write-through host tier less its mirror of the GPU pool
+    assert (a["sim_cpu_kv_tokens"], d["sim_cpu_kv_tokens"]) == (0, (256 - 127) * 32)
+    assert any("arm (b)" in n for n in report.notes)
+    assert any("--cpu-blocks 0" in n for n in report.notes)  # (a) had a host tier
+    text = fidelity_mod.table(report.rows)
+    assert "smg" in text and "mori" in text and "within 10 pp" in text
+
+
+def test_fidelity_main_writes_json(fidelity_mod: ModuleType, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(bench_doc(cpu_blocks=0)))
+    out = tmp_path / "fidelity.json"
+    assert fidelity_mod.main([str(bench), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "(d) arm d" in printed and "--cpu-blocks 0" not in printed
+    data = json.loads(out.read_text())
+    assert [r["arm"] for r in data["rows"]] == ["a", "d"]
+    assert data["rows"][1]["sim_cpu_kv_tokens"] == 0  # the bench ran without a host tier
