@@ -37,7 +37,6 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import socket
 import statistics
 import string
@@ -52,6 +51,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_vllm_agents import stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.costmodel import CostModel, get_preset  # noqa: E402
@@ -94,21 +96,6 @@ def start_engine(blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
                                f"see {log}")
         time.sleep(0.5)
     return proc, url
-
-
-def stop_engine(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the engine's process group: SIGTERM, then SIGKILL after 20 s."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    with contextlib.suppress(ProcessLookupError):  # stragglers of an exited leader
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def get_status(url: str) -> int:
@@ -357,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         points = measure_prefill(url, prompts, sizes, args.reps)
         step = measure_decode(url, prompts, args.reps)
     finally:
-        stop_engine(proc)
+        stop_group(proc)
     a, b = fit_line(points)
     qa, qb, qq = fit_quadratic(points) if len(points) >= 3 else (a, b, 0.0)
     constants = preset_constants(points, step)
