@@ -12,6 +12,8 @@ and the engine's pool of ``(blocks - 1) x 32`` tokens (vLLM keeps one block asid
 
   a  vLLM direct (LRU)       -> policy ``smg``, no CPU tier
   d  MORI + vLLM plug-in     -> policy ``mori``, CPU tier of ``cpu_blocks x 32`` tokens
+                                less the GPU pool (the host tier is write-through: it also
+                                mirrors the GPU; the gateway's vLLM adapter sizes it so)
 
 The table compares the cached share of prompt tokens, real ((GPU hits + host-tier hits) /
 prompt tokens, from vLLM's counters) against simulated (GPU hits + CPU-tier reloads, /

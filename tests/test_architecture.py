@@ -1,4 +1,4 @@
-"""The layering of ARCHITECTURE.md, and the static checks, as tests.
+"""The layering of docs/architecture.md, and the static checks, as tests.
 
 ``mori.core`` is pure: it imports nothing from the other layers and no I/O or clock
 library. Layers, each importing only those below it: core < protocol < traces, sim <
@@ -45,7 +45,7 @@ def test_core_is_pure(path: Path) -> None:
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
-# which layers each layer may import (imports flow one way, ARCHITECTURE.md)
+# which layers each layer may import (imports flow one way, docs/architecture.md)
 LAYERS = {
     "protocol": {"core"},
     "traces": {"core"},

@@ -49,7 +49,7 @@ def test_small_grid_json_in_grid_order(tmp_path: Path, capsys: pytest.CaptureFix
     assert lines[0].split()[:4] == ["policy", "programs", "hardware", "cpu"]
     assert "TTFT p90 (s)" in lines[0] and "reloaded (M tok)" in lines[0]
     assert [ln.split()[0] for ln in lines[2:2 + len(grid)]] == [g[2] for g in grid]
-    assert sum("left out" in ln for ln in lines) == 1  # the default set has too-long programs
+    assert len(lines) == 2 + len(grid)  # --quiet: the table and nothing else
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:
@@ -210,3 +210,79 @@ def test_bad_engine_model_options_exit_2(capsys: pytest.CaptureFixture[str], fla
     assert main([*TINY_RUN, flag, value]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_traces_lists_the_shipped_sets(capsys: pytest.CaptureFixture[str]) -> None:
+    from mori.cli.traces_cmd import format_size
+    from mori.traces import SHIPPED_TRACES, default_traces
+
+    assert main(["traces"]) == 0
+    out = capsys.readouterr().out
+    header, _, row, *rest = out.splitlines()
+    assert header.split() == ["set", "programs", "subagents", "steps", "size", "licence",
+                              "source"]
+    size = format_size(SHIPPED_TRACES.get("kv-cache-tester-31").size_bytes())
+    assert row.split()[:7] == ["kv-cache-tester-31*", "31", "0", "1,935", *size.split(),
+                               "Apache-2.0"]
+    assert sum(len(p.steps) for p in default_traces().programs) == 1935
+    assert any("NOTICE" in line and "LICENSE-kv-cache-tester" in line for line in rest)
+    assert main(["traces", "--help"]) == 0 and "--traces kv-cache-tester-31" in (
+        capsys.readouterr().out)
+
+
+def test_traces_option_takes_a_shipped_set_name(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # no file named like the set here
+    default = run_json(tmp_path, name="default.json")
+    named = run_json(tmp_path, "--traces", "kv-cache-tester-31", name="named.json")
+    assert deterministic(named) == deterministic(default)
+    capsys.readouterr()
+    assert main([*SMALL, "--traces", "no-such-set"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-set: no such file or directory" in err
+    assert "shipped trace set: kv-cache-tester-31" in err
+    out = tmp_path / "sweep"
+    assert main(["sweep", "smoke", "--out", str(out), "--quiet", "--jobs", "1",
+                 "--traces", "kv-cache-tester-31"]) == 0
+    assert json.loads((out / "sweep.json").read_text())["traces"]["name"] == "kv-cache-tester-31"
+
+
+DP_RUN = ["simulate", "--policy", "smg", "--duration", "60", "--replicas", "2", "--programs", "3"]
+
+
+def test_programs_are_per_replica(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "dp.json"
+    assert main([*DP_RUN, "--quiet", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["replicas"], row["programs_per_replica"], row["programs"]) == (2, 3, 6)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("DP=2 (programs column: per replica")
+    assert lines[1].split()[:2] == ["policy", "programs"]
+    assert lines[3].split()[:2] == ["smg", "3"]
+    cfg = tmp_path / "dp.toml"
+    cfg.write_text('policy = "smg"\nduration = 60\nreplicas = 2\nprograms = [3]\n'
+                   'json = "cfg.json"\n')  # a config file means the same as the flags
+    assert main(["simulate", "--quiet", "--config", str(cfg)]) == 0
+    (same,) = json.loads((tmp_path / "cfg.json").read_text())
+    assert deterministic([same]) == deterministic([row])
+
+
+def test_help_says_programs_are_per_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("simulate", "sweep"):
+        assert main([command, "--help"]) == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert "programs (closed-loop slots) PER REPLICA: a run simulates this x --replicas" \
+            in text, command
+
+
+def test_quiet_prints_the_table_and_nothing_else(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--policy", "smg", "--programs", "2", "--duration", "30",
+                 "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert len(out.splitlines()) == 3 and out.startswith("policy")  # header, rule, one run
+    assert main(["simulate", "--policy", "smg", "--programs", "2", "--duration", "30"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 3 and "left out" not in out
+    assert "note: 11 of the 31 programs" in err  # notes go to stderr, without --quiet

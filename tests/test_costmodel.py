@@ -32,7 +32,7 @@ from mori.core.registry import (
 
 PRESET_NAMES = ["h200-80g-qwen2.5-7b", "h200-qwen3-30b-a3b", "b200-llama3.1-70b-tp2"]
 
-# COSTMODEL.md: SGLang 0.5.10's observed KV pool sizes.
+# docs/costmodel.md: SGLang 0.5.10's observed KV pool sizes.
 EXPECTED_CAPACITY = {
     "h200-80g-qwen2.5-7b": 0.99e6,
     "h200-qwen3-30b-a3b": 0.77e6,

@@ -240,3 +240,35 @@ def test_ray_gives_the_local_results(tmp_path: Path) -> None:
     assert len(via_ray) == 2
     assert deterministic(via_ray) == deterministic(local)
     print(f"ray sweep: {elapsed:.1f} s")
+
+
+def test_sweep_and_simulate_agree_on_programs_per_replica(tmp_path: Path) -> None:
+    grid = ["--replicas", "2", "--programs", "3", "--policy", "smg", "--duration", "30",
+            "--quiet"]
+    assert main(["sweep", "--out", str(tmp_path / "out"), "--jobs", "1", *grid]) == 0
+    swept = read(tmp_path / "out" / "h200-qwen3-30b-a3b_cpu1_dp2.json")
+    assert main(["simulate", *grid, "--json", str(tmp_path / "sim.json")]) == 0
+    simulated = read(tmp_path / "sim.json")
+    assert deterministic(swept) == deterministic(simulated)
+    assert [(r["programs_per_replica"], r["programs"]) for r in simulated] == [(3, 6)]
+
+
+def test_sweep_quiet_prints_the_tables_and_nothing_else(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert smoke(tmp_path / "out", "--jobs", "1") == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "left out" not in out
+    assert out.splitlines()[0].startswith("h200-qwen3-30b-a3b, cpu ratio 1, DP=1")
+    assert main(["sweep", "smoke", "--out", str(tmp_path / "out"), "--jobs", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "left out" not in out and "note: 11 of the 31 programs" in err
+
+
+def test_records_without_programs_per_replica_still_load() -> None:
+    result = simulate(SimConfig(programs=4, replicas=2, duration_s=30.0), default_traces())
+    row = result.to_dict()
+    assert (row["programs"], row["programs_per_replica"]) == (4, 2)
+    older = {k: v for k, v in row.items() if k != "programs_per_replica"}
+    assert result_from_dict(older).to_dict() == row
+    with pytest.raises(ValueError, match="programs_per_replica"):
+        result_from_dict({**row, "programs_per_replica": 4})

@@ -1,4 +1,4 @@
-"""IdlenessTracker against hand-computed windows (MORI.md section 3)."""
+"""IdlenessTracker against hand-computed windows (docs/system.md, "Idleness")."""
 
 from __future__ import annotations
 

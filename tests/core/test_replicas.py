@@ -1,4 +1,4 @@
-"""Several replicas: affinity, Best-Fit-Decreasing, the baselines' routing (MORI.md s.6)."""
+"""Several replicas: affinity, Best-Fit-Decreasing, the baselines' routing (docs/system.md, "Several replicas")."""
 
 from __future__ import annotations
 

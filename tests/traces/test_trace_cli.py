@@ -1,15 +1,18 @@
-"""`mori trace import | stats | synth`, and `mori simulate --traces` on an imported format."""
+"""`mori trace import | stats | synth`, and `mori simulate --traces` on an imported format
+or a shipped set's name."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from claude_code_newer import NEWER_SUMMARY, newer_transcript
 
 from mori.cli.main import main as mori_main
 from mori.cli.trace_cmd import main
-from mori.traces import load_traces, read_traceset
+from mori.traces import default_traces, load_traces, read_traceset
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -70,3 +73,37 @@ def test_simulate_reads_an_importable_format(capsys: pytest.CaptureFixture[str])
                       "--programs", "2", "--duration", "120", "--quiet"])
     assert code == 0
     assert "mori" in capsys.readouterr().out
+
+
+def test_import_newer_transcript_counts_unknown_types(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = newer_transcript(tmp_path / "proj")
+    clean, out = tmp_path / "clean.jsonl", tmp_path / "new.jsonl"
+    shutil.copytree(tmp_path / "proj", tmp_path / "clean")
+    shutil.copy(DATA / "claude-code" / "tool_heavy.jsonl", tmp_path / "clean" / file.name)
+    assert main(["trace", "import", "claude-code", str(tmp_path / "clean"), "-o", str(clean),
+                 "--quiet"]) == 0
+    assert main(["trace", "import", "claude-code", str(file.parent), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"; {NEWER_SUMMARY}\n" in err
+    assert read_traceset(out).programs[0].steps == read_traceset(clean).programs[0].steps
+    assert main(["trace", "import", "claude-code", str(file.parent), "-o", str(out),
+                 "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert f"{file}: line 1: unknown line type 'permission-mode'" in err
+    assert not out.exists()  # no partial output
+
+
+def test_stats_of_a_shipped_set_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["trace", "stats", "kv-cache-tester-31", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["main"]["programs"] == len(default_traces()) == 31
+    assert main(["trace", "stats", "kv-cache-tester-3"]) == 2
+    err = capsys.readouterr().err
+    assert "kv-cache-tester-3: no such file or directory" in err
+    assert "name of a shipped trace set: kv-cache-tester-31" in err
+    shutil.copytree(DATA / "kv-cache-tester", tmp_path / "kv-cache-tester-31")
+    assert main(["trace", "stats", "kv-cache-tester-31", "--json"]) == 0  # a path wins
+    assert json.loads(capsys.readouterr().out)["main"]["programs"] == 3

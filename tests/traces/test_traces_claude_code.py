@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+from claude_code_newer import NEWER_COUNTS, NEWER_SUMMARY, SESSION_ID, newer_transcript
 
 from mori.traces import GapKind, ProgramTrace, TraceError, TraceSet, read_traceset, write_traceset
-from mori.traces.claude_code import iter_programs, read_session
+from mori.traces.claude_code import iter_programs, looks_like_claude_code, read_session
+from mori.traces.importers import detect_format
 from mori.traces.importing import ImportOptions
+from mori.traces.loading import load_traces
 from mori.traces.stats import wait_s
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "claude-code"
@@ -169,8 +173,8 @@ def _with_line(tmp_path: Path, line: str, at: int) -> Path:
 def test_bad_line_names_file_and_line(tmp_path: Path, line: str, problem: str) -> None:
     bad = _with_line(tmp_path, line, 7)
     with pytest.raises(TraceError, match=rf"tool_heavy\.jsonl: line 7.*{problem}"):
-        read_session(bad, ImportOptions())
-    options = ImportOptions(skip_bad=True)
+        read_session(bad, ImportOptions(strict=True))  # strict: unknown types are bad too
+    options = ImportOptions(skip_bad=True, strict=True)
     skipped = read_session(bad, options)
     assert options.report.bad_lines == 1 and problem in options.report.bad_examples[0]
     assert skipped is not None
@@ -184,3 +188,93 @@ def test_empty_session_is_left_out(tmp_path: Path) -> None:
     programs, options = _import(tmp_path)
     assert [p.name for p in programs] == ["short"]
     assert options.report.empty_sessions == 1
+
+
+# -- newer Claude Code versions (2.1.15x): bookkeeping line types the importer does not know
+#    (the transcript is built by claude_code_newer.newer_transcript)
+
+def _clean_steps() -> tuple[object, ...]:
+    program = read_session(DATA / "tool_heavy.jsonl", ImportOptions())
+    assert program is not None
+    return program.steps
+
+
+def test_newer_line_types_are_skipped_and_counted(tmp_path: Path) -> None:
+    file = newer_transcript(tmp_path)
+    assert json.loads(file.read_text().splitlines()[0])["type"] == "permission-mode"
+    programs, options = _import(tmp_path)
+    (program,) = programs
+    assert program.steps == _clean_steps()
+    assert options.report.unknown_types == NEWER_COUNTS
+    assert options.report.bad_lines == 0
+    assert options.report.summary().endswith("; " + NEWER_SUMMARY)
+
+
+def test_strict_refuses_unknown_types_naming_file_and_line(tmp_path: Path) -> None:
+    file = newer_transcript(tmp_path)
+    with pytest.raises(TraceError) as info:
+        read_session(file, ImportOptions(strict=True))
+    assert str(info.value).startswith(
+        f"{file}: line 1: unknown line type 'permission-mode'; without --strict")
+    options = ImportOptions(strict=True, skip_bad=True)  # strict + skip-bad: bad lines
+    program = read_session(file, options)
+    assert program is not None and program.steps == _clean_steps()
+    assert options.report.bad_lines == 6 and not options.report.unknown_types
+    assert "line 2: unknown line type 'mode'" in options.report.bad_examples[1]
+
+
+def test_a_newer_transcript_is_detected(tmp_path: Path) -> None:
+    file = newer_transcript(tmp_path / "proj")
+    assert looks_like_claude_code(file) and looks_like_claude_code(file.parent)
+    assert detect_format(file.parent) == "claude-code"
+    assert load_traces(file.parent).programs[0].steps == _clean_steps()
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"type": "mode", "mode": "normal"}\n{"type": "user", "uuid": "u"}\n')
+    assert not looks_like_claude_code(other)  # an unknown first type needs a sessionId
+
+
+def _sans_source(program: ProgramTrace) -> ProgramTrace:
+    steps = tuple(replace(step, subagents=tuple(
+        replace(spawn, program=_sans_source(spawn.program)) for spawn in step.subagents))
+        for step in program.steps)
+    return replace(program, source="", steps=steps)
+
+
+def _strip_request_ids(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _strip_request_ids(v) for k, v in value.items() if k != "requestId"}
+    if isinstance(value, list):
+        return [_strip_request_ids(v) for v in value]
+    return value
+
+
+def test_without_request_id_steps_group_by_message_id(folder: dict[str, ProgramTrace],
+                                                      tmp_path: Path) -> None:
+    """A sanitised export (no requestId anywhere, progress-mirrored subagents included)
+    gives the same programs as the original project folder."""
+    for source in sorted(DATA.rglob("*.jsonl")):
+        target = tmp_path / source.relative_to(DATA)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(_strip_request_ids(json.loads(raw)))
+                 for raw in source.read_text().splitlines()]
+        target.write_text("\n".join(lines) + "\n")
+        assert "requestId" not in target.read_text()
+    programs, _ = _import(tmp_path)
+    assert {p.name: _sans_source(p) for p in programs} == {
+        name: _sans_source(p) for name, p in folder.items()}
+
+
+def test_synthetic_message_is_not_a_call(tmp_path: Path) -> None:
+    file = newer_transcript(tmp_path, strip_request_id=True)
+    synthetic = {"type": "assistant", "sessionId": SESSION_ID, "isSidechain": False,
+                 "timestamp": "2026-02-10T23:00:00.000Z", "uuid": "syn-1",
+                 "message": {"id": "2f0f6a3c-7c1e-4b7e-9a51-0d3d2c9b8e11", "model": "<synthetic>",
+                             "role": "assistant", "type": "message",
+                             "usage": {"input_tokens": 0, "output_tokens": 0},
+                             "content": [{"type": "text", "text": "No response requested."}]}}
+    error = {**synthetic, "uuid": "syn-2", "isApiErrorMessage": True,
+             "message": {**synthetic["message"], "id": "msg_err", "model": "claude-x"}}
+    with file.open("a") as stream:
+        stream.write(json.dumps(synthetic) + "\n" + json.dumps(error) + "\n")
+    program = read_session(file, ImportOptions())
+    assert program is not None and program.steps == _clean_steps()

@@ -8,13 +8,17 @@ from pathlib import Path
 import pytest
 
 import mori.traces as traces
+from mori.core.registry import UnknownNameError
 from mori.traces import (
+    SHIPPED_TRACES,
     GapKind,
     TraceError,
     TraceSet,
     default_traces,
     load_kvcache_tester_file,
     load_traces,
+    read_traceset,
+    shipped_traces,
     write_traceset,
 )
 
@@ -101,3 +105,29 @@ def test_shipped_license_files() -> None:
     notice = (data / "NOTICE").read_text()
     for needle in ("callanjfox/kv-cache-tester", "94f6046", "Apache", "WEKA", "hash"):
         assert needle in notice
+
+
+def test_a_shipped_set_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert "kv-cache-tester-31" in SHIPPED_TRACES
+    assert load_traces("kv-cache-tester-31") == default_traces()
+    assert load_traces(Path("kv-cache-tester-31")) == shipped_traces("kv-cache-tester-31")
+    with pytest.raises(TraceError) as info:
+        load_traces("kv-cache-tester-32")
+    message = str(info.value)
+    assert message.startswith("kv-cache-tester-32: no such file or directory")
+    assert message.endswith("or the name of a shipped trace set: kv-cache-tester-31")
+    with pytest.raises(UnknownNameError, match="valid names: kv-cache-tester-31"):
+        shipped_traces("nope")
+    # a file or folder of that name wins over the shipped set
+    shutil.copytree(DATA, tmp_path / "kv-cache-tester-31")
+    assert len(load_traces("kv-cache-tester-31")) == 3
+
+
+def test_shipped_sets_are_what_they_say() -> None:
+    data = Path(traces.__file__).resolve().parents[1] / "data"
+    for name in SHIPPED_TRACES.names():
+        shipped = SHIPPED_TRACES.get(name)
+        assert read_traceset(data / shipped.file).name == name
+        assert shipped.size_bytes() == (data / shipped.file).stat().st_size
+        assert shipped.licence and all((data / f).is_file() for f in shipped.notice)

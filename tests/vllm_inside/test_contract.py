@@ -1,7 +1,7 @@
 """The vLLM 0.32 internals the MORI plug-in relies on, pinned.
 
-The plug-in reaches into vLLM where no public API exists (ENGINES.md, "Where MORI can
-plug into vLLM 0.32 without forking"). When vLLM is upgraded, a failure here names what
+The plug-in reaches into vLLM where no public API exists (docs/engines.md, "Where MORI
+plugs into vLLM 0.32 without forking"). When vLLM is upgraded, a failure here names what
 moved; fix the plug-in (``src/mori/vllm_plugin``) before updating the pins.
 """
 

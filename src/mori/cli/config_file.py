@@ -10,7 +10,9 @@ options take an array, a single value or a comma-separated string::
     duration = 600
     share_prefix = true
 
-Relative paths (``traces``, ``json``, ``plot``) are taken relative to the file's folder.
+Relative paths (``traces``, ``json``, ``plot``) are taken relative to the file's folder;
+a ``traces`` value that names a shipped trace set (``mori traces``) and no file there
+stays a name.
 Any problem is a :class:`ConfigError` naming the file and the key.
 """
 
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mori.cli.options import BY_KEY, Option, OptionError
+from mori.traces import SHIPPED_TRACES
 
 
 class ConfigError(ValueError):
@@ -64,7 +67,10 @@ def load_config(path: Path, by_key: Mapping[str, Option] = BY_KEY) -> dict[str, 
         except OptionError as e:
             raise ConfigError(f"config file {str(path)!r}: key {name!r}: {e}") from None
         if opt.kind is Path and not converted.is_absolute():
-            converted = path.parent / converted
+            beside = path.parent / converted
+            if not (key == "traces" and not beside.exists()
+                    and str(converted) in SHIPPED_TRACES):
+                converted = beside
         values[key] = converted
         spelled[key] = name
     return values

@@ -1,5 +1,5 @@
-"""The ``mori`` command: ``simulate``, ``sweep``, ``trace``, ``serve``, ``replay``,
-``engine-sim``, ``vllm-args``, ``policies``, ``presets`` and ``--version``.
+"""The ``mori`` command: ``simulate``, ``sweep``, ``trace``, ``traces``, ``serve``,
+``replay``, ``engine-sim``, ``vllm-args``, ``policies``, ``presets`` and ``--version``.
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
 one line on stderr, no traceback), 1 when an output file cannot be written.
@@ -23,6 +23,7 @@ from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
 from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
 from mori.cli.trace_cmd import add_trace_parser, run_trace
+from mori.cli.traces_cmd import add_traces_parser, run_traces
 from mori.cli.vllm_args_cmd import add_vllm_args_parser, run_vllm_args
 from mori.core.costmodel import PRESETS
 from mori.core.policies import PAPER_POLICIES, POLICIES
@@ -32,9 +33,10 @@ _NO_CPU_TIER = [n for n in POLICIES.names() if not POLICIES.get(n).engine_profil
 SIMULATE_EPILOG = f"""\
 grid:
   One run per hardware x cpu ratio x programs x policy, in that order (policy varies
-  fastest); the table, --json and --plot keep this order whatever --jobs is. With no
-  options: the paper's comparison (4 policies x 20/50/80 programs, h200-qwen3-30b-a3b,
-  cpu ratio 1, one simulated hour).
+  fastest); the table, --json and --plot keep this order whatever --jobs is. --programs
+  counts programs per replica (x --replicas in all). With no options: the paper's
+  comparison (4 policies x 20/50/80 programs, h200-qwen3-30b-a3b, cpu ratio 1, one
+  simulated hour).
 
 cpu ratio R:
   The CPU KV tier holds R x the GPU KV capacity of KV that is *not* on the GPU. The
@@ -50,8 +52,8 @@ human gap (--human-gap, --human-gap-cap):
 context window (--max-context):
   A program's steps are kept while prompt + output fit the context window (the model's,
   or --max-context); the rest is cut, as a real session would have compacted there. A
-  program whose first step does not fit is left out; a note after the table says how
-  many were. The cut is in trace tokens: with --token-scale S the model's window counts
+  program whose first step does not fit is left out; a note on stderr after the table
+  says how many were (not with --quiet). The cut is in trace tokens: with --token-scale S the model's window counts
   as window / S trace tokens, as `mori replay` cuts.
 
 config file (--config FILE.toml):
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read options from a TOML file (see below); flags given here win")
     add_sweep_parser(sub)
     add_trace_parser(sub)
+    add_traces_parser(sub)
     add_serve_parser(sub)
     add_replay_parser(sub)
     add_engine_sim_parser(sub)
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_sweep(args)
     if args.command == "trace":
         return run_trace(args)
+    if args.command == "traces":
+        return run_traces(args)
     if args.command == "serve":
         return run_serve(args)
     if args.command == "replay":

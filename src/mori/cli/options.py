@@ -158,14 +158,15 @@ OPTIONS: tuple[Option, ...] = (
                 f"valid: {', '.join(POLICIES.names())} (default: the paper's four, "
                 f"{','.join(PAPER_POLICIES)})"),
     Option("programs", int, (20, 50, 80), metavar="N,N,...", multi=True,
-           help="numbers of concurrent agentic programs (closed-loop slots)"),
+           help="numbers of concurrent agentic programs (closed-loop slots) PER REPLICA: "
+                "a run simulates this x --replicas programs in all"),
     Option("hardware", str, (_SIM.hardware,), metavar="PRESET,...", multi=True,
            help="hardware presets, one replica each (see `mori presets`); "
                 f"valid: {', '.join(PRESETS.names())}"),
     Option("cpu_ratio", float, (_SIM.cpu_ratio,), metavar="R,...", multi=True,
            help="CPU KV tier size as a multiple of the GPU KV capacity (see below)"),
     Option("replicas", int, _SIM.replicas, metavar="N",
-           help="engine replicas, each with the preset's GPUs"),
+           help="engine replicas, each with the preset's GPUs and --programs programs"),
     Option("duration", float, _SIM.duration_s, metavar="SECONDS", field="duration_s",
            help="simulated seconds per run"),
     Option("traces", Path, None, metavar="PATH",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 import textwrap
@@ -26,6 +27,7 @@ from mori.core.registry import UnknownNameError
 from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend
 from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, run_gateway
+from mori.protocol.serve import bind_socket
 
 _SERVE_FIELDS = frozenset(f.name for f in fields(ServeConfig)) - {"settings"}
 """The fields of ``ServeConfig`` options set directly; the rest are the gateway's."""
@@ -114,14 +116,53 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     return cfg
 
 
+class EmbeddedServerFilter(logging.Filter):
+    """Drops what the embedded engines' uvicorn servers log below WARNING.
+
+    uvicorn logs every server's start and shutdown on the one ``uvicorn.error`` logger,
+    at the level of the last server configured (the gateway's ``--log-level``), so each
+    simulated engine would repeat the gateway's "Shutting down" lines. Those servers run
+    in tasks ``mori.protocol.serve.serve_app`` names ``uvicorn:PORT``; the gateway's is
+    not one of them.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no running loop
+            return True
+        return task is None or not task.get_name().startswith("uvicorn:")
+
+
+def _quiet_embedded_servers() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, EmbeddedServerFilter) for f in logger.filters):
+        logger.addFilter(EmbeddedServerFilter())
+
+
+def check_address(cfg: ServeConfig) -> None:
+    """Raise ``OSError`` now, before any engine starts, if the gateway cannot listen on
+    ``cfg.host:cfg.port`` (port 0 always can)."""
+    if cfg.port != 0:
+        bind_socket(cfg.host, cfg.port).close()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         cfg = build_config(args)
     except ServeUsageError as e:
         print(f"mori serve: error: {e}", file=sys.stderr)
         return 2
+    try:
+        check_address(cfg)
+    except OSError as e:
+        print(f"mori serve: error: {e}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_embedded_servers()
 
     def ready(url: str) -> None:
         where = (", ".join(cfg.backends) if cfg.backends

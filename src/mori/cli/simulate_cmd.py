@@ -1,5 +1,8 @@
 """``mori simulate``: run the grid hardware x CPU ratio x programs x policy.
 
+``--programs`` counts programs per replica, as in ``mori sweep`` (and the paper): with
+``--replicas N`` a run simulates ``programs x N`` programs in all (``SimConfig.programs``).
+
 Everything the user can get wrong is checked before the first run starts: names, values,
 the trace set, and whether each grid point can be simulated at all (by building its
 :class:`~mori.sim.runner.Simulation`). Such problems are :class:`UsageError`s, which
@@ -70,7 +73,8 @@ def resolve_settings(cli: dict[str, Any], config: dict[str, Any]) -> Settings:
 
 
 def build_grid(s: Settings) -> list[SimConfig]:
-    """One :class:`SimConfig` per run, in grid order (policy varies fastest)."""
+    """One :class:`SimConfig` per run, in grid order (policy varies fastest); each run's
+    ``programs`` is ``--programs`` (per replica) x ``--replicas``."""
     for name in s.policy:
         POLICIES.get(name)  # UnknownNameError lists the valid names
     for name in s.hardware:
@@ -81,13 +85,18 @@ def build_grid(s: Settings) -> list[SimConfig]:
         raise UsageError(str(e)) from None
     if s.jobs < 0:
         raise UsageError(f"--jobs must be >= 1, or 0 for one per CPU (got {s.jobs})")
+    if s.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1 (got {s.replicas})")
+    for n in s.programs:
+        if n < 1:
+            raise UsageError(f"--programs must be >= 1 per replica (got {n})")
     return [
-        SimConfig(policy=pol, programs=n, hardware=hw, cpu_ratio=cpu, replicas=s.replicas,
-                  duration_s=s.duration, seed=s.seed, human_gap=s.human_gap,
-                  human_gap_cap_s=s.human_gap_cap, max_context=s.max_context,
-                  share_prefix=s.share_prefix, gpu_kv_tokens=s.gpu_kv_tokens,
-                  cpu_kv_tokens=s.cpu_kv_tokens, token_scale=s.token_scale,
-                  time_scale=s.time_scale, policy_config=knobs)
+        SimConfig(policy=pol, programs=n * s.replicas, hardware=hw, cpu_ratio=cpu,
+                  replicas=s.replicas, duration_s=s.duration, seed=s.seed,
+                  human_gap=s.human_gap, human_gap_cap_s=s.human_gap_cap,
+                  max_context=s.max_context, share_prefix=s.share_prefix,
+                  gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
+                  token_scale=s.token_scale, time_scale=s.time_scale, policy_config=knobs)
         for hw in s.hardware for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
     ]
 
@@ -141,7 +150,7 @@ def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool
         results = []
         with _progress(len(configs), quiet) as bar:
             for c in configs:
-                bar.set_postfix_str(f"{c.policy} n={c.programs}", refresh=False)
+                bar.set_postfix_str(f"{c.policy} n={c.programs_per_replica}", refresh=False)
                 results.append(simulate(c, traces))
                 bar.update()
         return results
@@ -165,20 +174,30 @@ def write_json(results: list[RunResult], path: Path) -> None:
                     encoding="utf-8")
 
 
+def table_text(results: list[RunResult], replicas: int) -> str:
+    """The results table; its programs column counts programs per replica, like
+    ``--programs``. With more than one replica a title line above it says so."""
+    table = results_table(results, per_replica=True)
+    if replicas == 1:
+        return table
+    return f"DP={replicas} (programs column: per replica; x{replicas} in all)\n{table}"
+
+
 def run_simulate(s: Settings) -> int:
-    """Run the grid, print the table (stdout), write the optional JSON and plot."""
+    """Run the grid, print the table (stdout, nothing else), write the optional JSON and
+    plot. Notes (programs left out, files written) go to stderr unless ``quiet``."""
     configs, traces = prepare(s)
     jobs = min(s.jobs or os.cpu_count() or 1, len(configs))
     try:
         results = run_grid(configs, traces, jobs, s.quiet)
     except SettingsError as e:
         raise UsageError(str(e)) from None
-    print(results_table(results))
+    print(table_text(results, s.replicas), flush=True)
     cuts = {r.max_context for r in results}  # trace tokens, the token scale applied
     cut = s.max_context or (cuts.pop() if len(cuts) == 1 else None)
     note = left_out_note(results, traces.name, len(traces.programs), cut)
-    if note:
-        print(note)
+    if note and not s.quiet:
+        print(note, file=sys.stderr)
     written = []
     try:
         if s.json is not None:
@@ -187,7 +206,7 @@ def run_simulate(s: Settings) -> int:
         if s.plot is not None:
             from mori.cli.plot import plot_results  # matplotlib only when asked for
 
-            plot_results(results, s.plot)
+            plot_results(results, s.plot, per_replica=True)
             written.append(str(s.plot))
     except OSError as e:
         print(f"mori simulate: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)

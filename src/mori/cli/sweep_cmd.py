@@ -38,10 +38,7 @@ SHARED_KEYS = ("duration", "seed", "human_gap", "human_gap_cap", "max_context",
 
 SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.replace(
     " (see below)", "")) for o in (
-    BY_KEY["policy"], dataclasses.replace(
-        BY_KEY["programs"], help="numbers of concurrent programs PER REPLICA (the total "
-                                 "simulated is this x replicas)"),
-    BY_KEY["hardware"], BY_KEY["cpu_ratio"],
+    BY_KEY["policy"], BY_KEY["programs"], BY_KEY["hardware"], BY_KEY["cpu_ratio"],
     dataclasses.replace(BY_KEY["replicas"], multi=True, default=(1,), metavar="N,...",
                         help="engine replica counts (DP), one setting each"),
     *(BY_KEY[k] for k in SHARED_KEYS), BY_KEY["traces"], BY_KEY["quiet"],
@@ -211,11 +208,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     results = [done[r] if r in done else new[r] for r in runs]
     written = write_outputs(args.out, sweep, runs, results, store)
-    print(summary(runs, results))
+    print(summary(runs, results), flush=True)
     note = left_out_note(results, traces.name, len(traces.programs), sweep.base.max_context)
-    if note:
-        print(note)
     if not quiet:
+        if note:
+            print(note, file=sys.stderr)
         print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
     return 0
 

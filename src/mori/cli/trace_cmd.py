@@ -41,7 +41,9 @@ formats:
 The output is MORI's canonical trace file (JSON Lines, gzip when OUT ends in .gz; schema
 in docs/traces.md), read by `mori simulate --traces`, `mori trace stats` and the replay
 client. A bad line fails the import, naming its file and line; --skip-bad skips such
-lines and reports how many.
+lines and reports how many. Claude Code lines of a type the importer does not know
+(newer versions add some) are skipped and counted by type in the summary; --strict
+refuses them instead, naming the file and line.
 
 examples:
   mori trace import claude-code ~/.claude/projects/-home-me-repo -o repo.jsonl.gz
@@ -52,11 +54,14 @@ examples:
 STATS_EPILOG = """\
 PATH is any importable trace set (its format is detected): a canonical file, a
 kv-cache-tester folder or file, a Claude Code project folder or session, a Codex
-sessions folder or rollout. Definitions (wait, busy phase, idle fraction, context
-growth) are in docs/traces.md; the paper's figures are printed beside ours.
+sessions folder or rollout; or the name of a shipped set (see `mori traces`), such as
+kv-cache-tester-31, when no file of that name exists. Definitions (wait, busy phase,
+idle fraction, context growth) are in docs/traces.md; the paper's figures are printed
+beside ours.
 
 examples:
   mori trace stats traces.jsonl.gz
+  mori trace stats kv-cache-tester-31
   mori trace stats ~/.claude/projects/-home-me-repo --threshold 1 --plot figs/
   mori trace stats kv/ --json > stats.json
 """
@@ -94,7 +99,10 @@ def add_trace_parser(sub: Any) -> argparse.ArgumentParser:
                      help="output file (.jsonl, or .jsonl.gz for gzip)")
     imp.add_argument("--name", help="trace set name (default: the first PATH's name)")
     imp.add_argument("--skip-bad", action="store_true",
-                     help="skip malformed or unknown lines (counted) instead of failing")
+                     help="skip malformed lines (counted) instead of failing")
+    imp.add_argument("--strict", action="store_true",
+                     help="refuse lines of unknown types (Claude Code) instead of skipping "
+                     "and counting them")
     imp.add_argument("--no-hashes", action="store_true",
                      help="drop block hashes (kv-cache-tester) to keep the file small")
     imp.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -104,7 +112,8 @@ def add_trace_parser(sub: Any) -> argparse.ArgumentParser:
         description="Tool-call durations, short-call shares, busy phases, idle fractions, "
         "context growth and LLM calls per program; subagents apart.",
         epilog=STATS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    st.add_argument("path", metavar="PATH", type=Path, help="an importable trace set")
+    st.add_argument("path", metavar="PATH", type=Path,
+                    help="an importable trace set, or a shipped set's name")
     st.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD_S, metavar="S",
                     help=f"short/long tool-call threshold in seconds (default "
                     f"{DEFAULT_THRESHOLD_S:g}); busy phases are also shown at 1, 2 and 5 s")
@@ -180,7 +189,8 @@ def _import(args: argparse.Namespace) -> int:
     paths: list[Path] = args.paths
     files = importer.files(paths)
     total = sum(f.stat().st_size for f in files)
-    options = ImportOptions(skip_bad=args.skip_bad, keep_hashes=not args.no_hashes)
+    options = ImportOptions(skip_bad=args.skip_bad, strict=args.strict,
+                            keep_hashes=not args.no_hashes)
     name = args.name or _set_name(paths[0])
     out: Path = args.output
     try:

@@ -2,7 +2,7 @@
 
 Pure and deterministic: no I/O, no clock. One iteration of a continuous-batching engine
 prefills a chunk of new tokens and decodes one token for each running request. Per GPU,
-with tensor-parallel degree t (COSTMODEL.md):
+with tensor-parallel degree t (docs/costmodel.md):
 
     tau + max(linear FLOPs / (t eta_gemm FLOPS), (weights read + KV read) / (t eta_mem BW))
         + prefill attention FLOPs / (t eta_attn FLOPS) + all-reduce (t > 1)

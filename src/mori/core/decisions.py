@@ -2,7 +2,7 @@
 
 Order matters within one ``decide()`` result: a ``Promote`` precedes the ``Forward`` of
 the same program, and the ``Demote`` decisions that made room precede the ``Promote``.
-The engine's type label (MORI.md section 5) follows from these decisions: ``Promote`` ->
+The engine's type label (docs/system.md, "Typed offloading in the engine") follows from these decisions: ``Promote`` ->
 busy, ``Demote(to=CPU)`` -> idle, ``Demote(to=NONE)`` and ``Release`` -> inactive.
 """
 

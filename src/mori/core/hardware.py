@@ -2,7 +2,7 @@
 (plus ``cpu-tiny-llama``, the CPU engine of the real-engine benchmark).
 
 Pure data: frozen dataclasses whose derived figures are properties. The numbers come
-from the public model configs and GPU datasheets listed in COSTMODEL.md; the
+from the public model configs and GPU datasheets listed in docs/costmodel.md; the
 efficiencies (eta) are starting estimates, to be refitted from measurements.
 """
 
@@ -46,7 +46,7 @@ class ModelSpec:
     ``num_experts``. ``embedding_params`` counts the input embedding and the (untied)
     output head: they are not GEMMs a prefill token pays for (the embedding is a
     lookup; the head runs on the last token of a chunk only), so they are left out of
-    the linear FLOPs, which is how COSTMODEL.md's figures (13.1 G / 5.5 G / 136.9 G)
+    the linear FLOPs, which is how docs/costmodel.md's figures (13.1 G / 5.5 G / 136.9 G)
     come out of the configs.
     """
 
@@ -339,7 +339,7 @@ CPU_VLLM = GPUSpec(
 # --- Presets -----------------------------------------------------------------------
 # mem_fraction_static was chosen per preset to reproduce the KV pool sizes SGLang 0.5.10
 # was observed to allocate with its defaults (~0.99 M, ~0.77 M and ~0.57 M tokens; see
-# COSTMODEL.md). The fraction already leaves room for activations and CUDA graphs, so
+# docs/costmodel.md). The fraction already leaves room for activations and CUDA graphs, so
 # the activation reserve is 0.
 
 

@@ -1,4 +1,4 @@
-"""Windowed idleness (MORI.md section 3).
+"""Windowed idleness (docs/system.md, "Idleness").
 
     iota = T_acting(k) / (T_reasoning(k) + T_acting(k))
 

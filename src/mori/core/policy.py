@@ -26,8 +26,8 @@ from mori.core.types import Status, Tier
 class PolicyConfig:
     """Knobs shared by the policies (each ignores those it has no use for).
 
-    ``tick_s``: period of the control loop (MORI.md section 4: 5 s).
-    ``idleness_window``: k, cycles in the idleness window (MORI.md section 3: 5).
+    ``tick_s``: period of the control loop (docs/system.md, "Placement: rank, then fill each tier to capacity": 5 s).
+    ``idleness_window``: k, cycles in the idleness window (docs/system.md, "Idleness": 5).
     ``exclude_gated``: leave scheduler-imposed time out of idleness.
     ``binary_threshold``: iota at or above which ``mori-binary`` calls a program idle.
     ``page_tokens``: KV is accounted in whole pages of this many tokens.

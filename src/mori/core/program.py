@@ -10,7 +10,7 @@ from mori.core.types import Status, Tier
 
 @dataclass(slots=True)
 class StepRecord:
-    """The three timestamps of one step plus its arrival (MORI.md section 3)."""
+    """The three timestamps of one step plus its arrival (docs/system.md, "Idleness")."""
 
     arrived: float
     forwarded: float | None = None

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 
 class Status(StrEnum):
-    """What a program is doing at an instant (MORI.md section 2)."""
+    """What a program is doing at an instant (docs/system.md, "Programs, steps and status")."""
 
     REASONING = "reasoning"  # its request is executing on an engine
     ACTING = "acting"  # its response ended; it is in a tool call, its KV sits idle
@@ -22,7 +22,7 @@ class Tier(StrEnum):
 
 
 class KVLabel(StrEnum):
-    """Type label the engine uses above plain LRU (MORI.md section 5)."""
+    """Type label the engine uses above plain LRU (docs/system.md, "Typed offloading in the engine")."""
 
     BUSY = "busy"  # GPU queue
     IDLE = "idle"  # CPU queue
@@ -30,7 +30,7 @@ class KVLabel(StrEnum):
 
 
 class Capability(StrEnum):
-    """KV controls an engine may offer the world that drives it (ENGINES.md).
+    """KV controls an engine may offer the world that drives it (docs/engines.md).
 
     The decision executor (``mori.core.execution``) turns decisions into engine actions
     using only the capabilities an engine declares.

@@ -1,6 +1,6 @@
 """The engine adapter interface: what the gateway needs from an engine replica.
 
-One small async interface (ARCHITECTURE.md): forward a request (streaming or not),
+One small async interface (docs/architecture.md): forward a request (streaming or not),
 report KV capacity and health, and whatever KV control the engine offers. Each adapter
 declares the controls it supports in ``capabilities``; the gateway calls only those.
 

@@ -75,7 +75,11 @@ async def run_gateway(cfg: ServeConfig,
     try:
         app = create_app(cfg.settings, adapters)
         await app.state.gateway.prepare()  # engine problems: one clear error, before serving
-        sock = bind_socket(cfg.host, cfg.port)
+        try:
+            sock = bind_socket(cfg.host, cfg.port)
+        except OSError:
+            await app.state.gateway.shutdown()  # close the adapters' HTTP sessions
+            raise
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False,

@@ -13,9 +13,14 @@ from mori.sim.workload import workload_problems
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """One run. ``cpu_ratio`` R: the CPU tier holds R x the GPU KV capacity of KV that is
-    *not* on the GPU (with write-through the engine's host pool is (1 + R) x the device
-    pool, since it also mirrors what is on the GPU). ``max_context`` None means the
+    """One run. ``programs``: the concurrent programs (closed-loop slots) in all, over
+    all ``replicas``; the command line's ``--programs`` counts them per replica
+    (:attr:`programs_per_replica`): ``mori simulate --replicas 3 --programs 20`` runs
+    ``programs=60``.
+
+    ``cpu_ratio`` R: the CPU tier holds R x the GPU KV capacity of KV that is *not* on
+    the GPU (with write-through the engine's host pool is (1 + R) x the device pool,
+    since it also mirrors what is on the GPU). ``max_context`` None means the
     model's context window. ``stagger_s``: programs start uniformly spread over this
     many seconds (seeded) rather than all at t = 0.
 
@@ -82,6 +87,13 @@ class SimConfig:
                                       self.human_gap, self.human_gap_cap_s, self.max_context)
         if problems:
             raise ValueError("invalid simulation settings: " + "; ".join(problems))
+
+    @property
+    def programs_per_replica(self) -> float:
+        """``programs`` / ``replicas``: what ``--programs`` gives. An ``int`` when
+        ``programs`` is a multiple of ``replicas`` (as the command line makes it)."""
+        whole, rest = divmod(self.programs, self.replicas)
+        return whole if rest == 0 else self.programs / self.replicas
 
     def _kv_problems(self) -> list[str]:
         """What is wrong with the KV pool overrides (empty when nothing is)."""

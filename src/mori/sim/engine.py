@@ -1,8 +1,8 @@
 """A simulated engine replica: continuous batching over a paged GPU/CPU KV cache.
 
-What it models (COSTMODEL.md; the names follow SGLang):
+What it models (docs/costmodel.md; the names follow SGLang):
 - Admission: waiting requests enter in order (under typed eviction, busy-labelled before
-  idle-labelled, MORI.md section 5; otherwise first come first served). Admitting one
+  idle-labelled, docs/system.md, "Typed offloading in the engine"; otherwise first come first served). Admitting one
   pins its program's pages and reserves pages for prompt + output (the engine is told
   the output length; a real engine reserves an estimate); if the GPU cannot be made to
   hold them by evicting unpinned pages, admission stops (head-of-line), as SGLang does.

@@ -131,13 +131,16 @@ RESULT_CONTEXT = ("config", "traces", "max_context")
 def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str, Any]:
     """The settings of a run as a flat result record holds them (see ``RESULT_SETTINGS``).
 
-    The policy knobs a record carries are ``tick_s``, ``idleness_window`` and
-    ``binary_threshold``; ``max_context`` is the length programs were cut at (trace
-    tokens); ``gpu_kv_tokens`` and ``cpu_kv_tokens`` are the overrides asked for (None:
-    none; the pools simulated are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``).
+    ``programs`` counts the programs in all, ``programs_per_replica`` per replica (what
+    ``--programs`` gives; derived, not a :class:`SimConfig` field). The policy knobs a
+    record carries are ``tick_s``, ``idleness_window`` and ``binary_threshold``;
+    ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
+    and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
+    are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``).
     """
     c, p = config, config.policy_config
-    return {"policy": c.policy, "programs": c.programs, "hardware": c.hardware,
+    return {"policy": c.policy, "programs": c.programs,
+            "programs_per_replica": c.programs_per_replica, "hardware": c.hardware,
             "cpu_ratio": c.cpu_ratio, "replicas": c.replicas, "duration_s": c.duration_s,
             "seed": c.seed, "traces": traces, "human_gap": c.human_gap,
             "human_gap_cap_s": c.human_gap_cap_s, "max_context": max_context,

@@ -1,6 +1,6 @@
 """One simulation run: a policy, engine replicas and the closed-loop workload.
 
-The runner is the "world" of ARCHITECTURE.md: it reports events to the policy, asks it
+The runner is the "world" of docs/architecture.md: it reports events to the policy, asks it
 for decisions and executes them on the simulated engines. Closed loop: a program sends
 its next request only after its previous response and its recorded gap; a finished
 program's slot takes the next trace; a subagent is a program of its own, spawned at its

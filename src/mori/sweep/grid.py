@@ -86,7 +86,8 @@ def expand(sweep: SweepDef) -> list[Run]:
     """Every run of ``sweep`` in grid order: block by block, then preset, CPU ratio,
     replicas, programs, policy (fastest).
 
-    Builds each run's :class:`SimConfig`, so a bad value raises ``ValueError`` here;
+    Builds each run's :class:`SimConfig` (``programs`` = per-replica programs x
+    replicas), so a bad value raises ``ValueError`` here;
     the same run listed twice raises :class:`DuplicateRunError`.
     """
     runs: list[Run] = []
@@ -97,6 +98,8 @@ def expand(sweep: SweepDef) -> list[Run]:
                 for dp in b.replicas:
                     setting = Setting(hw, cpu, dp)
                     for n in b.programs:
+                        if n < 1:
+                            raise ValueError(f"programs must be >= 1 per replica (got {n})")
                         for pol in b.policy:
                             config = dataclasses.replace(
                                 sweep.base, policy=pol, hardware=hw, cpu_ratio=cpu,

@@ -73,9 +73,10 @@ def run_key(config: SimConfig, digest: str) -> str:
 
 
 def result_row(run: Run, result: RunResult) -> dict[str, Any]:
-    """``result.to_dict()`` with the run's ``programs_per_replica`` added."""
+    """``result.to_dict()``: the run's settings (``programs`` in all and
+    ``programs_per_replica``, which is ``run.programs_per_replica``) and measurements."""
     row = result.to_dict()
-    row["programs_per_replica"] = run.programs_per_replica
+    assert row["programs_per_replica"] == run.programs_per_replica, "run and result differ"
     return row
 
 
@@ -85,11 +86,13 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
     The record's settings rebuild the run's :class:`SimConfig` (policy knobs a record
     does not carry take their defaults; ``max_context`` is the length programs were cut
     at, which gives the same run). Raises ``ValueError`` if the keys are not exactly
-    those ``to_dict()`` writes, or the settings are not a valid configuration.
+    those ``to_dict()`` writes, or the settings are not a valid configuration. A record
+    written before ``programs_per_replica`` was a setting may lack that key (it is
+    derived from ``programs`` and ``replicas``).
     """
     hints = typing.get_type_hints(RunResult)
     measured = set(hints) - set(RESULT_CONTEXT)
-    if set(data) != measured | set(RESULT_SETTINGS):
+    if set(data) | {_DERIVED} != measured | set(RESULT_SETTINGS):
         raise ValueError("the record's fields are not those of RunResult")
     values: dict[str, Any] = {}
     for name in measured:
@@ -104,8 +107,14 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
     config = SimConfig(
         **{k: data[k] for k in RESULT_SETTINGS if k in sim_keys},
         policy_config=PolicyConfig(**{k: data[k] for k in RESULT_SETTINGS if k in policy_keys}))
+    if data.get(_DERIVED, config.programs_per_replica) != config.programs_per_replica:
+        raise ValueError(f"the record's {_DERIVED} is not programs / replicas")
     return RunResult(config=config, traces=data["traces"], max_context=data["max_context"],
                      **values)
+
+
+_DERIVED = "programs_per_replica"
+"""The setting of a flat record that is not a :class:`SimConfig` field."""
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -5,15 +5,20 @@ subagents, ``<session>/subagents/agent-<agentId>.jsonl`` (``agent-acompact-*`` f
 automatic or ``/compact`` context compactions). Each line is one JSON object with a
 ``type``: ``user`` / ``assistant`` lines carry ``timestamp``, ``isSidechain`` and the
 ``message``; ``progress``, ``system``, ``file-history-snapshot``, ``queue-operation``,
-``summary`` and a few bookkeeping types are read past. Any other type, a line that is
-not a JSON object, or a user/assistant line without its fields is a bad line
-(:class:`~mori.traces.errors.TraceError` naming file and line; ``skip_bad`` skips it).
+``summary`` and a few bookkeeping types are read past. Lines of any other type (newer
+versions add some: ``mode``, ``permission-mode``, ``ai-title``, ``attachment``, ...)
+are skipped and counted by type in the report, or, with ``ImportOptions.strict``, are
+bad lines. A line that is not a JSON object, has no ``type``, or a user/assistant line
+without its fields is a bad line (:class:`~mori.traces.errors.TraceError` naming file
+and line; ``skip_bad`` skips it).
 
 Rules (the timing rules proper are in :mod:`mori.traces.timeline`):
 
 * One step per API response: the assistant lines that share a ``requestId`` are merged
-  (one line per content block in Claude Code 2.1; they repeat the same ``usage``).
-  Assistant lines without ``requestId`` (synthetic messages) are not LLM calls.
+  (one line per content block in Claude Code 2.1; they repeat the same ``usage``). A
+  line without ``requestId`` (sanitised exports drop it) is grouped by its
+  ``message.id`` instead. Synthetic messages (model ``<synthetic>``, or
+  ``isApiErrorMessage``) and lines with neither id are not LLM calls.
 * ``prompt_tokens = input + cache_creation_input + cache_read_input`` tokens;
   ``new_tokens = input + cache_creation``; ``reuse_tokens`` from ``cache_read``;
   ``output_tokens`` the largest ``output_tokens`` among the response's lines (early
@@ -51,7 +56,7 @@ from mori.traces.errors import Fields, TraceError
 from mori.traces.importing import (
     SKIP_HINT,
     ImportOptions,
-    first_object,
+    first_objects,
     json_lines,
     parse_time,
     walk_files,
@@ -66,6 +71,7 @@ IGNORED_TYPES = frozenset({
     "custom-title", "tag", "agent-name", "last-prompt", "pr-link",
 })
 COMPACTION_PREFIX = "acompact"
+SYNTHETIC_MODEL = "<synthetic>"
 
 
 def is_transcript_file(path: Path) -> bool:
@@ -75,17 +81,18 @@ def is_transcript_file(path: Path) -> bool:
 
 def looks_like_claude_code(path: Path) -> bool:
     """Whether ``path`` (a transcript file, or a folder holding one) reads as Claude Code:
-    its first object has a Claude Code line ``type`` and a ``sessionId``, ``uuid`` or
-    ``messageId``."""
+    its first object of a known Claude Code line ``type`` has a ``sessionId``, ``uuid``
+    or ``messageId``. Leading objects of other string types that carry a ``sessionId``
+    (bookkeeping lines of newer versions, such as ``permission-mode``) are looked past;
+    any other first object is not Claude Code."""
     files = [path] if path.is_file() else _first_files(path)
     for file in files:
-        obj = first_object(file)
-        if obj is None:
-            continue
-        kind = obj.get("type")
-        if kind in CONVERSATION_TYPES or kind in IGNORED_TYPES:
-            return any(key in obj for key in ("sessionId", "uuid", "messageId"))
-        return False
+        for obj in first_objects(file):
+            kind = obj.get("type")
+            if kind in CONVERSATION_TYPES or kind in IGNORED_TYPES:
+                return any(key in obj for key in ("sessionId", "uuid", "messageId"))
+            if not (isinstance(kind, str) and "sessionId" in obj):
+                return False
     return False
 
 
@@ -163,10 +170,10 @@ class _Chain:
     first_cached: int | None = None
 
     def assistant(self, line: Fields, ts: float) -> None:
-        request_id = line.opt_text("requestId")
+        message = line.child(line.raw("message"), "message")
+        request_id = _response_id(line, message)
         if request_id is None:
             return  # a synthetic message, not an API response
-        message = line.child(line.raw("message"), "message")
         usage = message.child(message.raw("usage"), "message.usage")
         output = usage.integer("output_tokens", 0)
         uses = _tool_uses(message)
@@ -228,6 +235,18 @@ class _Chain:
                 self.agent_links[agent_id] = entry[1]
 
 
+def _response_id(line: Fields, message: Fields) -> str | None:
+    """The id grouping an assistant line with the others of its API response: its
+    ``requestId``, else its ``message.id``; ``None`` for a synthetic message."""
+    request_id = line.opt_text("requestId")
+    if request_id is not None:
+        return request_id
+    if _flag(line, "isApiErrorMessage") or message.opt_text("model") == SYNTHETIC_MODEL:
+        return None
+    message_id = message.opt_text("id")
+    return None if message_id is None else "message:" + message_id
+
+
 def _flag(line: Fields, key: str) -> bool:
     return line.has(key) and line.raw(key) is True
 
@@ -271,10 +290,9 @@ def _read_file(file: Path, options: ImportOptions, whole: bool) -> _FileRead:
     """Read ``file``; ``whole``: every conversation line belongs to the chain (a subagent
     file), else only the non-sidechain ones."""
     out = _FileRead(_Chain(), {})
-    name = os.fspath(file)
-    for lineno, line in json_lines(file, options):
+    for _, line in json_lines(file, options):
         try:
-            kind = line.opt_text("type")
+            kind = line.text("type")
             if kind in CONVERSATION_TYPES:
                 if not whole and _flag(line, "isSidechain"):
                     out.sidechain_lines += 1
@@ -283,8 +301,7 @@ def _read_file(file: Path, options: ImportOptions, whole: bool) -> _FileRead:
             elif kind == "progress":
                 _progress(out, line)
             elif kind not in IGNORED_TYPES:
-                raise TraceError(name, f"line {lineno}", f"unknown line type {kind!r}",
-                                 SKIP_HINT)
+                options.unknown_type(line, kind)
         except TraceError as exc:
             options.fail(exc)
     return out

@@ -2,9 +2,11 @@
 reader of JSON Lines that names the file and line of any bad one.
 
 Importers read line by line and never hold a whole file; a bad line (not JSON, not an
-object, an unknown ``type``, a field missing or of the wrong type) is a
+object, a field missing or of the wrong type) is a
 :class:`~mori.traces.errors.TraceError` naming the file and line, unless
-``ImportOptions.skip_bad`` is set: then it is skipped and counted in the report.
+``ImportOptions.skip_bad`` is set: then it is skipped and counted in the report. A line
+of a ``type`` the importer does not know (recorders add new ones) is skipped and counted
+by type, unless ``ImportOptions.strict`` is set: then it is a bad line too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +25,7 @@ from mori.traces.errors import Fields, TraceError
 
 MAX_EXAMPLES = 5
 SKIP_HINT = "--skip-bad skips such lines and counts them"
+STRICT_HINT = "without --strict, lines of unknown types are skipped and counted"
 
 
 @dataclass(slots=True)
@@ -36,7 +40,23 @@ class ImportReport:
     subagents: int = 0
     steps: int = 0
     empty_sessions: int = 0
+    unknown_types: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+    def unknown(self, kind: str) -> None:
+        """Count a skipped line of the unknown type ``kind``."""
+        self.unknown_types[kind] = self.unknown_types.get(kind, 0) + 1
+
+    def unknown_summary(self) -> str | None:
+        """``"skipped 3 lines of unknown types: attachment 1, mode 2"`` (types sorted), or
+        ``None`` when no line was skipped for its type."""
+        if not self.unknown_types:
+            return None
+        total = sum(self.unknown_types.values())
+        counts = ", ".join(f"{kind} {n}" for kind, n in sorted(self.unknown_types.items()))
+        lines = "line" if total == 1 else "lines"
+        types = "type" if len(self.unknown_types) == 1 else "types"
+        return f"skipped {total} {lines} of unknown {types}: {counts}"
 
     def bad(self, error: TraceError) -> None:
         """Count a skipped bad line (keeping the first few messages)."""
@@ -45,7 +65,8 @@ class ImportReport:
             self.bad_examples.append(str(error))
 
     def summary(self) -> str:
-        """One line: files, lines, programs, subagents, steps, skips."""
+        """One line: files, lines, programs, subagents, steps, skips; then, after a
+        semicolon, the lines skipped for their unknown type, by type."""
         parts = [
             f"{self.files} file(s)",
             f"{self.lines} line(s)",
@@ -57,16 +78,19 @@ class ImportReport:
             parts.append(f"{self.empty_sessions} session(s) without any LLM call left out")
         if self.bad_lines:
             parts.append(f"{self.bad_lines} bad line(s) skipped")
-        return ", ".join(parts)
+        unknown = self.unknown_summary()
+        return ", ".join(parts) + (f"; {unknown}" if unknown is not None else "")
 
 
 @dataclass(slots=True)
 class ImportOptions:
     """How to import. ``skip_bad``: skip and count bad lines instead of failing;
-    ``keep_hashes``: keep block hashes where the format has them; ``progress``: called
-    with the number of bytes consumed, as the import advances."""
+    ``strict``: a line of an unknown type is a bad line (by default it is skipped and
+    counted by type); ``keep_hashes``: keep block hashes where the format has them;
+    ``progress``: called with the number of bytes consumed, as the import advances."""
 
     skip_bad: bool = False
+    strict: bool = False
     keep_hashes: bool = True
     progress: Callable[[int], None] | None = None
     report: ImportReport = field(default_factory=ImportReport)
@@ -76,6 +100,14 @@ class ImportOptions:
         if not self.skip_bad:
             raise error
         self.report.bad(error)
+
+    def unknown_type(self, line: Fields, kind: str) -> None:
+        """A line of type ``kind`` that the importer does not know: counted, or (strict)
+        a bad line naming its file and line."""
+        if self.strict:
+            self.fail(line.error(f"unknown line type {kind!r}", hint=STRICT_HINT))
+        else:
+            self.report.unknown(kind)
 
 
 def open_binary(file: Path) -> IO[bytes]:
@@ -122,6 +154,14 @@ def json_lines(file: Path, options: ImportOptions) -> Iterator[tuple[int, Fields
 def first_object(file: Path, max_lines: int = 20) -> dict[str, object] | None:
     """The first JSON object among the first ``max_lines`` non-blank lines of ``file``
     (``None`` if none parses): a cheap format sniff."""
+    with closing(first_objects(file, max_lines)) as objects:
+        return next(objects, None)
+
+
+def first_objects(file: Path, max_lines: int = 20) -> Generator[dict[str, object], None, None]:
+    """The JSON objects among the first ``max_lines`` non-blank lines of ``file``, in
+    order (lines that do not parse are passed over; nothing if the file is unreadable):
+    a cheap format sniff that can look past a few leading bookkeeping lines."""
     try:
         with open_binary(file) as stream:
             seen = 0
@@ -134,12 +174,11 @@ def first_object(file: Path, max_lines: int = 20) -> dict[str, object] | None:
                 except ValueError:
                     value = None
                 if isinstance(value, dict):
-                    return value
+                    yield value
                 if seen >= max_lines:
                     break
     except (OSError, EOFError):
-        return None
-    return None
+        return
 
 
 def parse_time(obj: Fields, key: str = "timestamp") -> float:

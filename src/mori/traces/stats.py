@@ -1,4 +1,4 @@
-"""The paper's workload analysis (MORI.md section 1) of a trace set: pure functions.
+"""The paper's workload analysis (docs/system.md, "The workload: busy and idle phases") of a trace set: pure functions.
 
 Definitions (for a program; subagents are programs of their own, analysed as a separate
 population; their whole life is one long tool call of their parent):

@@ -1,4 +1,4 @@
-"""Ablations of MORI (MORI.md sections 1 and 3).
+"""Ablations of MORI (docs/system.md, "The workload" and "Idleness").
 
 - ``mori-binary``: a fixed busy/idle threshold on iota instead of a ranking. A program
   is idle when iota >= ``binary_threshold``; idle Acting programs are offloaded to the

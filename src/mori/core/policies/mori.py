@@ -1,4 +1,4 @@
-"""MORI: rank by idleness, fill GPU then CPU exactly to capacity (MORI.md section 4).
+"""MORI: rank by idleness, fill GPU then CPU exactly to capacity (docs/system.md, "Placement: rank, then fill each tier to capacity").
 
 Every rule of section 4, and where a detail is ours:
 

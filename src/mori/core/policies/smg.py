@@ -1,4 +1,4 @@
-"""SMG: the SGLang Model Gateway baseline (MORI.md section 8).
+"""SMG: the SGLang Model Gateway baseline (docs/system.md, "The paper's evaluation").
 
 No program awareness: every request is forwarded at once and the engine's own plain
 LRU decides whose KV survives. At one replica that is plain forwarding; with several

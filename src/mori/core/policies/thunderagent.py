@@ -1,4 +1,4 @@
-"""The ThunderAgent baselines, as the MORI paper describes them (MORI.md section 8).
+"""The ThunderAgent baselines, as the MORI paper describes them (docs/system.md, "The paper's evaluation").
 
 ThunderAgent is program-aware: it pins a program's KV on the GPU across tool calls and
 admits programs while they fit. When the active programs' KV is over capacity (their
