@@ -37,13 +37,14 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 
 from mori.traces.errors import Fields, TraceError
-from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet
+from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet, block_hashes
 
 FORMAT = "mori-trace"
 VERSION = 2
@@ -120,18 +121,23 @@ class TraceWriter:
         self.close()
 
 
-def read_traceset(path: str | os.PathLike[str]) -> TraceSet:
+def read_traceset(path: str | os.PathLike[str], hashes: bool = True) -> TraceSet:
     """Read a canonical trace file written by :func:`write_traceset` (or by hand).
+
+    ``hashes=False`` leaves the steps' block hashes (and the programs' ``block_size``)
+    out, unread: a run or the statistics do not need them, and they are most of such a
+    file's memory.
 
     Raises :class:`TraceError` naming the file, line (and column or field path) when the
     file is unreadable, not gzip although named ``.gz``, not UTF-8 JSON Lines, lacks the
     header, has an unsupported version, or a program does not follow the layout.
     """
-    name, programs = read_header_and_programs(path)
+    name, programs = read_header_and_programs(path, hashes)
     return TraceSet(name=name, programs=tuple(programs))
 
 
-def read_header_and_programs(path: str | os.PathLike[str]) -> tuple[str, Iterator[ProgramTrace]]:
+def read_header_and_programs(path: str | os.PathLike[str], hashes: bool = True
+                             ) -> tuple[str, Iterator[ProgramTrace]]:
     """The set name and an iterator over its programs, read lazily one line at a time.
 
     The header is checked before returning; program lines are parsed as the iterator is
@@ -139,7 +145,7 @@ def read_header_and_programs(path: str | os.PathLike[str]) -> tuple[str, Iterato
     iterator is exhausted or closed.
     """
     file = os.fspath(path)
-    lines = _iter_objects(file)
+    lines = _iter_objects(file, hashes)
     first = next(lines, None)
     if first is None:
         raise TraceError(file, "line 1", "empty file", f"expected the header {_header_example()}")
@@ -147,7 +153,7 @@ def read_header_and_programs(path: str | os.PathLike[str]) -> tuple[str, Iterato
 
     def programs() -> Iterator[ProgramTrace]:
         for lineno, obj in lines:
-            yield _program_from_json(Fields(obj, file, "", lineno))
+            yield _program_from_json(Fields(obj, file, "", lineno), hashes)
 
     return name, programs()
 
@@ -157,8 +163,21 @@ def iter_programs(path: str | os.PathLike[str]) -> Iterator[ProgramTrace]:
     return read_header_and_programs(path)[1]
 
 
-def _iter_objects(file: str) -> Iterator[tuple[int, object]]:
-    """(line number, parsed JSON) for each non-blank line after the first."""
+# a "block_hashes" array of integers with the comma that separates it from its neighbour
+_HASHES_FIELD = re.compile(rb'(,\s*)?"block_hashes"\s*:\s*\[[-0-9,\s]*\](\s*,)?')
+
+
+def _without_hashes(raw_line: bytes) -> bytes:
+    """The line with every integer ``block_hashes`` array cut out, before it is parsed:
+    the ints of a long program's hashes are most of the memory its parse takes."""
+    if b'"block_hashes"' not in raw_line:
+        return raw_line
+    return _HASHES_FIELD.sub(lambda m: b"," if m.group(1) and m.group(2) else b"", raw_line)
+
+
+def _iter_objects(file: str, hashes: bool = True) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) for each non-blank line after the first (``hashes``
+    False: with the steps' ``block_hashes`` arrays left out)."""
     lineno = 0  # the last line read whole
     opened = False
     try:
@@ -167,6 +186,8 @@ def _iter_objects(file: str) -> Iterator[tuple[int, object]]:
             for lineno, raw_line in enumerate(stream, 1):
                 if lineno > 1 and not raw_line.strip():
                     continue
+                if not hashes and lineno > 1:
+                    raw_line = _without_hashes(raw_line)
                 yield lineno, _parse_line(file, lineno, raw_line)
     except (OSError, EOFError, zlib.error) as exc:
         where = f"line {lineno + 1}" if opened else None
@@ -257,20 +278,20 @@ def _program_to_json(program: ProgramTrace) -> dict[str, object]:
     return out
 
 
-def _program_from_json(obj: Fields) -> ProgramTrace:
+def _program_from_json(obj: Fields, hashes: bool = True) -> ProgramTrace:
     steps: list[Step] = []
     for index, raw in enumerate(obj.array("steps")):
-        steps.append(_step_from_json(obj.child(raw, f"{obj.path('steps')}[{index}]")))
+        steps.append(_step_from_json(obj.child(raw, f"{obj.path('steps')}[{index}]"), hashes))
     return ProgramTrace(
         name=obj.text("name"),
         steps=tuple(steps),
         shared_prefix_tokens=obj.integer("shared_prefix_tokens", 0),
         source=obj.text("source", ""),
-        block_size=obj.integer("block_size") if obj.has("block_size") else None,
+        block_size=obj.integer("block_size") if hashes and obj.has("block_size") else None,
     )
 
 
-def _step_from_json(obj: Fields) -> Step:
+def _step_from_json(obj: Fields, hashes: bool = True) -> Step:
     prompt = obj.integer("prompt_tokens")
     kind_text = obj.text("gap_kind")
     try:
@@ -290,7 +311,8 @@ def _step_from_json(obj: Fields) -> Step:
     for index, raw in enumerate(obj.array("subagents", [])):
         spawn = obj.child(raw, f"{obj.path('subagents')}[{index}]")
         delay = spawn.number("delay_s")
-        program = _program_from_json(spawn.child(spawn.raw("program"), spawn.path("program")))
+        program = _program_from_json(spawn.child(spawn.raw("program"), spawn.path("program")),
+                                     hashes)
         spawns.append(SubagentSpawn(delay_s=delay, program=program))
     new = obj.integer("new_tokens") if obj.has("new_tokens") else None
     if new is not None and new > prompt:
@@ -309,7 +331,7 @@ def _step_from_json(obj: Fields) -> Step:
         new_tokens=new,
         call_s=obj.opt_number("call_s"),
         tool_names=tuple(_strings(obj, "tool_names")),
-        block_hashes=_hashes(obj) if obj.has("block_hashes") else None,
+        block_hashes=_hashes(obj) if hashes and obj.has("block_hashes") else None,
     )
 
 
@@ -322,11 +344,11 @@ def _strings(obj: Fields, key: str) -> list[str]:
     return out
 
 
-def _hashes(obj: Fields) -> tuple[int, ...]:
+def _hashes(obj: Fields) -> Sequence[int]:
     values = obj.array("block_hashes")
     for index, value in enumerate(values):
         if isinstance(value, bool) or not isinstance(value, int):
             raise obj.error(
                 f"expected an integer, got {type(value).__name__}", f"block_hashes[{index}]"
             )
-    return tuple(values)  # type: ignore[arg-type]
+    return block_hashes(values)  # type: ignore[arg-type]

@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mori.traces.errors import Fields, TraceError
-from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet
+from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet, block_hashes
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -77,7 +78,7 @@ class _Call:
     output: int
     reuse: int
     stop: str
-    hashes: tuple[int, ...] | None = None
+    hashes: Sequence[int] | None = None
     subs: list[_Sub] = field(default_factory=list)
 
     @property
@@ -219,11 +220,11 @@ def _parse_program(
     )
 
 
-def _hash_tuple(req: Fields, hashes: list[object]) -> tuple[int, ...]:
+def _hash_tuple(req: Fields, hashes: list[object]) -> Sequence[int]:
     for index, value in enumerate(hashes):
         if isinstance(value, bool) or not isinstance(value, int):
             raise req.error(f"expected an integer block id, got {value!r}", f"hash_ids[{index}]")
-    return tuple(hashes)  # type: ignore[arg-type]
+    return block_hashes(hashes)  # type: ignore[arg-type]
 
 
 def _parse_subagent(req: Fields, ctx: _Context, parent: str, index: int) -> _Sub | None:

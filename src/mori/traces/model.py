@@ -8,8 +8,67 @@ gap; to the parent, the subagent's life is part of one long tool call.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, overload
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class BlockHashes(Sequence[int]):
+    """A step's block hashes, stored compactly: 8 bytes a hash in one ``array('q')``
+    instead of a Python int object and a pointer each (a trace with hashes holds millions
+    of them). Immutable; compares equal to any sequence of the same integers (a tuple
+    included) and hashes like the tuple of them."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, values: Iterable[int]) -> None:
+        self._a = array("q", values)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> BlockHashes: ...
+    def __getitem__(self, i: int | slice) -> int | BlockHashes:
+        if isinstance(i, slice):
+            return BlockHashes(self._a[i])
+        return self._a[i]
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._a)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockHashes):
+            return self._a == other._a
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return len(other) == len(self._a) and all(
+                a == b for a, b in zip(self._a, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._a))
+
+    def __repr__(self) -> str:
+        return f"BlockHashes({list(self._a)!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BlockHashes, (list(self._a),))
+
+
+def block_hashes(values: Iterable[int]) -> Sequence[int]:
+    """``values`` in the compact form (:class:`BlockHashes`), or as a tuple when some do
+    not fit a signed 64-bit integer."""
+    values = list(values)
+    lo, hi = _INT64
+    if all(lo <= v <= hi for v in values):
+        return BlockHashes(values)
+    return tuple(values)
 
 
 class GapKind(StrEnum):
@@ -52,7 +111,8 @@ class Step:
       reasoning time in this step), as recorded.
     * ``tool_names``: the tools the response called, in call order (repeats kept).
     * ``block_hashes``: one id per ``ProgramTrace.block_size`` tokens of the prompt,
-      chained (equal ids mean an equal prefix).
+      chained (equal ids mean an equal prefix); importers and readers store them as
+      :func:`block_hashes` makes them (compact).
     """
 
     prompt_tokens: int
@@ -64,7 +124,7 @@ class Step:
     new_tokens: int | None = None
     call_s: float | None = None
     tool_names: tuple[str, ...] = ()
-    block_hashes: tuple[int, ...] | None = None
+    block_hashes: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 0 or self.output_tokens < 0:
