@@ -286,3 +286,22 @@ def test_quiet_prints_the_table_and_nothing_else(capsys: pytest.CaptureFixture[s
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 3 and "left out" not in out
     assert "note: 11 of the 31 programs" in err  # notes go to stderr, without --quiet
+
+
+@pytest.mark.parametrize("argv", [["traces"], ["presets"], ["trace", "stats",
+                                                            "kv-cache-tester-31"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(argv: list[str]) -> None:
+    """``mori ... | head -1``: no error message, the status of a SIGPIPE'd command."""
+    import os
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    proc = subprocess.Popen([sys.executable, "-m", "mori", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(src)})
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader goes away before the command writes (it is starting)
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert "Broken pipe" not in err and "Traceback" not in err, err

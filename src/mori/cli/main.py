@@ -8,6 +8,7 @@ one line on stderr, no traceback), 1 when an output file cannot be written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -133,7 +134,20 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``mori`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    """Run ``mori`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status.
+
+    A reader that stops early (``mori ... | head``) ends the command quietly, with the
+    status a shell gives a command killed by SIGPIPE (141).
+    """
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing left to flush at exit
+        return 141
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

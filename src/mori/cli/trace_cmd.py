@@ -175,6 +175,8 @@ def run_trace(args: argparse.Namespace) -> int:
     except (TraceError, ValueError) as e:
         print(f"mori trace {command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        raise  # the reader stopped early: `mori` ends quietly
     except OSError as e:
         print(f"mori trace {command}: error: {e.filename or ''}: {e.strerror or e}",
               file=sys.stderr)

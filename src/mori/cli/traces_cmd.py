@@ -82,8 +82,9 @@ def run_traces(args: argparse.Namespace) -> int:
     """Run ``mori traces``; return the exit status (2 if a shipped file is unreadable)."""
     del args
     try:
-        print(list_traces())
+        text = list_traces()
     except (TraceError, OSError) as e:
         print(f"mori traces: error: {e}", file=sys.stderr)
         return 2
+    print(text)
     return 0
