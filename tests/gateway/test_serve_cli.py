@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ from mori.cli.main import build_parser, main
 from mori.cli.options import SERVE_OPTIONS, help_text
 from mori.cli.serve_cmd import ServeUsageError, build_config, gateway_settings
 from mori.core.policy import PolicyConfig
+from support.serve_process import wait_listening
 
 
 def config(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -93,14 +93,7 @@ def test_mori_serve_command_serves_the_openai_client() -> None:
                              "--time-scale", "50", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        assert proc.stdout is not None
-        t0 = time.monotonic()
-        line = ""
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "mori serve exited"
-            assert time.monotonic() - t0 < 60, "mori serve did not start"
-        url = line.split("listening on ")[1].split()[0]
+        url = wait_listening(proc)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id
         r = client.chat.completions.create(

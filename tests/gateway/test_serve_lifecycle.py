@@ -10,11 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from mori.cli.serve_cmd import EmbeddedServerFilter
+from support.serve_process import wait_listening
 
 SHUTDOWN_LINES = ("Shutting down", "Waiting for application shutdown.",
                   "Application shutdown complete.", "Finished server process")
@@ -41,13 +41,7 @@ def test_each_shutdown_line_is_printed_once(sig: signal.Signals) -> None:
                              "--replicas", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
-        assert proc.stdout is not None
-        t0 = time.monotonic()
-        line = ""
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "mori serve exited"
-            assert time.monotonic() - t0 < 60, "mori serve did not start"
+        wait_listening(proc)
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
