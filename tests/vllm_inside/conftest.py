@@ -13,6 +13,7 @@ not collect this folder (``norecursedirs`` in pyproject.toml).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import sys
@@ -32,10 +33,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.request import Request  # noqa: E402
 
 from mori.vllm_plugin.labels import LabelTable  # noqa: E402
@@ -143,3 +158,45 @@ def toks(program_no: int, n_blocks: int, start: int = 0) -> list[int]:
 @pytest.fixture
 def mk() -> Iterator[Any]:
     yield make_pool
+
+
+# -- a tiny engine's configuration (the scheduler and CPU-tier tests) ---------------------
+ENGINE_BLOCK = 16
+ENGINE_BLOCKS = 17  # 16 usable
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+              "vocab_size": 552, "max_position_embeddings": 2048, "bos_token_id": 1,
+              "eos_token_id": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the tiny Llama's config.json (no weights: nothing runs it)."""
+    d = tmp_path_factory.mktemp("tiny-llama-config")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return d
+
+
+def engine_configs(model_dir: Path, layers: list[str],
+                   kv_transfer: dict[str, Any] | None = None
+                   ) -> tuple[VllmConfig, KVCacheConfig]:
+    """vLLM's configs of a CPU engine of ``ENGINE_BLOCKS`` blocks of ``ENGINE_BLOCK``
+    tokens over ``layers`` (float32, 1 KV head of 64), with ``kv_transfer`` as its
+    ``--kv-transfer-config`` when given."""
+    mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, seed=0,
+                     skip_tokenizer_init=True)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                         is_encoder_decoder=False, enable_chunked_prefill=True,
+                         async_scheduling=False)
+    cc = CacheConfig(block_size=ENGINE_BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+                     enable_prefix_caching=True)
+    extra: dict[str, Any] = {}
+    if kv_transfer is not None:
+        extra["kv_transfer_config"] = KVTransferConfig(**kv_transfer)
+    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
+                    device_config=DeviceConfig("cpu"), **extra)
+    cc.num_gpu_blocks = ENGINE_BLOCKS
+    kvc = KVCacheConfig(num_blocks=ENGINE_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(layers, FullAttentionSpec(block_size=ENGINE_BLOCK, num_kv_heads=1,
+                                                   head_size=64, dtype=torch.float32))])
+    return vc, kvc

@@ -4,7 +4,6 @@ copy worker's byte layout, and the host spec built by vLLM's own connector."""
 
 from __future__ import annotations
 
-import json
 import mmap
 import random
 from collections.abc import Iterable
@@ -14,11 +13,6 @@ from typing import Any
 import pytest
 import torch
 from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -28,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -47,7 +41,7 @@ from mori.vllm_plugin import connector_config, cpu_tier
 from mori.vllm_plugin.cpu_tier import MoriCachePolicy
 from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
 
-from .test_scheduler import TINY_LLAMA
+from .conftest import ENGINE_BLOCK, ENGINE_BLOCKS, engine_configs, tiny_model_dir
 
 MODULE = "mori.vllm_plugin.cpu_tier"
 HOST_MODULE = "mori.vllm_plugin.host_tier"
@@ -358,36 +352,20 @@ def test_copy_worker_refuses_a_mismatched_transfer() -> None:
 
 
 # -- the host spec, built by vLLM's own connector ------------------------------------------
-BLOCK = 16
-NUM_BLOCKS = 17
+BLOCK = ENGINE_BLOCK
+NUM_BLOCKS = ENGINE_BLOCKS
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PAGE = 2 * BLOCK * 1 * 64 * 4  # K and V, 1 KV head of 64 floats: bytes per block per layer
 
 
 def offloading_configs(model_dir: Path, kv_transfer: dict[str, Any]
                        ) -> tuple[VllmConfig, KVCacheConfig]:
-    mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, seed=0,
-                     skip_tokenizer_init=True)
-    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
-                         is_encoder_decoder=False, enable_chunked_prefill=True,
-                         async_scheduling=False)
-    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
-                     enable_prefix_caching=True)
-    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                    device_config=DeviceConfig("cpu"),
-                    kv_transfer_config=KVTransferConfig(**kv_transfer))
-    cc.num_gpu_blocks = NUM_BLOCKS
-    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(LAYERS, FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
-                                                   head_size=64, dtype=torch.float32))])
-    return vc, kvc
+    return engine_configs(model_dir, LAYERS, kv_transfer)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama-config")
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return d
+    return tiny_model_dir(tmp_path_factory)
 
 
 @pytest.mark.parametrize("cpu_bytes, block_size", [

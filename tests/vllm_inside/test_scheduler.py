@@ -3,19 +3,16 @@ the steps' outputs are made up), with labels sent over the real label channel.""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import zmq
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import VllmConfig
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -24,40 +21,25 @@ from mori.vllm_plugin.protocol import encode
 from mori.vllm_plugin.scheduler import MoriAsyncScheduler, MoriScheduler
 from mori.vllm_plugin.typed_queue import TypedFreeBlockQueue
 
-from .conftest import Request, SamplingParams, free_port, sha256
+from .conftest import (
+    ENGINE_BLOCK,
+    ENGINE_BLOCKS,
+    Request,
+    SamplingParams,
+    engine_configs,
+    free_port,
+    sha256,
+    tiny_model_dir,
+)
 
-BLOCK = 16
-NUM_BLOCKS = 17  # 16 usable
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
-              "vocab_size": 552, "max_position_embeddings": 2048, "bos_token_id": 1,
-              "eos_token_id": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+BLOCK = ENGINE_BLOCK
+NUM_BLOCKS = ENGINE_BLOCKS  # 16 usable
 HASHER = get_request_block_hasher(BLOCK, sha256)
-
-
-def vllm_config(model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
-    mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, seed=0,
-                     skip_tokenizer_init=True)
-    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
-                         is_encoder_decoder=False, enable_chunked_prefill=True,
-                         async_scheduling=False)
-    cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
-                     enable_prefix_caching=True)
-    vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
-                    device_config=DeviceConfig("cpu"))
-    cc.num_gpu_blocks = NUM_BLOCKS
-    kvc = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK, num_kv_heads=1,
-                                                      head_size=64, dtype=torch.float32))])
-    return vc, kvc
 
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[VllmConfig, KVCacheConfig]:
-    d = tmp_path_factory.mktemp("tiny-llama-config")
-    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return vllm_config(d)
+    return engine_configs(tiny_model_dir(tmp_path_factory), ["layer"])
 
 
 @pytest.fixture
