@@ -1,34 +1,61 @@
-"""Gateway overhead: latency added and throughput, against the same simulated engine.
+"""Gateway overhead: latency added and throughput, against sglang-router's ``smg``.
 
-Starts one simulated engine (``mori engine-sim`` at a huge time scale, so the model's
-own time is negligible and what is measured is HTTP + scheduling work) and ``mori
-serve`` in front of it, each in its own process, then drives both from this process with
-aiohttp: at each concurrency, ``C`` closed-loop workers send streaming chat completions
-(8 tokens each) for ``--seconds``, first straight to the engine, then through the
-gateway (each worker is one program). Reports per-request latency p50/p99 (send to last
-byte) and requests/s for both, and the gateway's added latency (p50 and p99 difference)
-and throughput ratio, measured in the same run since these machines are shared and noisy.
-Client, gateway and engine share this machine's cores.
+One trivial upstream (``bench/trivial_upstream.py``: answers every completion at once,
+so what is measured is the gateway) is reached three ways, each driven by ``wrk`` (one
+thread, keep-alive connections, non-streaming chat completions) for ``--seconds`` at
+each connection count: straight (``direct``), through SGLang's Rust router ``smg`` (from
+PyPI ``sglang-router``; ``--against smg``), and through ``mori serve`` (``--backend
+openai=...``). Each request names one of ``--programs`` program ids in turn, so MORI
+sees agent programs come back step after step. Reports p50/p99 latency and requests/s
+per target and the latency each gateway adds to ``direct`` (p50 difference), measured
+in the same run since these machines are shared and noisy; ``--rounds`` repeats the
+whole sweep. All processes share this machine's cores.
 
-    python bench/bench_gateway.py [--concurrency 1,50,200] [--seconds 5] [--json out.json]
+    python bench/bench_gateway.py --against smg [--connections 1,16,64] [--seconds 5]
+        [--rounds 2] [--smg PATH] [--workers N] [--json out.json]
+
+Needs ``wrk`` (Debian: ``apt-get install wrk``) and, for ``--against smg``, the ``smg``
+command (``pip install sglang-router``, best in its own virtual environment; ``--smg``
+gives its path).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
+import shutil
 import socket
-import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
-import aiohttp
+HERE = Path(__file__).resolve().parent
 
-PRESET = "h200-qwen3-30b-a3b"
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local n = 0
+request = function()
+  n = n + 1
+  local body = '{"model":"trivial","max_tokens":1,"program_id":"p' .. (n % PROGRAMS) ..
+    '","messages":[{"role":"user","content":"hello there"}]}'
+  return wrk.format(nil, nil, nil, body)
+end
+done = function(summary, latency, requests)
+  local errs = summary.errors
+  io.write(string.format(
+    'WRKJSON {"requests": %d, "seconds": %f, "p50_us": %d, "p90_us": %d, "p99_us": %d, ' ..
+    '"non2xx": %d, "socket_errors": %d}\\n',
+    summary.requests, summary.duration / 1e6, latency:percentile(50),
+    latency:percentile(90), latency:percentile(99), summary.errors.status,
+    errs.connect + errs.read + errs.write + errs.timeout))
+end
+"""
 
 
 def free_port() -> int:
@@ -37,120 +64,126 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(cmd: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("wb")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-async def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 90.0) -> None:
     t0 = time.monotonic()
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() - t0 < timeout:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"{url} exited: {err[-2000:]}")
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up in {timeout} s")
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up in {timeout} s; log: {log.read_text()[-2000:]}")
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+def run_wrk(url: str, connections: int, seconds: float, script: Path) -> dict[str, Any]:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "10s",
+           "-s", str(script), url + "/v1/chat/completions"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    line = next((ln for ln in out.splitlines() if ln.startswith("WRKJSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no summary:\n{out}")
+    r: dict[str, Any] = json.loads(line[len("WRKJSON "):])
+    r["rps"] = r["requests"] / r["seconds"]
+    return r
 
 
-async def load(url: str, model: str, concurrency: int, seconds: float) -> dict[str, Any]:
-    lat: list[float] = []
-    errors = 0
-    deadline = time.perf_counter() + seconds
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        async def worker(i: int) -> None:
-            nonlocal errors
-            body = {"model": model, "stream": True, "max_tokens": 8, "program_id": f"w{i}",
-                    "messages": [{"role": "user", "content": "hello there"}]}
-            while time.perf_counter() < deadline:
-                t0 = time.perf_counter()
-                try:
-                    async with s.post(url + "/v1/chat/completions", json=body) as r:
-                        async for _ in r.content.iter_any():
-                            pass
-                        ok = r.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                if ok:
-                    lat.append(time.perf_counter() - t0)
-                else:
-                    errors += 1
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return {"requests": len(lat), "errors": errors, "rps": len(lat) / wall,
-            "p50_ms": 1e3 * pct(lat, 50), "p99_ms": 1e3 * pct(lat, 99),
-            "mean_ms": 1e3 * statistics.fmean(lat) if lat else float("nan")}
-
-
-async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
-    eport, gport = free_port(), free_port()
-    engine = start([sys.executable, "-m", "mori", "engine-sim", "--preset", PRESET,
-                    "--port", str(eport), "--time-scale", "1e6"])
-    gateway = start([*args.gateway_prefix.split(), sys.executable, "-m", "mori", "serve", "--backend",
-                     f"sim=http://127.0.0.1:{eport}", "--port", str(gport),
-                     "--log-level", "warning"])
-    direct, via = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
-    rows = []
-    try:
-        await wait_up(direct + "/health", engine)
-        await wait_up(via + "/healthz", gateway)
-        async with aiohttp.ClientSession() as s, s.get(direct + "/v1/models") as r:
-            model = (await r.json())["data"][0]["id"]
-        await load(via, model, 4, 1.0)  # warm up both
-        for c in args.concurrency:
-            d = await load(direct, model, c, args.seconds)
-            g = await load(via, model, c, args.seconds)
-            rows.append({"concurrency": c, "direct": d, "gateway": g,
-                         "added_p50_ms": g["p50_ms"] - d["p50_ms"],
-                         "added_p99_ms": g["p99_ms"] - d["p99_ms"],
-                         "throughput_ratio": g["rps"] / d["rps"] if d["rps"] else float("nan")})
-            print(f"c={c:<4d} direct p50 {d['p50_ms']:7.2f} ms p99 {d['p99_ms']:7.2f} ms "
-                  f"{d['rps']:7.1f} req/s | gateway p50 {g['p50_ms']:7.2f} ms p99 "
-                  f"{g['p99_ms']:7.2f} ms {g['rps']:7.1f} req/s | added p50 "
-                  f"{rows[-1]['added_p50_ms']:+.2f} ms p99 {rows[-1]['added_p99_ms']:+.2f} ms, "
-                  f"throughput x{rows[-1]['throughput_ratio']:.2f}"
-                  + (f", errors {d['errors']}/{g['errors']}" if d["errors"] or g["errors"] else ""),
-                  flush=True)
-    finally:
-        for p in (gateway, engine):
-            p.terminate()
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return rows
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", default="1,50,200",
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--against", choices=["smg", "none"], default="smg",
+                    help="the router to compare with (none: direct and mori only)")
+    ap.add_argument("--connections", default="1,16,64",
                     type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--programs", type=int, default=1000,
+                    help="distinct program ids the requests cycle through")
+    ap.add_argument("--smg", default=None, help="path of the smg command (default: on PATH)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="mori serve --workers (default: mori's default)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--gateway-prefix", default="", help="a command to run the gateway under "
-                    "(e.g. a profiler: 'py-spy record -o gw.svg --')")
     args = ap.parse_args()
-    rows = asyncio.run(main_async(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    if shutil.which("wrk") is None:
+        sys.exit("bench_gateway: wrk is not installed (Debian: apt-get install wrk)")
+    smg = args.smg or shutil.which("smg")
+    if args.against == "smg" and (smg is None or not Path(smg).exists()):
+        sys.exit("bench_gateway: smg not found; pip install sglang-router (or give --smg PATH)")
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    script = tmp / "post.lua"
+    script.write_text(f"local PROGRAMS = {args.programs}\n" + WRK_SCRIPT)
+    uport, gport, sport = free_port(), free_port(), free_port()
+    direct = f"http://127.0.0.1:{uport}"
+    procs: list[subprocess.Popen[bytes]] = []
+    targets = {"direct": direct, "mori": f"http://127.0.0.1:{gport}"}
+    try:
+        up = start([sys.executable, str(HERE / "trivial_upstream.py"), "--port", str(uport)],
+                   tmp / "upstream.log")
+        procs.append(up)
+        wait_up(direct + "/health", up, tmp / "upstream.log")
+        mori_cmd = [sys.executable, "-m", "mori", "serve", "--backend",
+                    f"openai={direct},kv_tokens=100000000", "--port", str(gport),
+                    "--log-level", "warning"]
+        if args.workers is not None:
+            mori_cmd += ["--workers", str(args.workers)]
+        gw = start(mori_cmd, tmp / "mori.log")
+        procs.append(gw)
+        if args.against == "smg":
+            assert smg is not None
+            router = start([smg, "launch", "--host", "127.0.0.1", "--port", str(sport),
+                            "--worker-urls", direct, "--policy", "round_robin",
+                            "--log-level", "warn", "--disable-retries",
+                            "--disable-circuit-breaker"], tmp / "smg.log")
+            procs.append(router)
+            targets = {"direct": direct, "smg": f"http://127.0.0.1:{sport}",
+                       "mori": targets["mori"]}
+            wait_up(targets["smg"] + "/health", router, tmp / "smg.log")
+        wait_up(targets["mori"] + "/healthz", gw, tmp / "mori.log")
+        for url in targets.values():  # warm up every path
+            run_wrk(url, 4, 1, script)
+        rows: list[dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            for c in args.connections:
+                row: dict[str, Any] = {"round": rnd + 1, "connections": c}
+                for name, url in targets.items():
+                    row[name] = run_wrk(url, c, args.seconds, script)
+                for name in targets:
+                    if name != "direct":
+                        row[f"{name}_added_p50_ms"] = (row[name]["p50_us"]
+                                                       - row["direct"]["p50_us"]) / 1e3
+                rows.append(row)
+                print(f"round {rnd + 1} c={c:<3d} " + " | ".join(
+                    f"{n} p50 {row[n]['p50_us'] / 1e3:6.2f} ms p99 {row[n]['p99_us'] / 1e3:6.2f}"
+                    f" ms {row[n]['rps']:7.0f} req/s"
+                    + (f" (+{row[n + '_added_p50_ms']:.2f} ms)" if n != "direct" else "")
+                    + (f" non2xx {row[n]['non2xx']}" if row[n]["non2xx"] else "")
+                    + (f" sockerr {row[n]['socket_errors']}" if row[n]["socket_errors"] else "")
+                    for n in targets), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+    finally:
+        stop(procs[::-1])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from mori.engines.base import NotSupportedError, RequestHints, UpstreamError
 from mori.engines.label_channel import LabelChannel, LabelChannelDown, LabelRefused
 from mori.engines.registry import parse_backend
 from mori.engines.vllm import VLLMAdapter
+from mori.vllm_plugin import protocol
 from support.fake_engine import FakeEngine
 from support.fake_plugin import FakePlugin, free_port
 
@@ -225,6 +226,27 @@ def test_controls_go_over_the_channel() -> None:
             with pytest.raises(UpstreamError, match="1 to 1024"):
                 await a.set_label("x" * 2000, KVLabel.BUSY)
             assert a.labels_up  # a refusal does not take the channel down
+    run(go)
+
+
+def test_non_ascii_ids_cross_the_channel_intact() -> None:
+    odd = '程序-é "q" \\ /%20 ✓'
+    frame = protocol.encode("set", labels={odd: "busy"})
+    frame.decode("ascii")  # JSON escapes: the frame is plain ASCII, valid UTF-8
+    assert protocol.decode(frame).labels == {odd: "busy"}
+
+    async def go(eng: FakeEngine) -> None:
+        async with plugged(eng, **FAST) as (a, plug):
+            await a.start()
+            await a.set_label(odd, KVLabel.IDLE)
+            await a.drop(odd)
+            await a.set_label(odd, KVLabel.BUSY)
+            assert plug.received[1:] == [
+                {"v": 1, "op": "set", "labels": {odd: "idle"}},
+                {"v": 1, "op": "drop", "program": odd},
+                {"v": 1, "op": "set", "labels": {odd: "busy"}},
+            ]
+            assert [k.encode() for k in plug.labels] == [odd.encode()]  # byte-identical
     run(go)
 
 

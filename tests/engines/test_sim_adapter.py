@@ -112,6 +112,29 @@ def test_forward_and_controls_round_trip() -> None:
     run(go, gpu_kv_tokens=65536, cpu_ratio=0.5)
 
 
+def test_non_ascii_ids_reach_the_engine_and_its_controls_intact() -> None:
+    pid = '程序-é "q" /%41?#+ ✓'  # a header would carry its UTF-8 mis-decoded unencoded
+
+    async def go(srv: EngineSimServer, a: SimEngineAdapter) -> None:
+        assert a.request_headers(RequestHints(pid))["X-Program-Id"].isascii()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 3}
+        resp = await a.forward("/v1/chat/completions", body, False,
+                               RequestHints(pid, synthetic={"prompt_tokens": 2000}))
+        assert resp.status == 200
+        assert list(srv.engine.pools.entries) == [pid]
+        assert (await a.residency()).gpu_tokens[pid] > 0
+        await a.set_label(pid, KVLabel.IDLE)
+        assert srv.engine.pools.entries[pid].label is KVLabel.IDLE
+        await a.offload(pid)
+        res = await a.residency()
+        assert pid not in res.gpu_tokens and res.cpu_tokens[pid] > 0
+        await a.drop(pid)
+        assert srv.engine.program_state(pid)["cpu_tokens"] == 0
+
+    run(go, gpu_kv_tokens=65536, cpu_ratio=0.5)
+
+
 def test_errors_pass_through_and_unreachable_engine() -> None:
     async def go(srv: EngineSimServer, a: SimEngineAdapter) -> None:
         resp = await a.forward("/v1/chat/completions", {"model": "nope", "messages": [

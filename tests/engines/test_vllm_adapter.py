@@ -196,6 +196,35 @@ def test_forward_sends_shaped_body_and_returns_answer() -> None:
     with_engine(go)
 
 
+ODD_ID = '程序-é "q" \\ /%20?#+ ✓'  # non-ASCII, JSON and URL metacharacters
+
+
+def test_a_non_ascii_program_id_reaches_vllm_byte_identical() -> None:
+    async def go(eng: FakeEngine) -> None:
+        session = VLLMAdapter(eng.url, kv_events="tcp://127.0.0.1:1")
+        salt = VLLMAdapter(eng.url, kv_events="tcp://127.0.0.1:1", attribution="salt")
+        for a in (session, salt):
+            await a.start()
+        try:
+            resp = await session.forward("/v1/chat/completions", CHAT, False,
+                                         RequestHints(ODD_ID))
+            assert resp.status == 200
+            _, sent = eng.posted[-1]
+            assert sent["session_id"].encode("utf-8") == ODD_ID.encode("utf-8")
+            resp = await salt.forward("/v1/chat/completions", CHAT, False,
+                                      RequestHints(ODD_ID))
+            assert resp.status == 200
+            _, sent = eng.posted[-1]
+            # the salt is the id's UTF-8 hashed: stable, and attributed back to the id
+            assert sent["cache_salt"] == program_salt(ODD_ID) != program_salt(ODD_ID + " ")
+            assert salt.index is not None
+            assert salt.index._salts[sent["cache_salt"]] == ODD_ID
+        finally:
+            for a in (session, salt):
+                await a.close()
+    with_engine(go)
+
+
 def test_count_prompt_tokens_uses_tokenize() -> None:
     async def go(eng: FakeEngine) -> None:
         a = VLLMAdapter(eng.url)

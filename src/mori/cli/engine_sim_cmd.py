@@ -20,7 +20,8 @@ The server runs the simulator's engine replica model (continuous batching, paged
 and CPU KV pools, the preset's cost model) against the wall clock: simulated time =
 wall time x --time-scale. A request generates exactly max_tokens placeholder tokens;
 its prompt size is the body's `mori.prompt_tokens` if given, else ceil(characters / 4)
-of its text. The program is the X-Program-Id header or the body's program_id.
+of its text. The program is the X-Program-Id header (percent-encoded UTF-8) or the
+body's program_id.
 
 endpoints:
   POST /v1/chat/completions, /v1/completions   (stream or not)

@@ -247,12 +247,18 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="requests that may wait for GPU residency at once; more get 429"),
     Option("gate_timeout", float, _GATEWAY.gate_timeout_s, metavar="S", field="gate_timeout_s",
            help="seconds a request may wait for GPU residency before a 503 with Retry-After"),
+    Option("stream_write_timeout", float, _GATEWAY.stream_write_timeout_s, metavar="S",
+           field="stream_write_timeout_s",
+           help="seconds a streamed answer may wait for a client that stopped reading "
+                "before the stream is cut off and the engine's request aborted"),
     Option("retry_after", float, _GATEWAY.retry_after_s, metavar="S", field="retry_after_s",
            help="Retry-After seconds on 429/503"),
     Option("program_ttl", float, _GATEWAY.program_ttl_s, metavar="S", field="program_ttl_s",
            help="release a program idle this many wall seconds without a request; 0 never"),
     Option("max_body_bytes", int, _GATEWAY.max_body_bytes, metavar="N",
            help="largest request body accepted; larger gets 413"),
+    Option("max_program_id_bytes", int, _GATEWAY.max_program_id_bytes, metavar="N",
+           help="longest program id accepted, in bytes of UTF-8 (1 to 1024); longer gets 400"),
     Option("health_interval", float, _GATEWAY.health_interval_s, metavar="S",
            field="health_interval_s",
            help="seconds between health checks of an unhealthy replica"),
@@ -264,6 +270,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="count prompt tokens with the engine's tokenizer where it offers one (one "
                 "more round trip per request) instead of estimating 4 characters per token "
                 "(default: off)"),
+    Option("api_key", str, None, repeat=True, field="api_keys", metavar="KEY",
+           help="require 'Authorization: Bearer KEY' on the OpenAI endpoints; each key has "
+                "its own program namespace (repeatable; also --api-key-file and the "
+                "environment variable MORI_API_KEYS, keys separated by commas or spaces)"),
+    Option("api_key_file", Path, None, metavar="FILE",
+           help="read API keys from FILE, one a line (# comments)"),
+    Option("admin_key", str, None, repeat=True, field="admin_keys", metavar="KEY",
+           help="a key for the inspection and control endpoints over all programs "
+                "(/v1/programs, /v1/decisions, /v1/residency, release, /metrics) "
+                "(repeatable; also --admin-key-file and MORI_ADMIN_KEYS)"),
+    Option("admin_key_file", Path, None, metavar="FILE",
+           help="read admin keys from FILE, one a line (# comments)"),
+    Option("public_metrics", bool, _GATEWAY.public_metrics,
+           help="serve /metrics without an admin key when keys are set (default: off)"),
+    Option("allow_unauthenticated", bool, _SERVE.allow_unauthenticated,
+           help="listen on a non-loopback address without API keys (default: refused)"),
 )
 """Every option of ``mori serve`` except ``--config``, in help order; defaults from
 ``ServeConfig``, ``GatewaySettings`` and (the policy knobs) ``PolicyConfig``."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
 import sys
 import textwrap
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from mori.core.costmodel import PRESETS
 from mori.core.policy import PolicyConfig
 from mori.core.registry import UnknownNameError
 from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend
+from mori.gateway.auth import KeyRing, check_exposure, read_key_file
 from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, run_gateway
 from mori.protocol.serve import bind_socket
@@ -40,8 +44,10 @@ backends:
 
 program ids:
   A request names its program by the body field "program_id" (with the openai client:
-  extra_body={{"program_id": "..."}}) or the header X-Program-Id. A request with neither
-  is served as its own one-step program. POST /v1/programs/ID/release ends a program.
+  extra_body={{"program_id": "..."}}) or the header X-Program-Id (UTF-8). An id is 1 to
+  --max-program-id-bytes bytes, without control characters, and may not start with
+  "anon-" (reserved). A request with neither is served as its own one-step program.
+  POST /v1/programs/ID/release ends a program.
 
 config file (--config FILE.toml):
 {textwrap.fill("Keys are the long options, with dashes or underscores: "
@@ -98,6 +104,10 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         raise ServeUsageError(str(e)) from None
     serve["backends"] = list(serve.get("backends", ()))
     cfg = ServeConfig(settings=settings, **serve)
+    try:
+        cfg.settings = with_keys(cfg, os.environ)
+    except ValueError as e:
+        raise ServeUsageError(str(e)) from None
     if cfg.preset not in PRESETS:
         raise ServeUsageError(f"unknown preset {cfg.preset!r}; valid: {', '.join(PRESETS.names())}")
     if cfg.replicas < 1:
@@ -113,7 +123,29 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             parse_backend(b).build()
         except (BackendSpecError, UnknownNameError, TypeError) as e:
             raise ServeUsageError(str(e)) from None
+    try:
+        check_exposure(cfg.host, KeyRing(cfg.settings.api_keys, cfg.settings.admin_keys),
+                       cfg.allow_unauthenticated)
+    except ValueError as e:
+        raise ServeUsageError(str(e)) from None
     return cfg
+
+
+def with_keys(cfg: ServeConfig, env: Mapping[str, str]) -> GatewaySettings:
+    """The settings with every configured key: flags and config file, key files, and
+    the environment (``MORI_API_KEYS``, ``MORI_ADMIN_KEYS``: separated by commas or
+    whitespace). ``ValueError`` for an unreadable key file or a malformed key."""
+    s = cfg.settings
+    api, admin = list(s.api_keys), list(s.admin_keys)
+    if cfg.api_key_file is not None:
+        api += read_key_file(cfg.api_key_file)
+    if cfg.admin_key_file is not None:
+        admin += read_key_file(cfg.admin_key_file)
+    api += env.get("MORI_API_KEYS", "").replace(",", " ").split()
+    admin += env.get("MORI_ADMIN_KEYS", "").replace(",", " ").split()
+    KeyRing(tuple(api), tuple(admin))  # checks each key
+    return dataclasses.replace(s, api_keys=tuple(dict.fromkeys(api)),
+                               admin_keys=tuple(dict.fromkeys(admin)))
 
 
 class EmbeddedServerFilter(logging.Filter):

@@ -8,11 +8,11 @@ protocol or dies mid-stream. Subclasses add capacity and the engine's KV control
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from mori.engines.base import (
     EngineAdapter,
@@ -21,8 +21,10 @@ from mori.engines.base import (
     UpstreamError,
     UpstreamResponse,
 )
+from mori.engines.h1 import BrokenError, H1Pool, ReadTimeout, RefusedError
 
 _PASS_HEADERS = ("content-type", "cache-control")
+_encode = msgspec.json.Encoder().encode
 
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -97,6 +99,7 @@ class OpenAIHTTPAdapter(EngineAdapter):
         self.page_tokens = page_tokens
         self.connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._h1: H1Pool | None = None
 
     async def start(self) -> None:
         if self._session is None:
@@ -104,6 +107,9 @@ class OpenAIHTTPAdapter(EngineAdapter):
             self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
 
     async def close(self) -> None:
+        if self._h1 is not None:
+            await self._h1.close()
+            self._h1 = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -127,10 +133,56 @@ class OpenAIHTTPAdapter(EngineAdapter):
         return {}
 
     # -- forwarding -------------------------------------------------------------------------
+    def _pool(self) -> H1Pool | None:
+        """The lean keep-alive client for ``http://`` engines (None: https, via aiohttp)."""
+        if self._h1 is None and self.url.startswith("http://"):
+            self._h1 = H1Pool(self.url, connect_timeout=self.connect_timeout_s,
+                              read_timeout=self.timeout_s)
+        return self._h1
+
     async def forward(self, path: str, body: dict[str, Any], stream: bool,
                       hints: RequestHints) -> UpstreamResponse:
-        payload = json.dumps(self.shape_body(body, hints)).encode()
+        payload = _encode(self.shape_body(body, hints))
         headers = {"content-type": "application/json", **self.request_headers(hints)}
+        pool = self._pool()
+        if pool is None:
+            return await self._forward_aiohttp(path, payload, headers, stream)
+        try:
+            resp = await pool.post(path, payload, headers)
+        except RefusedError as e:
+            raise UpstreamError(f"engine {self.url} refused the connection: {e}",
+                                status=503) from e
+        except ReadTimeout as e:
+            raise UpstreamError(f"engine {self.url} timed out", status=504) from e
+        except BrokenError as e:
+            raise UpstreamError(f"engine {self.url} failed: {e}", status=502) from e
+        out_headers = {k: v for k, v in resp.headers.items() if k in _PASS_HEADERS}
+        if not (stream and resp.status == 200 and resp.content_type == "text/event-stream"):
+            try:
+                data = await resp.read()
+            except (BrokenError, ReadTimeout) as e:
+                raise UpstreamError(f"engine {self.url} broke off its answer: {e}") from e
+            finally:
+                resp.release()
+            return UpstreamResponse(resp.status, out_headers, body=data)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.chunks():
+                    yield chunk
+            except (BrokenError, ReadTimeout) as e:
+                raise UpstreamError(f"engine {self.url} died mid-stream: {e}") from e
+
+        async def closer() -> None:
+            if resp.at_eof:
+                resp.release()
+            else:
+                resp.close()  # drop the connection: the engine aborts the request
+
+        return UpstreamResponse(resp.status, out_headers, chunks=chunks(), _closer=closer)
+
+    async def _forward_aiohttp(self, path: str, payload: bytes, headers: dict[str, str],
+                               stream: bool) -> UpstreamResponse:
         try:
             resp = await self.session.post(self.url + path, data=payload, headers=headers,
                                            timeout=self._timeout())

@@ -2,7 +2,9 @@
 
 It speaks the engine-sim's OpenAI API plus its KV controls under ``/mori/v1/``: typed
 eviction labels, offload and drop of one program, residency and capacity. The ``mori``
-synthetic prompt field travels in the body, the program id in ``X-Program-Id``; prompts
+synthetic prompt field travels in the body, the program id in ``X-Program-Id``
+(percent-encoded UTF-8, ``mori.protocol.fields.encode_program_id``; in KV-control paths
+percent-encoded too); prompts
 are counted by the engine-sim's own rule (``mori.protocol.tokens``), without a call.
 """
 
@@ -23,7 +25,7 @@ from mori.engines.base import (
 )
 from mori.engines.http import OpenAIHTTPAdapter
 from mori.protocol.errors import RequestError
-from mori.protocol.fields import PROGRAM_ID_HEADER
+from mori.protocol.fields import PROGRAM_ID_HEADER, encode_program_id
 from mori.protocol.tokens import prompt_tokens
 
 SIM_CAPABILITIES = frozenset({
@@ -56,7 +58,8 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
         return out
 
     def request_headers(self, hints: RequestHints) -> dict[str, str]:
-        return {PROGRAM_ID_HEADER: hints.program_id}
+        # percent-encoded UTF-8: any id (non-ASCII included) travels as plain ASCII
+        return {PROGRAM_ID_HEADER: encode_program_id(hints.program_id)}
 
     async def count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
         """The engine-sim's own rule: ``mori.prompt_tokens`` if present, else

@@ -5,7 +5,8 @@ The engine generates exactly ``max_completion_tokens`` / ``max_tokens`` tokens (
 ``prompt_tokens`` if the body has it, else the text rule of ``mori.protocol.tokens``
 (the text is validated either way); the reusable prefix is ``mori.reuse_tokens`` if
 given (else the engine decides, ``RealtimeReplica.submit``). The program is the
-``X-Program-Id`` header, else the body's ``program_id``, else none (a one-shot program).
+``X-Program-Id`` header (percent-encoded UTF-8: ``mori.protocol.fields.encode_program_id``),
+else the body's ``program_id``, else none (a one-shot program).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Any
 from mori.protocol.errors import SSE_DONE, RequestError, error_body, sse_event
 from mori.protocol.fields import (
     KV_READY_LINE,
+    MAX_PROGRAM_ID_BYTES_LIMIT,
     PROGRAM_ID_HEADER,
+    check_program_id,
+    decode_program_id,
     is_chat,
     program_id_field,
     synthetic_sizes,
@@ -76,7 +80,12 @@ def parse_completion(path: str, body: Any, headers: Mapping[str, str], model: st
     text_prompt = text_prompt_tokens(path, body)  # validates messages / prompt
     synthetic_prompt, reuse = synthetic_sizes(body)
     prompt = max(1, synthetic_prompt) if synthetic_prompt is not None else text_prompt
-    pid = headers.get(PROGRAM_ID_HEADER.lower()) or program_id_field(body.get("program_id"))
+    # the header is percent-encoded UTF-8 (what the gateway's adapter sends); ids the
+    # gateway makes up (``anon-...``) are taken, and any the gateway may be set to allow
+    header = headers.get(PROGRAM_ID_HEADER.lower())
+    limit = MAX_PROGRAM_ID_BYTES_LIMIT
+    pid = (check_program_id(decode_program_id(header), limit, reserved_ok=True) if header
+           else program_id_field(body.get("program_id"), limit, reserved_ok=True))
     stream = body.get("stream") is True
     opts = body.get("stream_options")
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -97,7 +96,7 @@ class _Api:
         eng = self.engine
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # bad JSON or UTF-8, huge ints, deep nesting
             return error_response(400, "the request body is not valid JSON")
         try:
             call = parse_completion(path, body, request.headers, eng.model_name)
@@ -142,7 +141,7 @@ class _Api:
         pid = request.path_params["pid"]
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             return error_response(400, "the request body is not valid JSON")
         raw = body.get("label") if isinstance(body, dict) else None
         try:

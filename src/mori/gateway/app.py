@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -28,12 +27,13 @@ from mori.core.policies import build_policy
 from mori.core.policy import Policy
 from mori.core.types import Capability, Tier
 from mori.engines.base import EngineAdapter, KVCapacity, NotSupportedError, UpstreamError
+from mori.gateway.auth import Access, KeyRing, Principal
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
+from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow
-from mori.gateway.parsing import CHAT, COMPLETIONS, parse_request
-from mori.gateway.proxy import serve_completion
-from mori.protocol.errors import RequestError
+from mori.gateway.parsing import CHAT, COMPLETIONS
+from mori.protocol.fields import anonymous_program_id
 from mori.protocol.responses import error_response
 
 log = logging.getLogger("mori.gateway")
@@ -68,7 +68,7 @@ class Gateway:
         self.capacities: list[KVCapacity] = []
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
-        self._anon = itertools.count(1)
+        self.keys = KeyRing(settings.api_keys, settings.admin_keys)
 
     @property
     def ctl(self) -> Controller:
@@ -77,7 +77,7 @@ class Gateway:
         return self.controller
 
     def anonymous_id(self) -> str:
-        return f"anon-{next(self._anon)}"
+        return anonymous_program_id()
 
     async def prepare(self) -> None:
         """Connect to the engines, read their capacities, build the policy. Raises
@@ -169,15 +169,23 @@ class Gateway:
 
 
 class Routes:
-    """The HTTP handlers of one gateway."""
+    """The HTTP handlers of one gateway (the completions are ``CompletionEndpoint``'s).
+
+    With keys configured (``mori.gateway.auth``): ``/v1/models`` needs a key;
+    ``/v1/programs`` lists the caller's own programs (an admin key: every program, by the
+    gateway's ids), and a program can be read or released only by its own key or an admin
+    key; ``/v1/decisions``, ``/v1/residency`` and ``/metrics`` (unless ``public_metrics``)
+    need an admin key; ``/healthz`` is open but names the replicas only to an admin key.
+    """
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
+        self.endpoint = CompletionEndpoint(gw)
 
     def table(self) -> list[Route]:
         return [
-            Route(CHAT, self.completions, methods=["POST"]),
-            Route(COMPLETIONS, self.completions, methods=["POST"]),
+            Route(CHAT, self.endpoint, methods=["POST"]),
+            Route(COMPLETIONS, self.endpoint, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/programs", self.programs, methods=["GET"]),
             Route("/v1/programs/{program_id:path}/release", self.release, methods=["POST"]),
@@ -188,43 +196,72 @@ class Routes:
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
 
-    async def completions(self, request: Request) -> Response:
-        gw = self.gw
-        endpoint = request.url.path
-        try:
-            raw = await _read_body(request, gw.settings.max_body_bytes)
-            req = parse_request(endpoint, raw, request.headers.get("x-program-id"))
-        except RequestError as e:
-            gw.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return e.response()
-        except ClientDisconnect:
-            return Response(status_code=499)
-        resp = await serve_completion(gw, req)
-        gw.metrics.requests.labels(endpoint, str(resp.status_code)).inc()
-        return resp
+    def _principal(self, request: Request) -> Principal:
+        return self.gw.keys.identify(request.headers.get("authorization"))
+
+    def _denied(self, request: Request, admin: bool) -> Response | None:
+        """The refusal for a caller without a key (401) or, where ``admin``, without an
+        admin key (403); None when the caller may go on."""
+        access = self._principal(request).access
+        if access is Access.NONE:
+            return unauthorized()
+        if admin and access is not Access.ADMIN:
+            return error_response(403, f"{request.url.path} needs an admin key (--admin-key)",
+                                  None, "admin_key_required", type_="permission_error")
+        return None
 
     async def models(self, request: Request) -> Response:
+        if (denied := self._denied(request, admin=False)) is not None:
+            return denied
         if not self.gw.models:
             await self.gw.refresh_models()
         return JSONResponse({"object": "list", "data": self.gw.models})
 
+    def _own(self, principal: Principal, pid: str) -> str | None:
+        """The gateway's id of ``pid`` as ``principal`` names it (an admin names every
+        program by the gateway's id), None if the caller has no key."""
+        if principal.access is Access.NONE:
+            return None
+        return pid if principal.access is Access.ADMIN else principal.internal(pid)
+
     async def programs(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": self.gw.ctl.describe_all()})
+        p = self._principal(request)
+        if p.access is Access.NONE:
+            return unauthorized()
+        rows = self.gw.ctl.describe_all()
+        if p.access is not Access.ADMIN:
+            mine = []
+            for row in rows:
+                own = p.external(row["program_id"])
+                if own is not None:
+                    mine.append({**row, "program_id": own})
+            rows = mine
+        return JSONResponse({"object": "list", "data": rows})
 
     async def program(self, request: Request) -> Response:
+        p = self._principal(request)
         pid = request.path_params["program_id"]
-        d = self.gw.ctl.describe(pid)
+        internal = self._own(p, pid)
+        if internal is None:
+            return unauthorized()
+        d = self.gw.ctl.describe(internal)
         if d is None:
             return _no_program(pid)
-        return JSONResponse(d)
+        return JSONResponse({**d, "program_id": pid})
 
     async def release(self, request: Request) -> Response:
+        p = self._principal(request)
         pid = request.path_params["program_id"]
-        if not self.gw.ctl.release(pid):
+        internal = self._own(p, pid)
+        if internal is None:
+            return unauthorized()
+        if not self.gw.ctl.release(internal):
             return _no_program(pid)
         return JSONResponse({"program_id": pid, "released": True})
 
     async def decisions(self, request: Request) -> Response:
+        if (denied := self._denied(request, admin=True)) is not None:
+            return denied
         try:
             since = float(request.query_params.get("since", "-inf"))
         except ValueError:
@@ -235,6 +272,8 @@ class Routes:
     async def residency(self, request: Request) -> Response:
         """Where each replica's engine says each program's KV is (engines that report it),
         beside where the policy placed it."""
+        if (denied := self._denied(request, admin=True)) is not None:
+            return denied
         ctl = self.gw.ctl
         rows = []
         for r in ctl.replicas.all:
@@ -254,13 +293,18 @@ class Routes:
     async def healthz(self, request: Request) -> Response:
         replicas = self.gw.ctl.replicas.all
         ok = any(r.healthy for r in replicas)
-        body = {"status": "ok" if ok else "degraded", "policy": self.gw.settings.policy,
-                "replicas": [{"url": r.adapter.url, "kind": r.adapter.kind,
-                              "healthy": r.healthy, "last_error": r.last_error}
-                             for r in replicas]}
+        body: dict[str, Any] = {"status": "ok" if ok else "degraded"}
+        if self._principal(request).access is Access.ADMIN:
+            body["policy"] = self.gw.settings.policy
+            body["replicas"] = [{"url": r.adapter.url, "kind": r.adapter.kind,
+                                 "healthy": r.healthy, "last_error": r.last_error}
+                                for r in replicas]
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self, request: Request) -> Response:
+        if not self.gw.settings.public_metrics \
+                and (denied := self._denied(request, admin=True)) is not None:
+            return denied
         return Response(self.gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
@@ -269,22 +313,7 @@ def _no_program(pid: str) -> Response:
                           "program_not_found")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"the request body ({declared} bytes) exceeds the gateway's "
-                           f"limit of {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestError(413, f"the request body exceeds the gateway's limit of "
-                               f"{limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def create_app(settings: GatewaySettings, adapters: list[EngineAdapter]) -> Starlette:
+def create_app(settings: GatewaySettings, adapters: list[EngineAdapter]) -> GatewayApp:
     """The gateway app in front of ``adapters`` (one per engine replica)."""
     gw = Gateway(settings, adapters)
 
@@ -296,6 +325,7 @@ def create_app(settings: GatewaySettings, adapters: list[EngineAdapter]) -> Star
         finally:
             await gw.shutdown()
 
-    app = Starlette(routes=Routes(gw).table(), lifespan=lifespan)
+    routes = Routes(gw)
+    app = GatewayApp(routes.endpoint, routes=routes.table(), lifespan=lifespan)
     app.state.gateway = gw
     return app

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from mori.core.policies import POLICIES
 from mori.core.policy import PolicyConfig
+from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES, MAX_PROGRAM_ID_BYTES_LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,10 +20,18 @@ class GatewaySettings:
     held at once (beyond: 429). ``gate_timeout_s``: the longest a request is held
     (beyond: 503). ``retry_after_s``: the ``Retry-After`` of 429 and 503 answers.
     ``program_ttl_s``: a program idle (Acting) this long is released (0: never).
-    ``max_body_bytes``: the largest request body (beyond: 413). ``health_interval_s``:
+    ``max_body_bytes``: the largest request body (beyond: 413).
+    ``max_program_id_bytes``: the longest program id, in bytes of UTF-8 (beyond: 400),
+    1 to ``MAX_PROGRAM_ID_BYTES_LIMIT`` (1024). ``health_interval_s``:
     how often an unhealthy replica is checked again. ``exact_tokens``: ask an engine
     that can count prompt tokens exactly. ``decision_log``: decisions kept for
     ``/v1/decisions``. ``startup_wait_s``: how long to wait for engines still starting.
+    ``stream_write_timeout_s``: the longest one chunk of a streamed answer may wait for a
+    client that stopped reading; beyond it the stream is cut off, the engine's request
+    aborted and the program's step ended (it is Acting again and may retry).
+    ``api_keys`` and ``admin_keys``: the keys of ``mori.gateway.auth`` (none: every
+    endpoint open; never shown in the repr). ``public_metrics``: ``/metrics`` without an
+    admin key when keys are set.
     """
 
     policy: str = "mori"
@@ -33,15 +42,21 @@ class GatewaySettings:
     retry_after_s: float = 5.0
     program_ttl_s: float = 3600.0
     max_body_bytes: int = 32 * 1024 * 1024
+    max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES
     health_interval_s: float = 2.0
     exact_tokens: bool = False
     decision_log: int = 10000
     startup_wait_s: float = 60.0
+    stream_write_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    public_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
-        for name in ("time_scale", "gate_timeout_s", "health_interval_s"):
+        for name in ("time_scale", "gate_timeout_s", "health_interval_s",
+                     "stream_write_timeout_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number (got {v})")
@@ -53,5 +68,8 @@ class GatewaySettings:
             raise ValueError(f"max_gated must be >= 1 (got {self.max_gated})")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
+        if not 1 <= self.max_program_id_bytes <= MAX_PROGRAM_ID_BYTES_LIMIT:
+            raise ValueError(f"max_program_id_bytes must be 1 to {MAX_PROGRAM_ID_BYTES_LIMIT} "
+                             f"(got {self.max_program_id_bytes})")
         if self.decision_log < 0:
             raise ValueError(f"decision_log must be >= 0 (got {self.decision_log})")

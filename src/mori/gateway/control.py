@@ -142,16 +142,25 @@ class Controller:
             info.prompt_tokens = prompt_tokens
             self.policy.observe(RequestArrived(program_id, prompt_tokens), self.now())
             self.decide()
+        fut = held.future
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            info.in_flight = True  # forwarded at once: nothing to wait for
+            return fut.result()
         if held.waiting:
             self.metrics.gated_total.inc()
         try:
-            adm = await asyncio.wait_for(asyncio.shield(held.future), s.gate_timeout_s)
+            adm = await asyncio.wait_for(asyncio.shield(fut), s.gate_timeout_s)
         except TimeoutError:
             held.future.cancel()  # abandoned: still held in the policy, for a retry
             raise GateRejected(503, f"program {program_id!r} waited {s.gate_timeout_s:g} s "
                                "for GPU residency; retry later", s.retry_after_s) from None
         except BaseException:
-            held.future.cancel()  # the client went away while its request was held
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # forwarded just as the client went away: end the step at once, unchanged
+                info.in_flight = True
+                info.orphan_forwards += 1
+                self.finished(program_id, info.context_tokens or info.prompt_tokens)
+            fut.cancel()  # the client went away while its request was held
             raise
         info.in_flight = True
         return adm

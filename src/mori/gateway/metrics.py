@@ -104,6 +104,9 @@ class GatewayMetrics:
                                        ["replica"], registry=r)
         self.disconnects = Counter("mori_client_disconnects", "Streams the client left "
                                    "before the end", registry=r)
+        self.stream_timeouts = Counter("mori_stream_timeouts", "Streams cut off because the "
+                                       "client stopped reading (stream_write_timeout_s; also "
+                                       "counted as client disconnects)", registry=r)
         self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
         self.completion_tokens = Counter("mori_completion_tokens", "Completion tokens returned",
                                          registry=r)

@@ -1,28 +1,50 @@
 """Reading a client's request: validation, MORI's own fields, prompt size, usage.
 
 A request's program id is the body's ``program_id`` (a string) or the ``X-Program-Id``
-header; a request with neither is served as its own one-step program (an id
-``anon-<n>`` is made up for it and the program ends with its response).
+header (its bytes read as UTF-8; the body wins when both are given, and both are
+validated): 1 to ``max_program_id_bytes`` bytes of UTF-8, no control character, not
+starting with the reserved ``anon-`` (``mori.protocol.fields.check_program_id``). A
+request with neither is served as its own one-step program (an id ``anon-<random hex>``
+is made up for it and the program ends with its response).
+
+The body is JSON (``decode_body``): at most ``MAX_JSON_DEPTH`` levels of nesting, integer
+literals of at most ``MAX_INT_DIGITS`` digits, no lone UTF-16 surrogate escapes; its size
+is bounded before (``max_body_bytes``). Whatever the bytes, parsing raises nothing but
+``RequestError`` (400).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import (
     CHAT,
     COMPLETIONS,
+    DEFAULT_MAX_PROGRAM_ID_BYTES,
     KV_READY_LINE,
     program_id_field,
+    program_id_header,
     synthetic_field,
 )
 from mori.protocol.tokens import text_prompt_tokens
 
-__all__ = ["CHAT", "COMPLETIONS", "ClientRequest", "StreamWatcher", "estimate_prompt_tokens",
-           "max_output_tokens", "parse_request", "usage_tokens"]
+__all__ = ["CHAT", "COMPLETIONS", "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "ClientRequest",
+           "StreamWatcher", "decode_body", "estimate_prompt_tokens", "max_output_tokens",
+           "parse_request", "usage_tokens"]
+
+MAX_JSON_DEPTH = 128
+"""The deepest nesting of arrays and objects a request body may have (the top level is 1;
+a chat body with tool schemas needs a few dozen at most)."""
+MAX_INT_DIGITS = 100
+"""The most digits an integer literal of a request body may have."""
+_INT_BOUND = 10 ** MAX_INT_DIGITS
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 @dataclass(slots=True)
@@ -35,11 +57,63 @@ class ClientRequest:
     synthetic: dict[str, Any] | None  # the ``mori`` field, validated
 
 
-def parse_request(path: str, raw: bytes, header_program: str | None) -> ClientRequest:
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body; ``RequestError`` (400) for anything that is not
+    JSON within the limits of the module doc (and nothing else, whatever the bytes)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the request body is not valid JSON: {e}") from None
+        body = msgspec.json.decode(raw)
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.ValidationError:  # a number beyond what can be represented
+        raise RequestError(400, "the request body holds a number out of range: integers "
+                           f"may have at most {MAX_INT_DIGITS} digits, and numbers must be "
+                           "finite") from None
+    except msgspec.DecodeError as e:
+        hint = ""
+        if _SURROGATE_ESCAPE.search(raw):
+            hint = (" (a \\uD800-\\uDFFF escape must be half of a surrogate pair: a lone "
+                    "surrogate is not a character)")
+        raise RequestError(400, f"the request body is not valid JSON: {e}{hint}") from None
+    _check_tree(body)
+    return body
+
+
+def _too_deep() -> RequestError:
+    return RequestError(400, "the request body is nested too deeply: at most "
+                        f"{MAX_JSON_DEPTH} levels of arrays and objects")
+
+
+def _check_tree(body: Any) -> None:
+    """``RequestError`` if ``body`` nests deeper than ``MAX_JSON_DEPTH`` or holds an
+    integer of more than ``MAX_INT_DIGITS`` digits. Scalars are looked at in bulk (C
+    loops): a long prompt of token ids costs little."""
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if type(node) is dict:
+            values: Any = node.values()
+        elif type(node) is list:
+            values = node
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        types = set(map(type, values))
+        if int in types:
+            ints = values if len(types) == 1 else [x for x in values if type(x) is int]
+            if max(ints) >= _INT_BOUND or min(ints) <= -_INT_BOUND:
+                raise RequestError(400, "the request body holds an integer of more than "
+                                   f"{MAX_INT_DIGITS} digits")
+        if dict in types or list in types:
+            stack.extend((x, depth + 1) for x in values if type(x) is dict or type(x) is list)
+
+
+def parse_request(path: str, raw: bytes, header_program: str | bytes | None,
+                  max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES) -> ClientRequest:
+    """The client's request: ``raw`` its body, ``header_program`` its ``X-Program-Id``
+    header (the ASGI bytes, or as Starlette gives it: latin-1 decoded). ``RequestError``
+    for bad input."""
+    body = decode_body(raw)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -64,9 +138,10 @@ def parse_request(path: str, raw: bytes, header_program: str | None) -> ClientRe
         v = body.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise RequestError(400, f"'{key}' must be a positive integer", key)
-    pid = program_id_field(body.pop("program_id", None))
-    if pid is None and header_program:
-        pid = header_program
+    pid = program_id_field(body.pop("program_id", None), max_program_id_bytes)
+    from_header = program_id_header(header_program, max_program_id_bytes)
+    if pid is None:
+        pid = from_header
     sizes = body.pop("mori", None)
     synthetic: dict[str, Any] | None = None
     if sizes is not None:

@@ -4,13 +4,16 @@ The controller's ``RequestLease`` covers the request from admission to its end; 
 module only moves bytes and counts tokens: it checks the model, sizes the prompt, takes
 the lease, forwards the body through the replica's adapter and relays the answer
 (chunk by chunk for streams), then finishes the lease with the context the engine
-reported (or the gateway's estimate).
+reported (or the gateway's estimate). A stream whose client stops reading for
+``stream_write_timeout_s`` is cut off: the engine's request is aborted (its connection
+closed) and the lease finished, so the program is Acting again and may retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -27,9 +30,12 @@ from mori.protocol.responses import EventStream, error_response
 if TYPE_CHECKING:
     from mori.gateway.app import Gateway
 
+log = logging.getLogger("mori.gateway")
 
-async def serve_completion(gw: Gateway, req: ClientRequest) -> Response:
-    """The gateway's answer to one parsed completion request."""
+
+async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> Response:
+    """The gateway's answer to one parsed completion request, whose ``program_id`` is
+    the gateway's id (namespaced; made up for an ``anonymous`` one-step program)."""
     ctl = gw.ctl
     if gw.model_ids and req.model not in gw.model_ids:
         await gw.refresh_models()
@@ -37,8 +43,8 @@ async def serve_completion(gw: Gateway, req: ClientRequest) -> Response:
             return error_response(404, f"the model {req.model!r} does not exist; served: "
                                   + ", ".join(m["id"] for m in gw.models), "model",
                                   "model_not_found")
-    anonymous = req.program_id is None
-    pid = req.program_id or gw.anonymous_id()
+    pid = req.program_id
+    assert pid is not None, "the endpoint names every request's program"
     tokens = await prompt_tokens(gw, req)
     if tokens > gw.gpu_tokens():
         return error_response(400, f"the prompt ({tokens} tokens) does not fit the GPU KV "
@@ -69,8 +75,17 @@ async def serve_completion(gw: Gateway, req: ClientRequest) -> Response:
         _count(gw, prompt, c_used or 0)
         lease.finish(prompt + (c_used or 0))
         return Response(body, status_code=up.status, headers=up.headers)
-    return EventStream(up.status, up.headers,
-                       _relay(gw, up.chunks, up.aclose, lease, req, arrived))
+    relay = _relay(gw, up.chunks, up.aclose, lease, req, arrived)
+    await anext(relay)  # started: closing it now always ends the lease
+
+    def stalled() -> None:
+        gw.metrics.stream_timeouts.inc()
+        log.warning("program %s: the client read nothing for %g s; stream cut off, engine "
+                    "request aborted", pid, gw.settings.stream_write_timeout_s)
+
+    return EventStream(up.status, up.headers, relay,
+                       write_timeout_s=gw.settings.stream_write_timeout_s,
+                       on_write_timeout=stalled)
 
 
 async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[], Awaitable[None]],
@@ -79,6 +94,7 @@ async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[],
     watcher = StreamWatcher()
     first = True
     try:
+        yield b""  # taken by serve_completion, to start the generator
         async for chunk in chunks:
             if first:
                 gw.metrics.ttft.observe(gw.ctl.wall() - arrived)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from mori.protocol.errors import error_body
 
@@ -30,22 +30,29 @@ class EventStream(Response):
 
     Lighter than Starlette's ``StreamingResponse`` (no task group per request): one task
     pumps the chunks, the handler's own task watches for the disconnect. The generator is
-    always closed, so its ``finally`` runs whether the stream ended or was cut off.
-    ``headers`` default the content type to ``text/event-stream``.
+    always closed, so its ``finally`` runs whether the stream ended or was cut off (a
+    generator that never started runs none of its body: start it before, if its
+    ``finally`` must run). ``headers`` default the content type to ``text/event-stream``.
+
+    ``write_timeout_s``: the longest one write may wait for a client that stopped
+    reading (the server's flow control holds ``send`` while the socket is full); beyond
+    it the stream is cut off (the generator closed, ``on_write_timeout`` called) and the
+    server closes the connection. None: no limit.
     """
 
     def __init__(self, status: int, headers: Mapping[str, str],
-                 chunks: AsyncGenerator[bytes, None]) -> None:
+                 chunks: AsyncGenerator[bytes, None], *, write_timeout_s: float | None = None,
+                 on_write_timeout: Callable[[], None] | None = None) -> None:
         self.status_code = status
         self.chunks = chunks
+        self.write_timeout_s = write_timeout_s
+        self.on_write_timeout = on_write_timeout
         self.background = None
         hdrs = {k.lower(): v for k, v in headers.items()}
         hdrs.setdefault("content-type", "text/event-stream")
         self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in hdrs.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
         pump = asyncio.ensure_future(self._pump(send))
         try:
             while not pump.done():
@@ -62,11 +69,33 @@ class EventStream(Response):
                 pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pump
+            await self.chunks.aclose()  # a no-op unless the pump was cancelled unstarted
 
     async def _pump(self, send: Send) -> None:
         try:
+            await self._send(send, {"type": "http.response.start", "status": self.status_code,
+                                    "headers": self.raw_headers})
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await self._send(send, {"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+            await self._send(send, {"type": "http.response.body", "body": b"",
+                                    "more_body": False})
+        except _WriteTimeout:
+            if self.on_write_timeout is not None:
+                self.on_write_timeout()
         finally:
             await self.chunks.aclose()
+
+    async def _send(self, send: Send, message: Message) -> None:
+        if self.write_timeout_s is None:
+            await send(message)
+            return
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+        except TimeoutError:
+            raise _WriteTimeout from None
+
+
+class _WriteTimeout(Exception):
+    """A write to the client did not complete within ``EventStream.write_timeout_s``."""
