@@ -13,15 +13,14 @@ from urllib.parse import quote
 import httpx
 import openai
 import pytest
-from gateway_harness import LoopThread
+from gateway_harness import LoopThread, serve_on_simulated
 
 from mori.cli.options import SERVE_BY_KEY
 from mori.core.types import KVLabel
 from mori.enginesim import EngineSimServer
-from mori.gateway.app import Gateway, create_app
+from mori.gateway.app import Gateway
 from mori.gateway.config import GatewaySettings
 from mori.gateway.parsing import decode_body, parse_request
-from mori.gateway.server import ServeConfig, start_simulated_backends
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import (
     ANONYMOUS_PREFIX,
@@ -45,16 +44,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     lt = LoopThread()
-    settings = GatewaySettings(time_scale=50.0, gate_timeout_s=30)
-    cfg = ServeConfig(replicas=1, preset="h200-qwen3-30b-a3b", cpu_ratio=0.5,
-                      gpu_kv_tokens=200_000, settings=settings)
-    adapters, handles = lt.call(start_simulated_backends(cfg))
-    lt.handles.extend(handles)
-    app = create_app(settings, adapters)
-    url = lt.serve(app).url
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, gate_timeout_s=30))
+    model = httpx.get(sim.url + "/v1/models").json()["data"][0]["id"]
     try:
-        yield Served(lt, url, app.state.gateway, handles[0], model)
+        yield Served(lt, sim.url, sim.gw, sim.engines[0], model)
     finally:
         lt.close()
 

@@ -10,14 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_harness import LoopThread
+from gateway_harness import LoopThread, serve_on_simulated
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
 from mori.gateway.parsing import decode_body
-from mori.gateway.server import ServeConfig, start_simulated_backends
 from mori.protocol.errors import RequestError
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -46,12 +44,7 @@ class Target:
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
     lt = LoopThread()
-    gw_settings = GatewaySettings(time_scale=100.0, gate_timeout_s=30)
-    cfg = ServeConfig(replicas=1, preset="h200-qwen3-30b-a3b", cpu_ratio=0.5,
-                      gpu_kv_tokens=200_000, settings=gw_settings)
-    adapters, handles = lt.call(start_simulated_backends(cfg))
-    lt.handles.extend(handles)
-    url = lt.serve(create_app(gw_settings, adapters)).url
+    url = serve_on_simulated(lt, GatewaySettings(time_scale=100.0, gate_timeout_s=30)).url
     with httpx.Client(timeout=30) as client:
         model = client.get(url + "/v1/models").json()["data"][0]["id"]
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -26,6 +27,7 @@ import httptools
 __all__ = ["H1Pool", "H1Response", "RefusedError", "BrokenError", "ReadTimeout"]
 
 _HIGH_WATER = 1 << 20  # bytes buffered before the connection stops reading
+_MAX_HEAD = 1 << 20  # bytes an answer's head may take before the engine counts as broken
 
 
 class RefusedError(ConnectionError):
@@ -152,6 +154,9 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False
         self.paused = False
         self.keep_alive = False
+        self.eof_body = False  # the answer's body has no length: it ends at EOF
+        self.interim = False  # inside a 1xx interim answer (skipped)
+        self.head_bytes = 0
         self._header_names: list[bytes] = []
         self._header_values: list[bytes] = []
 
@@ -163,10 +168,20 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            self._broken(BrokenError(f"the engine broke HTTP/1.1: {e.__context__ or e}"))
+            return
         except httptools.HttpParserError as e:
             self._broken(BrokenError(f"the engine broke HTTP/1.1: {e}"))
+            return
         except httptools.HttpParserUpgrade:
             self._broken(BrokenError("the engine asked for a protocol upgrade"))
+            return
+        head = self.head
+        if head is not None and not head.done():
+            self.head_bytes += len(data)
+            if self.head_bytes > _MAX_HEAD:
+                self._broken(BrokenError(f"the answer's head is over {_MAX_HEAD} bytes"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
@@ -176,10 +191,9 @@ class _Conn(asyncio.Protocol):
         self.pool._forget(self)
         resp = self.resp
         if resp is not None and not resp._done:
-            # a body without a length ends when the connection does
-            with contextlib.suppress(httptools.HttpParserError):
-                self.parser.feed_data(b"")
-            if not resp._done:
+            if self.eof_body and exc is None:
+                resp._finish()  # a body without a length ends when the connection does
+            else:
                 resp._fail(BrokenError(f"the engine closed the connection mid-answer"
                                        f"{f': {exc}' if exc else ''}"))
         head = self.head
@@ -188,6 +202,11 @@ class _Conn(asyncio.Protocol):
                                            f"{f': {exc}' if exc else ''}"))
 
     # -- httptools callbacks ------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        resp = self.resp
+        if resp is None or resp._done:  # raised through feed_data: the connection is dropped
+            raise BrokenError("the engine sent an answer nobody asked for")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_names.append(name)
         self._header_values.append(value)
@@ -196,12 +215,21 @@ class _Conn(asyncio.Protocol):
         resp = self.resp
         if resp is None:
             return
-        resp.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103): skipped
+            self.interim = True
+            self._header_names.clear()
+            self._header_values.clear()
+            return
+        resp.status = status
         self.keep_alive = self.parser.should_keep_alive()  # valid now, not after the body
         resp.headers = {n.decode("latin-1").lower(): v.decode("latin-1")
                         for n, v in zip(self._header_names, self._header_values, strict=True)}
         self._header_names.clear()
         self._header_values.clear()
+        te = resp.headers.get("transfer-encoding", "").rpartition(",")[2].strip().lower()
+        self.eof_body = not (status in (204, 304) or te == "chunked"
+                             or "content-length" in resp.headers)
         head = self.head
         if head is not None and not head.done():
             head.set_result(None)
@@ -211,7 +239,9 @@ class _Conn(asyncio.Protocol):
             self.resp._feed(body)
 
     def on_message_complete(self) -> None:
-        if self.resp is not None:
+        if self.interim:
+            self.interim = False
+        elif self.resp is not None:
             self.resp._finish()
 
     # -- use ----------------------------------------------------------------------------
@@ -226,6 +256,8 @@ class _Conn(asyncio.Protocol):
         self.resp = resp
         self.got_bytes = False
         self.keep_alive = False
+        self.eof_body = False
+        self.head_bytes = 0
         self.head = asyncio.get_running_loop().create_future()
         assert self.transport is not None
         self.transport.write(data)
@@ -242,7 +274,7 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
 
     def recycle(self) -> None:
-        if self.closed or not self.keep_alive:
+        if self.closed or not self.keep_alive or len(self.pool._idle) >= self.pool.max_idle:
             self.drop()
             return
         self.resp = None
@@ -251,7 +283,9 @@ class _Conn(asyncio.Protocol):
         self.pool._idle.append(self)
 
     def drop(self) -> None:
-        self.resp = None
+        resp, self.resp = self.resp, None
+        if resp is not None:  # a reader still waiting (pool closed) must not hang
+            resp._fail(BrokenError("the connection was closed"))
         if not self.closed and self.transport is not None:
             self.closed = True
             self.transport.close()
@@ -259,7 +293,7 @@ class _Conn(asyncio.Protocol):
 
 
 class H1Pool:
-    """Keep-alive connections to one ``http://host:port`` engine.
+    """Keep-alive connections to one ``http://host:port`` (or ``https://``) engine.
 
     ``connect_timeout``: seconds to open a connection; ``read_timeout``: the longest gap
     between two reads of an answer (None: no limit); ``max_idle``: idle connections kept.
@@ -268,12 +302,14 @@ class H1Pool:
     def __init__(self, url: str, *, connect_timeout: float, read_timeout: float | None,
                  max_idle: int = 1024) -> None:
         u = urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"the lean client speaks plain http:// only (got {url!r})")
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"an engine URL is http:// or https:// (got {url!r})")
         self.host = u.hostname
-        self.port = u.port or 80
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.tls = ssl.create_default_context() if u.scheme == "https" else None
         self.prefix = u.path.rstrip("/")
-        self.host_header = u.netloc.encode("idna") if u.netloc else self.host.encode()
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 in brackets
+        self.host_header = (host if u.port is None else f"{host}:{u.port}").encode("idna")
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
@@ -289,8 +325,9 @@ class H1Pool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(self), self.host,
-                                                       self.port)
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(self), self.host, self.port, ssl=self.tls,
+                    server_hostname=self.host if self.tls is not None else None)
         except TimeoutError:
             raise RefusedError(f"connecting took over {self.connect_timeout:g} s") from None
         except OSError as e:

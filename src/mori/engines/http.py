@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP transport every adapter builds on (aiohttp).
+"""The OpenAI-compatible HTTP transport every adapter builds on.
 
-``OpenAIHTTPAdapter`` forwards requests, passes SSE streams through chunk by chunk and
+``OpenAIHTTPAdapter`` forwards requests through a lean keep-alive HTTP/1.1 client
+(``mori.engines.h1``: the per-request path) and makes control calls (health, metrics, KV
+controls, tokenize) with aiohttp. It passes SSE streams through chunk by chunk and
 turns transport failures into ``UpstreamError`` with the status the client should see:
 503 when the engine refuses connections, 504 when it times out, 502 when it breaks the
 protocol or dies mid-stream. Subclasses add capacity and the engine's KV controls.
@@ -120,10 +122,6 @@ class OpenAIHTTPAdapter(EngineAdapter):
             raise RuntimeError(f"adapter for {self.url} used before start()")
         return self._session
 
-    def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, connect=self.connect_timeout_s,
-                                     sock_read=self.timeout_s)
-
     # -- engine-specific request shaping (subclasses override) ------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
         """The body as this engine wants it (hints mapped onto its request fields)."""
@@ -133,9 +131,9 @@ class OpenAIHTTPAdapter(EngineAdapter):
         return {}
 
     # -- forwarding -------------------------------------------------------------------------
-    def _pool(self) -> H1Pool | None:
-        """The lean keep-alive client for ``http://`` engines (None: https, via aiohttp)."""
-        if self._h1 is None and self.url.startswith("http://"):
+    def _pool(self) -> H1Pool:
+        """The lean keep-alive client the forwards go through (``mori.engines.h1``)."""
+        if self._h1 is None:
             self._h1 = H1Pool(self.url, connect_timeout=self.connect_timeout_s,
                               read_timeout=self.timeout_s)
         return self._h1
@@ -144,11 +142,8 @@ class OpenAIHTTPAdapter(EngineAdapter):
                       hints: RequestHints) -> UpstreamResponse:
         payload = _encode(self.shape_body(body, hints))
         headers = {"content-type": "application/json", **self.request_headers(hints)}
-        pool = self._pool()
-        if pool is None:
-            return await self._forward_aiohttp(path, payload, headers, stream)
         try:
-            resp = await pool.post(path, payload, headers)
+            resp = await self._pool().post(path, payload, headers)
         except RefusedError as e:
             raise UpstreamError(f"engine {self.url} refused the connection: {e}",
                                 status=503) from e
@@ -175,45 +170,6 @@ class OpenAIHTTPAdapter(EngineAdapter):
 
         async def closer() -> None:
             if resp.at_eof:
-                resp.release()
-            else:
-                resp.close()  # drop the connection: the engine aborts the request
-
-        return UpstreamResponse(resp.status, out_headers, chunks=chunks(), _closer=closer)
-
-    async def _forward_aiohttp(self, path: str, payload: bytes, headers: dict[str, str],
-                               stream: bool) -> UpstreamResponse:
-        try:
-            resp = await self.session.post(self.url + path, data=payload, headers=headers,
-                                           timeout=self._timeout())
-        except aiohttp.ClientConnectorError as e:
-            raise UpstreamError(f"engine {self.url} refused the connection: {e.strerror or e}",
-                                status=503) from e
-        except TimeoutError as e:
-            raise UpstreamError(f"engine {self.url} timed out", status=504) from e
-        except aiohttp.ClientError as e:
-            raise UpstreamError(f"engine {self.url} failed: {e}", status=502) from e
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_HEADERS}
-        ok_stream = stream and resp.status == 200 and resp.content_type == "text/event-stream"
-        if not ok_stream:
-            try:
-                data = await resp.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                resp.close()
-                raise UpstreamError(f"engine {self.url} broke off its answer: {e}") from e
-            finally:
-                resp.release()
-            return UpstreamResponse(resp.status, out_headers, body=data)
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in resp.content.iter_any():
-                    yield chunk
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise UpstreamError(f"engine {self.url} died mid-stream: {e}") from e
-
-        async def closer() -> None:
-            if resp.content.at_eof():
                 resp.release()
             else:
                 resp.close()  # drop the connection: the engine aborts the request

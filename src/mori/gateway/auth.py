@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from mori.protocol.fields import MAX_PROGRAM_ID_BYTES_LIMIT
+
 __all__ = ["Access", "KeyRing", "Principal", "check_exposure", "read_key_file"]
 
 _TAG_HEX = 12
@@ -57,6 +59,14 @@ class Principal:
             return internal_id
         prefix = self.tag + _SEP
         return internal_id[len(prefix):] if internal_id.startswith(prefix) else None
+
+    def id_limit(self, max_bytes: int) -> int:
+        """The longest id (UTF-8 bytes) this principal may send: ``max_bytes``, less what
+        the namespace adds where the gateway's id would pass what every engine takes
+        (``MAX_PROGRAM_ID_BYTES_LIMIT``)."""
+        if not self.tag:
+            return max_bytes
+        return min(max_bytes, MAX_PROGRAM_ID_BYTES_LIMIT - len(self.tag) - len(_SEP))
 
 
 def _digest(key: str) -> bytes:
@@ -147,8 +157,9 @@ def is_loopback(host: str) -> bool:
 
 def check_exposure(host: str, keys: KeyRing, allow_unauthenticated: bool) -> None:
     """Refuse (``ValueError`` saying what to do) to serve a non-loopback address without
-    API keys, unless ``allow_unauthenticated``."""
-    if allow_unauthenticated or keys.has_client_keys or is_loopback(host):
+    keys, unless ``allow_unauthenticated``. (Admin keys alone lock every endpoint: the
+    OpenAI ones then take an admin key.)"""
+    if allow_unauthenticated or keys.enabled or is_loopback(host):
         return
     raise ValueError(
         f"refusing to listen on {host} without API keys: anyone who reaches it could read "

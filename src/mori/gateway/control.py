@@ -109,8 +109,8 @@ class Controller:
         r = lease.replica
         if not r.healthy:
             lease.finish(prompt_tokens)
-            raise GateRejected(503, f"replica {r.index} ({r.adapter.url}) is unhealthy: "
-                               f"{r.last_error}; retry later", self.settings.retry_after_s)
+            raise GateRejected(503, f"the program's replica ({r.index}) is unhealthy; retry "
+                               "later", self.settings.retry_after_s)
         return lease
 
     async def admit(self, program_id: str, prompt_tokens: int, anonymous: bool = False
@@ -119,10 +119,10 @@ class Controller:
         s = self.settings
         info = self.programs.get(program_id)
         if info is not None and info.in_flight:
-            raise GateRejected(409, f"program {program_id!r} already has a request in flight; "
+            raise GateRejected(409, "this program already has a request in flight; "
                                "an agent program sends one request at a time")
         if info is not None and info.release_pending:
-            raise GateRejected(409, f"program {program_id!r} was released")
+            raise GateRejected(409, "this program was released")
         if info is None:
             info = self.programs[program_id] = ProgramInfo(program_id)
         info.anonymous = anonymous
@@ -152,7 +152,7 @@ class Controller:
             adm = await asyncio.wait_for(asyncio.shield(fut), s.gate_timeout_s)
         except TimeoutError:
             held.future.cancel()  # abandoned: still held in the policy, for a retry
-            raise GateRejected(503, f"program {program_id!r} waited {s.gate_timeout_s:g} s "
+            raise GateRejected(503, f"the request waited {s.gate_timeout_s:g} s "
                                "for GPU residency; retry later", s.retry_after_s) from None
         except BaseException:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -195,7 +195,7 @@ class Controller:
             info.release_pending = True  # ends when its response does
             return True
         if info.held is not None:
-            info.held.reject(409, f"program {program_id!r} was released while its request "
+            info.held.reject(409, "the program was released while its request "
                              "waited")
         self._end(program_id)
         self.decide()

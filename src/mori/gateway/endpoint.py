@@ -74,7 +74,8 @@ class CompletionEndpoint:
         s = gw.settings
         try:
             raw = await read_body(receive, headers.get(b"content-length"), s.max_body_bytes)
-            req = parse_request(path, raw, headers.get(b"x-program-id"), s.max_program_id_bytes)
+            req = parse_request(path, raw, headers.get(b"x-program-id"),
+                                principal.id_limit(s.max_program_id_bytes))
         except RequestError as e:
             self._count(path, e.status)
             await e.response()(scope, receive, send)

@@ -1,0 +1,509 @@
+"""The lean HTTP/1.1 client (``mori.engines.h1``) against raw asyncio servers written here,
+so every byte the "engine" sends is under the test's control."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from mori.engines.base import RequestHints, UpstreamError
+from mori.engines.h1 import BrokenError, H1Pool, ReadTimeout, RefusedError
+from mori.engines.http import OpenAIHTTPAdapter
+
+Handler = Callable[["Server", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Server:
+    """A raw TCP server on a free 127.0.0.1 port; ``handler`` serves one connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.accepted = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.eofs = 0  # connections the client closed (EOF seen by a handler)
+        self.eof = asyncio.Event()
+        self.url = ""
+        self._srv: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        self._srv = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._srv.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._srv is not None
+        self._srv.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            await self.handler(self, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # (a handler still waiting when the test ends is cancelled: end quietly)
+        finally:
+            writer.close()
+
+    async def request(self, reader: asyncio.StreamReader) -> bytes | None:
+        """One whole request (its head is returned), or None at EOF."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        m = re.search(rb"content-length: (\d+)", head, re.I)
+        body = await reader.readexactly(int(m.group(1))) if m else b""
+        self.requests.append((head, body))
+        return head
+
+    async def wait_eof(self, reader: asyncio.StreamReader) -> None:
+        while await reader.read(65536):
+            pass
+        self.eofs += 1
+        self.eof.set()
+
+
+def run(fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(fn(), 5))
+
+
+def pool(url: str, read_timeout: float | None = 2.0, **kw: int) -> H1Pool:
+    return H1Pool(url, connect_timeout=1.0, read_timeout=read_timeout, **kw)
+
+
+def answer(body: bytes, *extra: bytes, version: bytes = b"1.1") -> bytes:
+    return (b"HTTP/" + version + b" 200 OK\r\ncontent-type: application/json\r\n"
+            + b"".join(h + b"\r\n" for h in extra)
+            + b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+def keep_alive(body: bytes = b'{"ok":1}', *extra: bytes) -> Handler:
+    """Answers every request on the connection with ``body``."""
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await s.request(r) is not None:
+            w.write(answer(body, *extra))
+        s.eofs += 1
+        s.eof.set()
+    return handler
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- answers --------------------------------------------------------------------------------
+
+def test_content_length_body_and_the_request_on_the_wire() -> None:
+    async def go() -> None:
+        async with Server(keep_alive(b'{"id":"x"}')) as s:
+            p = pool(s.url + "/base/")
+            r = await p.post("/v1/chat", b'{"a":1}', {"content-type": "application/json",
+                                                      "x-extra": "v"})
+            assert r.status == 200 and r.content_type == "application/json"
+            assert await r.read() == b'{"id":"x"}' and r.at_eof
+            r.release()
+            assert len(p._idle) == 1 and len(p._all) == 1
+            head, body = s.requests[0]
+            assert head.startswith(b"POST /base/v1/chat HTTP/1.1\r\n")
+            assert b"\r\nhost: 127.0.0.1:" in head and b"\r\nx-extra: v\r\n" in head
+            assert body == b'{"a":1}'
+            await p.close()
+            assert not p._all and not p._idle
+    run(go)
+
+
+def test_chunked_sse_passes_through_in_pieces() -> None:
+    events = [b"data: %d\n\n" % i for i in range(4)] + [b"data: [DONE]\n\n"]
+
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await s.request(r) is not None:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n")
+            for e in events:
+                w.write(b"%x\r\n%s\r\n" % (len(e), e))
+                await w.drain()
+                await asyncio.sleep(0.03)
+            w.write(b"0\r\n\r\n")
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            r = await p.post("/v1/chat", b"{}", {})
+            assert r.content_type == "text/event-stream"
+            got = [c async for c in r.chunks()]
+            assert len(got) > 1 and b"".join(got) == b"".join(events)
+            r.release()
+            r = await p.post("/v1/chat", b"{}", {})  # the same connection, parser reused
+            assert await r.read() == b"".join(events)
+            r.release()
+            assert s.accepted == 1
+            await p.close()
+    run(go)
+
+
+def test_body_ending_at_eof_reads_fully() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        version = b"1.0" if s.accepted == 1 else b"1.1"
+        w.write(b"HTTP/" + version + b" 200 OK\r\ncontent-type: text/plain\r\n\r\npart one, ")
+        await w.drain()
+        await asyncio.sleep(0.02)
+        w.write(b"part two")
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            for _ in range(2):  # an HTTP/1.0 server, then HTTP/1.1 without a length
+                r = await p.post("/", b"", {})
+                assert await r.read() == b"part one, part two"
+                r.release()
+            assert s.accepted == 2 and not p._all
+    run(go)
+
+
+def test_no_body_statuses_and_an_interim_answer() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await s.request(r) is not None:
+            n = len(s.requests)
+            if n == 1:
+                w.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            elif n == 2:
+                w.write(b"HTTP/1.1 304 Not Modified\r\netag: x\r\n\r\n")
+            else:  # the interim answer on its own, then the real one
+                w.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await w.drain()
+                await asyncio.sleep(0.05)
+                w.write(answer(b"final"))
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            for status, body in ((204, b""), (304, b""), (200, b"final")):
+                r = await p.post("/", b"x", {})
+                assert r.status == status and await r.read() == body
+                r.release()
+            assert s.accepted == 1
+            await p.close()
+    run(go)
+
+
+def test_big_body_is_read_intact_through_flow_control() -> None:
+    big = bytes(range(256)) * (8 * 4096)  # 8 MiB
+
+    async def go() -> None:
+        async with Server(keep_alive(big)) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            await asyncio.sleep(0.2)  # not reading: the connection stops reading
+            assert r._conn.paused and r._buffered < 4 << 20
+            assert await r.read() == big
+            r.release()
+            r = await p.post("/", b"", {})  # resumed and reused
+            assert await r.read() == big
+            r.release()
+            assert s.accepted == 1
+            await p.close()
+    run(go)
+
+
+def test_answer_sent_before_the_request_is_read() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 413 Too Large\r\nconnection: close\r\ncontent-length: 4\r\n\r\nbig!")
+        await w.drain()
+        n = int(re.search(rb"content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        await r.readexactly(n)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"x" * (4 << 20), {})
+            assert r.status == 413 and await r.read() == b"big!"
+            r.release()
+            assert not p._all
+    run(go)
+
+
+# -- keep-alive -------------------------------------------------------------------------------
+
+def test_keep_alive_reuses_one_connection() -> None:
+    async def go() -> None:
+        async with Server(keep_alive()) as s:
+            p = pool(s.url)
+            for _ in range(3):
+                r = await p.post("/", b"{}", {})
+                assert await r.read() == b'{"ok":1}'
+                r.release()
+            assert s.accepted == 1 and len(s.requests) == 3
+            await p.close()
+    run(go)
+
+
+@pytest.mark.parametrize("version, extra", [(b"1.1", b"connection: close"), (b"1.0", b"")])
+def test_connection_close_answers_are_not_reused(version: bytes, extra: bytes) -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(answer(b"bye", *([extra] if extra else []), version=version))
+        await s.wait_eof(r)  # the client must be the one to close (or we'd race it)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            for _ in range(2):
+                r = await p.post("/", b"", {})
+                assert await r.read() == b"bye"
+                r.release()
+                assert not p._idle and not p._all
+            assert s.accepted == 2
+    run(go)
+
+
+def test_idle_connection_closed_by_the_engine_is_not_reused() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(answer(b"one"))  # keep-alive announced, then closed anyway
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            for _ in range(2):
+                r = await p.post("/", b"", {})
+                assert await r.read() == b"one"
+                r.release()
+                await asyncio.sleep(0.05)  # the close arrives while idle
+                assert not p._idle and not p._all
+            assert s.accepted == 2
+    run(go)
+
+
+def test_reused_connection_closed_on_the_request_is_retried_once() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(answer(b"fine"))
+        await s.request(r)  # the next request on this connection: closed unanswered
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            for _ in range(3):
+                r = await p.post("/", b"{}", {})
+                assert await r.read() == b"fine"
+                r.release()
+            assert s.accepted == 3 and len(s.requests) == 5
+            await p.close()
+    run(go)
+
+
+def test_fresh_connection_closed_unanswered_is_broken_not_retried() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            with pytest.raises(BrokenError):
+                await p.post("/", b"", {})
+            assert s.accepted == 1 and not p._all
+    run(go)
+
+
+def test_stray_bytes_after_an_answer_drop_the_connection() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while await s.request(r) is not None:
+            w.write(answer(b"a") + b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nb")
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            for _ in range(2):
+                r = await p.post("/", b"", {})
+                assert r.status == 200 and await r.read() == b"a"
+                r.release()
+            assert s.accepted == 2
+            await p.close()
+    run(go)
+
+
+def test_max_idle_bounds_the_pool() -> None:
+    async def go() -> None:
+        async with Server(keep_alive()) as s:
+            p = pool(s.url, max_idle=1)
+            rs = [await p.post("/", b"", {}) for _ in range(3)]
+            for r in rs:
+                await r.read()
+                r.release()
+            assert len(p._idle) == 1 and len(p._all) == 1
+            await p.close()
+    run(go)
+
+
+# -- failures ---------------------------------------------------------------------------------
+
+def test_refused_port() -> None:
+    async def go() -> None:
+        with pytest.raises(RefusedError):
+            await pool(f"http://127.0.0.1:{free_port()}").post("/", b"", {})
+    run(go)
+
+
+def test_silent_engine_times_out() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        if len(s.requests) == 2:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        await s.wait_eof(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url, read_timeout=0.2)
+            t = time.monotonic()
+            with pytest.raises(ReadTimeout):
+                await p.post("/", b"", {})  # no head
+            assert time.monotonic() - t < 1.0
+            r = await p.post("/", b"", {})
+            with pytest.raises(ReadTimeout):
+                await r.read()  # the head, then silence mid-body
+            await asyncio.wait_for(s.eof.wait(), 1)
+            assert s.eofs >= 1 and not p._all
+    run(go)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_engine_dying_mid_body_is_broken(chunked: bool) -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        if chunked:
+            w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        else:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nfirst")
+        await w.drain()
+        await asyncio.sleep(0.05)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            got = []
+            with pytest.raises(BrokenError):
+                async for c in r.chunks():
+                    got.append(c)
+            assert b"".join(got) == b"first"
+            r.release()
+            r = await p.post("/", b"", {})
+            with pytest.raises(BrokenError):
+                await r.read()
+            r.release()
+            assert s.accepted == 2 and not p._all
+    run(go)
+
+
+def test_huge_headers_are_broken() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(200_000):  # 20 MB of headers, unless the client gives up first
+            w.write(b"x-h%d: %s\r\n" % (i, b"v" * 100))
+            if i % 1000 == 0:
+                await w.drain()
+        w.write(b"content-length: 0\r\n\r\n")
+        await s.wait_eof(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            with pytest.raises(BrokenError):
+                await p.post("/", b"", {})
+            assert not p._all
+    run(go)
+
+
+# -- the client leaving --------------------------------------------------------------------
+
+def test_closing_a_half_read_answer_closes_the_engine_side() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n6\r\ndata: \r\n")
+        await s.wait_eof(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            async for c in r.chunks():
+                assert c == b"data: "
+                break
+            r.close()
+            await asyncio.wait_for(s.eof.wait(), 1)
+            assert not p._all and not p._idle
+    run(go)
+
+
+def test_cancelled_post_leaves_no_connection() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        await s.wait_eof(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            task = asyncio.create_task(p.post("/", b"", {}))
+            await asyncio.sleep(0.1)
+            assert len(p._all) == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not p._all and not p._idle
+            await asyncio.wait_for(s.eof.wait(), 1)
+    run(go)
+
+
+def test_pool_close_wakes_a_waiting_reader() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nab")
+        await s.wait_eof(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url, read_timeout=None)
+            r = await p.post("/", b"", {})
+            reader = asyncio.create_task(r.read())
+            await asyncio.sleep(0.05)
+            await p.close()
+            with pytest.raises(BrokenError):
+                await asyncio.wait_for(reader, 1)
+    run(go)
+
+
+# -- the adapter's mapping ---------------------------------------------------------------------
+
+def test_adapter_maps_refused_timeout_and_broken_to_503_504_502() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        if b"/hang" in s.requests[-1][0]:
+            await s.wait_eof(r)
+        # /drop: closed unanswered
+
+    async def status(a: OpenAIHTTPAdapter, path: str) -> int:
+        with pytest.raises(UpstreamError) as e:
+            await a.forward(path, {"model": "m"}, False, RequestHints("p"))
+        return e.value.status
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            for url, path, want in ((f"http://127.0.0.1:{free_port()}", "/x", 503),
+                                    (s.url, "/hang", 504), (s.url, "/drop", 502)):
+                a = OpenAIHTTPAdapter(url, timeout_s=0.2, connect_timeout_s=1.0)
+                await a.start()
+                try:
+                    assert await status(a, path) == want
+                finally:
+                    await a.close()
+    run(go)
