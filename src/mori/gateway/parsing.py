@@ -163,13 +163,26 @@ def max_output_tokens(req: ClientRequest) -> int | None:
     return v if isinstance(v, int) else None
 
 
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+"""Reads only ``usage`` of an answer (the rest is scanned, not built)."""
+
+
 def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
     """(prompt_tokens, completion_tokens) from a complete JSON answer, if it has usage."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        u = _usage_decoder.decode(body).usage
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None, None
-    return _usage(data)
+    return (None, None) if u is None else (u.prompt_tokens, u.completion_tokens)
 
 
 def _usage(data: object) -> tuple[int | None, int | None]:

@@ -25,7 +25,7 @@ from mori.gateway.gate import GateRejected
 from mori.gateway.lease import RequestLease
 from mori.gateway.parsing import ClientRequest, StreamWatcher, estimate_prompt_tokens, usage_tokens
 from mori.protocol.errors import sse_error
-from mori.protocol.responses import EventStream, error_response
+from mori.protocol.responses import EventStream, PassThrough, error_response
 
 if TYPE_CHECKING:
     from mori.gateway.app import Gateway
@@ -74,7 +74,7 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
         prompt = p_used if p_used is not None and req.synthetic is None else tokens
         _count(gw, prompt, c_used or 0)
         lease.finish(prompt + (c_used or 0))
-        return Response(body, status_code=up.status, headers=up.headers)
+        return PassThrough(up.status, body, up.headers)
     relay = _relay(gw, up.chunks, up.aclose, lease, req, arrived)
     await anext(relay)  # started: closing it now always ends the lease
 

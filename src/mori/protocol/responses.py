@@ -25,6 +25,20 @@ def error_response(status: int, message: str, param: str | None = None,
                     status_code=status, media_type="application/json", headers=headers)
 
 
+class PassThrough(Response):
+    """A complete answer passed on as the engine gave it: ``headers`` (lower-case names)
+    are sent as they are, with the body's length; nothing is re-derived."""
+
+    def __init__(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+        self.status_code = status
+        self.body = body
+        self.background = None
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+               if k != "content-length"]
+        raw.append((b"content-length", str(len(body)).encode("latin-1")))
+        self.raw_headers = raw
+
+
 class EventStream(Response):
     """An SSE response sent chunk by chunk; a client that goes away cancels it.
 
