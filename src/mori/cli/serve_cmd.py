@@ -112,6 +112,12 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         raise ServeUsageError(f"unknown preset {cfg.preset!r}; valid: {', '.join(PRESETS.names())}")
     if cfg.replicas < 1:
         raise ServeUsageError(f"--replicas must be >= 1 (got {cfg.replicas})")
+    if cfg.workers < 1:
+        raise ServeUsageError(f"--workers must be >= 1 (got {cfg.workers})")
+    if cfg.workers > 1 and any("attribution=tokens" in b for b in cfg.backends):
+        raise ServeUsageError("--workers > 1 cannot attribute KV by tokens (the workers "
+                              "forward, the policy process keeps the index): use "
+                              "attribution=session or salt, or --workers 1")
     if not 0 <= cfg.port < 65536:
         raise ServeUsageError(f"--port must be in 0..65535 (got {cfg.port})")
     if cfg.cpu_ratio < 0:

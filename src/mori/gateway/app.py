@@ -134,12 +134,7 @@ class Gateway:
                 await a.close()
 
     async def refresh_models(self) -> None:
-        seen: dict[str, dict[str, Any]] = {}
-        for a in self.adapters:
-            with contextlib.suppress(UpstreamError, Exception):
-                for m in await a.models():
-                    if isinstance(m.get("id"), str):
-                        seen.setdefault(m["id"], m)
+        seen = await served_models(self.adapters)
         if seen:
             self.models = list(seen.values())
             self.model_ids = frozenset(seen)
@@ -166,6 +161,17 @@ class Gateway:
 
     def gpu_tokens(self) -> int:
         return min(c.gpu_tokens for c in self.capacities)
+
+
+async def served_models(adapters: list[EngineAdapter]) -> dict[str, dict[str, Any]]:
+    """The models the replicas serve, by id (replicas that fail to answer are skipped)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for a in adapters:
+        with contextlib.suppress(UpstreamError, Exception):
+            for m in await a.models():
+                if isinstance(m.get("id"), str):
+                    seen.setdefault(m["id"], m)
+    return seen
 
 
 class Routes:

@@ -29,7 +29,7 @@ from mori.protocol.errors import RequestError
 from mori.protocol.responses import error_response
 
 if TYPE_CHECKING:
-    from mori.gateway.app import Gateway
+    from mori.gateway.serving import Serving as Gateway
 
 FAST_PATHS = frozenset((CHAT, COMPLETIONS))
 _WANTED = frozenset((b"authorization", b"content-length", b"x-program-id"))

@@ -29,6 +29,19 @@ PRIORITY_LEVELS = 10
 """Priority hints run from 0 (busiest) to this (most idle): idleness in tenths."""
 
 
+async def warm_up(adapter: EngineAdapter, program_id: str, reloaded: bool, path: str,
+                  body: dict[str, Any], stream: bool) -> bool:
+    """After a promotion from the CPU tier, let an engine that can prefetch pull the KV
+    back. True when the KV is ready now; False when the engine will say so in its stream
+    (``Capability.KV_READY``)."""
+    if reloaded and adapter.supports(Capability.PREFETCH):
+        try:
+            await adapter.prefetch(program_id, path, dict(body))
+        except Exception as e:  # a failed warm-up only costs the reload it tried to hide
+            log.info("prefetch for %s failed: %s", program_id, e)
+    return not (stream and adapter.supports(Capability.KV_READY))
+
+
 class RequestLease:
     """The controller's hold on one forwarded request; ``finish`` ends it."""
 
@@ -59,12 +72,8 @@ class RequestLease:
         ready and reasoning starts, unless the engine will say when (a stream from an
         engine with ``KV_READY``: the relay calls ``kv_ready`` on its signal)."""
         await self._ctl.replicas.controls_done(self.replica.index)
-        if self.admission.reloaded and self.adapter.supports(Capability.PREFETCH):
-            try:
-                await self.adapter.prefetch(self.program_id, path, dict(body))
-            except Exception as e:  # a failed warm-up only costs the reload it tried to hide
-                log.info("prefetch for %s failed: %s", self.program_id, e)
-        if not (stream and self.adapter.supports(Capability.KV_READY)):
+        if await warm_up(self.adapter, self.program_id, self.admission.reloaded, path, body,
+                         stream):
             self.kv_ready()
 
     def kv_ready(self) -> None:

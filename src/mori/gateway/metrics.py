@@ -107,6 +107,9 @@ class GatewayMetrics:
         self.stream_timeouts = Counter("mori_stream_timeouts", "Streams cut off because the "
                                        "client stopped reading (stream_write_timeout_s; also "
                                        "counted as client disconnects)", registry=r)
+        self.worker_requests = Counter("mori_worker_requests", "Completion requests served by "
+                                       "each worker process (mori serve --workers)",
+                                       ["worker"], registry=r)
         self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
         self.completion_tokens = Counter("mori_completion_tokens", "Completion tokens returned",
                                          registry=r)

@@ -22,13 +22,13 @@ from starlette.responses import Response
 from mori.core.types import Capability
 from mori.engines.base import RequestHints, UpstreamError
 from mori.gateway.gate import GateRejected
-from mori.gateway.lease import RequestLease
 from mori.gateway.parsing import ClientRequest, StreamWatcher, estimate_prompt_tokens, usage_tokens
 from mori.protocol.errors import sse_error
 from mori.protocol.responses import EventStream, PassThrough, error_response
 
 if TYPE_CHECKING:
-    from mori.gateway.app import Gateway
+    from mori.gateway.serving import LeaseLike
+    from mori.gateway.serving import Serving as Gateway
 
 log = logging.getLogger("mori.gateway")
 
@@ -89,7 +89,7 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
 
 
 async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[], Awaitable[None]],
-                 lease: RequestLease, req: ClientRequest, arrived: float
+                 lease: LeaseLike, req: ClientRequest, arrived: float
                  ) -> AsyncGenerator[bytes, None]:
     watcher = StreamWatcher()
     first = True

@@ -12,6 +12,9 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
+import subprocess
+import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +25,15 @@ import uvicorn
 from mori.core.policies import POLICIES
 from mori.engines.base import EngineAdapter
 from mori.engines.registry import parse_backend
-from mori.gateway.app import create_app
+from mori.gateway.app import Gateway, create_app
 from mori.gateway.config import GatewaySettings
+from mori.gateway.workers import (
+    WorkerHub,
+    WorkerSpec,
+    settings_dict,
+    spawn_workers,
+    stop_workers,
+)
 from mori.protocol.serve import bind_socket
 
 log = logging.getLogger("mori.gateway")
@@ -41,6 +51,7 @@ class ServeConfig:
     cpu_ratio: float = 1.0
     gpu_kv_tokens: int | None = None
     log_level: str = "info"
+    workers: int = 1  # gateway processes (1: the policy process alone)
     api_key_file: Path | None = None
     admin_key_file: Path | None = None
     allow_unauthenticated: bool = False
@@ -89,6 +100,9 @@ async def run_gateway(cfg: ServeConfig,
     """Serve until cancelled (or ``stop`` is set). ``on_ready(url)`` is called once the
     gateway listens."""
     handles: list[Any] = []
+    hub: WorkerHub | None = None
+    procs: list[subprocess.Popen[bytes]] = []
+    tmp = tempfile.TemporaryDirectory(prefix="mori-serve-")
     if cfg.backends:
         adapters = [parse_backend(b).build() for b in cfg.backends]
     else:
@@ -99,6 +113,9 @@ async def run_gateway(cfg: ServeConfig,
         tune_gc()
         try:
             sock = bind_socket(cfg.host, cfg.port)
+            sockets = [sock]
+            if cfg.workers > 1:  # the workers pass inspection requests to this listener
+                sockets.append(bind_socket("127.0.0.1", 0))
         except OSError:
             await app.state.gateway.shutdown()  # close the adapters' HTTP sessions
             raise
@@ -107,12 +124,16 @@ async def run_gateway(cfg: ServeConfig,
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False,
                                                lifespan="on", timeout_keep_alive=30,
                                                backlog=2048))
-        serve = asyncio.create_task(server.serve(sockets=[sock]))
+        serve = asyncio.create_task(server.serve(sockets=sockets))
         while not server.started and not serve.done():
             await asyncio.sleep(0.01)
         if serve.done():
             await serve  # startup failed: raise its error
             raise RuntimeError("the gateway stopped during startup (see the log above)")
+        if cfg.workers > 1:
+            backends = cfg.backends or [f"sim={a.url}" for a in adapters]
+            hub, procs = await start_workers(cfg, app.state.gateway, backends, sock.fileno(),
+                                             sockets[1].getsockname()[1], tmp)
         if on_ready is not None:
             r = on_ready(url)
             if r is not None:
@@ -124,6 +145,34 @@ async def run_gateway(cfg: ServeConfig,
             server.should_exit = True
         await serve
     finally:
+        if hub is not None:
+            await hub.stop()
+        stop_workers(procs)
+        tmp.cleanup()
         for h in handles:
             with contextlib.suppress(Exception):
                 await h.stop()
+
+
+async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], listen_fd: int,
+                        policy_port: int, tmp: tempfile.TemporaryDirectory[str]
+                        ) -> tuple[WorkerHub, list[subprocess.Popen[bytes]]]:
+    """Start ``cfg.workers - 1`` worker processes accepting on the listening socket
+    ``listen_fd`` and wait until each has connected to this process's hub
+    (``RuntimeError`` if one does not)."""
+    hub = WorkerHub(gw)
+    path = os.path.join(tmp.name, "policy.sock")
+    await hub.start(path)
+    n = cfg.workers - 1
+    specs = [WorkerSpec(i + 1, listen_fd, path, f"http://127.0.0.1:{policy_port}", backends,
+                        settings_dict(cfg.settings), cfg.log_level) for i in range(n)]
+    procs = spawn_workers(specs)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60.0
+    while hub.hellos < n:
+        if any(p.poll() is not None for p in procs) or loop.time() > deadline:
+            stop_workers(procs)
+            await hub.stop()
+            raise RuntimeError("a gateway worker failed to start (see the log above)")
+        await asyncio.sleep(0.05)
+    return hub, procs

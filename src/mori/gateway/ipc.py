@@ -1,0 +1,140 @@
+"""The channel between gateway workers and the policy process: framed msgpack messages
+over a local stream socket.
+
+A frame is a 4-byte big-endian length and a msgpack map with an ``op`` key. The worker
+side (``WorkerLink``) sends requests with an ``id`` and awaits the answer with the same
+id; the policy process answers on the same connection (``mori.gateway.workers``).
+
+The messages (``W>`` from a worker, ``P>`` from the policy process):
+
+- ``W> hello {worker}`` / ``P> hello {gpu_tokens}``: once, first.
+- ``W> admit {id, pid, tokens, anon}``: a request arrived; ``P> go {id, replica,
+  reloaded, priority}`` once the policy forwards it and the replica's earlier KV controls
+  have run, or ``P> reject {id, status, message, retry_after}``.
+- ``W> abandon {id}``: the client left before ``go`` (or just as it came).
+- ``W> kv_ready {id}``, ``W> failed {id, message, unhealthy}``, ``W> finish {id,
+  context}``: the lease's events (``mori.gateway.lease``).
+- ``W> counts {...}``: the worker's metric increments since its last report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import struct
+from typing import Any
+
+import msgspec
+
+_LEN = struct.Struct(">I")
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(dict).decode
+MAX_FRAME = 64 * 1024 * 1024
+
+
+def frame(msg: dict[str, Any]) -> bytes:
+    data = _encode(msg)
+    return _LEN.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The next message, None at the end of the stream."""
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ValueError(f"an IPC frame of {n} bytes exceeds {MAX_FRAME}")
+    try:
+        data = await reader.readexactly(n)
+    except asyncio.IncompleteReadError:
+        return None
+    msg: dict[str, Any] = _decode(data)
+    return msg
+
+
+class FrameWriter:
+    """Writes frames to a stream, the frames of one turn of the event loop together (one
+    system call for many messages under load)."""
+
+    __slots__ = ("writer", "_buf", "_scheduled")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self._buf: list[bytes] = []
+        self._scheduled = False
+
+    def write(self, msg: dict[str, Any]) -> None:
+        self._buf.append(frame(msg))
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        if self._buf and not self.writer.is_closing():
+            self.writer.write(b"".join(self._buf))
+        self._buf.clear()
+
+
+class LinkClosed(ConnectionError):
+    """The policy process went away."""
+
+
+class WorkerLink:
+    """A worker's connection to the policy process: ``call`` awaits an answer, ``send``
+    does not."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self._out = FrameWriter(writer)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._pump: asyncio.Task[None] | None = None
+        self.closed = False
+
+    @classmethod
+    async def connect(cls, path: str) -> WorkerLink:
+        reader, writer = await asyncio.open_unix_connection(path)
+        link = cls(reader, writer)
+        link._pump = asyncio.create_task(link._read_loop())
+        return link
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.closed:
+            raise LinkClosed("the policy process is gone")
+        self._out.write(msg)
+
+    async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send ``msg`` (with a fresh ``id`` unless it has one) and await its answer."""
+        rid = msg.setdefault("id", self.next_id())
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        try:
+            self.send(msg)
+            return await fut
+        finally:
+            self._waiting.pop(rid, None)
+
+    async def _read_loop(self) -> None:
+        try:
+            while (msg := await read_frame(self.reader)) is not None:
+                fut = self._waiting.get(msg.get("id", -1))
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        finally:
+            self.closed = True
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(LinkClosed("the policy process is gone"))
+
+    async def close(self) -> None:
+        self.closed = True
+        self.writer.close()
+        if self._pump is not None:
+            self._pump.cancel()

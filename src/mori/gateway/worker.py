@@ -1,0 +1,324 @@
+"""A gateway worker process (``mori serve --workers N``): completions served here, the
+policy consulted in the policy process (``mori.gateway.workers``).
+
+The worker accepts connections from the gateway's listening socket, inherited from the
+policy process. Completions run the same path as in the policy process
+(``mori.gateway.endpoint`` and ``mori.gateway.proxy``), with the controller replaced by
+``RemoteAdmitter``: admission is a round trip to the policy process, and the lease's
+events (KV ready, an engine failure, the step's end) are sent there as they happen. The
+worker forwards to the engines itself, through its own adapters (built from the same
+backend specs, used for forwarding only). Every other endpoint (programs, decisions,
+metrics, ...) is passed on to the policy process. The worker's metric increments are
+sent to the policy process twice a second, so ``/metrics`` counts every process.
+
+Run by the policy process as ``python -m mori.gateway.worker`` with a ``WorkerSpec`` as
+JSON on standard input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mori.core.policy import PolicyConfig
+from mori.engines.base import EngineAdapter, UpstreamError
+from mori.engines.http import OpenAIHTTPAdapter
+from mori.engines.registry import parse_backend
+from mori.gateway.auth import KeyRing
+from mori.gateway.config import GatewaySettings
+from mori.gateway.endpoint import CompletionEndpoint, GatewayApp
+from mori.gateway.gate import GateRejected
+from mori.gateway.ipc import LinkClosed, WorkerLink
+from mori.gateway.lease import warm_up
+from mori.gateway.workers import WorkerSpec
+from mori.protocol.fields import anonymous_program_id
+
+log = logging.getLogger("mori.gateway")
+
+FLUSH_S = 0.5
+_HOP_HEADERS = frozenset(("host", "content-length", "connection", "transfer-encoding"))
+
+
+class _Tally:
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0.0
+
+    def inc(self, n: float = 1.0) -> None:
+        self.n += n
+
+
+class _Labeled:
+    __slots__ = ("children",)
+
+    def __init__(self) -> None:
+        self.children: dict[tuple[str, ...], _Tally] = {}
+
+    def labels(self, *key: str) -> _Tally:
+        c = self.children.get(key)
+        if c is None:
+            c = self.children[key] = _Tally()
+        return c
+
+
+class _Samples:
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def observe(self, v: float) -> None:
+        self.values.append(v)
+
+
+class WorkerMetrics:
+    """The metric names the completion path updates, tallied until ``take()`` (which
+    zeroes them in place: the endpoint keeps its labelled children)."""
+
+    _TALLIES = ("disconnects", "stream_timeouts", "prompt_tokens", "completion_tokens")
+
+    def __init__(self) -> None:
+        self.requests = _Labeled()
+        self.upstream_errors = _Labeled()
+        self.disconnects = _Tally()
+        self.stream_timeouts = _Tally()
+        self.prompt_tokens = _Tally()
+        self.completion_tokens = _Tally()
+        self.ttft = _Samples()
+
+    def take(self) -> dict[str, Any] | None:
+        """The increments since the last call (None: nothing happened), zeroed."""
+        reqs = [[p, s, int(c.n)] for (p, s), c in self.requests.children.items() if c.n]
+        out: dict[str, Any] = {"op": "counts", "requests": reqs, "ttft": self.ttft.values}
+        for name in self._TALLIES:
+            out[name] = getattr(self, name).n
+        if not reqs and not self.ttft.values and not any(out[k] for k in self._TALLIES):
+            return None
+        for c in self.requests.children.values():
+            c.n = 0.0
+        for name in self._TALLIES:
+            getattr(self, name).n = 0.0
+        self.ttft.values = []
+        return out
+
+
+class RemoteLease:
+    """A request admitted by the policy process: its events go back there."""
+
+    def __init__(self, link: WorkerLink, rid: int, program_id: str, prompt_tokens: int,
+                 adapter: EngineAdapter, priority: int, reloaded: bool) -> None:
+        self._link = link
+        self._rid = rid
+        self.program_id = program_id
+        self.prompt_tokens = prompt_tokens
+        self._adapter = adapter
+        self._priority = priority
+        self._reloaded = reloaded
+        self._done = False
+        self._kv_ready = False
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        return self._adapter
+
+    @property
+    def priority(self) -> int:
+        return self._priority
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        msg["id"] = self._rid
+        with contextlib.suppress(LinkClosed):
+            self._link.send(msg)
+
+    async def prepare(self, path: str, body: dict[str, Any], stream: bool) -> None:
+        # the policy process waited for the replica's earlier KV controls before "go"
+        if await warm_up(self._adapter, self.program_id, self._reloaded, path, body, stream):
+            self.kv_ready()
+
+    def kv_ready(self) -> None:
+        if not self._done and not self._kv_ready:
+            self._kv_ready = True
+            self._send({"op": "kv_ready"})
+
+    def failed(self, e: UpstreamError) -> None:
+        self._send({"op": "failed", "message": e.message, "unhealthy": e.unhealthy})
+
+    def finish(self, context_tokens: int) -> None:
+        if not self._done:
+            self._done = True
+            self._send({"op": "finish", "context": context_tokens})
+
+
+class RemoteAdmitter:
+    """Admission by the policy process (the worker's ``ctl``)."""
+
+    def __init__(self, link: WorkerLink, adapters: list[EngineAdapter]) -> None:
+        self.link = link
+        self.adapters = adapters
+        self._loop = asyncio.get_running_loop()
+
+    def wall(self) -> float:
+        return self._loop.time()
+
+    async def lease(self, program_id: str, prompt_tokens: int,
+                    anonymous: bool = False) -> RemoteLease:
+        rid = self.link.next_id()
+        try:
+            ans = await self.link.call({"op": "admit", "id": rid, "pid": program_id,
+                                        "tokens": prompt_tokens, "anon": anonymous})
+        except LinkClosed:
+            raise GateRejected(503, "the gateway's policy process is unavailable; retry later",
+                               5.0) from None
+        except BaseException:  # the client left while its request waited
+            with contextlib.suppress(LinkClosed):
+                self.link.send({"op": "abandon", "id": rid})
+            raise
+        if ans["op"] == "reject":
+            raise GateRejected(int(ans["status"]), str(ans["message"]), ans.get("retry_after"))
+        return RemoteLease(self.link, rid, program_id, prompt_tokens,
+                           self.adapters[int(ans["replica"])], int(ans["priority"]),
+                           bool(ans["reloaded"]))
+
+
+class WorkerGateway:
+    """A worker's gateway state (``mori.gateway.serving.Serving``)."""
+
+    def __init__(self, settings: GatewaySettings, adapters: list[EngineAdapter],
+                 link: WorkerLink, gpu_tokens: int) -> None:
+        self.settings = settings
+        self.adapters = adapters
+        self.keys = KeyRing(settings.api_keys, settings.admin_keys)
+        self.metrics = WorkerMetrics()
+        self.models: list[dict[str, Any]] = []
+        self.model_ids: frozenset[str] = frozenset()
+        self.link = link
+        self._ctl = RemoteAdmitter(link, adapters)
+        self._gpu_tokens = gpu_tokens
+
+    @property
+    def ctl(self) -> RemoteAdmitter:
+        return self._ctl
+
+    def gpu_tokens(self) -> int:
+        return self._gpu_tokens
+
+    def anonymous_id(self) -> str:
+        return anonymous_program_id()
+
+    async def refresh_models(self) -> None:
+        from mori.gateway.app import served_models
+        seen = await served_models(self.adapters)
+        if seen:
+            self.models, self.model_ids = list(seen.values()), frozenset(seen)
+
+
+def passthrough(policy_url: str, session: aiohttp.ClientSession) -> Route:
+    """A route passing every other request to the policy process's listener."""
+
+    async def handle(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        body = await request.body()
+        url = policy_url + request.url.path + (f"?{request.url.query}" if request.url.query
+                                               else "")
+        try:
+            async with session.request(request.method, url, data=body or None,
+                                       headers=headers) as r:
+                data = await r.read()
+                keep = {k: v for k, v in r.headers.items()
+                        if k.lower() in ("content-type", "www-authenticate", "retry-after")}
+                return Response(data, status_code=r.status, headers=keep)
+        except aiohttp.ClientError as e:
+            return Response(f'{{"error": {{"message": "the policy process is unavailable: '
+                            f'{type(e).__name__}", "type": "api_error"}}}}',
+                            status_code=503, media_type="application/json")
+
+    return Route("/{path:path}", handle, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+
+
+async def _flush(gw: WorkerGateway) -> None:
+    while True:
+        await asyncio.sleep(FLUSH_S)
+        counts = gw.metrics.take()
+        if counts is not None:
+            with contextlib.suppress(LinkClosed):
+                gw.link.send(counts)
+
+
+async def serve_worker(spec: WorkerSpec) -> None:
+    settings = GatewaySettings(**{**spec.settings,
+                                  "policy_config": PolicyConfig(**spec.settings["policy_config"]),
+                                  "api_keys": tuple(spec.settings["api_keys"]),
+                                  "admin_keys": tuple(spec.settings["admin_keys"])})
+    link = await WorkerLink.connect(spec.ipc_path)
+    hello = await link.call({"op": "hello", "worker": str(spec.worker)})
+    adapters = [parse_backend(b).build() for b in spec.backends]
+    for a in adapters:
+        # forwarding (and model lists, tokenize) only: no KV-event subscription here
+        await OpenAIHTTPAdapter.start(a)  # type: ignore[arg-type]
+    gw = WorkerGateway(settings, adapters, link, int(hello["gpu_tokens"]))
+    session = aiohttp.ClientSession()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
+        flush = asyncio.create_task(_flush(gw))
+        try:
+            yield
+        finally:
+            flush.cancel()
+            await session.close()
+            for a in adapters:
+                with contextlib.suppress(Exception):
+                    await a.close()
+            await link.close()
+
+    endpoint = CompletionEndpoint(gw)
+    app = GatewayApp(endpoint, routes=[passthrough(spec.policy_url, session)],
+                     lifespan=lifespan)
+    sock = socket.socket(fileno=spec.listen_fd)
+    sock.setblocking(False)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=spec.log_level, access_log=False,
+                                           lifespan="on", timeout_keep_alive=30))
+    serve = asyncio.create_task(server.serve(sockets=[sock]))
+    closed = asyncio.create_task(_wait_closed(link))
+    await asyncio.wait({serve, closed}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True  # the policy process went away: so does this worker
+    await serve
+
+
+async def _wait_closed(link: WorkerLink) -> None:
+    while not link.closed:
+        await asyncio.sleep(0.5)
+
+
+def main() -> None:
+    spec = WorkerSpec.from_json(sys.stdin.read())
+    logging.basicConfig(level=spec.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[worker {spec.worker}]: "
+                        "%(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvicorn[standard] brings it
+            asyncio.run(serve_worker(spec))
+        else:
+            uvloop.run(serve_worker(spec))
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["RemoteAdmitter", "RemoteLease", "WorkerGateway", "WorkerMetrics", "main",
+           "serve_worker"]

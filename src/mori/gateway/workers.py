@@ -1,0 +1,206 @@
+"""Several gateway processes, one policy: the policy process's side.
+
+With ``mori serve --workers N``, the process that holds the policy (the controller, the
+engines' KV controls, the inspection endpoints) also serves completions, and ``N - 1``
+worker processes (``mori.gateway.worker``) accept connections from the same listening
+socket (inherited: one accept queue, so an idle process takes the next connection). A worker parses, checks keys and forwards
+to the engines itself; for admission it asks the policy process over a local socket
+(``mori.gateway.ipc``) and reports the lease's events back, so the policy sees every
+arrival, KV-ready and step end as it would in one process. ``WorkerHub`` serves those
+requests with the local ``Controller``; ``spawn_workers`` starts the processes.
+
+A worker that goes away has its admissions cancelled and its leases finished (context
+unchanged), so no program is left Reasoning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mori.engines.base import UpstreamError
+from mori.gateway.gate import GateRejected
+from mori.gateway.ipc import FrameWriter, read_frame
+from mori.gateway.lease import RequestLease
+
+if TYPE_CHECKING:
+    from mori.gateway.app import Gateway
+    from mori.gateway.config import GatewaySettings
+
+log = logging.getLogger("mori.gateway")
+
+
+@dataclass(eq=False)
+class _Peer:
+    writer: asyncio.StreamWriter
+    worker: str = "?"
+    admitting: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    leases: dict[int, RequestLease] = field(default_factory=dict)
+    out: FrameWriter | None = None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.out is None:
+            self.out = FrameWriter(self.writer)
+        self.out.write(msg)
+
+
+class WorkerHub:
+    """Serves the workers' admissions and lease events with the policy process's
+    controller; ``hellos`` counts the workers that have connected."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.server: asyncio.AbstractServer | None = None
+        self.hellos = 0
+        self._peers: set[_Peer] = set()
+
+    async def start(self, path: str) -> None:
+        self.server = await asyncio.start_unix_server(self._serve, path)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for peer in list(self._peers):
+            peer.writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = _Peer(writer)
+        self._peers.add(peer)
+        try:
+            while (msg := await read_frame(reader)) is not None:
+                self._handle(peer, msg)
+        except (ConnectionError, ValueError) as e:
+            log.warning("worker %s: the link failed: %s", peer.worker, e)
+        finally:
+            self._peers.discard(peer)
+            for task in peer.admitting.values():
+                task.cancel()
+            for lease in peer.leases.values():
+                lease.finish(lease.prompt_tokens)
+            peer.leases.clear()
+            writer.close()
+            if self.server is not None and self.server.is_serving():
+                log.warning("worker %s disconnected; its requests were ended", peer.worker)
+
+    def _handle(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        op, rid = msg.get("op"), msg.get("id", -1)
+        if op == "admit":
+            peer.admitting[rid] = asyncio.create_task(self._admit(peer, msg))
+        elif op == "finish":
+            lease = peer.leases.pop(rid, None)
+            if lease is not None:
+                lease.finish(int(msg["context"]))
+        elif op == "kv_ready":
+            if (lease := peer.leases.get(rid)) is not None:
+                lease.kv_ready()
+        elif op == "failed":
+            if (lease := peer.leases.get(rid)) is not None:
+                lease.failed(UpstreamError(str(msg["message"]),
+                                           unhealthy=bool(msg["unhealthy"])))
+        elif op == "abandon":
+            task = peer.admitting.pop(rid, None)
+            if task is not None:
+                task.cancel()
+            lease = peer.leases.pop(rid, None)
+            if lease is not None:
+                lease.finish(lease.prompt_tokens)
+        elif op == "counts":
+            self._count(peer, msg)
+        elif op == "hello":
+            peer.worker = str(msg.get("worker", "?"))
+            self.hellos += 1
+            peer.send({"op": "hello", "id": rid, "gpu_tokens": self.gw.gpu_tokens()})
+
+    async def _admit(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        rid = msg["id"]
+        ctl = self.gw.ctl
+        try:
+            lease = await ctl.lease(str(msg["pid"]), int(msg["tokens"]), bool(msg["anon"]))
+        except GateRejected as e:
+            peer.send({"op": "reject", "id": rid, "status": e.status, "message": e.message,
+                       "retry_after": e.retry_after_s})
+            return
+        finally:
+            peer.admitting.pop(rid, None)
+        peer.leases[rid] = lease
+        try:
+            await ctl.replicas.controls_done(lease.replica.index)
+        except BaseException:
+            peer.leases.pop(rid, None)
+            lease.finish(lease.prompt_tokens)
+            raise
+        if rid in peer.leases:  # not abandoned meanwhile
+            peer.send({"op": "go", "id": rid, "replica": lease.replica.index,
+                       "reloaded": lease.admission.reloaded, "priority": lease.priority})
+
+    def _count(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        m = self.gw.metrics
+        served = 0
+        for path, status, n in msg.get("requests", ()):
+            m.requests.labels(path, str(status)).inc(n)
+            served += n
+        if served:
+            m.worker_requests.labels(peer.worker).inc(served)
+        for name in ("prompt_tokens", "completion_tokens", "disconnects", "stream_timeouts"):
+            if n := msg.get(name, 0):
+                getattr(m, name).inc(n)
+        for v in msg.get("ttft", ()):
+            m.ttft.observe(v)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process is told at start (on its standard input: it may hold keys)."""
+
+    worker: int
+    listen_fd: int  # the gateway's listening socket, inherited: one accept queue for all
+    ipc_path: str
+    policy_url: str  # the policy process's own listener, for the endpoints workers pass on
+    backends: list[str]
+    settings: dict[str, Any]
+    log_level: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> WorkerSpec:
+        return WorkerSpec(**json.loads(text))
+
+
+def settings_dict(settings: GatewaySettings) -> dict[str, Any]:
+    return dataclasses.asdict(settings)
+
+
+def spawn_workers(specs: list[WorkerSpec]) -> list[subprocess.Popen[bytes]]:
+    """Start one ``python -m mori.gateway.worker`` process a spec (its spec on stdin, the
+    listening socket inherited)."""
+    procs = []
+    for spec in specs:
+        p = subprocess.Popen([sys.executable, "-m", "mori.gateway.worker"],
+                             stdin=subprocess.PIPE, pass_fds=(spec.listen_fd,))
+        assert p.stdin is not None
+        p.stdin.write(spec.to_json().encode())
+        p.stdin.close()
+        procs.append(p)
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)

@@ -1,0 +1,171 @@
+"""``mori serve --workers N``: several gateway processes on one port, one policy.
+
+Through real processes: every step of every program reaches the policy whichever
+process served it, held requests are admitted across processes, keys hold on every
+process, and ``/metrics`` counts what the workers served. In-process: a worker that goes
+away leaves no program Reasoning (its leases are finished, its waits cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from gateway_harness import LoopThread, serve_on_simulated
+
+from mori.core.types import Status
+from mori.engines.http import parse_prometheus
+from mori.gateway.config import GatewaySettings
+from mori.gateway.ipc import WorkerLink
+from mori.gateway.workers import WorkerHub
+from support.serve_process import wait_listening
+
+KEY = "sk-worker-test-key"
+
+
+def start_serve(*args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "mori", "serve", "--port", "0",
+                             "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        return proc, wait_listening(proc)
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    return {",".join(f"{k}={v}" for k, v in sorted(labels.items())): v
+            for labels, v in parse_prometheus(text).get(name, [])}
+
+
+def run_programs(url: str, n: int, steps: int, key: str = "none",
+                 synthetic: int | None = None) -> None:
+    """``n`` programs of ``steps`` steps each, one thread (and connection) a program."""
+    def one(i: int) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+        model = c.models.list().data[0].id
+        for _ in range(steps):
+            extra: dict[str, object] = {"program_id": f"p{i}"}
+            if synthetic is not None:
+                extra["mori"] = {"prompt_tokens": synthetic}
+            r = c.chat.completions.create(model=model, max_tokens=2, extra_body=extra,
+                                          messages=[{"role": "user", "content": "hi"}])
+            assert r.choices[0].message.content is not None
+        c.close()
+
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(one, range(n)))
+
+
+@pytest.fixture(scope="module")
+def three() -> Iterator[str]:
+    proc, url = start_serve("--workers", "3", "--time-scale", "50")
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+def test_every_step_reaches_the_one_policy_whichever_process_served_it(three: str) -> None:
+    run_programs(three, 16, 5)
+    progs = {p["program_id"]: p for p in httpx.get(three + "/v1/programs").json()["data"]}
+    assert {f"p{i}" for i in range(16)} <= set(progs)
+    for i in range(16):
+        p = progs[f"p{i}"]
+        assert (p["steps"], p["status"], p["in_flight"]) == (5, "acting", False)
+    deadline = time.monotonic() + 10
+    while True:  # the workers report their counts twice a second
+        served = metric(three, "mori_requests_total")
+        ok = served.get("endpoint=/v1/chat/completions,status=200", 0)
+        by_worker = metric(three, "mori_worker_requests_total")
+        if ok >= 80 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert ok == 80
+    # 16 connections over 3 listeners: the workers served some (all on one: 1 in 3^15)
+    assert sum(by_worker.values()) > 0 and set(by_worker) <= {"worker=1", "worker=2"}
+
+
+def test_held_requests_are_admitted_across_processes() -> None:
+    # a GPU tier that holds about two of the six programs: most requests are held
+    proc, url = start_serve("--workers", "2", "--time-scale", "200", "--gpu-kv-tokens",
+                            "20000")
+    try:
+        run_programs(url, 6, 3, synthetic=8000)
+        progs = httpx.get(url + "/v1/programs").json()["data"]
+        assert sorted(p["steps"] for p in progs) == [3] * 6
+        assert all(p["status"] != Status.REASONING.value for p in progs)
+        gated = metric(url, "mori_gated_requests_total")
+        assert sum(gated.values()) > 0
+    finally:
+        stop(proc)
+
+
+def test_keys_hold_on_every_process() -> None:
+    proc, url = start_serve("--workers", "2", "--api-key", KEY, "--time-scale", "50")
+    try:
+        for _ in range(12):  # fresh connections, so both processes answer some
+            assert httpx.post(url + "/v1/chat/completions", json={}).status_code == 401
+            r = httpx.get(url + "/v1/programs", headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200
+            assert httpx.get(url + "/v1/decisions",
+                             headers={"Authorization": f"Bearer {KEY}"}).status_code == 403
+        run_programs(url, 4, 2, key=KEY)
+        mine = httpx.get(url + "/v1/programs",
+                         headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+        assert sorted(p["program_id"] for p in mine) == ["p0", "p1", "p2", "p3"]
+    finally:
+        stop(proc)
+
+
+def test_a_worker_that_goes_away_leaves_no_program_reasoning(tmp_path: object) -> None:
+    lt = LoopThread()
+    try:
+        sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, gate_timeout_s=30),
+                                 gpu_kv_tokens=20_000)
+        hub = WorkerHub(sim.gw)
+        path = os.path.join(str(tmp_path), "hub.sock")
+        lt.call(hub.start(path))
+
+        async def scenario() -> None:
+            link = await WorkerLink.connect(path)
+            hello = await link.call({"op": "hello", "worker": "9"})
+            assert hello["gpu_tokens"] == sim.gw.gpu_tokens()
+            # "a" is admitted and runs; "b" does not fit beside it and is held
+            go = await link.call({"op": "admit", "pid": "a", "tokens": 15_000, "anon": False})
+            assert go["op"] == "go"
+            link.send({"op": "admit", "id": 999, "pid": "b", "tokens": 15_000,
+                       "anon": False})
+            await asyncio.sleep(0.3)
+            assert sim.gw.ctl.policy.programs["a"].status is Status.REASONING
+            await link.close()  # the worker dies with "a" running and "b" held
+            await asyncio.sleep(0.5)
+
+        lt.call(scenario())
+        pol = sim.gw.ctl.policy.programs
+        assert pol["a"].status is not Status.REASONING
+        assert "b" not in pol or pol["b"].status is not Status.REASONING
+        assert not any(info.in_flight for info in sim.gw.ctl.programs.values())
+        lt.call(hub.stop())
+    finally:
+        lt.close()
