@@ -127,6 +127,11 @@ class WorkerHub:
             peer.send({"op": "reject", "id": rid, "status": e.status, "message": e.message,
                        "retry_after": e.retry_after_s})
             return
+        except Exception:  # a bug must not leave the worker waiting for ever
+            log.exception("admitting a worker's request failed")
+            peer.send({"op": "reject", "id": rid, "status": 503, "retry_after": 5.0,
+                       "message": "the gateway could not admit the request; retry later"})
+            return
         finally:
             peer.admitting.pop(rid, None)
         peer.leases[rid] = lease
