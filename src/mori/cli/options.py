@@ -288,7 +288,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("public_metrics", bool, _GATEWAY.public_metrics,
            help="serve /metrics without an admin key when keys are set (default: off)"),
     Option("allow_unauthenticated", bool, _SERVE.allow_unauthenticated,
-           help="listen on a non-loopback address without API keys (default: refused)"),
+           help="listen on a non-loopback address without any key (default: refused)"),
 )
 """Every option of ``mori serve`` except ``--config``, in help order; defaults from
 ``ServeConfig``, ``GatewaySettings`` and (the policy knobs) ``PolicyConfig``."""
