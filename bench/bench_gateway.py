@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from benchutil import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,12 +57,6 @@ done = function(summary, latency, requests)
     errs.connect + errs.read + errs.write + errs.timeout))
 end
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:

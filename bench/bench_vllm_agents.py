@@ -65,7 +65,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -77,6 +76,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from benchutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -120,12 +121,6 @@ class ArmFailed(RuntimeError):
 
 
 # -- processes ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

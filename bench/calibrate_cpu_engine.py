@@ -37,7 +37,6 @@ import dataclasses
 import json
 import os
 import random
-import socket
 import statistics
 import string
 import subprocess
@@ -48,6 +47,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from benchutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -70,12 +71,6 @@ ATTN_FLOOR = 0.01  # attention keeps at least this share of the 2,048-token pref
 
 
 # -- the engine ---------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_engine(blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """The engine process (its own process group) and its base URL, once it is healthy."""
     port, kv_port = free_port(), free_port()
