@@ -95,10 +95,6 @@ class KeyRing:
         """Whether any key is configured (else every request is an unauthenticated admin)."""
         return bool(self._keys)
 
-    @property
-    def has_client_keys(self) -> bool:
-        return any(a is Access.CLIENT for _, a in self._keys)
-
     def identify(self, authorization: str | None) -> Principal:
         """The principal of an ``Authorization`` header value."""
         if not self._keys:
@@ -109,7 +105,7 @@ class KeyRing:
         d = _digest(token)
         found = Access.NONE
         for kd, access in self._keys:  # every key compared, whatever matches
-            if hmac.compare_digest(d, kd) and access is not Access.NONE:
+            if hmac.compare_digest(d, kd):
                 found = access
         if found is Access.NONE:
             return Principal(Access.NONE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -30,7 +31,6 @@ from mori.gateway.config import GatewaySettings
 from mori.gateway.workers import (
     WorkerHub,
     WorkerSpec,
-    settings_dict,
     spawn_workers,
     stop_workers,
 )
@@ -165,7 +165,7 @@ async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], list
     await hub.start(path)
     n = cfg.workers - 1
     specs = [WorkerSpec(i + 1, listen_fd, path, f"http://127.0.0.1:{policy_port}", backends,
-                        settings_dict(cfg.settings), cfg.log_level) for i in range(n)]
+                        dataclasses.asdict(cfg.settings), cfg.log_level) for i in range(n)]
     procs = spawn_workers(specs)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60.0

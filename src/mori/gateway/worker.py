@@ -91,7 +91,6 @@ class WorkerMetrics:
 
     def __init__(self) -> None:
         self.requests = _Labeled()
-        self.upstream_errors = _Labeled()
         self.disconnects = _Tally()
         self.stream_timeouts = _Tally()
         self.prompt_tokens = _Tally()

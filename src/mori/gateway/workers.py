@@ -32,7 +32,6 @@ from mori.gateway.lease import RequestLease
 
 if TYPE_CHECKING:
     from mori.gateway.app import Gateway
-    from mori.gateway.config import GatewaySettings
 
 log = logging.getLogger("mori.gateway")
 
@@ -178,10 +177,6 @@ class WorkerSpec:
     @staticmethod
     def from_json(text: str) -> WorkerSpec:
         return WorkerSpec(**json.loads(text))
-
-
-def settings_dict(settings: GatewaySettings) -> dict[str, Any]:
-    return dataclasses.asdict(settings)
 
 
 def spawn_workers(specs: list[WorkerSpec]) -> list[subprocess.Popen[bytes]]:
