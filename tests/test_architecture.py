@@ -53,7 +53,8 @@ LAYERS = {
     "engines": {"core", "protocol"},
     "enginesim": {"core", "protocol", "sim"},
     "replay": {"core", "protocol", "sim", "traces", "engines"},
-    "gateway": {"core", "protocol", "engines", "enginesim"},
+    "dashboard": {"core", "sim", "traces"},
+    "gateway": {"core", "protocol", "engines", "enginesim", "dashboard"},
     "sweep": {"core", "sim", "traces"},
     # runs inside vLLM's processes: nothing of MORI but itself (its protocol module is
     # what the gateway's adapter imports)

@@ -253,7 +253,8 @@ def test_the_longest_id_under_a_key_still_reaches_the_engine(served: Served) -> 
 
 # -- admin-only endpoints -------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["/v1/decisions", "/v1/residency", "/metrics"])
+@pytest.mark.parametrize("path", ["/v1/decisions", "/v1/residency", "/metrics",
+                                  "/dashboard/state"])
 def test_inspection_endpoints_need_an_admin_key(served: Served, path: str) -> None:
     r = get(served, path, None)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -178,6 +178,12 @@ OPTIONS: tuple[Option, ...] = (
            help="also write every run's metrics to FILE as a JSON list, in grid order"),
     Option("plot", Path, None, metavar="FILE.png",
            help="also plot throughput, steps/s and TTFT against programs to FILE.png"),
+    Option("timeline", Path, None, metavar="FILE.html",
+           help="also write the dashboard's view of the run to FILE.html, one "
+                "self-contained page with a time slider (several runs: one file each, "
+                "FILE-<policy>-<programs>[-<preset>][-cpu<R>].html)"),
+    Option("timeline_frames", int, 300, metavar="N",
+           help="instants a --timeline file keeps, evenly over the run"),
     Option("human_gap", str, _SIM.human_gap, choices=HUMAN_GAP_RULES, metavar="RULE",
            help=f"what to do with human think time after a final answer: "
                 f"{' or '.join(HUMAN_GAP_RULES)} (see below)"),

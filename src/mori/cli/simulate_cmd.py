@@ -50,6 +50,8 @@ class Settings:
     seed: int
     json: Path | None
     plot: Path | None
+    timeline: Path | None
+    timeline_frames: int
     human_gap: str
     human_gap_cap: float
     max_context: int | None
@@ -119,10 +121,16 @@ def prepare(s: Settings) -> tuple[list[SimConfig], TraceSet]:
         raise UsageError(str(e)) from None
     _check_output(s.json, "--json")
     _check_output(s.plot, "--plot")
+    _check_output(s.timeline, "--timeline")
+    if s.timeline_frames < 2:
+        raise UsageError(f"--timeline-frames must be >= 2 (got {s.timeline_frames})")
     return configs, traces
 
 
 _WORKER_TRACES: TraceSet | None = None
+
+Outcome = tuple[RunResult, str | None]
+"""A run's results and, when a timeline was asked for, its HTML."""
 
 
 def _init_worker(traces: TraceSet) -> None:
@@ -130,9 +138,18 @@ def _init_worker(traces: TraceSet) -> None:
     _WORKER_TRACES = traces
 
 
-def _run_in_worker(config: SimConfig) -> RunResult:
+def run_one(config: SimConfig, traces: TraceSet, timeline_frames: int | None) -> Outcome:
+    """One run; with ``timeline_frames``, recorded for a timeline file too."""
+    if timeline_frames is None:
+        return simulate(config, traces), None
+    from mori.dashboard.timeline import record_timeline  # only when asked for
+
+    return record_timeline(config, traces, timeline_frames)
+
+
+def _run_in_worker(config: SimConfig, timeline_frames: int | None) -> Outcome:
     assert _WORKER_TRACES is not None, "worker not initialised"
-    return simulate(config, _WORKER_TRACES)
+    return run_one(config, _WORKER_TRACES, timeline_frames)
 
 
 def _progress(total: int, quiet: bool) -> tqdm[Any]:
@@ -140,9 +157,9 @@ def _progress(total: int, quiet: bool) -> tqdm[Any]:
                 dynamic_ncols=True)
 
 
-def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool
-             ) -> list[RunResult]:
-    """Every run's result, in the order of ``configs``; ``jobs`` > 1 uses processes.
+def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool,
+             timeline_frames: int | None = None) -> list[Outcome]:
+    """Every run's outcome, in the order of ``configs``; ``jobs`` > 1 uses processes.
 
     A progress bar goes to stderr unless ``quiet``.
     """
@@ -151,11 +168,12 @@ def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool
         with _progress(len(configs), quiet) as bar:
             for c in configs:
                 bar.set_postfix_str(f"{c.policy} n={c.programs_per_replica}", refresh=False)
-                results.append(simulate(c, traces))
+                results.append(run_one(c, traces, timeline_frames))
                 bar.update()
         return results
     with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(traces,)) as pool:
-        futures: list[Future[RunResult]] = [pool.submit(_run_in_worker, c) for c in configs]
+        futures: list[Future[Outcome]] = [pool.submit(_run_in_worker, c, timeline_frames)
+                                          for c in configs]
         # the bar (and its monitor thread) only after the workers have started
         with _progress(len(configs), quiet) as bar:
             for f in as_completed(futures):
@@ -165,6 +183,26 @@ def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool
                     raise error
                 bar.update()
         return [f.result() for f in futures]
+
+
+def timeline_paths(path: Path, configs: list[SimConfig]) -> list[Path]:
+    """Where each run's timeline goes: ``path`` for one run; for several, the name gets
+    what tells the runs apart (policy and programs always; preset and CPU ratio when
+    the grid varies them)."""
+    if len(configs) == 1:
+        return [path]
+    presets = len({c.hardware for c in configs}) > 1
+    ratios = len({c.cpu_ratio for c in configs}) > 1
+    out = []
+    for c in configs:
+        tag = f"{c.policy}-{c.programs_per_replica}"
+        if presets:
+            tag += f"-{c.hardware}"
+        if ratios:
+            tag += f"-cpu{c.cpu_ratio:g}"
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tag)
+        out.append(path.with_name(f"{path.stem}-{safe}{path.suffix or '.html'}"))
+    return out
 
 
 def write_json(results: list[RunResult], path: Path) -> None:
@@ -188,10 +226,12 @@ def run_simulate(s: Settings) -> int:
     plot. Notes (programs left out, files written) go to stderr unless ``quiet``."""
     configs, traces = prepare(s)
     jobs = min(s.jobs or os.cpu_count() or 1, len(configs))
+    frames = s.timeline_frames if s.timeline is not None else None
     try:
-        results = run_grid(configs, traces, jobs, s.quiet)
+        outcomes = run_grid(configs, traces, jobs, s.quiet, frames)
     except SettingsError as e:
         raise UsageError(str(e)) from None
+    results = [r for r, _ in outcomes]
     print(table_text(results, s.replicas), flush=True)
     cuts = {r.max_context for r in results}  # trace tokens, the token scale applied
     cut = s.max_context or (cuts.pop() if len(cuts) == 1 else None)
@@ -208,6 +248,12 @@ def run_simulate(s: Settings) -> int:
 
             plot_results(results, s.plot, per_replica=True)
             written.append(str(s.plot))
+        if s.timeline is not None:
+            for path, (_, html) in zip(timeline_paths(s.timeline, configs), outcomes,
+                                       strict=True):
+                assert html is not None
+                path.write_text(html, encoding="utf-8")
+                written.append(str(path))
     except OSError as e:
         print(f"mori simulate: error: cannot write {e.filename}: {e.strerror}", file=sys.stderr)
         return 1

@@ -5,7 +5,8 @@ Endpoints (handlers in ``Routes``): ``POST /v1/chat/completions`` and
 ``GET /v1/programs/{id}``, ``POST /v1/programs/{id}/release``, ``GET /v1/decisions``
 (the recent decision log), ``GET /v1/residency`` (per replica: where the policy placed
 programs, and where the engine reports their KV, for engines that report it),
-``GET /healthz`` and ``GET /metrics``.
+``GET /healthz``, ``GET /metrics``, and the dashboard: ``GET /dashboard`` (the page) and
+``GET /dashboard/state`` (what it shows; admin only), see ``mori.gateway.dashboard``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mori.engines.base import EngineAdapter, KVCapacity, NotSupportedError, Upst
 from mori.gateway.auth import Access, KeyRing, Principal
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
+from mori.gateway.dashboard import STATE_PATH, LiveDashboard
 from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow
 from mori.gateway.parsing import CHAT, COMPLETIONS
@@ -69,6 +71,7 @@ class Gateway:
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
+        self.dashboard = LiveDashboard(self)
 
     @property
     def ctl(self) -> Controller:
@@ -93,6 +96,7 @@ class Gateway:
     async def startup(self) -> None:
         await self.prepare()
         self.ctl.start()
+        self.dashboard.start()
         log.info("gateway up: policy %s, %d replica(s), GPU KV %d tokens each",
                  self.settings.policy, len(self.adapters), self.gpu_tokens())
 
@@ -127,6 +131,7 @@ class Gateway:
                 await asyncio.sleep(0.5)
 
     async def shutdown(self) -> None:
+        await self.dashboard.stop()
         if self.controller is not None:
             await self.controller.stop()
         for a in self.adapters:
@@ -200,6 +205,9 @@ class Routes:
             Route("/v1/residency", self.residency, methods=["GET"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/dashboard", self.gw.dashboard.page_endpoint, methods=["GET"]),
+            Route(STATE_PATH, self.gw.dashboard.state_endpoint(
+                lambda request: self._denied(request, admin=True)), methods=["GET"]),
         ]
 
     def _principal(self, request: Request) -> Principal:

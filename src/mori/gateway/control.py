@@ -23,6 +23,7 @@ from typing import Any
 
 from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.execution import DecisionExecutor, DecisionLog
+from mori.core.explain import context_reader
 from mori.core.policy import Policy
 from mori.core.types import KVLabel, Status
 from mori.engines.base import EngineAdapter
@@ -51,7 +52,7 @@ class Controller:
         self._wall = clock or asyncio.get_running_loop().time
         self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
-        self.log = DecisionLog(settings.decision_log)
+        self.log = DecisionLog(settings.decision_log, context_reader(policy.programs))
         self.executor = DecisionExecutor(policy.engine_profile,
                                          lambda r: self.replicas[r].adapter.capabilities,
                                          _Target(self), self.log)

@@ -84,6 +84,38 @@ class _StateCollector(Collector):
         yield demo
 
 
+class Recorded:
+    """A counter or histogram that also keeps, for the dashboard, the values it was given
+    since the last ``take()`` (at most ``keep`` of them) and their running ``total``."""
+
+    __slots__ = ("metric", "total", "_keep", "_values")
+
+    def __init__(self, metric: Counter | Histogram, keep: int = 100_000) -> None:
+        self.metric = metric
+        self.total = 0.0
+        self._keep = keep
+        self._values: list[float] = []
+
+    def _note(self, v: float) -> None:
+        self.total += v
+        if len(self._values) < self._keep:
+            self._values.append(v)
+
+    def observe(self, v: float) -> None:
+        assert isinstance(self.metric, Histogram)
+        self.metric.observe(v)
+        self._note(v)
+
+    def inc(self, v: float = 1.0) -> None:
+        assert isinstance(self.metric, Counter)
+        self.metric.inc(v)
+        self._note(v)
+
+    def take(self) -> list[float]:
+        out, self._values = self._values, []
+        return out
+
+
 class GatewayMetrics:
     """All metrics of one gateway app."""
 
@@ -97,9 +129,9 @@ class GatewayMetrics:
         self.gate_wait = Histogram("mori_gate_wait_seconds", "Time a request was held in the "
                                    "gateway before being forwarded", buckets=_LATENCY_BUCKETS,
                                    registry=r)
-        self.ttft = Histogram("mori_ttft_seconds", "Time from a request's arrival to its first "
-                              "streamed byte (streaming) or whole answer", buckets=_LATENCY_BUCKETS,
-                              registry=r)
+        self.ttft = Recorded(Histogram(
+            "mori_ttft_seconds", "Time from a request's arrival to its first streamed byte "
+            "(streaming) or whole answer", buckets=_LATENCY_BUCKETS, registry=r))
         self.upstream_errors = Counter("mori_upstream_errors", "Engine failures by replica",
                                        ["replica"], registry=r)
         self.disconnects = Counter("mori_client_disconnects", "Streams the client left "
@@ -111,8 +143,9 @@ class GatewayMetrics:
                                        "each worker process (mori serve --workers)",
                                        ["worker"], registry=r)
         self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
-        self.completion_tokens = Counter("mori_completion_tokens", "Completion tokens returned",
-                                         registry=r)
+        self.completion_tokens = Recorded(Counter("mori_completion_tokens",
+                                                  "Completion tokens returned", registry=r),
+                                          keep=0)  # the dashboard reads only the total
 
     def watch(self, read: Callable[[], GatewayState | None]) -> None:
         """Expose the state gauges, read at scrape time from ``read()``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mori.core.costmodel import CostModel, get_preset
@@ -132,7 +133,11 @@ class Simulation:
         self._ran = False
 
     # -- the run ----------------------------------------------------------------------
-    def run(self) -> RunResult:
+    def run(self, observe: Callable[[Simulation], None] | None = None,
+            every_s: float = 0.0) -> RunResult:
+        """Run to the end. ``observe(self)``, if given, is called every ``every_s``
+        simulated seconds and at the end, once every event up to that instant has run;
+        it must only read (the run's results are the same with or without it)."""
         if self._ran:
             raise RuntimeError("a Simulation runs once; build a new one")
         self._ran = True
@@ -143,7 +148,15 @@ class Simulation:
         tick = self.policy.tick_interval
         if tick:
             self.loop.at(tick, PRIO_TICK, self._tick, tick)
+        if observe is not None and every_s > 0:
+            k = 1
+            while k * every_s < cfg.duration_s:
+                self.loop.run(k * every_s)
+                observe(self)
+                k += 1
         self.loop.run(cfg.duration_s)
+        if observe is not None:
+            observe(self)
         return self._result(time.perf_counter() - wall0)
 
     def _tick(self, period: float) -> None:

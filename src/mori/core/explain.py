@@ -1,0 +1,76 @@
+"""Why a decision was taken, in words: for the decision log and the dashboard.
+
+A policy's decisions are bare data (``mori.core.decisions``). What made the policy take
+one is the program's state at that instant: its status, its idleness and its context.
+``DecisionContext`` keeps exactly that, read from the policy when the decision is logged
+(``context_reader``), and ``reason`` says it in one line. Pure: no I/O, time passed in.
+
+The words describe the rule the decision follows (docs/system.md, "Placement"): a
+promotion brings a ready program's KV onto a GPU (reloaded from the CPU tier, recomputed,
+or re-routed), a demotion moves the most idle program off a full tier, a forward sends a
+held request to the replica whose GPU tier now holds its KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from mori.core.decisions import Decision, Demote, Forward, Promote, Release
+from mori.core.program import Program
+from mori.core.types import Status, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionContext:
+    """The decided program's state when the decision was taken.
+
+    ``waited_s``: policy seconds since its latest request arrived (for a forward: how
+    long the request was held).
+    """
+
+    status: Status
+    iota: float
+    context_tokens: int
+    waited_s: float
+
+
+ContextReader = Callable[[Decision, float], "DecisionContext | None"]
+
+
+def context_reader(programs: Mapping[str, Program]) -> ContextReader:
+    """A function reading ``DecisionContext`` from a policy's program table (None for a
+    program the table no longer holds, e.g. one that ended)."""
+
+    def read(d: Decision, now: float) -> DecisionContext | None:
+        p = programs.get(d.program_id)
+        if p is None:
+            return None
+        arrived = p.history[-1].arrived if p.history else now
+        return DecisionContext(p.status, p.iota(now), p.tokens, max(0.0, now - arrived))
+
+    return read
+
+
+_SOURCE = {Tier.CPU: "reloads its KV from the CPU tier",
+           Tier.NONE: "recomputes its context (no cached KV)",
+           Tier.GPU: "re-routed from another replica's GPU (recomputes there)"}
+
+
+def reason(d: Decision, ctx: DecisionContext | None) -> str:
+    """One line saying why ``d`` was taken, from the program's state at that time."""
+    if isinstance(d, Release):
+        return "the program ended; its KV is inactive everywhere"
+    if ctx is None:
+        return "the program had already left"
+    state = f"idleness {ctx.iota:.2f}, {ctx.context_tokens:,} tokens"
+    if isinstance(d, Forward):
+        return (f"its KV is on replica {d.replica}'s GPU tier: the held request goes on "
+                f"after {ctx.waited_s:.1f} s ({state})")
+    if isinstance(d, Promote):
+        return f"a request is ready: onto replica {d.replica}'s GPU; {_SOURCE[d.source]} ({state})"
+    assert isinstance(d, Demote)
+    where = "GPU" if d.source is Tier.GPU else "CPU"
+    dest = "the CPU tier" if d.to is Tier.CPU else "no tier (its KV may be lost)"
+    return (f"replica {d.replica}'s {where} tier needed room and this program ranks among "
+            f"the most idle there: to {dest} ({ctx.status.value}, {state})")
