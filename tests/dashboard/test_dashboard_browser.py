@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from mori.cli.main import main
-from support.serve_process import wait_listening
+from support.serve_process import stop, wait_listening
 
 ADMIN = "sk-dash-admin-5e1f0c"
 USER = "sk-dash-user-9a7b2d"
@@ -35,15 +35,6 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 class Live:
     url: str
     log: Path
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +58,8 @@ def live() -> Iterator[Live]:
         yield Live(url, tmp)
     finally:
         if replay is not None:
-            _stop(replay)
-        _stop(serve)
+            stop(replay)
+        stop(serve)
         serve_log.close()
 
 

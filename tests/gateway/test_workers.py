@@ -26,7 +26,7 @@ from mori.engines.http import parse_prometheus
 from mori.gateway.config import GatewaySettings
 from mori.gateway.ipc import WorkerLink
 from mori.gateway.workers import WorkerHub
-from support.serve_process import wait_listening
+from support.serve_process import stop, wait_listening
 
 KEY = "sk-worker-test-key"
 
@@ -41,15 +41,6 @@ def start_serve(*args: str) -> tuple[subprocess.Popen[str], str]:
     except BaseException:
         stop(proc)
         raise
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def metric(url: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
