@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -262,6 +263,15 @@ def test_sweep_quiet_prints_the_tables_and_nothing_else(
     assert main(["sweep", "smoke", "--out", str(tmp_path / "out"), "--jobs", "1"]) == 0
     out, err = capsys.readouterr()
     assert "left out" not in out and "note: 11 of the 31 programs" in err
+
+
+def test_settings_added_later_keep_the_keys_and_records_of_earlier_runs() -> None:
+    cfg = SimConfig(duration_s=60)
+    assert "pcie_gbps" not in config_dict(cfg)  # at its default: the key is as before
+    assert run_key(dataclasses.replace(cfg, pcie_gbps=12.5), "x") != run_key(cfg, "x")
+    row = simulate(SimConfig(programs=2, duration_s=30.0), default_traces()).to_dict()
+    older = {k: v for k, v in row.items() if k != "pcie_gbps"}
+    assert result_from_dict(older).to_dict() == row
 
 
 def test_records_without_programs_per_replica_still_load() -> None:

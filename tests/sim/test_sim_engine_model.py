@@ -27,7 +27,8 @@ def one_step(prompt: int = 1_000, output: int = 8) -> TraceSet:
     dict(token_scale=0.0), dict(token_scale=-1.0), dict(token_scale=math.nan),
     dict(time_scale=0.0), dict(time_scale=math.inf), dict(time_scale=-2.0),
     dict(gpu_kv_tokens=0), dict(hardware=TINY, gpu_kv_tokens=31),
-    dict(cpu_kv_tokens=-1),
+    dict(cpu_kv_tokens=-1), dict(pcie_gbps=0.0), dict(pcie_gbps=-5.0),
+    dict(pcie_gbps=math.inf),
 ])
 def test_bad_engine_settings_are_refused(bad: dict[str, object]) -> None:
     name = next(k for k in bad if k != "hardware")
@@ -86,6 +87,23 @@ def test_time_scale_multiplies_engine_durations() -> None:
     one, two = ttft(1.0), ttft(2.0)
     assert one > 0
     assert two == pytest.approx(2 * one, rel=1e-9)
+
+
+def test_pcie_gbps_sets_the_reload_bandwidth() -> None:
+    def sim(**kw: object) -> Simulation:
+        return Simulation(SimConfig(policy="mori", programs=30, duration_s=600, **kw),  # type: ignore[arg-type]
+                          default_traces())
+
+    base = sim().cost.reload_time(100_000)
+    assert base == pytest.approx(100_000 * get_preset("h200-qwen3-30b-a3b").kv_bytes_per_token_per_gpu
+                                 / 50e9)
+    assert sim(pcie_gbps=5.0).cost.reload_time(100_000) == pytest.approx(10 * base)
+    assert sim(pcie_gbps=50.0).run().to_dict()["pcie_gbps"] == 50.0
+    # reload-heavy: mori's steps wait longer for their KV on a slower link
+    fast = sim().run()
+    slow = sim(pcie_gbps=0.5).run()
+    assert fast.reloaded_tokens > 0
+    assert slow.ttft_mean_s > fast.ttft_mean_s
 
 
 def test_gpu_kv_tokens_override_the_presets_pool() -> None:

@@ -208,6 +208,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("time_scale", float, _SIM.time_scale, metavar="T",
            help="engine slowdown: every engine duration (steps, KV reloads) is multiplied "
                 "by T, as when a trace is replayed at `--time-scale T` against a real engine"),
+    Option("pcie_gbps", float, _SIM.pcie_gbps, metavar="GB/S",
+           help="host-to-GPU bandwidth of KV reloads from the CPU tier, GB/s per GPU "
+                "(default: the preset's, see `mori presets`)"),
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="period of the policy's control loop, seconds"),
     Option("window", int, _POLICY.idleness_window, metavar="K", field="idleness_window",

@@ -60,6 +60,7 @@ class Settings:
     cpu_kv_tokens: int | None
     token_scale: float
     time_scale: float
+    pcie_gbps: float | None
     tick: float
     window: int
     jobs: int
@@ -98,7 +99,8 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   human_gap=s.human_gap, human_gap_cap_s=s.human_gap_cap,
                   max_context=s.max_context, share_prefix=s.share_prefix,
                   gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
-                  token_scale=s.token_scale, time_scale=s.time_scale, policy_config=knobs)
+                  token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.pcie_gbps,
+                  policy_config=knobs)
         for hw in s.hardware for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
     ]
 
@@ -212,13 +214,17 @@ def write_json(results: list[RunResult], path: Path) -> None:
                     encoding="utf-8")
 
 
-def table_text(results: list[RunResult], replicas: int) -> str:
+def table_text(results: list[RunResult], replicas: int, pcie_gbps: float | None = None) -> str:
     """The results table; its programs column counts programs per replica, like
-    ``--programs``. With more than one replica a title line above it says so."""
+    ``--programs``. A title line above it says so with more than one replica, and names
+    a ``--pcie-gbps`` other than the presets'."""
     table = results_table(results, per_replica=True)
-    if replicas == 1:
-        return table
-    return f"DP={replicas} (programs column: per replica; x{replicas} in all)\n{table}"
+    title = []
+    if replicas > 1:
+        title.append(f"DP={replicas} (programs column: per replica; x{replicas} in all)")
+    if pcie_gbps is not None:
+        title.append(f"KV reloads at {pcie_gbps:g} GB/s per GPU")
+    return "\n".join([*title, table]) if title else table
 
 
 def run_simulate(s: Settings) -> int:
@@ -232,7 +238,7 @@ def run_simulate(s: Settings) -> int:
     except SettingsError as e:
         raise UsageError(str(e)) from None
     results = [r for r, _ in outcomes]
-    print(table_text(results, s.replicas), flush=True)
+    print(table_text(results, s.replicas, s.pcie_gbps), flush=True)
     cuts = {r.max_context for r in results}  # trace tokens, the token scale applied
     cut = s.max_context or (cuts.pop() if len(cuts) == 1 else None)
     note = left_out_note(results, traces.name, len(traces.programs), cut)

@@ -42,6 +42,8 @@ class SimConfig:
     - ``time_scale``: every engine duration (iterations, KV reloads) is multiplied by it:
       the engine runs that many times slower relative to the trace's gaps, which is what
       replaying a trace at ``--time-scale`` T against a real engine amounts to.
+    - ``pcie_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
+      the preset's (None: the preset's).
     """
 
     policy: str = "mori"
@@ -60,6 +62,7 @@ class SimConfig:
     cpu_kv_tokens: int | None = None
     token_scale: float = 1.0
     time_scale: float = 1.0
+    pcie_gbps: float | None = None
     policy_config: PolicyConfig = PolicyConfig()
 
     def __post_init__(self) -> None:
@@ -78,6 +81,9 @@ class SimConfig:
         for name in ("token_scale", "time_scale"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)})")
+        if self.pcie_gbps is not None and not (math.isfinite(self.pcie_gbps)
+                                               and self.pcie_gbps > 0):
+            problems.append(f"pcie_gbps must be a finite number > 0 (got {self.pcie_gbps})")
         problems += self._kv_problems()
         if self.replicas < 1:
             problems.append(f"replicas must be >= 1 (got {self.replicas})")

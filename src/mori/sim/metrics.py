@@ -136,7 +136,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     record carries are ``tick_s``, ``idleness_window`` and ``binary_threshold``;
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
-    are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``).
+    are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
+    reload bandwidth asked for (None: the preset's).
     """
     c, p = config, config.policy_config
     return {"policy": c.policy, "programs": c.programs,
@@ -146,7 +147,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "human_gap_cap_s": c.human_gap_cap_s, "max_context": max_context,
             "share_prefix": c.share_prefix, "stagger_s": c.stagger_s,
             "gpu_kv_tokens": c.gpu_kv_tokens, "cpu_kv_tokens": c.cpu_kv_tokens,
-            "token_scale": c.token_scale, "time_scale": c.time_scale, "tick_s": p.tick_s,
+            "token_scale": c.token_scale, "time_scale": c.time_scale,
+            "pcie_gbps": c.pcie_gbps, "tick_s": p.tick_s,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold}
 
 

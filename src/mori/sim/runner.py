@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from mori.core.costmodel import CostModel, get_preset
 from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.execution import DecisionExecutor, DecisionLog
+from mori.core.hardware import HardwarePreset
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, build_policy
 from mori.core.policy import Policy
@@ -58,6 +59,15 @@ def kv_pages(config: SimConfig, cpu_tier: bool) -> tuple[int, int]:
     return gpu_pages, int(gpu_pages * config.cpu_ratio)
 
 
+def sim_preset(config: SimConfig) -> HardwarePreset:
+    """The preset simulated: ``config.hardware``, with ``pcie_gbps`` if given."""
+    preset = get_preset(config.hardware)
+    if config.pcie_gbps is None:
+        return preset
+    return dataclasses.replace(preset, gpu=dataclasses.replace(
+        preset.gpu, pcie_bw=config.pcie_gbps * 1e9))
+
+
 def context_cut(config: SimConfig) -> int:
     """The context length programs are cut at, in trace tokens: ``max_context``, else the
     model's context window in trace tokens (divided by ``token_scale``, as the replay
@@ -83,7 +93,7 @@ class Simulation:
                  log: DecisionLog | None = None) -> None:
         self.config = config
         self.trace_name = traces.name
-        preset = get_preset(config.hardware)
+        preset = sim_preset(config)
         policy_cls = POLICIES.get(config.policy)
         self.cost = CostModel(preset, time_scale=config.time_scale)
         page = preset.page_tokens

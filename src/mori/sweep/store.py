@@ -47,8 +47,18 @@ def trace_digest(traces: TraceSet) -> str:
 
 def config_dict(config: SimConfig) -> dict[str, Any]:
     """``config`` as a JSON-able dict, float fields as floats (so 1 and 1.0 agree); the
-    nested :class:`~mori.core.policy.PolicyConfig` as a nested dict, the same way."""
-    return _fields_dict(config)
+    nested :class:`~mori.core.policy.PolicyConfig` as a nested dict, the same way.
+    Settings added later (``OPTIONAL_SETTINGS``) are left out at their defaults, so the
+    keys of earlier runs stay as they were."""
+    out = _fields_dict(config)
+    for name, default in OPTIONAL_SETTINGS.items():
+        if out.get(name) == default:
+            del out[name]
+    return out
+
+
+OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None}
+"""Settings a record written before they existed lacks, with the value it meant."""
 
 
 def _fields_dict(obj: Any) -> dict[str, Any]:
@@ -92,6 +102,7 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
     """
     hints = typing.get_type_hints(RunResult)
     measured = set(hints) - set(RESULT_CONTEXT)
+    data = {**OPTIONAL_SETTINGS, **data}
     if set(data) | {_DERIVED} != measured | set(RESULT_SETTINGS):
         raise ValueError("the record's fields are not those of RunResult")
     values: dict[str, Any] = {}
