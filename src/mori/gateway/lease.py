@@ -87,6 +87,9 @@ class RequestLease:
         self._ctl.metrics.upstream_errors.labels(str(self.replica.index)).inc()
         if e.unhealthy:
             self._ctl.replicas.mark_unhealthy(self.replica.index, e.message)
+        else:  # the client hears only what happened; the details go to the log
+            log.warning("program %s on replica %d: %s", self.program_id, self.replica.index,
+                        e.message)
 
     def finish(self, context_tokens: int) -> None:
         """The request ended (normally, by error, or the client left): once."""

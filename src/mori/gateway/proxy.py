@@ -62,7 +62,7 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
     except UpstreamError as e:
         lease.failed(e)
         lease.finish(tokens)
-        return error_response(e.status, e.message, None, None,
+        return error_response(e.status, for_client(e, lease.adapter.url), None, None,
                               gw.settings.retry_after_s if e.status == 503 else None)
     except BaseException:
         lease.finish(tokens)
@@ -105,7 +105,7 @@ async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[],
             yield chunk
     except UpstreamError as e:
         lease.failed(e)
-        yield sse_error(502, e.message)
+        yield sse_error(502, for_client(e, lease.adapter.url))
     except (asyncio.CancelledError, GeneratorExit):
         gw.metrics.disconnects.inc()
         raise
@@ -118,6 +118,16 @@ async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[],
         out = watcher.output_tokens()
         _count(gw, prompt, out)
         lease.finish(prompt + out)
+
+
+def for_client(e: UpstreamError, url: str) -> str:
+    """What a client is told of an engine failure: what happened, without the engine's
+    address or the transport's own words (the gateway's log and ``/healthz``, for an
+    admin, have both). ``engine http://10.0.0.5:8001 refused the connection: Cannot
+    connect to host 10.0.0.5:8001 ...`` becomes ``the engine refused the connection``."""
+    head = e.message.split(": ", 1)[0]
+    head = head.replace(f"engine {url}", "the engine").replace(url, "the engine")
+    return head if url not in head and "://" not in head else f"the engine failed ({e.status})"
 
 
 def _count(gw: Gateway, prompt: int, completion: int) -> None:
