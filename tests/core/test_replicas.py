@@ -6,6 +6,7 @@ from test_scenarios import arrive, fin, make, step, where
 
 from mori.core.decisions import Demote, Forward, Promote
 from mori.core.events import ProgramEnded
+from mori.core.policy import Policy
 from mori.core.types import Tier
 
 GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
@@ -56,3 +57,46 @@ def test_thunderagent_places_cacheless_program_on_least_loaded_replica() -> None
     assert [where(p, x)[1] for x in "ABC"] == [0, 1, 2]
     # D (20): most free GPU is replica 2 (90), not the tightest fit (replica 1)
     assert step(p, 1.0, arrive("D", 20)) == [Promote("D", 2, NONE), Forward("D", 2)]
+
+
+def test_mori_packs_three_small_programs_onto_one_replica() -> None:
+    p = make("mori", gpu=100, cpu=100, replicas=3)
+    for x in "ABC":
+        step(p, 0.0, arrive(x, 10))
+    assert [where(p, x) for x in "ABC"] == [(GPU, 0)] * 3  # the paper's rule: 2 idle
+
+
+def test_mori_spread_uses_all_three_replicas() -> None:
+    p = make("mori-spread", gpu=100, cpu=100, replicas=3)
+    for x in "ABC":
+        step(p, 0.0, arrive(x, 10))
+    assert sorted(where(p, x)[1] for x in "ABC") == [0, 1, 2]
+    # arriving together: the largest first, each onto the replica running the fewest
+    q = make("mori-spread", gpu=100, cpu=100, replicas=3)
+    assert step(q, 0.0, arrive("X", 10), arrive("Y", 30), arrive("Z", 20)) == [
+        Promote("Y", 0, NONE), Forward("Y", 0), Promote("Z", 1, NONE), Forward("Z", 1),
+        Promote("X", 2, NONE), Forward("X", 2)]
+
+
+def test_mori_spread_goes_to_the_replica_running_the_fewest() -> None:
+    p = make("mori-spread", gpu=100, cpu=100, replicas=2)
+    step(p, 0.0, arrive("A", 20), arrive("B", 20))  # one each
+    step(p, 1.0, fin("A", 20))  # A acts: replica 0 runs nothing, replica 1 runs B
+    # C fits both; replica 0 is idle in compute (A only holds memory there)
+    assert step(p, 2.0, arrive("C", 20)) == [Promote("C", 0, NONE), Forward("C", 0)]
+
+
+def test_mori_spread_packs_once_memory_binds() -> None:
+    def two_replicas() -> Policy:
+        p = make("mori-spread", gpu=100, cpu=100, replicas=2)
+        step(p, 0.0, arrive("A", 84))  # replica 0, still reasoning
+        step(p, 0.0, arrive("B", 82))  # replica 1 (none running there)
+        step(p, 1.0, fin("B", 82))  # replica 0 runs A, replica 1 runs nothing
+        return p
+
+    # 84 + 82 + 12 = 178 of 200 (at most 90%): spread, onto the replica running nothing
+    assert step(two_replicas(), 2.0, arrive("C", 12)) == [Promote("C", 1, NONE),
+                                                           Forward("C", 1)]
+    # 84 + 82 + 16 = 182 (over 90%): memory binds, packed as MORI packs (the tightest fit)
+    assert step(two_replicas(), 2.0, arrive("C", 16)) == [Promote("C", 0, NONE),
+                                                           Forward("C", 0)]

@@ -422,6 +422,7 @@ _H_LAZY = ([], [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)
 H_END = {
     "mori": _H_LAZY,
     "mori-no-exclusion": _H_LAZY,
+    "mori-spread": _H_LAZY,  # one replica: MORI
     "mori-strict": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     "mori-binary": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     # ThunderAgent keeps A pinned until it ends, then resumes B

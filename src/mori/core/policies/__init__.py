@@ -10,6 +10,7 @@ from mori.core.policies.ablations import (
 )
 from mori.core.policies.mori import MoriPolicy
 from mori.core.policies.smg import SMGPolicy
+from mori.core.policies.spread import MoriSpreadPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
@@ -18,7 +19,7 @@ from mori.core.registry import Registry
 def _build() -> Registry[type[Policy]]:
     reg: Registry[type[Policy]] = Registry("policy")
     for cls in (MoriPolicy, SMGPolicy, ThunderAgentPolicy, ThunderAgentOffloadPolicy,
-                MoriBinaryPolicy, MoriNoExclusionPolicy, MoriStrictPolicy):
+                MoriBinaryPolicy, MoriNoExclusionPolicy, MoriStrictPolicy, MoriSpreadPolicy):
         reg.register(cls.name, cls)
     reg.freeze()
     return reg
@@ -42,4 +43,5 @@ def build_policy(name: str, cluster: ClusterSpec, kv_bytes_per_token: int,
     return POLICIES.get(name)(cluster, kv_bytes_per_token, config)
 
 __all__ = ["POLICIES", "PAPER_POLICIES", "build_policy", "MoriPolicy", "SMGPolicy", "ThunderAgentPolicy",
-           "ThunderAgentOffloadPolicy", "MoriBinaryPolicy", "MoriNoExclusionPolicy", "MoriStrictPolicy"]
+           "ThunderAgentOffloadPolicy", "MoriBinaryPolicy", "MoriNoExclusionPolicy", "MoriStrictPolicy",
+           "MoriSpreadPolicy"]

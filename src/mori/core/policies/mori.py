@@ -161,8 +161,10 @@ class MoriPolicy(Policy):
             batch.append(c)
             room -= c.kv_bytes
         placed: set[str] = set()
-        for c in sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq)):
-            r = self._best_fit(c, reserve)
+        order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
+        spread = self._spread(order, reserve)
+        for c in order:
+            r = spread[c.program_id] if spread is not None else self._best_fit(c, reserve)
             if r is not None:
                 place(c, r)
                 placed.add(c.program_id)
@@ -176,6 +178,11 @@ class MoriPolicy(Policy):
         if c.tier is Tier.CPU and c.replica is not None:
             return [c.replica]  # affinity: reload locally
         return list(range(len(self.placement.gpu)))
+
+    def _spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
+        """Where the admitted cacheless programs go instead of Best-Fit-Decreasing
+        (program id -> replica), or None to pack them (MORI; ``mori-spread`` spreads)."""
+        return None
 
     def _best_fit(self, c: Program, reserve: list[int]) -> int | None:
         best: tuple[float, int] | None = None
