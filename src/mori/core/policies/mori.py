@@ -64,9 +64,9 @@ class MoriPolicy(Policy):
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
-        for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
-            if p.tier is Tier.GPU:
-                self._forward(p, now, out)
+        for p in sorted((q for q in self._ready.values() if q.tier is Tier.GPU),
+                        key=lambda q: q.ready_seq):
+            self._forward(p, now, out)
         self._promote_ready(now, out, iota)
 
     def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
@@ -113,38 +113,50 @@ class MoriPolicy(Policy):
         to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
         self._demote_to(p, to, replica, out)
 
-    def _level(self, p: Program) -> int:
-        if p.tier is Tier.CPU:
-            return 0
-        return 1 if p.returning else 2
-
     def _promote_ready(self, now: float, out: list[Decision], iota: _Iota) -> None:
         pl = self.placement
         cap = self.cluster.gpu_bytes
         cands = [p for p in self._ready.values() if p.tier is not Tier.GPU]
         if not cands:
             return
-        cands.sort(key=lambda p: (self._level(p), p.tokens if self._level(p) == 2 else 0,
-                                  iota(p), p.ready_seq))
-        reserve = [0] * len(pl.gpu)
+
+        def priority(p: Program) -> tuple[int, int, float, int]:
+            level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
+            return (level, p.tokens if level == 2 else 0, iota(p), p.ready_seq)
+
+        cands.sort(key=priority)
+        gpus = pl.gpu
+        reserve = [0] * len(gpus)
         blocked = False
+        # the most room any replica has beyond its reservation, or None when a move may
+        # have changed it: once a candidate has been blocked, a cacheless one larger than
+        # this fits nowhere and is passed over without a look at each replica
+        most: float | None = None
 
         def fits_nowhere(c: Program) -> bool:
             return cap is not None and c.kv_bytes > cap  # refused up front by the simulator
 
         def place(c: Program, r: int) -> None:
+            nonlocal most
             self._promote(c, r, out)
             self._forward(c, now, out)
+            most = None
 
         def place_or_make_room(c: Program) -> None:
             """Into free space if it fits; else the first such program may make room."""
-            nonlocal blocked
+            nonlocal blocked, most
+            if blocked and c.tier is Tier.NONE:
+                if most is None:
+                    most = max(gq.free() - reserve[r] for r, gq in enumerate(gpus))
+                if c.kv_bytes > most:
+                    return
             r = self._best_fit(c, reserve)
             if r is not None:
                 place(c, r)
             elif not blocked:
                 blocked = True
                 self._make_room(c, now, out, iota, reserve)
+                most = None
 
         # (0) CPU-queue programs: their own replica (affinity), in priority order
         for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
@@ -153,16 +165,16 @@ class MoriPolicy(Policy):
         # long as the free space of all replicas together holds them; *where* is
         # Best-Fit-Decreasing: the largest first, each onto the replica it fits tightest
         waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
-        room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(pl.gpu))
+        room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(gpus))
         batch: list[Program] = []
         for c in waiting:
             if c.kv_bytes > room:
                 break
             batch.append(c)
             room -= c.kv_bytes
-        placed: set[str] = set()
         order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
         spread = self._spread(order, reserve)
+        placed: set[str] = set()
         for c in order:
             r = spread[c.program_id] if spread is not None else self._best_fit(c, reserve)
             if r is not None:

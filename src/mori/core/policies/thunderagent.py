@@ -47,21 +47,25 @@ class ThunderAgentPolicy(Policy):
                     if not gq.over():
                         break
                     self._demote_to(p, Tier.NONE, None, out)
-        for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
-            if p.tier is Tier.GPU:
-                self._forward(p, now, out)
+        for p in sorted((q for q in self._ready.values() if q.tier is Tier.GPU),
+                        key=lambda q: q.ready_seq):
+            self._forward(p, now, out)
         cands = sorted((p for p in self._ready.values() if p.tier is not Tier.GPU),
                        key=lambda p: (-p.kv_bytes, p.ready_seq))
         cap = self.cluster.gpu_bytes
+        gpus = pl.gpu
+        # the least-loaded replica (most free GPU KV, the lowest index on a tie), found
+        # again only after a placement: a candidate fits somewhere iff it fits there
+        best: int | None = None
         for c in cands:  # largest first, onto the least-loaded replica that holds it
             if cap is not None and c.kv_bytes > cap:
                 continue
-            fits = [(-pl.gpu[r].free(), r) for r in range(len(pl.gpu))
-                    if pl.gpu[r].free() >= c.kv_bytes]
-            if fits:
-                r = min(fits)[1]
-                self._promote(c, r, out)
+            if best is None:
+                best = max(range(len(gpus)), key=lambda r: (gpus[r].free(), -r))
+            if gpus[best].free() >= c.kv_bytes:
+                self._promote(c, best, out)
                 self._forward(c, now, out)
+                best = None
             # a program that does not fit stays paused until memory frees up: programs
             # end, or active ones grow past capacity and the smallest Acting is paused
 
