@@ -33,7 +33,7 @@ from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
 from mori.gateway.dashboard import STATE_PATH, LiveDashboard
 from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
-from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow
+from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow, distributions
 from mori.gateway.parsing import CHAT, COMPLETIONS
 from mori.protocol.fields import anonymous_program_id
 from mori.protocol.responses import error_response
@@ -158,11 +158,15 @@ class Gateway:
                 cpu_programs=len(cpu.members),
                 gpu_kv_used_ratio=gpu.used / gpu.capacity if gpu.capacity else 0.0))
         counts = ctl.executor.counts
+        now = ctl.now()
+        idleness, context = distributions(
+            (p.tier.value, p.iota(now), p.tokens) for p in ctl.policy.programs.values())
         return GatewayState(
             programs={(t.value, s.value): n for (t, s), n in ctl.policy.status_counts().items()},
             gated=ctl.policy.held_count, replicas=rows,
             promotions={t.value: counts.promotions[t] for t in Tier},
-            demotions={t.value: counts.demotions[t] for t in (Tier.CPU, Tier.NONE)})
+            demotions={t.value: counts.demotions[t] for t in (Tier.CPU, Tier.NONE)},
+            idleness=idleness, context=context)
 
     def gpu_tokens(self) -> int:
         return min(c.gpu_tokens for c in self.capacities)

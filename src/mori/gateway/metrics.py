@@ -1,22 +1,81 @@
 """The gateway's Prometheus metrics (``mori_`` prefix), one registry per app.
 
 Counters and histograms are updated as things happen; gauges that describe the current
-state (programs per tier, held requests, per-replica load) and the decision executor's
+state (programs per tier, held requests, per-replica load), the distributions of the
+programs' idleness and context over the tiers (gauge histograms: ``_bucket`` series that
+describe the programs now, not events counted since start) and the decision executor's
 promotion and demotion counts are read when ``/metrics`` is scraped, so they cannot
 drift from what ``/v1/programs`` shows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import bisect
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+#: upper bounds of the idleness histogram (iota is a share, 0..1)
+IDLENESS_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+#: upper bounds of the context histogram, in tokens
+CONTEXT_BUCKETS = (1_024, 4_096, 16_384, 32_768, 65_536, 131_072, 262_144, 524_288,
+                   1_048_576)
+
+
+@dataclass(slots=True)
+class Distribution:
+    """Values counted into fixed buckets: ``counts[i]`` of them are at most
+    ``bounds[i]`` and above ``bounds[i-1]``; ``counts[-1]`` are above every bound."""
+
+    bounds: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def add(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1
+        self.total += v
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus' buckets: (le, programs at most le), the last one ``+Inf``."""
+        out: list[tuple[str, float]] = []
+        run = 0
+        for le, n in zip([*map(_le, self.bounds), "+Inf"], self.counts, strict=True):
+            run += n
+            out.append((le, float(run)))
+        return out
+
+
+def _le(b: float) -> str:
+    return repr(float(b))
+
+
+def distributions(rows: Iterable[tuple[str, float, int]]
+                  ) -> tuple[dict[str, Distribution], dict[str, Distribution]]:
+    """The idleness and the context distributions by tier of ``rows`` (tier, iota,
+    context tokens), one per tier that has a program."""
+    iota: dict[str, Distribution] = {}
+    ctx: dict[str, Distribution] = {}
+    for tier, i, tokens in rows:
+        if tier not in iota:
+            iota[tier] = Distribution(IDLENESS_BUCKETS)
+            ctx[tier] = Distribution(CONTEXT_BUCKETS)
+        iota[tier].add(i)
+        ctx[tier].add(tokens)
+    return iota, ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +100,8 @@ class GatewayState:
     replicas: list[ReplicaRow]
     promotions: dict[str, int] = field(default_factory=dict)
     demotions: dict[str, int] = field(default_factory=dict)
+    idleness: dict[str, Distribution] = field(default_factory=dict)
+    context: dict[str, Distribution] = field(default_factory=dict)
 
 
 _REPLICA_GAUGES = (
@@ -82,6 +143,18 @@ class _StateCollector(Collector):
         for tier, n in sorted(s.demotions.items()):
             demo.add_metric([tier], n)
         yield demo
+        yield _gauge_histogram("mori_program_idleness_ratio", "Programs by idleness (iota, "
+                               "the recent share of time in tool calls), by tier",
+                               s.idleness)
+        yield _gauge_histogram("mori_program_context_tokens", "Programs by context length "
+                               "(tokens of KV the policy accounts for), by tier", s.context)
+
+
+def _gauge_histogram(name: str, doc: str, by_tier: dict[str, Distribution]) -> Metric:
+    fam = GaugeHistogramMetricFamily(name, doc, labels=["tier"])
+    for tier, d in sorted(by_tier.items()):
+        fam.add_metric([tier], d.cumulative(), gsum_value=d.total)
+    return fam
 
 
 class Recorded:
