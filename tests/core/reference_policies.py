@@ -10,15 +10,11 @@ side and asserts identical decision lists.
 from __future__ import annotations
 
 from mori.core.decisions import Decision
-from mori.core.policies import POLICIES, MoriPolicy, ThunderAgentPolicy
+from mori.core.policies import POLICIES, MoriPolicy
 from mori.core.policies.mori import _Iota
 from mori.core.policy import Policy
 from mori.core.program import Program
-from mori.core.types import Status, Tier
-
-
-def _small_first(p: Program) -> tuple[int, int]:
-    return (p.kv_bytes, p.ready_seq)
+from mori.core.types import Tier
 
 
 class StraightMori(MoriPolicy):
@@ -88,49 +84,16 @@ class StraightMori(MoriPolicy):
                 place_or_make_room(c)
 
 
-class StraightThunderAgent(ThunderAgentPolicy):
-    """ThunderAgent's decision round as first written."""
-
-    def _decide(self, now: float, out: list[Decision]) -> None:
-        pl = self.placement
-        for gq in pl.gpu:
-            if gq.over():
-                members = [self.programs[pid] for pid in gq.members]
-                order = sorted((p for p in members if p.status is Status.ACTING),
-                               key=_small_first)
-                order += sorted((p for p in members if p.status is Status.GATED),
-                                key=_small_first)
-                for p in order:
-                    if not gq.over():
-                        break
-                    self._demote_to(p, Tier.NONE, None, out)
-        for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
-            if p.tier is Tier.GPU:
-                self._forward(p, now, out)
-        cands = sorted((p for p in self._ready.values() if p.tier is not Tier.GPU),
-                       key=lambda p: (-p.kv_bytes, p.ready_seq))
-        cap = self.cluster.gpu_bytes
-        for c in cands:
-            if cap is not None and c.kv_bytes > cap:
-                continue
-            fits = [(-pl.gpu[r].free(), r) for r in range(len(pl.gpu))
-                    if pl.gpu[r].free() >= c.kv_bytes]
-            if fits:
-                r = min(fits)[1]
-                self._promote(c, r, out)
-                self._forward(c, now, out)
-
-
 def reference(name: str) -> type[Policy]:
     """The registered policy ``name`` with the straightforward decision round."""
     cls = POLICIES.get(name)
-    for straight in (StraightMori, StraightThunderAgent):
+    for straight in (StraightMori,):
         base = straight.__mro__[1]
         if issubclass(cls, base):
             # the policy's own overrides (ablations, mori-spread) stay; the round is
             # the straightforward one
             return type(f"Reference{cls.__name__}", (_round_of(straight), cls), {})
-    return cls  # no optimized round (smg): its own code is the reference
+    return cls  # no optimized round (smg, thunderagent): its own code is the reference
 
 
 def _round_of(straight: type[Policy]) -> type:

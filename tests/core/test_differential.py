@@ -56,7 +56,7 @@ def trace(cls: type, w: dict[str, object]) -> list[tuple[float, object]]:
 
 def assert_same(name: str, w: dict[str, object]) -> None:
     fast, straight = trace(POLICIES.get(name), w), trace(reference(name), w)
-    for i, (a, b) in enumerate(zip(fast, straight)):
+    for i, (a, b) in enumerate(zip(fast, straight, strict=False)):
         assert a == b, f"{name}: entry {i} differs at t={a[0]}: {a[1]!r} != {b[1]!r}"
     assert len(fast) == len(straight)
 
@@ -86,8 +86,8 @@ def test_reference_is_the_straightforward_round() -> None:
     # above would compare a policy with itself
     for name in POLICIES.names():
         ref = reference(name)
-        if name == "smg":
-            assert ref is POLICIES.get("smg")
+        if name == "smg" or name.startswith("thunderagent"):
+            assert ref is POLICIES.get(name)
         else:
             assert ref is not POLICIES.get(name) and issubclass(ref, POLICIES.get(name))
             assert ref._decide is not POLICIES.get(name)._decide

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
-from mori.core.policies import POLICIES, MoriPolicy, SMGPolicy, ThunderAgentPolicy
+from mori.core.policies import POLICIES, MoriPolicy, SMGPolicy
+from mori.core.policies.thunderagent import FORCE_RESUME_S
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.types import Tier
 
@@ -65,8 +66,13 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
 
 
 def time_limit(programs: list[ProgramSpec], tick: float) -> float:
+    """Long enough for every program to finish under every policy: ThunderAgent may hold
+    a step until its forced resume (where its 100-token buffer per program never fits
+    these worlds' tiny GPUs)."""
     work = sum(s.service + s.gap for p in programs for s in p.steps)
-    return max(p.start for p in programs) + 4 * work + 100 * tick + 1000.0
+    steps = sum(len(p.steps) for p in programs)
+    return (max(p.start for p in programs) + 4 * work + 100 * tick + 1000.0
+            + steps * (FORCE_RESUME_S + 2 * tick))
 
 
 def run_world(name: str, w: dict[str, object]) -> FakeWorld:
@@ -144,7 +150,7 @@ class _ForwardFirst(SMGPolicy):
             out[mark:] = out[mark:][::-1]
 
 
-class _Overfull(ThunderAgentPolicy):
+class _Overfull(MoriPolicy):
     """Promotes everything onto replica 0, room or not."""
 
     def _decide(self, now: float, out: list[Decision]) -> None:

@@ -49,16 +49,6 @@ def test_waiting_programs_placed_best_fit_decreasing() -> None:
     assert [q.used for q in p.placement.gpu] == [100, 100]
 
 
-def test_thunderagent_places_cacheless_program_on_least_loaded_replica() -> None:
-    p = make("thunderagent", gpu=100, cpu=0, replicas=3)
-    step(p, 0.0, arrive("A", 30))  # least loaded: all empty, replica 0
-    step(p, 0.0, arrive("B", 60))  # replica 1
-    step(p, 0.0, arrive("C", 10))  # replica 2
-    assert [where(p, x)[1] for x in "ABC"] == [0, 1, 2]
-    # D (20): most free GPU is replica 2 (90), not the tightest fit (replica 1)
-    assert step(p, 1.0, arrive("D", 20)) == [Promote("D", 2, NONE), Forward("D", 2)]
-
-
 def test_mori_packs_three_small_programs_onto_one_replica() -> None:
     p = make("mori", gpu=100, cpu=100, replicas=3)
     for x in "ABC":

@@ -13,6 +13,10 @@ from mori.core.policy import Policy, PolicyConfig
 from mori.core.types import Status, Tier
 
 GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
+# the scenarios below that every policy plays use GPUs of ~100 tokens; ThunderAgent
+# reserves 100 tokens per program, so its own scenarios (at the end) use larger ones,
+# and tests/core/test_thunderagent_crosscheck.py checks it against the real scheduler
+UNBUFFERED = [n for n in POLICIES.names() if not n.startswith("thunderagent")]
 
 
 def make(name: str, gpu: int | None = 100, cpu: int | None = 100, replicas: int = 1,
@@ -54,7 +58,7 @@ def where(p: Policy, pid: str) -> tuple[Tier, int | None]:
 
 
 # -- (a) both fit ------------------------------------------------------------------------
-@pytest.mark.parametrize("name", POLICIES.names())
+@pytest.mark.parametrize("name", UNBUFFERED)
 def test_a_two_programs_fit(name: str) -> None:
     p = make(name)
     assert step(p, 0.0, arrive("A", 40)) == [Promote("A", 0, NONE), Forward("A", 0)]
@@ -66,12 +70,12 @@ def test_a_two_programs_fit(name: str) -> None:
         assert p.placement.gpu[0].used == 80
 
 
-@pytest.mark.parametrize("name", POLICIES.names())
+@pytest.mark.parametrize("name", UNBUFFERED)
 def test_a_simultaneous_arrivals_order(name: str) -> None:
     p = make(name)
     out = step(p, 0.0, arrive("X", 30), arrive("Y", 40), arrive("Z", 20))
-    # smg: arrival order; ThunderAgent: largest first; MORI: all three are admitted (they
-    # fit together) and placed Best-Fit-Decreasing, the largest first
+    # smg: arrival order; MORI: all three are admitted (they fit together) and placed
+    # Best-Fit-Decreasing, the largest first
     order = {"smg": "XYZ"}.get(name, "YXZ")
     assert out == [d for pid in order for d in (Promote(pid, 0, NONE), Forward(pid, 0))]
 
@@ -102,9 +106,6 @@ B_EXPECTED = {
     "mori": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
     "mori-no-exclusion": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
     "mori-strict": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
-    # ThunderAgent never pauses a program to admit another: C waits for memory
-    "thunderagent": [],
-    "thunderagent+offload": [],
     "smg": [Promote("C", 0, NONE), Forward("C", 0)],
 }
 
@@ -123,10 +124,6 @@ def test_b_third_program_makes_room(name: str) -> None:
         assert where(p, "A") == (CPU, 0)
         assert where(p, "B") == (GPU, 0)
         assert p.placement.gpu[0].used == 70 and p.placement.cpu[0].used == 40
-    elif name.startswith("thunderagent"):
-        assert where(p, "A") == where(p, "B") == (GPU, 0)
-        assert where(p, "C") == (NONE, None) and p.programs["C"].status is Status.GATED
-        assert p.placement.gpu[0].used == 70
     else:
         assert where(p, "A") == where(p, "B") == where(p, "C") == (GPU, 0)
 
@@ -288,8 +285,6 @@ E_ARRIVAL = {
     "mori": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
     "mori-no-exclusion": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
     "mori-strict": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
-    "thunderagent": [Demote("A", 0, GPU, NONE), Forward("B", 0)],
-    "thunderagent+offload": [Demote("A", 0, GPU, NONE), Forward("B", 0)],
     "smg": [Forward("B", 0)],
 }
 
@@ -425,15 +420,11 @@ H_END = {
     "mori-spread": _H_LAZY,  # one replica: MORI
     "mori-strict": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     "mori-binary": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
-    # ThunderAgent keeps A pinned until it ends, then resumes B
-    "thunderagent": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
-    "thunderagent+offload": ([], [], [Release("A", 0), Promote("B", 0, NONE),
-                                      Forward("B", 0)]),
     "smg": ([Promote("B", 0, NONE), Forward("B", 0)], [], [Release("A", 0)]),
 }
 
 
-@pytest.mark.parametrize("name", POLICIES.names())
+@pytest.mark.parametrize("name", UNBUFFERED)
 def test_h_end_releases_and_frees_room(name: str) -> None:
     at_arrival, at_finish, at_end = H_END[name]
     p = make(name)
@@ -446,7 +437,7 @@ def test_h_end_releases_and_frees_room(name: str) -> None:
 
 
 # -- (i) order within a decision list ----------------------------------------------------------
-@pytest.mark.parametrize("name", POLICIES.names())
+@pytest.mark.parametrize("name", UNBUFFERED)
 def test_i_promote_precedes_forward_and_demotes_precede_promote(name: str) -> None:
     # step() replays every list: a Forward only for a program in a GPU queue at that
     # point, a Promote only into room made by the Demotes before it
@@ -459,7 +450,7 @@ def test_i_promote_precedes_forward_and_demotes_precede_promote(name: str) -> No
                   (8.0, fin("D", 50)), (9.0, arrive("C", 45)), (20.0, None)):
         if isinstance(ev, StepFinished) and p.programs[ev.program_id].status is not \
                 Status.REASONING:
-            ev = None  # D was not admitted (ThunderAgent waits for memory)
+            ev = None  # D was not admitted
         seen += step(p, t, *([ev] if ev else []))
     assert sum(isinstance(d, Forward) for d in seen) >= 4
     if name != "smg":
@@ -518,23 +509,93 @@ def test_smg_returning_program_goes_back_to_its_replica() -> None:
     assert p.tick_interval is None
 
 
-@pytest.mark.parametrize("name", ["thunderagent", "thunderagent+offload"])
-def test_thunderagent_pauses_smallest_acting_under_pressure(name: str) -> None:
-    p = make(name)
-    # Best-Fit-Decreasing: largest first
-    assert step(p, 0.0, arrive("C", 40), arrive("A", 20), arrive("B", 30)) == [
-        Promote("C", 0, NONE), Forward("C", 0), Promote("B", 0, NONE), Forward("B", 0),
-        Promote("A", 0, NONE), Forward("A", 0)]
-    assert step(p, 1.0, fin("A", 20), fin("B", 30), fin("C", 40)) == []
-    # C grows to 75: 125 > 100; the smallest Acting programs are paused (KV dropped)
-    # until it fits: A (20) is not enough, B (30) too
-    assert step(p, 2.0, arrive("C", 75)) == [
-        Demote("A", 0, GPU, NONE), Demote("B", 0, GPU, NONE), Forward("C", 0)]
-    # resumed when memory allows: B (30) does not fit in 25, A (20) does
-    assert step(p, 3.0, arrive("B", 30)) == []
-    assert step(p, 3.0, arrive("A", 20)) == [Promote("A", 0, NONE), Forward("A", 0)]
-    # nobody is paused to admit B, however long C sits in its tool call
-    assert step(p, 100.0) == []
-    assert step(p, 101.0, fin("C", 75)) == []
-    assert step(p, 102.0, ProgramEnded("C")) == [
-        Release("C", 0), Promote("B", 0, NONE), Forward("B", 0)]
+# -- ThunderAgent (capacities of 1,000 tokens: it reserves 100 per program) ------------------
+TA = ["thunderagent", "thunderagent+offload"]
+
+
+@pytest.mark.parametrize("name", TA)
+def test_thunderagent_admits_on_arrival_pauses_on_the_tick_resumes_by_group(name: str) -> None:
+    p = make(name, gpu=1000, cpu=0)
+    assert step(p, 0.0, arrive("A", 400)) == [Promote("A", 0, NONE), Forward("A", 0)]
+    # 1000 - 400 - 100 = 500 left: room for B's 300 and its buffer
+    assert step(p, 0.0, arrive("B", 300)) == [Promote("B", 0, NONE), Forward("B", 0)]
+    assert step(p, 1.0, fin("A", 450), fin("B", 350)) == []  # exactly full
+    # C (new) finds no room (0 < 100 + 100): it waits in the paused queue
+    assert step(p, 2.0, arrive("C", 100)) == []
+    assert p.paused["C"].origin is None
+    # A is active: through at once, though it takes the backend over capacity
+    assert step(p, 3.0, arrive("A", 500)) == [Forward("A", 0)]
+    # the 5 s check: nothing to resume into (-50 left), then the smallest Acting program
+    # is paused (its KV is left to the engine's LRU: no engine action)
+    assert step(p, 5.0) == [Demote("B", 0, GPU, NONE)]
+    # at 10: 400 left; C (100) fits, B (350, and 100) would not fit beside it
+    assert step(p, 10.0) == [Promote("C", 0, NONE), Forward("C", 0)]
+    assert step(p, 11.0, fin("A", 800)) == []
+    assert step(p, 11.0, arrive("B", 360)) == []  # paused: waits for the check
+    assert step(p, 15.0) == [Demote("A", 0, GPU, NONE)]
+    # at 20: 800 left; B (a held request, ran before) comes before A (no request)
+    assert step(p, 20.0) == [Promote("B", 0, NONE), Forward("B", 0)]
+    assert set(p.paused) == {"A"}
+    assert step(p, 21.0, ProgramEnded("A")) == [Release("A", None)]
+    assert p.paused == {}
+
+
+@pytest.mark.parametrize("name", TA)
+def test_thunderagent_marks_every_reasoning_program_of_an_overfull_backend(name: str) -> None:
+    p = make(name, gpu=1000, cpu=0)
+    step(p, 0.0, arrive("X", 500))
+    step(p, 0.0, arrive("Y", 300))
+    step(p, 1.0, fin("X", 700))
+    assert step(p, 2.0, arrive("X", 700)) == [Forward("X", 0)]  # 700 + 300 + 200 > 1000
+    # no Acting program to pause: the smallest Reasoning one is marked, and since marking
+    # does not change the remaining capacity ThunderAgent's loop tests, so is the next
+    assert step(p, 5.0) == []
+    assert p.marked == {"X", "Y"}
+    # each is paused when its step ends
+    assert step(p, 6.0, fin("Y", 320)) == [Demote("Y", 0, GPU, NONE)]
+    assert step(p, 7.0, fin("X", 720)) == [Demote("X", 0, GPU, NONE)]
+    assert p.marked == set()
+    # at 10 all 1000 are free: Y (one request so far, so in the "new" group) before X
+    # (no request); Y without a request is resumed but not forwarded
+    assert step(p, 10.0) == [Promote("Y", 0, NONE)]
+    assert where(p, "X") == (NONE, None)
+
+
+@pytest.mark.parametrize("name", TA)
+def test_thunderagent_forces_a_resume_after_30_minutes(name: str) -> None:
+    p = make(name, gpu=1000, cpu=0)
+    step(p, 0.0, arrive("A", 900))
+    step(p, 0.5, fin("A", 900))  # A acting: 900 + 100 = 1000 exactly, never paused
+    assert step(p, 1.0, arrive("B", 200)) == []
+    assert step(p, 1800.0) == []
+    assert step(p, 1801.0) == [Promote("B", 0, NONE), Forward("B", 0)]
+    assert step(p, 1805.0) == [Demote("A", 0, GPU, NONE)]  # now over capacity
+
+
+def test_thunderagent_places_a_new_program_on_the_backend_with_fewest_active_tokens() -> None:
+    p = make("thunderagent", gpu=1000, cpu=0, replicas=3)
+    step(p, 0.0, arrive("A", 300))  # all empty: the first
+    step(p, 0.0, arrive("B", 600))  # replica 1
+    step(p, 0.0, arrive("C", 100))  # replica 2
+    assert [where(p, x)[1] for x in "ABC"] == [0, 1, 2]
+    # D (200): the fewest active tokens is replica 2 (100), which has room (800)
+    assert step(p, 1.0, arrive("D", 200)) == [Promote("D", 2, NONE), Forward("D", 2)]
+    # E (700) has room nowhere (600, 300, 500 left): it waits
+    assert step(p, 1.0, arrive("E", 700)) == []
+    # the check: E's 800 with its buffer is more than the emptiest backend has
+    assert step(p, 5.0) == []
+    step(p, 6.0, fin("A", 300))
+    assert step(p, 6.0, ProgramEnded("A")) == [Release("A", 0)]
+    # at 10 replica 0 is empty: E goes there, the backend with the most left
+    assert step(p, 10.0) == [Promote("E", 0, NONE), Forward("E", 0)]
+
+
+def test_thunderagent_pause_tells_the_engine_nothing() -> None:
+    from mori.core.execution import engine_actions
+    from mori.core.types import Capability
+    caps = frozenset(Capability)
+    for name in TA:
+        profile = POLICIES.get(name).engine_profile
+        assert engine_actions(Demote("A", 0, GPU, NONE), profile, caps) == ()
+    mori = POLICIES.get("mori").engine_profile
+    assert engine_actions(Demote("A", 0, GPU, NONE), mori, caps) != ()

@@ -121,15 +121,31 @@ def test_room_is_made_by_demoting_the_acting_program_with_labels_in_order() -> N
     run(body)
 
 
-def test_untyped_policy_offloads_instead_of_labelling() -> None:
+def test_a_replica_without_labels_is_told_to_offload() -> None:
+    async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
+        la = await ctl.lease("a", 600)
+        clock.t += 1.0
+        la.finish(640)
+        clock.t += 10.0
+        lb = await ctl.lease("b", 600)
+        assert decisions(ctl)[2:] == [Demote("a", 0, Tier.GPU, Tier.CPU),
+                                       Promote("b", 0, Tier.NONE), Forward("b", 0)]
+        await ctl.replicas.controls_done(0)
+        assert a.controls == [("offload", "a", None)]
+        lb.finish(620)
+    run(body, adapter=RecordingAdapter(
+        capabilities=frozenset({Capability.OFFLOAD, Capability.DROP})))
+
+
+def test_a_thunderagent_pause_tells_the_engine_nothing() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         (await ctl.lease("a", 400)).finish(400)
         (await ctl.lease("b", 300)).finish(300)
-        clock.t += 5.0
-        lease = await ctl.lease("a", 800)  # over capacity: the smallest Acting one pauses
-        assert decisions(ctl)[-2:] == [Demote("b", 0, Tier.GPU, Tier.NONE), Forward("a", 0)]
+        clock.t += 5.0  # the scheduler's 5 s check runs in this round
+        lease = await ctl.lease("a", 800)  # through at once, then over capacity:
+        assert decisions(ctl)[-2:] == [Forward("a", 0), Demote("b", 0, Tier.GPU, Tier.NONE)]
         await ctl.replicas.controls_done(0)
-        assert a.controls == [("offload", "b", None)]
+        assert a.controls == []  # the engine's LRU decides what b's KV becomes
         lease.finish(800)
     run(body, policy="thunderagent")
 

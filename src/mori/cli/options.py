@@ -215,6 +215,11 @@ OPTIONS: tuple[Option, ...] = (
            help="period of the policy's control loop, seconds"),
     Option("window", int, _POLICY.idleness_window, metavar="K", field="idleness_window",
            help="idleness window: the number of recent cycles a program's idleness ranks by"),
+    Option("acting_token_weight", float, _POLICY.acting_token_weight, metavar="W",
+           help="thunderagent: weight of an Acting program's tokens in its capacity"),
+    Option("acting_token_decay", bool, _POLICY.acting_token_decay,
+           help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
+                "acting (ThunderAgent's --use-acting-token-decay; default: off)"),
     Option("jobs", int, 1, metavar="N",
            help="runs in parallel processes (0: one per CPU); results keep the grid order "
                 "either way"),
@@ -252,6 +257,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="idleness window k in cycles"),
     Option("binary_threshold", float, _POLICY.binary_threshold, metavar="X",
            help="idleness threshold of mori-binary"),
+    Option("acting_token_weight", float, _POLICY.acting_token_weight, metavar="W",
+           help="thunderagent: weight of an Acting program's tokens in its capacity"),
+    Option("acting_token_decay", bool, _POLICY.acting_token_decay,
+           help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
+                "acting (default: off)"),
     Option("time_scale", float, _GATEWAY.time_scale, metavar="X",
            help="policy and simulated-engine seconds per wall second (> 1 runs traces "
                 "faster than real time)"),

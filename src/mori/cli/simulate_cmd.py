@@ -63,6 +63,8 @@ class Settings:
     pcie_gbps: float | None
     tick: float
     window: int
+    acting_token_weight: float
+    acting_token_decay: bool
     jobs: int
     quiet: bool
 

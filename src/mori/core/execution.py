@@ -13,7 +13,8 @@ decision               engine actions
                        the GPU: ``Offload`` its GPU KV (engine with ``OFFLOAD``)
 ``Demote`` to NONE     typed engine with ``LABELS``: label it inactive; otherwise,
                        leaving the GPU: ``Offload`` (engine with ``OFFLOAD``: the host
-                       tier keeps it if there is one) or else ``Drop`` (with ``DROP``)
+                       tier keeps it if there is one) or else ``Drop`` (with ``DROP``);
+                       nothing where the profile's ``drops_on_demote`` is off
 ``Release``            ``ReleaseKV`` on every replica (its KV is inactive)
 =====================  =============================================================
 
@@ -102,8 +103,9 @@ def engine_actions(d: Decision, profile: EngineProfile, caps: frozenset[Capabili
         return (SetLabel(d.program_id, d.replica, KVLabel.BUSY),) if labels else ()
     if labels:
         return (SetLabel(d.program_id, d.replica, _DEMOTE_LABEL[d.to]),)
-    if d.source is not Tier.GPU:
-        return ()  # a CPU-queue program pushed to Waiting: an untyped engine's LRU decides
+    if d.source is not Tier.GPU or not profile.drops_on_demote:
+        return ()  # an untyped engine's LRU decides (a CPU-queue program pushed to
+        #            Waiting; a ThunderAgent pause, which tells the engine nothing)
     if Capability.OFFLOAD in caps:
         return (Offload(d.program_id, d.replica),)
     if d.to is Tier.NONE and Capability.DROP in caps:

@@ -31,6 +31,10 @@ class PolicyConfig:
     ``exclude_gated``: leave scheduler-imposed time out of idleness.
     ``binary_threshold``: iota at or above which ``mori-binary`` calls a program idle.
     ``page_tokens``: KV is accounted in whole pages of this many tokens.
+    ``acting_token_weight``: the weight of an Acting program's tokens in ThunderAgent's
+    capacity (its ``--acting-token-weight``, 1.0).
+    ``acting_token_decay``: ThunderAgent's ``--use-acting-token-decay``: resume counts
+    an Acting program's tokens as ``tokens x 2^-t``, t seconds since its step ended.
     """
 
     tick_s: float = 5.0
@@ -38,6 +42,8 @@ class PolicyConfig:
     exclude_gated: bool = True
     binary_threshold: float = 0.5
     page_tokens: int = 64
+    acting_token_weight: float = 1.0
+    acting_token_decay: bool = False
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -48,6 +54,9 @@ class PolicyConfig:
             raise ValueError(f"binary_threshold must be in [0, 1], got {self.binary_threshold}")
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+        if not (self.acting_token_weight >= 0 and math.isfinite(self.acting_token_weight)):
+            raise ValueError("acting_token_weight must be a finite number >= 0, got "
+                             f"{self.acting_token_weight}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +66,14 @@ class EngineProfile:
     ``cpu_tier``: the engine keeps a CPU KV pool (HiCache / offload connector).
     ``typed_eviction``: the engine orders eviction and batch admission by MORI's type
     labels; otherwise plain LRU and first-come admission.
+    ``drops_on_demote``: a demotion off the GPU tells an untyped engine to offload or
+    drop the program's KV; False: the engine is told nothing and its LRU decides (a
+    ThunderAgent pause).
     """
 
     cpu_tier: bool
     typed_eviction: bool
+    drops_on_demote: bool = True
 
 
 class Policy(ABC):

@@ -133,7 +133,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
 
     ``programs`` counts the programs in all, ``programs_per_replica`` per replica (what
     ``--programs`` gives; derived, not a :class:`SimConfig` field). The policy knobs a
-    record carries are ``tick_s``, ``idleness_window`` and ``binary_threshold``;
+    record carries are ``tick_s``, ``idleness_window``, ``binary_threshold`` and
+    ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``;
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
     are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
@@ -149,7 +150,9 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "gpu_kv_tokens": c.gpu_kv_tokens, "cpu_kv_tokens": c.cpu_kv_tokens,
             "token_scale": c.token_scale, "time_scale": c.time_scale,
             "pcie_gbps": c.pcie_gbps, "tick_s": p.tick_s,
-            "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold}
+            "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold,
+            "acting_token_weight": p.acting_token_weight,
+            "acting_token_decay": p.acting_token_decay}
 
 
 RESULT_SETTINGS: tuple[str, ...] = tuple(settings_dict(SimConfig(), "", 0))

@@ -57,7 +57,8 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
     return out
 
 
-OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None}
+OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1.0,
+                                     "acting_token_decay": False}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 

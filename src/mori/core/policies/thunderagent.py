@@ -1,76 +1,278 @@
-"""The ThunderAgent baselines, as the MORI paper describes them (docs/system.md, "The paper's evaluation").
+"""The ThunderAgent baselines: ThunderAgent's scheduler as its source has it.
 
-ThunderAgent is program-aware: it pins a program's KV on the GPU across tool calls and
-admits programs while they fit. When the active programs' KV is over capacity (their
-contexts grew) it pauses programs, the smallest-context Acting ones first (cheapest to
-recompute), dropping their KV: there is no CPU queue in the scheduler. Paused and new
-programs with a held request are resumed when memory allows, the largest first; with
-several replicas only GPU residency counts as affinity: a paused program is cacheless
-and goes to the least-loaded replica (most free GPU KV) that holds it, wherever its KV
-may survive in an engine's CPU pool (the churn MORI removes). It never pauses a program
-to make room for another, and never looks at idleness. (This follows the MORI paper's
-description and the port of ThunderAgent's scheduler in NVIDIA Dynamo: pause Acting
-programs under memory pressure, resume when utilisation drops.)
+This follows ThunderAgent's own scheduler (``ThunderAgent/scheduler/router.py`` and
+``backend/state.py`` of its MIT-licensed source, ``wiki/Scheduler.md``; TR mode), rule
+for rule; the code here is ours. A cross-check test drives the real router class and
+this policy with the same scripted programs and asserts the same pause and resume
+decisions (``tests/core/test_thunderagent_crosscheck.py``).
+
+- **Capacity**, per backend, in tokens: ``reasoning + acting_token_weight x acting +
+  100 x programs`` against the engine's KV pool, where reasoning and acting are the
+  summed token counts of the backend's active programs by status (a program with a
+  request, held or running, is Reasoning), and 100 tokens per program is the decode
+  buffer. The shared-prefix term of the formula is always 0: ThunderAgent never calls
+  the code that would update it.
+- **A new program** (its first request) goes at once to the backend with the fewest
+  active tokens among those with room for it and its buffer, if no program is paused;
+  otherwise it joins the paused queue.
+- **Every 5 s** (``tick_s``) the scheduler first resumes, then pauses:
+  - *resume*: the paused programs, smallest first within each group and the groups in
+    the order: those with a held request that ran before, new programs (whose request
+    count is 1), then those without a request; taken while their tokens plus buffers fit
+    the backends' total remaining capacity, then placed largest first, each on the
+    backend with the most remaining capacity (skipping one too large for it; stopping
+    when even the smallest selected fits nowhere);
+  - *pause*, on each backend over capacity: its Acting programs, smallest first; when
+    none is left, its Reasoning programs are marked, smallest first, and paused when
+    their step ends. (ThunderAgent's loop tests the remaining capacity, which marking
+    does not change, so it marks every Reasoning program of a backend still over
+    capacity.)
+- A program held for 30 minutes is resumed regardless of capacity, on the backend it
+  was paused from (a new one: the backend with the fewest programs).
+- A paused program's KV is left to the engine: ThunderAgent stops counting it and tells
+  the engine nothing, so the engine's own LRU decides whether it survives. The ledger
+  therefore does not bound the GPU tier (the engine does); the capacity rules above are
+  the scheduler's own accounting.
+- ``acting_token_decay`` (ThunderAgent's ``--use-acting-token-decay``): resume counts
+  an Acting program's tokens as ``tokens x 2^-t``, t the seconds since its step ended.
 
 ``thunderagent+offload`` is the same scheduler in front of an engine with a CPU KV tier
-managed by plain LRU (HiCache), not coordinated with the scheduler: a paused program's
-KV may survive in the engine's CPU pool and be reloaded instead of recomputed.
+managed by plain LRU, not coordinated with the scheduler.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from mori.core.decisions import Decision
-from mori.core.policy import EngineProfile, Policy
+from mori.core.events import ProgramEnded, RequestArrived, StepFinished
+from mori.core.ledger import ClusterSpec
+from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
+BUFFER_PER_PROGRAM = 100
+"""Tokens ThunderAgent reserves per active program for decode headroom."""
 
-def _small_first(p: Program) -> tuple[int, int]:
-    return (p.kv_bytes, p.ready_seq)
+FORCE_RESUME_S = 1800.0
+"""Seconds a held program waits before ThunderAgent resumes it regardless of capacity."""
+
+
+@dataclass(slots=True)
+class _Paused:
+    """An entry of the paused queue: the program's tokens and request count when it
+    was paused, and the backend it left (None for a new program)."""
+
+    tokens: int
+    requests: int
+    origin: int | None
 
 
 class ThunderAgentPolicy(Policy):
     name = "thunderagent"
-    description = "ThunderAgent: program-aware pinning, smallest-context pause, no offload"
-    engine_profile = EngineProfile(cpu_tier=False, typed_eviction=False)
+    description = "ThunderAgent's scheduler: capacity by tokens, pause smallest Acting, no offload"
+    engine_profile = EngineProfile(cpu_tier=False, typed_eviction=False, drops_on_demote=False)
 
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        gpu = cluster.gpu_bytes
+        self.capacity_tokens: float = float("inf") if gpu is None else gpu // kv_bytes_per_token
+        super().__init__(cluster, kv_bytes_per_token, config)
+        self.paused: dict[str, _Paused] = {}  # ThunderAgent's global waiting queue, in order
+        self.marked: set[str] = set()  # Reasoning programs to pause when their step ends
+        self.requests: dict[str, int] = {}  # requests each program has sent (step_count)
+        self._acting_since: dict[str, float] = {}
+        self._held_since: dict[str, float] = {}  # programs waiting in the paused queue
+        self._events: list[tuple[str, str]] = []  # ("new" | "pause", program) to handle
+        self._next_check = self.config.tick_s
+
+    def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
+        return ClusterSpec(cluster.replicas, None, 0)  # the engine bounds memory
+
+    # -- observations -----------------------------------------------------------------
+    def _on_arrival(self, ev: RequestArrived, now: float) -> None:
+        super()._on_arrival(ev, now)
+        pid = ev.program_id
+        self.requests[pid] = self.requests.get(pid, 0) + 1
+        self._acting_since.pop(pid, None)
+        if pid in self.paused:
+            self._held_since[pid] = now
+        elif self.programs[pid].tier is not Tier.GPU:
+            self._events.append(("new", pid))
+
+    def _on_finish(self, ev: StepFinished, now: float) -> None:
+        super()._on_finish(ev, now)
+        self._acting_since[ev.program_id] = now
+        if ev.program_id in self.marked:
+            self._events.append(("pause", ev.program_id))
+
+    def _on_end(self, ev: ProgramEnded, now: float) -> None:
+        super()._on_end(ev, now)
+        pid = ev.program_id
+        for d in (self.paused, self.requests, self._acting_since, self._held_since):
+            d.pop(pid, None)
+        self.marked.discard(pid)
+
+    # -- the scheduler's accounting ------------------------------------------------------
+    def _reasoning(self, p: Program) -> bool:
+        return p.status is not Status.ACTING
+
+    def remaining(self, replica: int, now: float | None = None) -> float:
+        """The backend's remaining capacity in tokens (negative when over); with ``now``,
+        the decayed estimate resume uses under ``acting_token_decay``."""
+        reasoning = acting = 0.0
+        members = self.placement.gpu[replica].members
+        for pid in members:
+            p = self.programs[pid]
+            if self._reasoning(p):
+                reasoning += p.tokens
+            elif now is None:
+                acting += p.tokens
+            elif pid in self._acting_since:
+                acting += p.tokens * 2.0 ** -(now - self._acting_since[pid])
+        weight = 1.0 if now is not None else self.config.acting_token_weight
+        used = int(reasoning + weight * acting) + BUFFER_PER_PROGRAM * len(members)
+        return self.capacity_tokens - used
+
+    def _active_tokens(self, replica: int) -> int:
+        reasoning = acting = 0
+        for pid in self.placement.gpu[replica].members:
+            p = self.programs[pid]
+            if self._reasoning(p):
+                reasoning += p.tokens
+            else:
+                acting += p.tokens
+        return int(reasoning + self.config.acting_token_weight * acting)
+
+    # -- decisions ----------------------------------------------------------------------
     def _decide(self, now: float, out: list[Decision]) -> None:
-        pl = self.placement
-        for gq in pl.gpu:
-            if gq.over():
-                members = [self.programs[pid] for pid in gq.members]
-                order = sorted((p for p in members if p.status is Status.ACTING),
-                               key=_small_first)
-                order += sorted((p for p in members if p.status is Status.GATED),
-                                key=_small_first)
-                for p in order:
-                    if not gq.over():
-                        break
-                    self._demote_to(p, Tier.NONE, None, out)
+        events, self._events = self._events, []
+        for kind, pid in events:
+            p = self.programs.get(pid)
+            if p is None:
+                continue
+            if kind == "new":
+                self._admit_new(p, now, out)
+            elif pid in self.marked and p.status is Status.ACTING:
+                self.marked.discard(pid)
+                self._pause(p, out)
         for p in sorted((q for q in self._ready.values() if q.tier is Tier.GPU),
                         key=lambda q: q.ready_seq):
             self._forward(p, now, out)
-        cands = sorted((p for p in self._ready.values() if p.tier is not Tier.GPU),
-                       key=lambda p: (-p.kv_bytes, p.ready_seq))
-        cap = self.cluster.gpu_bytes
-        gpus = pl.gpu
-        # the least-loaded replica (most free GPU KV, the lowest index on a tie), found
-        # again only after a placement: a candidate fits somewhere iff it fits there
+        for pid, since in list(self._held_since.items()):
+            if now - since >= FORCE_RESUME_S and pid in self.paused:
+                self._force_resume(self.programs[pid], now, out)
+        if now >= self._next_check:
+            while self._next_check <= now:
+                self._next_check += self.config.tick_s
+            self._greedy_resume(now, out)
+            for r in range(self.cluster.replicas):
+                if self.remaining(r) < 0:
+                    self._pause_until_safe(r, out)
+
+    def _admit_new(self, p: Program, now: float, out: list[Decision]) -> None:
+        """A new program's first request: to the backend with the fewest active tokens
+        that has room, if nothing is paused; otherwise into the paused queue."""
         best: int | None = None
-        for c in cands:  # largest first, onto the least-loaded replica that holds it
-            if cap is not None and c.kv_bytes > cap:
+        if not self.paused:
+            least = float("inf")
+            for r in range(self.cluster.replicas):
+                if self.remaining(r) < p.tokens + BUFFER_PER_PROGRAM:
+                    continue
+                active = self._active_tokens(r)
+                if active < least:
+                    least, best = active, r
+        if best is not None:
+            self._resume(p, best, now, out)
+        else:
+            self.paused[p.program_id] = _Paused(p.tokens, self.requests[p.program_id], None)
+            self._held_since[p.program_id] = now
+
+    def _pause(self, p: Program, out: list[Decision]) -> None:
+        assert p.replica is not None and p.tier is Tier.GPU
+        self.paused[p.program_id] = _Paused(p.tokens, self.requests.get(p.program_id, 0),
+                                            p.replica)
+        self._demote_to(p, Tier.NONE, None, out)
+
+    def _resume(self, p: Program, replica: int, now: float, out: list[Decision]) -> None:
+        self.paused.pop(p.program_id, None)
+        self._held_since.pop(p.program_id, None)
+        self._promote(p, replica, out)
+        if p.ready:
+            self._forward(p, now, out)
+
+    def _force_resume(self, p: Program, now: float, out: list[Decision]) -> None:
+        origin = self.paused[p.program_id].origin
+        if origin is None:  # the backend with the fewest programs, the first on a tie
+            counts = [len(q.members) for q in self.placement.gpu]
+            origin = min(range(len(counts)), key=lambda r: (counts[r], r))
+        self._resume(p, origin, now, out)
+
+    def _greedy_resume(self, now: float, out: list[Decision]) -> None:
+        decay = self.config.acting_token_decay
+        caps: list[tuple[int, float]] = []
+        for r in range(self.cluster.replicas):
+            rem = self.remaining(r, now if decay else None)
+            if rem > BUFFER_PER_PROGRAM:
+                caps.append((r, rem))
+        total = sum(rem for _, rem in caps)
+        if not caps or total <= 0 or not self.paused:
+            return
+        order = sorted(self.paused.items(), key=lambda kv: kv[1].tokens)
+        groups: tuple[list[Program], list[Program], list[Program]] = ([], [], [])
+        for pid, _info in order:
+            p = self.programs[pid]
+            if self.requests.get(pid, 0) == 1:
+                groups[1].append(p)  # new
+            elif self._reasoning(p):
+                groups[0].append(p)  # a held request, ran before
+            else:
+                groups[2].append(p)  # no request
+        chosen: list[Program] = []
+        cumulative = 0
+        for p in (*groups[0], *groups[1], *groups[2]):
+            need = p.tokens + BUFFER_PER_PROGRAM
+            if cumulative + need <= total:
+                chosen.append(p)
+                cumulative += need
+        if not chosen:
+            return
+        chosen.sort(key=lambda p: -p.tokens)
+        caps.sort(key=lambda c: -c[1])
+        smallest = chosen[-1].tokens + BUFFER_PER_PROGRAM
+        for p in chosen:
+            if not caps or smallest > caps[0][1]:
+                break
+            need = p.tokens + BUFFER_PER_PROGRAM
+            if need > caps[0][1]:
                 continue
-            if best is None:
-                best = max(range(len(gpus)), key=lambda r: (gpus[r].free(), -r))
-            if gpus[best].free() >= c.kv_bytes:
-                self._promote(c, best, out)
-                self._forward(c, now, out)
-                best = None
-            # a program that does not fit stays paused until memory frees up: programs
-            # end, or active ones grow past capacity and the smallest Acting is paused
+            r, rem = caps[0]
+            self._resume(p, r, now, out)
+            left = rem - need
+            if left > BUFFER_PER_PROGRAM:
+                caps[0] = (r, left)
+                caps.sort(key=lambda c: -c[1])
+            else:
+                caps.pop(0)
+
+    def _pause_until_safe(self, replica: int, out: list[Decision]) -> None:
+        members = self.placement.gpu[replica].members
+        while self.remaining(replica) < 0:
+            # in program-table order, so that equal sizes break ties as ThunderAgent's do
+            on = [p for pid, p in self.programs.items() if pid in members]
+            acting = sorted((p for p in on if p.status is Status.ACTING),
+                            key=lambda p: p.tokens)
+            if acting:
+                self._pause(acting[0], out)
+                continue
+            reasoning = sorted((p for p in on if self._reasoning(p)
+                                and p.program_id not in self.marked), key=lambda p: p.tokens)
+            if not reasoning:
+                break
+            self.marked.add(reasoning[0].program_id)
 
 
 class ThunderAgentOffloadPolicy(ThunderAgentPolicy):
     name = "thunderagent+offload"
     description = "ThunderAgent with an uncoordinated LRU CPU tier in the engine (TA+O)"
-    engine_profile = EngineProfile(cpu_tier=True, typed_eviction=False)
+    engine_profile = EngineProfile(cpu_tier=True, typed_eviction=False, drops_on_demote=False)
