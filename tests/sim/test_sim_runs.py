@@ -129,7 +129,8 @@ def test_the_policy_gets_the_configured_knobs_and_the_presets_pages() -> None:
                      default_traces())
     page = sim.cost.preset.page_tokens
     assert page != 1
-    assert sim.policy.config == dataclasses.replace(knobs, page_tokens=page)
+    # the reload bandwidth (mori-ski's guard) is the link the run models, 50 GB/s here
+    assert sim.policy.config == dataclasses.replace(knobs, page_tokens=page, reload_gbps=50.0)
     row = sim.run().to_dict()
     assert (row["tick_s"], row["idleness_window"], row["binary_threshold"]) == (2.0, 3, 0.25)
 

@@ -220,6 +220,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("acting_token_decay", bool, _POLICY.acting_token_decay,
            help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
                 "acting (ThunderAgent's --use-acting-token-decay; default: off)"),
+    Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
+           help="mori-ski: the reload bandwidth its guard assumes (default: the simulated "
+                "link, --pcie-gbps or the preset's)"),
     Option("jobs", int, 1, metavar="N",
            help="runs in parallel processes (0: one per CPU); results keep the grid order "
                 "either way"),
@@ -262,6 +265,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("acting_token_decay", bool, _POLICY.acting_token_decay,
            help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
                 "acting (default: off)"),
+    Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
+           help="mori-ski: the KV reload bandwidth of the engines, GB/s per GPU "
+                "(default: 25)"),
     Option("time_scale", float, _GATEWAY.time_scale, metavar="X",
            help="policy and simulated-engine seconds per wall second (> 1 runs traces "
                 "faster than real time)"),

@@ -65,6 +65,7 @@ class Settings:
     window: int
     acting_token_weight: float
     acting_token_decay: bool
+    reload_gbps: float | None
     jobs: int
     quiet: bool
 

@@ -35,6 +35,9 @@ class PolicyConfig:
     capacity (its ``--acting-token-weight``, 1.0).
     ``acting_token_decay``: ThunderAgent's ``--use-acting-token-decay``: resume counts
     an Acting program's tokens as ``tokens x 2^-t``, t seconds since its step ended.
+    ``reload_gbps``: the host-to-GPU bandwidth of a KV reload as ``mori-ski`` estimates
+    it, GB/s of policy time (None: the simulator gives its modelled link; elsewhere
+    ``DEFAULT_RELOAD_GBPS``).
     """
 
     tick_s: float = 5.0
@@ -44,6 +47,7 @@ class PolicyConfig:
     page_tokens: int = 64
     acting_token_weight: float = 1.0
     acting_token_decay: bool = False
+    reload_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -54,6 +58,9 @@ class PolicyConfig:
             raise ValueError(f"binary_threshold must be in [0, 1], got {self.binary_threshold}")
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+        if self.reload_gbps is not None and not (self.reload_gbps > 0
+                                                 and math.isfinite(self.reload_gbps)):
+            raise ValueError(f"reload_gbps must be a positive number, got {self.reload_gbps}")
         if not (self.acting_token_weight >= 0 and math.isfinite(self.acting_token_weight)):
             raise ValueError("acting_token_weight must be a finite number >= 0, got "
                              f"{self.acting_token_weight}")

@@ -134,7 +134,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     ``programs`` counts the programs in all, ``programs_per_replica`` per replica (what
     ``--programs`` gives; derived, not a :class:`SimConfig` field). The policy knobs a
     record carries are ``tick_s``, ``idleness_window``, ``binary_threshold`` and
-    ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``;
+    ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``, and the
+    ``reload_gbps`` asked for (None: the simulated link's);
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
     are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
@@ -152,7 +153,7 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "pcie_gbps": c.pcie_gbps, "tick_s": p.tick_s,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold,
             "acting_token_weight": p.acting_token_weight,
-            "acting_token_decay": p.acting_token_decay}
+            "acting_token_decay": p.acting_token_decay, "reload_gbps": p.reload_gbps}
 
 
 RESULT_SETTINGS: tuple[str, ...] = tuple(settings_dict(SimConfig(), "", 0))

@@ -126,9 +126,12 @@ class Simulation:
         self.kv_bytes = kv_bytes
         cluster = ClusterSpec(config.replicas, self.gpu_pages * page * kv_bytes,
                               self.cpu_pages * page * kv_bytes)
+        knobs = config.policy_config
+        if knobs.reload_gbps is None:  # the link this run models, in policy time
+            knobs = dataclasses.replace(
+                knobs, reload_gbps=preset.gpu.pcie_bw / 1e9 / config.time_scale)
         self.policy: Policy = build_policy(config.policy, cluster, kv_bytes,
-                                           dataclasses.replace(config.policy_config,
-                                                               page_tokens=page))
+                                           dataclasses.replace(knobs, page_tokens=page))
         self.loop = EventLoop()
         typed = policy_cls.engine_profile.typed_eviction
         self.engines = [

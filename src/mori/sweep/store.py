@@ -52,13 +52,13 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
     keys of earlier runs stay as they were."""
     out = _fields_dict(config)
     for name, default in OPTIONAL_SETTINGS.items():
-        if out.get(name) == default:
+        if name in out and out[name] == default:
             del out[name]
     return out
 
 
 OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1.0,
-                                     "acting_token_decay": False}
+                                     "acting_token_decay": False, "reload_gbps": None}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 

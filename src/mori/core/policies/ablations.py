@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori import MoriPolicy, _Iota
@@ -53,9 +55,8 @@ class MoriNoExclusionPolicy(MoriPolicy):
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None) -> None:
         base = config or PolicyConfig()
-        super().__init__(cluster, kv_bytes_per_token, PolicyConfig(
-            tick_s=base.tick_s, idleness_window=base.idleness_window, exclude_gated=False,
-            binary_threshold=base.binary_threshold, page_tokens=base.page_tokens))
+        super().__init__(cluster, kv_bytes_per_token,
+                         dataclasses.replace(base, exclude_gated=False))
 
 
 class MoriStrictPolicy(MoriPolicy):

@@ -56,6 +56,11 @@ class MoriPolicy(Policy):
         """
         return True
 
+    def _displaceable(self, p: Program, now: float) -> bool:
+        """May the Acting program ``p`` be demoted now to make room for a ready one?
+        (Always in MORI; ``mori-ski`` waits until it has acted as long as a reload.)"""
+        return True
+
     def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
         """Moves made on every decision round regardless of demand (none for MORI)."""
 
@@ -212,7 +217,8 @@ class MoriPolicy(Policy):
             gq = self.placement.gpu[r]
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING
-                             and self._victim_ok(iota(p), mine)), key=iota.desc)
+                             and self._victim_ok(iota(p), mine)
+                             and self._displaceable(p, now)), key=iota.desc)
             reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
                             and self._victim_ok(iota(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
