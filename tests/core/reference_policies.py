@@ -90,7 +90,7 @@ def reference(name: str) -> type[Policy]:
     for straight in (StraightMori,):
         base = straight.__mro__[1]
         if issubclass(cls, base):
-            # the policy's own overrides (ablations, mori-spread) stay; the round is
+            # the policy's own overrides (ablations, variants) stay; the round is
             # the straightforward one
             return type(f"Reference{cls.__name__}", (_round_of(straight), cls), {})
     return cls  # no optimized round (smg, thunderagent): its own code is the reference

@@ -49,44 +49,46 @@ def test_waiting_programs_placed_best_fit_decreasing() -> None:
     assert [q.used for q in p.placement.gpu] == [100, 100]
 
 
-def test_mori_packs_three_small_programs_onto_one_replica() -> None:
+def test_mori_uses_all_three_replicas_for_three_small_programs() -> None:
     p = make("mori", gpu=100, cpu=100, replicas=3)
     for x in "ABC":
         step(p, 0.0, arrive(x, 10))
-    assert [where(p, x) for x in "ABC"] == [(GPU, 0)] * 3  # the paper's rule: 2 idle
-
-
-def test_mori_spread_uses_all_three_replicas() -> None:
-    p = make("mori-spread", gpu=100, cpu=100, replicas=3)
-    for x in "ABC":
-        step(p, 0.0, arrive(x, 10))
     assert sorted(where(p, x)[1] for x in "ABC") == [0, 1, 2]
-    # arriving together: the largest first, each onto the replica running the fewest
-    q = make("mori-spread", gpu=100, cpu=100, replicas=3)
+    # arriving together: the largest first, each onto the replica holding the fewest
+    q = make("mori", gpu=100, cpu=100, replicas=3)
     assert step(q, 0.0, arrive("X", 10), arrive("Y", 30), arrive("Z", 20)) == [
         Promote("Y", 0, NONE), Forward("Y", 0), Promote("Z", 1, NONE), Forward("Z", 1),
         Promote("X", 2, NONE), Forward("X", 2)]
 
 
-def test_mori_spread_goes_to_the_replica_running_the_fewest() -> None:
-    p = make("mori-spread", gpu=100, cpu=100, replicas=2)
-    step(p, 0.0, arrive("A", 20), arrive("B", 20))  # one each
-    step(p, 1.0, fin("A", 20))  # A acts: replica 0 runs nothing, replica 1 runs B
-    # C fits both; replica 0 is idle in compute (A only holds memory there)
-    assert step(p, 2.0, arrive("C", 20)) == [Promote("C", 0, NONE), Forward("C", 0)]
+def test_mori_pack_keeps_the_papers_rule_and_leaves_two_replicas_idle() -> None:
+    p = make("mori-pack", gpu=100, cpu=100, replicas=3)
+    for x in "ABC":
+        step(p, 0.0, arrive(x, 10))
+    assert [where(p, x) for x in "ABC"] == [(GPU, 0)] * 3
 
 
-def test_mori_spread_packs_once_memory_binds() -> None:
+def test_mori_spreads_to_the_replica_holding_the_fewest_programs() -> None:
+    p = make("mori", gpu=100, cpu=100, replicas=2)
+    assert step(p, 0.0, arrive("A", 30)) == [Promote("A", 0, NONE), Forward("A", 0)]
+    assert step(p, 0.0, arrive("B", 20)) == [Promote("B", 1, NONE), Forward("B", 1)]
+    # one each: the tie goes to the tighter fit (replica 0: 70 free against 80)
+    assert step(p, 0.0, arrive("C", 10)) == [Promote("C", 0, NONE), Forward("C", 0)]
+    step(p, 1.0, fin("A", 30))  # A acts: it still holds its place on replica 0
+    assert step(p, 2.0, arrive("D", 10)) == [Promote("D", 1, NONE), Forward("D", 1)]
+
+
+def test_mori_packs_once_memory_binds() -> None:
     def two_replicas() -> Policy:
-        p = make("mori-spread", gpu=100, cpu=100, replicas=2)
-        step(p, 0.0, arrive("A", 84))  # replica 0, still reasoning
-        step(p, 0.0, arrive("B", 82))  # replica 1 (none running there)
-        step(p, 1.0, fin("B", 82))  # replica 0 runs A, replica 1 runs nothing
+        p = make("mori", gpu=100, cpu=100, replicas=2)
+        step(p, 0.0, arrive("A", 60))  # replica 0
+        step(p, 0.0, arrive("B", 60))  # replica 1
+        step(p, 0.0, arrive("C", 10))  # a tie (one each, 30 left either way): replica 0
         return p
 
-    # 84 + 82 + 12 = 178 of 200 (at most 90%): spread, onto the replica running nothing
-    assert step(two_replicas(), 2.0, arrive("C", 12)) == [Promote("C", 1, NONE),
-                                                           Forward("C", 1)]
-    # 84 + 82 + 16 = 182 (over 90%): memory binds, packed as MORI packs (the tightest fit)
-    assert step(two_replicas(), 2.0, arrive("C", 16)) == [Promote("C", 0, NONE),
-                                                           Forward("C", 0)]
+    # 130 + 5 = 135 of 200 (at most 70%): spread, onto replica 1 (one program, not two)
+    assert step(two_replicas(), 1.0, arrive("D", 5)) == [Promote("D", 1, NONE),
+                                                          Forward("D", 1)]
+    # 130 + 15 = 145 (over 70%): memory binds, packed (the tightest fit, replica 0)
+    assert step(two_replicas(), 1.0, arrive("D", 15)) == [Promote("D", 0, NONE),
+                                                           Forward("D", 0)]

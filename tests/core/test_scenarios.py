@@ -231,8 +231,9 @@ def test_c_returning_before_new_smallest_new_first() -> None:
 
 def test_c_candidate_not_evicted_from_cpu_two_replicas() -> None:
     # regression: the candidate X was evicted to Waiting by the room made for it, then
-    # held (its turn in the round was over) although replica 1 was empty
-    p = make("mori", gpu=100, cpu=60, replicas=2)
+    # held (its turn in the round was over) although replica 1 was empty (packed
+    # placement, as this was found: MORI itself spreads the first programs)
+    p = make("mori-pack", gpu=100, cpu=60, replicas=2)
     step(p, 0.0, arrive("X", 60))
     step(p, 0.0, arrive("R", 40))
     step(p, 0.0, arrive("Y", 100))
@@ -417,7 +418,7 @@ _H_LAZY = ([], [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)
 H_END = {
     "mori": _H_LAZY,
     "mori-no-exclusion": _H_LAZY,
-    "mori-spread": _H_LAZY,  # one replica: MORI
+    "mori-pack": _H_LAZY,  # one replica: MORI
     "mori-strict": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     "mori-binary": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     # A has acted 0 s when its step ends, less than any reload: it is not displaced
@@ -466,7 +467,8 @@ def test_i_forward_before_promote_is_caught() -> None:
 
 # -- several replicas --------------------------------------------------------------------------
 def test_best_fit_and_cpu_affinity() -> None:
-    p = make("mori", gpu=100, cpu=100, replicas=2)
+    # packed placement (mori-pack; MORI itself spreads while memory does not bind)
+    p = make("mori-pack", gpu=100, cpu=100, replicas=2)
     assert step(p, 0.0, arrive("A", 60)) == [Promote("A", 0, NONE), Forward("A", 0)]
     assert step(p, 0.0, arrive("B", 30)) == [Promote("B", 0, NONE), Forward("B", 0)]
     assert step(p, 0.0, arrive("C", 50)) == [Promote("C", 1, NONE), Forward("C", 1)]

@@ -1,8 +1,10 @@
 """The discrete-event simulator: engine replicas, closed-loop replay, metrics."""
 
-MODEL_VERSION = 2
+MODEL_VERSION = 3
 """Bumped whenever a change to the simulator or a policy changes results for the same
 settings, so stored sweep results from an older model are not reused.
 
 2: ``thunderagent`` follows ThunderAgent's own scheduler (token capacity with buffers,
-pauses and resumes on a 5 s check, a pause leaves the KV to the engine's LRU)."""
+pauses and resumes on a 5 s check, a pause leaves the KV to the engine's LRU).
+3: ``mori`` spreads admitted cacheless programs by load across replicas while memory
+does not bind (``mori-pack`` keeps the paper's packing)."""

@@ -6,12 +6,12 @@ from mori.core.ledger import ClusterSpec
 from mori.core.policies.ablations import (
     MoriBinaryPolicy,
     MoriNoExclusionPolicy,
+    MoriPackPolicy,
     MoriStrictPolicy,
 )
 from mori.core.policies.mori import MoriPolicy
 from mori.core.policies.ski import MoriSkiPolicy
 from mori.core.policies.smg import SMGPolicy
-from mori.core.policies.spread import MoriSpreadPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
@@ -20,7 +20,7 @@ from mori.core.registry import Registry
 def _build() -> Registry[type[Policy]]:
     reg: Registry[type[Policy]] = Registry("policy")
     for cls in (MoriPolicy, SMGPolicy, ThunderAgentPolicy, ThunderAgentOffloadPolicy,
-                MoriBinaryPolicy, MoriNoExclusionPolicy, MoriStrictPolicy, MoriSpreadPolicy,
+                MoriBinaryPolicy, MoriNoExclusionPolicy, MoriStrictPolicy, MoriPackPolicy,
                 MoriSkiPolicy):
         reg.register(cls.name, cls)
     reg.freeze()
@@ -46,4 +46,4 @@ def build_policy(name: str, cluster: ClusterSpec, kv_bytes_per_token: int,
 
 __all__ = ["POLICIES", "PAPER_POLICIES", "build_policy", "MoriPolicy", "SMGPolicy", "ThunderAgentPolicy",
            "ThunderAgentOffloadPolicy", "MoriBinaryPolicy", "MoriNoExclusionPolicy", "MoriStrictPolicy",
-           "MoriSpreadPolicy", "MoriSkiPolicy"]
+           "MoriPackPolicy", "MoriSkiPolicy"]

@@ -10,6 +10,8 @@
   while a ready program waits for a busy one's phase to change.
 - ``mori-no-exclusion``: MORI with the scheduler's gated time counted as acting time in
   the idleness window, to show the feedback loop the exclusion prevents.
+- ``mori-pack``: the paper's placement of cacheless programs, Best-Fit-Decreasing
+  always; MORI spreads them by load while memory does not bind (``mori.SPREAD_BELOW``).
 """
 
 from __future__ import annotations
@@ -65,3 +67,11 @@ class MoriStrictPolicy(MoriPolicy):
 
     def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
         return victim_iota > cand_iota
+
+
+class MoriPackPolicy(MoriPolicy):
+    name = "mori-pack"
+    description = "ablation: the paper's placement, cacheless programs always packed"
+
+    def _spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
+        return None

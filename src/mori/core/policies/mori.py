@@ -18,7 +18,11 @@ Every rule of section 4, and where a detail is ours:
   to its own replica (affinity: it reloads locally). Cacheless (Waiting) programs are
   admitted in priority order while the replicas' free space together holds them, and
   placed by Best-Fit-Decreasing: the largest first, each onto the replica where it fits
-  most tightly.
+  most tightly. Ours, not the paper's: while memory does not bind (the GPU tiers, with
+  the round's admitted programs added, would be at most ``SPREAD_BELOW`` full), each
+  admitted program goes instead, largest first, to the replica holding the fewest
+  programs that has room (ties: the tightest fit), so that at low load no replica sits
+  idle while another runs everything (``mori-pack`` keeps the paper's rule).
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
   GPU are demoted, highest iota first (a ready program outranks an idle one: ours, see
   ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
@@ -36,6 +40,9 @@ from mori.core.decisions import Decision
 from mori.core.policy import EngineProfile, Policy
 from mori.core.program import Program
 from mori.core.types import Status, Tier
+
+SPREAD_BELOW = 0.7
+"""Admitted programs are spread by load while the GPU tiers would be at most this full."""
 
 
 class MoriPolicy(Policy):
@@ -198,8 +205,30 @@ class MoriPolicy(Policy):
 
     def _spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
         """Where the admitted cacheless programs go instead of Best-Fit-Decreasing
-        (program id -> replica), or None to pack them (MORI; ``mori-spread`` spreads)."""
-        return None
+        (program id -> replica), or None to pack them: spread while memory does not
+        bind, each to the replica holding the fewest programs that has room."""
+        gpus = self.placement.gpu
+        n = len(gpus)
+        if n == 1 or not order:
+            return None
+        total = sum(gq.capacity or 0 for gq in gpus)
+        if sum(gq.used for gq in gpus) + sum(c.kv_bytes for c in order) > SPREAD_BELOW * total:
+            return None  # memory binds: pack
+        free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
+        # a replica's load: the programs it holds. With few programs most are Acting at
+        # any instant, so the count balances their steps to come better than the
+        # requests running now
+        load = [len(gq.members) for gq in gpus]
+        out: dict[str, int] = {}
+        for c in order:
+            fits = [r for r in range(n) if free[r] >= c.kv_bytes]
+            if not fits:
+                return None
+            r = min(fits, key=lambda r: (load[r], free[r] - c.kv_bytes, r))
+            out[c.program_id] = r
+            free[r] -= c.kv_bytes
+            load[r] += 1
+        return out
 
     def _best_fit(self, c: Program, reserve: list[int]) -> int | None:
         best: tuple[float, int] | None = None
