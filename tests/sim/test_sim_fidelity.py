@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -12,18 +10,13 @@ from typing import Any
 import pytest
 
 from mori.traces import default_traces
+from support.bench_module import load_bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sim_fidelity.py"
 
 
 @pytest.fixture(scope="module")
 def fidelity_mod() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_fidelity", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("sim_fidelity")
 
 
 def bench_doc(cpu_blocks: int) -> dict[str, Any]:

@@ -3,9 +3,6 @@ the run they watch, and watching changes no decision."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -13,18 +10,12 @@ import pytest
 from mori.sim.config import SimConfig
 from mori.sim.runner import Simulation
 from mori.traces import default_traces
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "ta_churn.py"
+from support.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def churn() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ta_churn", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("ta_churn")
 
 
 def test_counts_match_the_decisions_and_change_none(churn: ModuleType) -> None:

@@ -152,6 +152,19 @@ def _default_text(opt: Option) -> str:
     return f" (default: {shown})"
 
 
+_VARIANT_KNOBS: tuple[Option, ...] = (
+    Option("acting_token_weight", float, _POLICY.acting_token_weight, metavar="W",
+           help="thunderagent: weight of an Acting program's tokens in its capacity"),
+    Option("acting_token_decay", bool, _POLICY.acting_token_decay,
+           help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
+                "acting (ThunderAgent's --use-acting-token-decay; default: off)"),
+    Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
+           help="mori-ski: the KV reload bandwidth its guard assumes, GB/s per GPU "
+                "(default: in mori simulate the simulated link, --pcie-gbps or the "
+                "preset's; in mori serve 25)"),
+)
+"""The knobs of single policies that `mori simulate` and `mori serve` both take."""
+
 OPTIONS: tuple[Option, ...] = (
     Option("policy", str, tuple(PAPER_POLICIES), metavar="A,B,...", multi=True,
            help="policies to compare; one run per policy at every grid point; "
@@ -215,14 +228,7 @@ OPTIONS: tuple[Option, ...] = (
            help="period of the policy's control loop, seconds"),
     Option("window", int, _POLICY.idleness_window, metavar="K", field="idleness_window",
            help="idleness window: the number of recent cycles a program's idleness ranks by"),
-    Option("acting_token_weight", float, _POLICY.acting_token_weight, metavar="W",
-           help="thunderagent: weight of an Acting program's tokens in its capacity"),
-    Option("acting_token_decay", bool, _POLICY.acting_token_decay,
-           help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
-                "acting (ThunderAgent's --use-acting-token-decay; default: off)"),
-    Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
-           help="mori-ski: the reload bandwidth its guard assumes (default: the simulated "
-                "link, --pcie-gbps or the preset's)"),
+    *_VARIANT_KNOBS,
     Option("jobs", int, 1, metavar="N",
            help="runs in parallel processes (0: one per CPU); results keep the grid order "
                 "either way"),
@@ -260,14 +266,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="idleness window k in cycles"),
     Option("binary_threshold", float, _POLICY.binary_threshold, metavar="X",
            help="idleness threshold of mori-binary"),
-    Option("acting_token_weight", float, _POLICY.acting_token_weight, metavar="W",
-           help="thunderagent: weight of an Acting program's tokens in its capacity"),
-    Option("acting_token_decay", bool, _POLICY.acting_token_decay,
-           help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
-                "acting (default: off)"),
-    Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
-           help="mori-ski: the KV reload bandwidth of the engines, GB/s per GPU "
-                "(default: 25)"),
+    *_VARIANT_KNOBS,
     Option("time_scale", float, _GATEWAY.time_scale, metavar="X",
            help="policy and simulated-engine seconds per wall second (> 1 runs traces "
                 "faster than real time)"),
