@@ -13,7 +13,6 @@ from mori.traces import default_traces
 from support.bench_module import load_bench
 
 
-
 @pytest.fixture(scope="module")
 def fidelity_mod() -> ModuleType:
     return load_bench("sim_fidelity")
