@@ -156,8 +156,8 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
     Option("acting_token_weight", float, _POLICY.acting_token_weight, metavar="W",
            help="thunderagent: weight of an Acting program's tokens in its capacity"),
     Option("acting_token_decay", bool, _POLICY.acting_token_decay,
-           help="thunderagent: resume counts Acting tokens as tokens x 2^-t, t seconds "
-                "acting (ThunderAgent's --use-acting-token-decay; default: off)"),
+           help="thunderagent: resume counts an Acting program's tokens as tokens / 2^t, "
+                "t the seconds since its step ended (default: off)"),
     Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
            help="mori-ski: the KV reload bandwidth its guard assumes, GB/s per GPU "
                 "(default: in mori simulate the simulated link, --pcie-gbps or the "
