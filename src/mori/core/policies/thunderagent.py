@@ -117,24 +117,8 @@ class ThunderAgentPolicy(Policy):
     def _reasoning(self, p: Program) -> bool:
         return p.status is not Status.ACTING
 
-    def remaining(self, replica: int, now: float | None = None) -> float:
-        """The backend's remaining capacity in tokens (negative when over); with ``now``,
-        the decayed estimate resume uses under ``acting_token_decay``."""
-        reasoning = acting = 0.0
-        members = self.placement.gpu[replica].members
-        for pid in members:
-            p = self.programs[pid]
-            if self._reasoning(p):
-                reasoning += p.tokens
-            elif now is None:
-                acting += p.tokens
-            elif pid in self._acting_since:
-                acting += p.tokens * 2.0 ** -(now - self._acting_since[pid])
-        weight = 1.0 if now is not None else self.config.acting_token_weight
-        used = int(reasoning + weight * acting) + BUFFER_PER_PROGRAM * len(members)
-        return self.capacity_tokens - used
-
-    def _active_tokens(self, replica: int) -> int:
+    def _tokens(self, replica: int) -> tuple[int, int]:
+        """The summed tokens of the backend's Reasoning and of its Acting programs."""
         reasoning = acting = 0
         for pid in self.placement.gpu[replica].members:
             p = self.programs[pid]
@@ -142,6 +126,27 @@ class ThunderAgentPolicy(Policy):
                 reasoning += p.tokens
             else:
                 acting += p.tokens
+        return reasoning, acting
+
+    def remaining(self, replica: int, now: float | None = None) -> float:
+        """The backend's remaining capacity in tokens (negative when over); with ``now``,
+        the decayed estimate resume uses under ``acting_token_decay``."""
+        members = self.placement.gpu[replica].members
+        if now is None:
+            reasoning, acting = self._tokens(replica)
+            weighted = reasoning + self.config.acting_token_weight * acting
+        else:  # ThunderAgent's decayed estimate weighs each Acting program by 2^-t alone
+            weighted = 0.0
+            for pid in members:
+                p = self.programs[pid]
+                if self._reasoning(p):
+                    weighted += p.tokens
+                elif pid in self._acting_since:
+                    weighted += p.tokens * 2.0 ** -(now - self._acting_since[pid])
+        return self.capacity_tokens - (int(weighted) + BUFFER_PER_PROGRAM * len(members))
+
+    def _active_tokens(self, replica: int) -> int:
+        reasoning, acting = self._tokens(replica)
         return int(reasoning + self.config.acting_token_weight * acting)
 
     # -- decisions ----------------------------------------------------------------------
@@ -257,13 +262,14 @@ class ThunderAgentPolicy(Policy):
 
     def _pause_until_safe(self, replica: int, out: list[Decision]) -> None:
         members = self.placement.gpu[replica].members
+        # in program-table order, so that equal sizes break ties as ThunderAgent's do
+        on = [p for pid, p in self.programs.items() if pid in members]
         while self.remaining(replica) < 0:
-            # in program-table order, so that equal sizes break ties as ThunderAgent's do
-            on = [p for pid, p in self.programs.items() if pid in members]
             acting = sorted((p for p in on if p.status is Status.ACTING),
                             key=lambda p: p.tokens)
             if acting:
                 self._pause(acting[0], out)
+                on.remove(acting[0])
                 continue
             reasoning = sorted((p for p in on if self._reasoning(p)
                                 and p.program_id not in self.marked), key=lambda p: p.tokens)
