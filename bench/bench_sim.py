@@ -1,4 +1,4 @@
-"""Simulator speed and memory: 80 programs over one simulated hour.
+"""Simulator speed and memory: N programs on R replicas over one simulated hour.
 
 Each run happens in a fresh Python process so its peak resident memory can be read
 (``ru_maxrss`` of the child). Reports wall seconds, simulated seconds per wall second
@@ -7,44 +7,48 @@ the least work: no scheduling) measured in the same invocation, since these mach
 shared and noisy. A second figure, ``import``, is the bare interpreter + package import
 cost included in every run.
 
-    python bench/bench_sim.py [--programs 80] [--duration 3600] [--policies smg,mori,...]
+    python bench/bench_sim.py [--programs 80] [--replicas 1] [--cpu-ratio 1]
+                              [--duration 3600] [--policies smg,mori,...]
+
+``--programs`` is the total over all replicas (the fleet target: ``--programs 10000
+--replicas 128``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 
 CHILD = """
-import json, sys, time
+import json, resource, sys, time
 t0 = time.perf_counter()
 from mori.sim.config import SimConfig
 from mori.sim.runner import simulate
 from mori.traces import default_traces
 cfg = SimConfig(policy=sys.argv[1], programs=int(sys.argv[2]), duration_s=float(sys.argv[3]),
-                hardware=sys.argv[4])
+                hardware=sys.argv[4], replicas=int(sys.argv[5]), cpu_ratio=float(sys.argv[6]))
 r = simulate(cfg, default_traces())
 print(json.dumps({"wall": r.wall_s, "steps": r.steps, "events": r.events,
-                  "total": time.perf_counter() - t0}))
+                  "total": time.perf_counter() - t0,
+                  "rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
 
 def run_child(args: list[str]) -> tuple[dict[str, float], float]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out = subprocess.run([sys.executable, "-c", CHILD, *args], check=True,
                          capture_output=True, text=True).stdout
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of children is the max over all children so far (KiB on Linux)
-    return json.loads(out), max(peak, before) / 1024.0
+    res = json.loads(out)
+    return res, res["rss_kib"] / 1024.0  # the child's own peak (KiB on Linux)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--programs", type=int, default=80)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--cpu-ratio", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--hardware", default="h200-qwen3-30b-a3b")
     ap.add_argument("--policies", default="smg,thunderagent,thunderagent+offload,mori")
@@ -52,17 +56,18 @@ def main() -> None:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import mori.sim.runner, mori.traces"], check=True)
     imp = time.perf_counter() - t0
-    print(f"{args.programs} programs, {args.duration:.0f} simulated s on {args.hardware}")
+    print(f"{args.programs} programs on {args.replicas} replicas (cpu ratio {args.cpu_ratio:g}), "
+          f"{args.duration:.0f} simulated s on {args.hardware}")
     print(f"bare import of the package in a fresh process: {imp:.2f} s")
     print(f"{'policy':<22} {'sim wall s':>10} {'sim s/wall s':>13} {'events':>8} "
           f"{'peak RSS MiB':>13} {'wall vs smg':>12}")
     base = None
     for pol in args.policies.split(","):
-        res, rss = run_child([pol, str(args.programs), str(args.duration), args.hardware])
+        res, rss = run_child([pol, str(args.programs), str(args.duration), args.hardware,
+                              str(args.replicas), str(args.cpu_ratio)])
         base = base or res["wall"]
         print(f"{pol:<22} {res['wall']:>10.2f} {args.duration / res['wall']:>13.0f} "
               f"{int(res['events']):>8} {rss:>13.0f} {res['wall'] / base:>12.2f}")
-    print("(peak RSS is the running maximum over the child processes so far)")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,18 @@ def test_paper_definition_without_running_it() -> None:
     assert [r.config.policy for r in runs[:4]] == list(PAPER_POLICIES)  # policy fastest
 
 
+def test_fleet_definition_without_running_it() -> None:
+    fleet = SWEEPS.get("fleet")
+    runs = expand(fleet)
+    assert len(runs) == fleet.size() == 12
+    assert sorted({r.config.programs for r in runs}) == [1040, 3040, 10000]
+    assert {(r.config.replicas, r.programs_per_replica) for r in runs} == {
+        (13, 80), (38, 80), (125, 80)}
+    assert {r.config.policy for r in runs} == set(PAPER_POLICIES)
+    assert {(r.config.duration_s, r.config.cpu_ratio, r.config.hardware) for r in runs} == {
+        (3600.0, 2.0, "h200-qwen3-30b-a3b")}
+
+
 def test_list_and_bad_input(tmp_path: Path, counter: Counter,
                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--list"]) == 0

@@ -1,20 +1,22 @@
 """The straightforward policies: the reference the optimized core is checked against.
 
-``mori.core.policies`` avoids work that cannot change a decision (a candidate larger
-than every replica's room is passed over without a look at each replica). The classes
-here are the same policies with the plain loops they replaced: every candidate tried
-on every replica, every held request scanned. ``test_differential`` runs both side by
-side and asserts identical decision lists.
+``mori.core.policies`` keeps its candidates, per-replica sums and queues that may be
+over capacity up to date as events arrive, and a round looks only at what changed and
+what can move (``MoriPolicy._promote_indexed``). The classes here are the same policies
+with the plain loops they replaced: every held request scanned and sorted by priority
+each round, every candidate tried on every replica, every queue checked for overflow,
+every member of every replica looked at to make room. ``test_differential`` runs both
+side by side and asserts identical decision lists.
 """
 
 from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies import POLICIES, MoriPolicy
-from mori.core.policies.mori import _Iota
+from mori.core.policies.mori import _Iota, _RoomPlan
 from mori.core.policy import Policy
 from mori.core.program import Program
-from mori.core.types import Tier
+from mori.core.types import Status, Tier
 
 
 class StraightMori(MoriPolicy):
@@ -28,6 +30,61 @@ class StraightMori(MoriPolicy):
             if p.tier is Tier.GPU:
                 self._forward(p, now, out)
         self._promote_ready(now, out, iota)
+
+    def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
+        pl = self.placement
+        for r, gq in enumerate(pl.gpu):
+            if gq.over():
+                members = [self.programs[pid] for pid in gq.members]
+                acting = [p for p in members if p.status is Status.ACTING]
+                held = [p for p in members if p.status is Status.GATED]
+                order = sorted(acting, key=iota.desc) + sorted(held, key=iota.desc)
+                for p in order:
+                    if not gq.over():
+                        break
+                    self._offload(p, r, out, iota)
+                assert not gq.over(), "reasoning programs alone exceed the GPU tier"
+        for cq in pl.cpu:
+            if cq.over():
+                for p in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
+                    if not cq.over():
+                        break
+                    self._demote_to(p, Tier.NONE, None, out)
+
+    def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
+                   reserve: list[int]) -> None:
+        mine = iota(c)
+        plans = []
+        for r in self._replicas_for(c):
+            gq = self.placement.gpu[r]
+            members = [self.programs[pid] for pid in gq.members]
+            acting = sorted((p for p in members if p.status is Status.ACTING
+                             and self._victim_ok(iota(p), mine)
+                             and self._displaceable(p, now)), key=iota.desc)
+            reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
+                            and self._victim_ok(iota(p), mine))
+            room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
+            plans.append(_RoomPlan(r, room, room + reasoning, acting))
+        now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
+        if now_ok:
+            plan = max(now_ok, key=lambda t: (self.placement.gpu[t.replica].free()
+                                              - reserve[t.replica], -t.replica))
+        else:
+            plan = max(plans, key=lambda t: (t.room_later, -t.replica))
+        if plan.room_later < c.kv_bytes:
+            return
+        r = plan.replica
+        gq = self.placement.gpu[r]
+        assert plan.acting is not None
+        for p in plan.acting:
+            if gq.free() - reserve[r] >= c.kv_bytes:
+                break
+            self._offload(p, r, out, iota, keep=c)
+        if gq.free() - reserve[r] >= c.kv_bytes:
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+            return
+        reserve[r] = max(reserve[r], int(gq.free()))
 
     def _level(self, p: Program) -> int:
         if p.tier is Tier.CPU:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from reference_policies import reference
 from test_properties import FIXED, steps, time_limit, worlds
 
+from mori.core import ordered
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES
 from mori.core.policy import PolicyConfig
@@ -91,3 +92,33 @@ def test_reference_is_the_straightforward_round() -> None:
         else:
             assert ref is not POLICIES.get(name) and issubclass(ref, POLICIES.get(name))
             assert ref._decide is not POLICIES.get(name)._decide
+
+
+def _large_world(seed: int, n: int, replicas: int) -> dict[str, object]:
+    """``n`` programs, most held at once, so the candidate index spans many blocks."""
+    import random
+
+    from driver import StepSpec
+
+    rng = random.Random(seed)
+    programs = []
+    for i in range(n):
+        steps = tuple(StepSpec(growth=rng.randint(1, 400), output=rng.randint(0, 60),
+                               service=rng.choice([0.0, 0.5, 2.0, 7.0]),
+                               gap=rng.choice([0.0, 0.3, 4.0, 40.0]),
+                               kv_frac=rng.choice([None, 0.5]))
+                      for _ in range(rng.randint(1, 5)))
+        programs.append(ProgramSpec(f"p{i}", rng.uniform(0.0, 20.0), steps))
+    peak = max(p.peak() for p in programs)
+    return dict(programs=programs, batch=bool(seed % 2), replicas=replicas,
+                gpu=max(peak, 6 * peak // replicas), cpu=(seed % 3) * 2 * peak, per_token=1,
+                config=PolicyConfig(tick_s=2.0, page_tokens=1))
+
+
+@pytest.mark.parametrize("name", ["mori", "mori-pack", "mori-ski", "mori-strict"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_same_decisions_many_programs(name: str, seed: int,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks of 3 candidates: the index splits and merges blocks all the time
+    monkeypatch.setattr(ordered, "LOAD", 3)
+    assert_same(name, _large_world(seed, 150, 1 + seed))

@@ -122,6 +122,11 @@ PAPER_PRESETS = ("h200-80g-qwen2.5-7b", "h200-qwen3-30b-a3b", "b200-llama3.1-70b
 """The three hardware presets of the paper's evaluation."""
 
 
+FLEET_REPLICAS = (13, 38, 125)
+"""The ``fleet`` sweep's replica counts: 80 programs each makes about 1,000, 3,000 and
+10,000 programs."""
+
+
 def _build() -> Registry[SweepDef]:
     reg: Registry[SweepDef] = Registry("sweep")
     paper_progs, paper_cpu = (20, 50, 80), (1.0, 2.0)
@@ -131,6 +136,12 @@ def _build() -> Registry[SweepDef]:
         "at DP=1, plus h200-qwen3-30b-a3b at DP=3 (programs per replica); 1 h, seed 0",
         (Block(PAPER_PRESETS, paper_cpu, (1,), paper_progs, PAPER_POLICIES),
          Block(("h200-qwen3-30b-a3b",), paper_cpu, (3,), paper_progs, PAPER_POLICIES)),
+        SimConfig(duration_s=3600.0, seed=0)))
+    reg.register("fleet", SweepDef(
+        "fleet",
+        "fleet scale: h200-qwen3-30b-a3b, cpu 2, 80 programs per replica on 13/38/125 "
+        "replicas (1,040 / 3,040 / 10,000 programs) x the 4 paper policies; 1 h, seed 0",
+        (Block(("h200-qwen3-30b-a3b",), (2.0,), FLEET_REPLICAS, (80,), PAPER_POLICIES),),
         SimConfig(duration_s=3600.0, seed=0)))
     reg.register("smoke", SweepDef(
         "smoke",

@@ -34,10 +34,20 @@ Every rule of section 4, and where a detail is ours:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from mori.core.decisions import Decision
-from mori.core.policy import EngineProfile, Policy
+from mori.core.events import Event, KVReady
+from mori.core.ledger import ClusterSpec
+from mori.core.ordered import Key
+from mori.core.policies.mori_index import (
+    CandidateIndex,
+    ReplicaOrder,
+    ReplicaSums,
+    priority,
+)
+from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
@@ -50,6 +60,151 @@ class MoriPolicy(Policy):
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
+
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        super().__init__(cluster, kv_bytes_per_token, config)
+        n = self.cluster.replicas
+        cap = self.cluster.gpu_bytes
+        # kept up to date as events arrive (mori_index); the index needs a held
+        # program's priority to stay fixed, so gated time must be excluded from iota,
+        # and it needs managed GPU capacities
+        self._incremental = self.config.exclude_gated and cap is not None
+        self._cap = cap or 0
+        self._index = CandidateIndex(n)
+        self._sums = ReplicaSums(n)
+        self._avail = ReplicaOrder(n, self._cap)  # GPU free space beyond the reservation
+        self._room = ReplicaOrder(n, self._cap)  # GPU free space + its Acting programs' KV
+        self._round_reserve: dict[int, int] = {}  # the round's reservation (_make_room)
+        self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
+        self._stale: set[int] = set()  # replicas whose membership of _open is to check
+        self._ready_gpu: dict[str, Program] = {}  # held programs already on a GPU
+        self._touched: dict[str, Program] = {}  # to re-index before the next round
+        self._grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
+        self._frozen = False  # inside a round's promotions: the index is being walked
+        self._round_iota: _Iota | None = None  # the round's iota while frozen
+
+    # -- bookkeeping around every change of a program -----------------------------------
+    def observe(self, event: Event, now: float) -> None:
+        if isinstance(event, KVReady):  # no change of status, tier or size
+            super().observe(event, now)
+            return
+        pid = event.program_id
+        p = self.programs.get(pid)
+        was = self._unhook(p) if p is not None else None
+        try:
+            super().observe(event, now)
+        finally:
+            q = self.programs.get(pid)
+            if q is not None:
+                self._hook(q, was)
+                if q.replica is not None:  # its size may have grown where it is
+                    self._grown.add((q.tier, q.replica))
+            else:
+                if was is not None:
+                    self._sync(was)
+                self._touched.pop(pid, None)
+                self._unindex(pid)
+
+    def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
+        if self._round_iota is not None:
+            # a candidate's iota as the round ranked it (held), before its step starts
+            key = self._index.key_of(p.program_id)
+            if key is not None:
+                self._round_iota.hold(p, key[2])
+        was = self._unhook(p)
+        super()._forward(p, now, out)
+        self._hook(p, was)
+
+    def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
+        was = self._unhook(p)
+        super()._move(p, tier, replica)
+        self._hook(p, was)
+
+    def _unhook(self, p: Program) -> int | None:
+        """Take ``p`` out of the sums before a change; the GPU replica it was on."""
+        self._sums.account(p, -1)
+        self._ready_gpu.pop(p.program_id, None)
+        return p.replica if p.tier is Tier.GPU else None
+
+    def _hook(self, p: Program, was: int | None) -> None:
+        self._sums.account(p, +1)
+        if p.tier is Tier.GPU:
+            if p.ready:
+                self._ready_gpu[p.program_id] = p
+            if p.replica != was:
+                assert p.replica is not None
+                self._sync(p.replica)
+        if was is not None:
+            self._sync(was)
+        self._touched[p.program_id] = p
+
+    def _sync(self, r: int) -> None:
+        """Replica ``r``'s GPU queue or its programs' statuses changed."""
+        if not self._incremental:
+            return
+        free = self._cap - self.placement.gpu[r].used
+        self._avail.set(r, free - self._round_reserve.get(r, 0))
+        self._room.set(r, free + self._sums.acting[r])
+        self._stale.add(r)
+
+    def _unindex(self, pid: str) -> None:
+        r = self._index.discard(pid)
+        if r is not None:
+            self._stale.add(r)
+
+    def _flush(self) -> None:
+        """Re-index the programs changed since the last flush (not while walking), and
+        recheck which replicas may fit one of their CPU candidates."""
+        assert not self._frozen
+        idx = self._index
+        for pid, p in self._touched.items():
+            self._unindex(pid)
+            if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self._cap
+                    and self.programs.get(pid) is p):
+                idx.put(p, priority(p, p.tracker.iota(0.0)))
+                if p.replica is not None:
+                    self._stale.add(p.replica)
+        self._touched.clear()
+        for r in self._stale:
+            smallest = idx.cpu[r].min_size()
+            if smallest is not None and smallest <= self._avail[r]:
+                self._open.add(r)
+            else:
+                self._open.discard(r)
+        self._stale.clear()
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        sums = ReplicaSums(self.cluster.replicas)
+        for p in self.programs.values():
+            sums.account(p, +1)
+        assert (sums.acting, sums.reasoning, sums.gpu_used) == (
+            self._sums.acting, self._sums.reasoning, self._sums.gpu_used), "GPU sums drifted"
+        assert sum(gq.used for gq in self.placement.gpu) == self._sums.gpu_used
+        assert self._ready_gpu == {pid: p for pid, p in self._ready.items()
+                                   if p.tier is Tier.GPU}, "index of held GPU programs"
+        if not self._incremental:
+            return
+        self._flush()
+        want = {pid: (priority(p, p.tracker.iota(0.0)),
+                      p.replica if p.tier is Tier.CPU else None)
+                for pid, p in self._ready.items()
+                if p.tier is not Tier.GPU and p.kv_bytes <= self._cap}
+        assert self._index.entries() == want, "candidate index disagrees with the programs"
+        for r, order in enumerate(self._index.cpu):
+            assert all(c.tier is Tier.CPU and c.replica == r and kv == c.kv_bytes
+                       for _, kv, c in order)
+            gq = self.placement.gpu[r]
+            assert self._avail[r] == self._cap - gq.used, f"room of replica {r}"
+            assert self._room[r] == self._cap - gq.used + self._sums.acting[r]
+            smallest = order.min_size()
+            assert (r in self._open) == (smallest is not None and smallest <= self._avail[r])
+        assert sorted(self._index.cpu_all) == sorted(t for o in self._index.cpu for t in o)
+        assert all(c.tier is Tier.NONE and kv == c.kv_bytes
+                   for _, kv, c in self._index.waiting)
+        self._avail.check()
+        self._room.check()
 
     # -- ranking hooks (the ablations override these) --------------------------------
     def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
@@ -76,14 +231,21 @@ class MoriPolicy(Policy):
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
-        for p in sorted((q for q in self._ready.values() if q.tier is Tier.GPU),
-                        key=lambda q: q.ready_seq):
+        for p in sorted(self._ready_gpu.values(), key=lambda q: q.ready_seq):
             self._forward(p, now, out)
-        self._promote_ready(now, out, iota)
+        if self._incremental:
+            self._promote_indexed(now, out, iota)
+        else:
+            self._promote_ready(now, out, iota)
 
     def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
+        # only a queue where a program grew since the last round can be over capacity
+        grown = sorted((r for t, r in self._grown if t is Tier.GPU))
+        grown_cpu = sorted((r for t, r in self._grown if t is Tier.CPU))
+        self._grown.clear()
         pl = self.placement
-        for r, gq in enumerate(pl.gpu):
+        for r in grown:
+            gq = pl.gpu[r]
             if gq.over():
                 members = [self.programs[pid] for pid in gq.members]
                 acting = [p for p in members if p.status is Status.ACTING]
@@ -94,7 +256,8 @@ class MoriPolicy(Policy):
                         break
                     self._offload(p, r, out, iota)
                 assert not gq.over(), "reasoning programs alone exceed the GPU tier"
-        for cq in pl.cpu:
+        for r in grown_cpu:
+            cq = pl.cpu[r]
             if cq.over():
                 for p in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
                     if not cq.over():
@@ -198,6 +361,117 @@ class MoriPolicy(Policy):
             if c.program_id not in placed:
                 place_or_make_room(c)
 
+    def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota) -> None:
+        """``_promote_ready`` from the kept-up-to-date index: the same decisions in the
+        same order, looking only at candidates that can move and at replicas in O(log R).
+
+        CPU-queue candidates only compete for their own replica. Walking all of them in
+        priority order, every one fits until the first that does not; that one makes
+        room. After it only the replicas where one of their CPU candidates can fit are
+        walked (``_open``), and the decisions are emitted in the priority order, as the
+        plain loop emits them. Cacheless candidates are then walked in priority order
+        passing over those larger than the most room any replica has.
+        """
+        self._flush()
+        idx = self._index
+        if not len(idx):
+            return
+        gpus = self.placement.gpu
+        reserve = [0] * len(gpus)
+        chunks: list[tuple[Key, list[Decision]]] = []
+        self._frozen = True
+        self._round_iota = iota
+        try:
+            def place(c: Program, r: int, into: list[Decision]) -> None:
+                self._promote(c, r, into)
+                self._forward(c, now, into)
+
+            # (0) CPU-queue programs: their own replica (affinity), in priority order
+            fail: tuple[Key, Program, int] | None = None
+            for key, kv, c in idx.cpu_all:
+                r = c.replica
+                assert r is not None
+                if self._avail[r] < kv:
+                    fail = (key, c, r)
+                    break
+                buf: list[Decision] = []
+                place(c, r, buf)
+                chunks.append((key, buf))
+            blocked = fail is not None
+            pushed: list[Program] = []
+            if fail is not None:
+                fkey, fc, fr = fail
+                buf = []
+                self._make_room(fc, now, buf, iota, reserve)
+                chunks.append((fkey, buf))
+                # what still fits behind the first miss, on the replicas where some can
+                for rc in sorted(self._open | {fr}):
+                    for k2, _, c2 in idx.cpu[rc].walk(lambda: self._avail[rc]):  # noqa: B023
+                        if c2.tier is Tier.CPU and c2 is not fc:
+                            buf = []
+                            place(c2, rc, buf)
+                            chunks.append((k2, buf))
+                # CPU candidates the room made pushed to Waiting join it ahead of the rest
+                pushed = [c for _, _, c in idx.cpu[fr] if c.tier is Tier.NONE]
+                chunks.sort(key=lambda t: t[0])
+            for _, decided in chunks:
+                out.extend(decided)
+
+            # (1, 2) cacheless programs: who is admitted follows the priority order while
+            # the free space of all replicas together holds them; where is decided as in
+            # _promote_ready
+            def waiting(limit: Callable[[], float]) -> Iterator[Program]:
+                for c in pushed:
+                    if c.kv_bytes <= limit():
+                        yield c
+                for _, _, c in idx.waiting.walk(limit):
+                    yield c
+
+            cap = self._cap
+            # sum over replicas of max(0, free - reserve): only one can hold a reservation
+            room = float(cap * len(gpus) - self._sums.gpu_used
+                         - sum(min(int(gpus[r].free()), v)
+                               for r, v in self._round_reserve.items()))
+            batch: list[Program] = []
+            for c in waiting(lambda: cap):
+                if c.kv_bytes > room:
+                    break
+                batch.append(c)
+                room -= c.kv_bytes
+            order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
+            spread = self._spread(order, reserve)
+            placed: set[str] = set()
+            for c in order:
+                r2 = (spread[c.program_id] if spread is not None
+                      else self._avail.tightest(c.kv_bytes))
+                if r2 is not None:
+                    place(c, r2, out)
+                    placed.add(c.program_id)
+
+            # what is left: backfill into free space; the first that does not fit (if no
+            # CPU-queue program did) may make room; once blocked, only a candidate no
+            # larger than the most room any replica has is looked at
+            def limit() -> float:
+                return self._avail.most() if blocked else cap
+
+            for c in waiting(limit):
+                if c.program_id in placed:
+                    continue
+                r2 = self._avail.tightest(c.kv_bytes)
+                if r2 is not None:
+                    place(c, r2, out)
+                elif not blocked:
+                    blocked = True
+                    self._make_room(c, now, out, iota, reserve)
+        finally:
+            self._frozen = False
+            self._round_iota = None
+            reserved = list(self._round_reserve)
+            self._round_reserve.clear()
+            for r in reserved:
+                self._sync(r)
+            self._flush()
+
     def _replicas_for(self, c: Program) -> list[int]:
         if c.tier is Tier.CPU and c.replica is not None:
             return [c.replica]  # affinity: reload locally
@@ -211,8 +485,8 @@ class MoriPolicy(Policy):
         n = len(gpus)
         if n == 1 or not order:
             return None
-        total = sum(gq.capacity or 0 for gq in gpus)
-        if sum(gq.used for gq in gpus) + sum(c.kv_bytes for c in order) > SPREAD_BELOW * total:
+        total = (self.cluster.gpu_bytes or 0) * n
+        if self._sums.gpu_used + sum(c.kv_bytes for c in order) > SPREAD_BELOW * total:
             return None  # memory binds: pack
         free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
         # a replica's load: the programs it holds. With few programs most are Acting at
@@ -240,6 +514,70 @@ class MoriPolicy(Policy):
 
     def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
                    reserve: list[int]) -> None:
+        if (self._frozen and type(self)._victim_ok is MoriPolicy._victim_ok
+                and type(self)._displaceable is MoriPolicy._displaceable):
+            plan = self._room_plan_fast(c, reserve)
+        else:
+            plan = self._room_plan(c, now, iota, reserve)
+        if plan.room_later < c.kv_bytes:
+            return  # cannot be made to fit yet: demote nobody, wait
+        r = plan.replica
+        gq = self.placement.gpu[r]
+        acting = plan.acting
+        if acting is None:  # every Acting program of the replica may go
+            acting = sorted((p for p in (self.programs[pid] for pid in gq.members)
+                             if p.status is Status.ACTING), key=iota.desc)
+        for p in acting:
+            if gq.free() - reserve[r] >= c.kv_bytes:
+                break
+            self._offload(p, r, out, iota, keep=c)
+        if gq.free() - reserve[r] >= c.kv_bytes:
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+            return
+        # the Reasoning programs will make up the rest when their steps end (lazy
+        # demotion: a later round demotes them as Acting programs); until then hold
+        # what is free for c
+        reserve[r] = max(reserve[r], int(gq.free()))
+        if self._frozen:
+            self._round_reserve[r] = reserve[r]
+            self._sync(r)
+
+    def _room_plan_fast(self, c: Program, reserve: list[int]) -> _RoomPlan:
+        """``_room_plan`` when every Acting and Reasoning program may make room (MORI's
+        own rules), from the per-replica sums and orders instead of the members."""
+        gpus, sums = self.placement.gpu, self._sums
+        if c.tier is Tier.NONE and len(gpus) > 1:
+            assert not any(reserve), "room is made once per round, before any reservation"
+            kv = c.kv_bytes
+            if self._room.most() >= kv:  # some replica can make room now: the one with
+                for avail, rr in self._avail:  # the most free space (then lowest index)
+                    if avail + sums.acting[rr] >= kv:
+                        return _RoomPlan(rr, 0.0, float(avail + sums.acting[rr]
+                                                        + sums.reasoning[rr]), None)
+            if not self._ready_gpu:  # no held request on a GPU: every replica would have
+                return _RoomPlan(0, 0.0, float(self._cap), None)  # all of its room later
+        now_best: tuple[float, int] | None = None  # (free beyond reservation, replica)
+        later_best: tuple[float, int] | None = None  # (room later, replica)
+        for r in self._replicas_for(c):
+            free = gpus[r].free() - reserve[r]
+            room = free + sums.acting[r]
+            later = room + sums.reasoning[r]
+            if room >= c.kv_bytes and (now_best is None or free > now_best[0]):
+                now_best = (free, r)
+            if later_best is None or later > later_best[0]:
+                later_best = (later, r)
+        assert later_best is not None
+        if now_best is not None:
+            r = now_best[1]
+            later = gpus[r].free() - reserve[r] + sums.acting[r] + sums.reasoning[r]
+            return _RoomPlan(r, 0.0, later, None)
+        return _RoomPlan(later_best[1], 0.0, later_best[0], None)
+
+    def _room_plan(self, c: Program, now: float, iota: _Iota, reserve: list[int]) -> _RoomPlan:
+        """Where room for ``c`` is made: the replica needing the fewest demotions among
+        those where it can be made now, else the one with the most room once its running
+        steps end."""
         mine = iota(c)
         plans = []
         for r in self._replicas_for(c):
@@ -254,26 +592,10 @@ class MoriPolicy(Policy):
             plans.append(_RoomPlan(r, room, room + reasoning, acting))
         now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
         if now_ok:  # placeable now: the replica needing the fewest demotions
-            plan = max(now_ok, key=lambda t: (self.placement.gpu[t.replica].free()
+            return max(now_ok, key=lambda t: (self.placement.gpu[t.replica].free()
                                               - reserve[t.replica], -t.replica))
-        else:  # only after running steps end: the replica with the most room then
-            plan = max(plans, key=lambda t: (t.room_later, -t.replica))
-        if plan.room_later < c.kv_bytes:
-            return  # cannot be made to fit yet: demote nobody, wait
-        r = plan.replica
-        gq = self.placement.gpu[r]
-        for p in plan.acting:
-            if gq.free() - reserve[r] >= c.kv_bytes:
-                break
-            self._offload(p, r, out, iota, keep=c)
-        if gq.free() - reserve[r] >= c.kv_bytes:
-            self._promote(c, r, out)
-            self._forward(c, now, out)
-            return
-        # the Reasoning programs will make up the rest when their steps end (lazy
-        # demotion: a later round demotes them as Acting programs); until then hold
-        # what is free for c
-        reserve[r] = max(reserve[r], int(gq.free()))
+        # only after running steps end: the replica with the most room then
+        return max(plans, key=lambda t: (t.room_later, -t.replica))
 
 
 class _RoomPlan(NamedTuple):
@@ -282,7 +604,8 @@ class _RoomPlan(NamedTuple):
     replica: int
     room_now: float  # free space beyond the reservation, plus the Acting victims' KV
     room_later: float  # the same, once the Reasoning victims' steps have ended
-    acting: list[Program]  # the Acting victims, most idle first
+    acting: list[Program] | None  # the Acting victims, most idle first (None: all of
+    # the replica's Acting programs, sorted when needed)
 
 
 class _Iota:
@@ -300,6 +623,10 @@ class _Iota:
             v = p.tracker.iota(self.now)
             self._memo[p.program_id] = v
         return v
+
+    def hold(self, p: Program, value: float) -> None:
+        """Take ``value`` as ``p``'s iota this round unless one was computed already."""
+        self._memo.setdefault(p.program_id, value)
 
     def desc(self, p: Program) -> tuple[float, int]:
         """Sort key: highest iota first, then the most recent request last in."""
