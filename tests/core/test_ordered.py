@@ -50,6 +50,14 @@ def test_matches_a_sorted_list(ops: list[tuple[bool, int, int]], load: int,
             expect.append(((k, s, item), cur))
             cur = next(steps, cur)
     assert got == expect
+    # the longest prefix that fits a budget
+    budget = limits[0] * 5
+    total, last = 0, None
+    for k, sz, _ in want:
+        if total + sz > budget:
+            break
+        total, last = total + sz, k
+    assert order.prefix(budget) == (last, total)
 
 
 def test_rejects_duplicates_and_missing_keys() -> None:

@@ -115,6 +115,18 @@ class IdlenessTracker:
         total = r + a
         return a / total if total > 0.0 else 0.0
 
+    def acting_line(self) -> tuple[float, float] | None:
+        """While acting: ``(w, b)`` with ``iota(now) = 1 - w / (now - b)`` (up to
+        rounding): ``w`` the reasoning time in the window, ``b`` when the window would
+        have begun had it been spent without a break. Both are fixed until the next
+        request, so an ordering structure can bound iota at any ``now`` without
+        computing it. None in other phases."""
+        if self._phase is not Status.ACTING:
+            return None
+        r, a = self._tail
+        w = r + self._cur_reason
+        return w, self._t0 - w - a
+
     @property
     def gated_time(self) -> float:
         """Total seconds spent gated so far (completed gated intervals)."""

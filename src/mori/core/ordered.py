@@ -25,7 +25,7 @@ LOAD = 64
 class SizedOrder(Generic[T]):
     """(key, size, item) triples in ascending key order; keys are unique tuples."""
 
-    __slots__ = ("_keys", "_sizes", "_items", "_mins", "_last", "_len", "_load")
+    __slots__ = ("_keys", "_sizes", "_items", "_mins", "_tots", "_last", "_len", "_load")
 
     def __init__(self, load: int | None = None) -> None:
         load = LOAD if load is None else load
@@ -36,6 +36,7 @@ class SizedOrder(Generic[T]):
         self._sizes: list[list[int]] = []
         self._items: list[list[T]] = []
         self._mins: list[int] = []  # the smallest size of each block
+        self._tots: list[int] = []  # the total size of each block
         self._last: list[Key] = []  # the largest key of each block
         self._len = 0
 
@@ -51,6 +52,7 @@ class SizedOrder(Generic[T]):
             self._sizes.append([size])
             self._items.append([item])
             self._mins.append(size)
+            self._tots.append(size)
             self._last.append(key)
             self._len = 1
             return
@@ -64,6 +66,7 @@ class SizedOrder(Generic[T]):
         self._items[b].insert(i, item)
         if size < self._mins[b]:
             self._mins[b] = size
+        self._tots[b] += size
         self._last[b] = keys[-1]
         self._len += 1
         if len(keys) > 2 * self._load:
@@ -80,9 +83,11 @@ class SizedOrder(Generic[T]):
         del self._items[b][i]
         self._len -= 1
         if not keys:
-            for arr in (self._keys, self._sizes, self._items, self._mins, self._last):
+            for arr in (self._keys, self._sizes, self._items, self._mins, self._tots,
+                        self._last):
                 del arr[b]
             return
+        self._tots[b] -= size
         self._last[b] = keys[-1]
         if size == self._mins[b]:
             self._mins[b] = min(self._sizes[b])
@@ -94,10 +99,31 @@ class SizedOrder(Generic[T]):
         self._sizes[b:b + 1] = [sizes[:h], sizes[h:]]
         self._items[b:b + 1] = [items[:h], items[h:]]
         self._mins[b:b + 1] = [min(sizes[:h]), min(sizes[h:])]
+        self._tots[b:b + 1] = [sum(sizes[:h]), sum(sizes[h:])]
         self._last[b:b + 1] = [keys[h - 1], keys[-1]]
 
     def min_size(self) -> int | None:
         return min(self._mins) if self._mins else None
+
+    def prefix(self, budget: float) -> tuple[Key | None, int]:
+        """The longest prefix (in key order) whose sizes add up to at most ``budget``:
+        its last key (None if empty) and its total. Whole blocks that fit are taken at
+        once."""
+        last: Key | None = None
+        total = 0
+        for b, tot in enumerate(self._tots):
+            if total + tot <= budget:
+                total += tot
+                last = self._last[b]
+                continue
+            keys, sizes = self._keys[b], self._sizes[b]
+            for j, size in enumerate(sizes):
+                if total + size > budget:
+                    return last, total
+                total += size
+                last = keys[j]
+            return last, total  # pragma: no cover - the block would have fit whole
+        return last, total
 
     def first(self) -> tuple[Key, int, T] | None:
         if not self._keys:

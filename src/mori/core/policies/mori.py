@@ -34,7 +34,6 @@ Every rule of section 4, and where a detail is ours:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from mori.core.decisions import Decision
@@ -43,6 +42,7 @@ from mori.core.ledger import ClusterSpec
 from mori.core.ordered import Key
 from mori.core.policies.mori_index import (
     CandidateIndex,
+    IotaOrder,
     ReplicaOrder,
     ReplicaSums,
     priority,
@@ -79,6 +79,10 @@ class MoriPolicy(Policy):
         self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
         self._stale: set[int] = set()  # replicas whose membership of _open is to check
         self._ready_gpu: dict[str, Program] = {}  # held programs already on a GPU
+        # per replica, most idle first at any time: its Acting GPU programs, and all of
+        # its CPU queue (Acting and held)
+        self._gpu_acting = [IotaOrder() for _ in range(n)]
+        self._cpu_idle = [IotaOrder() for _ in range(n)]
         self._touched: dict[str, Program] = {}  # to re-index before the next round
         self._grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
         self._frozen = False  # inside a round's promotions: the index is being walked
@@ -125,11 +129,26 @@ class MoriPolicy(Policy):
         """Take ``p`` out of the sums before a change; the GPU replica it was on."""
         self._sums.account(p, -1)
         self._ready_gpu.pop(p.program_id, None)
-        return p.replica if p.tier is Tier.GPU else None
+        if p.tier is Tier.GPU:
+            assert p.replica is not None
+            self._gpu_acting[p.replica].discard(p.program_id)
+            return p.replica
+        if p.tier is Tier.CPU:
+            assert p.replica is not None
+            self._cpu_idle[p.replica].discard(p.program_id)
+        return None
 
     def _hook(self, p: Program, was: int | None) -> None:
         self._sums.account(p, +1)
+        status = p.status
+        if p.tier is Tier.CPU:
+            assert p.replica is not None
+            self._cpu_idle[p.replica].add(
+                p, None if status is Status.ACTING else p.tracker.iota(0.0))
         if p.tier is Tier.GPU:
+            if status is Status.ACTING:
+                assert p.replica is not None
+                self._gpu_acting[p.replica].add(p, None)
             if p.ready:
                 self._ready_gpu[p.program_id] = p
             if p.replica != was:
@@ -184,6 +203,11 @@ class MoriPolicy(Policy):
         assert sum(gq.used for gq in self.placement.gpu) == self._sums.gpu_used
         assert self._ready_gpu == {pid: p for pid, p in self._ready.items()
                                    if p.tier is Tier.GPU}, "index of held GPU programs"
+        for r in range(self.cluster.replicas):
+            gpu = self.placement.gpu[r].members
+            assert self._gpu_acting[r].ids() == {
+                pid for pid in gpu if self.programs[pid].status is Status.ACTING}
+            assert self._cpu_idle[r].ids() == set(self.placement.cpu[r].members)
         if not self._incremental:
             return
         self._flush()
@@ -275,7 +299,9 @@ class MoriPolicy(Policy):
             need = p.kv_bytes - int(cq.free())
             mine = iota(p)
             victims = []
-            for q in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
+            ranked = (self._cpu_idle[replica].descending(iota, iota.now) if self._incremental
+                      else sorted((self.programs[pid] for pid in cq.members), key=iota.desc))
+            for q in ranked:
                 if need <= 0 or iota(q) <= mine:
                     break
                 if q is keep:
@@ -418,28 +444,46 @@ class MoriPolicy(Policy):
                 out.extend(decided)
 
             # (1, 2) cacheless programs: who is admitted follows the priority order while
-            # the free space of all replicas together holds them; where is decided as in
-            # _promote_ready
-            def waiting(limit: Callable[[], float]) -> Iterator[Program]:
-                for c in pushed:
-                    if c.kv_bytes <= limit():
-                        yield c
-                for _, _, c in idx.waiting.walk(limit):
-                    yield c
-
+            # the free space of all replicas together holds them (the batch); where is
+            # decided as in _promote_ready
             cap = self._cap
             # sum over replicas of max(0, free - reserve): only one can hold a reservation
             room = float(cap * len(gpus) - self._sums.gpu_used
                          - sum(min(int(gpus[r].free()), v)
                                for r, v in self._round_reserve.items()))
-            batch: list[Program] = []
-            for c in waiting(lambda: cap):
+            head: list[Program] = []  # the batch's part among the pushed candidates
+            last: Key | None = None  # the batch's last key in the Waiting index
+            total = 0
+            for c in pushed:
                 if c.kv_bytes > room:
                     break
-                batch.append(c)
+                head.append(c)
                 room -= c.kv_bytes
-            order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
-            spread = self._spread(order, reserve)
+                total += c.kv_bytes
+            else:
+                last, in_index = idx.waiting.prefix(room)
+                room -= in_index
+                total += in_index
+            n = len(gpus)
+            if n > 1 and total and self._sums.gpu_used + total <= SPREAD_BELOW * (cap * n):
+                # memory may not bind (_spread's test): it needs the whole batch
+                batch = list(head)
+                if last is not None:
+                    for k, _, c in idx.waiting:
+                        if k > last:
+                            break
+                        batch.append(c)
+                order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
+                spread = self._spread(order, reserve)
+            else:
+                # packing: a batch member larger than the most room any replica has now
+                # fits nowhere then or later in this round, so only the others are tried
+                most = self._avail.most()
+                fit = [c for c in head if c.kv_bytes <= most]
+                if last is not None:
+                    fit += [c for _, _, c in idx.waiting_up_to(most, upto=last)]
+                order = sorted(fit, key=lambda p: (-p.kv_bytes, p.ready_seq))
+                spread = None
             placed: set[str] = set()
             for c in order:
                 r2 = (spread[c.program_id] if spread is not None
@@ -448,21 +492,50 @@ class MoriPolicy(Policy):
                     place(c, r2, out)
                     placed.add(c.program_id)
 
-            # what is left: backfill into free space; the first that does not fit (if no
-            # CPU-queue program did) may make room; once blocked, only a candidate no
-            # larger than the most room any replica has is looked at
-            def limit() -> float:
-                return self._avail.most() if blocked else cap
-
-            for c in waiting(limit):
-                if c.program_id in placed:
-                    continue
-                r2 = self._avail.tightest(c.kv_bytes)
-                if r2 is not None:
-                    place(c, r2, out)
-                elif not blocked:
+            # what is left: backfill into free space, in priority order. Until one does
+            # not fit, each is tried; the first that does not (if no CPU-queue program
+            # did) may make room. Once blocked, only a candidate no larger than the most
+            # room any replica has can move: those few are taken from the size order.
+            after: Key | None = None  # the last Waiting index key looked at unblocked
+            rest: list[Program] = pushed  # the pushed candidates left to look at
+            if not blocked:
+                for i, c in enumerate(pushed):
+                    if c.program_id in placed:
+                        continue
+                    r2 = self._avail.tightest(c.kv_bytes)
+                    if r2 is not None:
+                        place(c, r2, out)
+                        continue
                     blocked = True
                     self._make_room(c, now, out, iota, reserve)
+                    rest = pushed[i + 1:]
+                    break
+                else:
+                    rest = []
+                if not blocked:
+                    for k, _, c in idx.waiting:
+                        after = k
+                        if c.program_id in placed:
+                            continue
+                        r2 = self._avail.tightest(c.kv_bytes)
+                        if r2 is not None:
+                            place(c, r2, out)
+                            continue
+                        blocked = True
+                        self._make_room(c, now, out, iota, reserve)
+                        break
+                    else:
+                        return  # every candidate was placed
+            for c in rest:  # blocked from here on
+                if c.program_id not in placed and c.kv_bytes <= self._avail.most():
+                    r2 = self._avail.tightest(c.kv_bytes)
+                    assert r2 is not None
+                    place(c, r2, out)
+            for _, kv, c in idx.waiting_up_to(self._avail.most(), after=after):
+                if c.program_id not in placed and kv <= self._avail.most():
+                    r2 = self._avail.tightest(kv)
+                    assert r2 is not None
+                    place(c, r2, out)
         finally:
             self._frozen = False
             self._round_iota = None
@@ -524,9 +597,14 @@ class MoriPolicy(Policy):
         r = plan.replica
         gq = self.placement.gpu[r]
         acting = plan.acting
-        if acting is None:  # every Acting program of the replica may go
-            acting = sorted((p for p in (self.programs[pid] for pid in gq.members)
-                             if p.status is Status.ACTING), key=iota.desc)
+        if acting is None:  # every Acting program of the replica may go, most idle first:
+            acting = []  # as many as it takes
+            need = c.kv_bytes - (gq.free() - reserve[r])
+            for p in self._gpu_acting[r].descending(iota, now):
+                if need <= 0:
+                    break
+                acting.append(p)
+                need -= p.kv_bytes
         for p in acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break

@@ -16,12 +16,16 @@ all of it is the differential test's reference).
 
 from __future__ import annotations
 
+import heapq
+import math
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from mori.core.ordered import Key, SizedOrder
+from mori.core.ordered import LOAD, Key, SizedOrder
 from mori.core.program import Program
 from mori.core.types import Status, Tier
+
+_TOP = (3,)  # sorts after every priority key (levels are 0, 1, 2)
 
 
 def priority(p: Program, iota: float) -> Key:
@@ -34,13 +38,16 @@ def priority(p: Program, iota: float) -> Key:
 class CandidateIndex:
     """Held programs in a CPU queue (per replica) or in Waiting, by priority."""
 
-    __slots__ = ("cpu", "cpu_all", "waiting", "_entry", "_cpu_nonempty")
+    __slots__ = ("cpu", "cpu_all", "waiting", "waiting_by_size", "_entry", "_cpu_nonempty")
 
     def __init__(self, replicas: int) -> None:
         self.cpu: list[SizedOrder[Program]] = [SizedOrder() for _ in range(replicas)]
         self.cpu_all: SizedOrder[Program] = SizedOrder()  # every replica's, one order
         self.waiting: SizedOrder[Program] = SizedOrder()
-        self._entry: dict[str, tuple[Key, int | None]] = {}  # id -> key, CPU replica
+        # the same candidates by (size, key): the few small enough to fit, at once
+        self.waiting_by_size: list[tuple[int, Key, Program]] = []
+        # id -> key, CPU replica (None: Waiting), size
+        self._entry: dict[str, tuple[Key, int | None, int]] = {}
         self._cpu_nonempty: set[int] = set()
 
     def __len__(self) -> int:
@@ -64,20 +71,23 @@ class CandidateIndex:
             self.cpu[p.replica].add(key, p.kv_bytes, p)
             self.cpu_all.add(key, p.kv_bytes, p)
             self._cpu_nonempty.add(p.replica)
-            self._entry[p.program_id] = (key, p.replica)
+            self._entry[p.program_id] = (key, p.replica, p.kv_bytes)
         else:
             assert p.tier is Tier.NONE, f"{p.program_id} on a GPU is not a candidate"
             self.waiting.add(key, p.kv_bytes, p)
-            self._entry[p.program_id] = (key, None)
+            insort(self.waiting_by_size, (p.kv_bytes, key, p))
+            self._entry[p.program_id] = (key, None, p.kv_bytes)
 
     def discard(self, program_id: str) -> int | None:
         """Forget ``program_id``; the CPU replica it was indexed under, if any."""
         e = self._entry.pop(program_id, None)
         if e is None:
             return None
-        key, replica = e
+        key, replica, kv = e
         if replica is None:
             self.waiting.remove(key)
+            by_size = self.waiting_by_size
+            del by_size[bisect_left(by_size, (kv, key))]
         else:
             order = self.cpu[replica]
             order.remove(key)
@@ -86,9 +96,26 @@ class CandidateIndex:
                 self._cpu_nonempty.discard(replica)
         return replica
 
+    def waiting_up_to(self, size: float, after: Key | None = None,
+                      upto: Key | None = None) -> list[tuple[Key, int, Program]]:
+        """The Waiting candidates of at most ``size`` bytes with ``after`` < key <=
+        ``upto`` (None: no bound), in key order: from the size order when few are that
+        small, else by a walk of the key order passing over blocks too large."""
+        by_size = self.waiting_by_size
+        n = bisect_right(by_size, (size, _TOP))
+        if n <= 2 * LOAD:
+            return sorted((k, kv, c) for kv, k, c in by_size[:n]
+                          if (after is None or k > after) and (upto is None or k <= upto))
+        out = []
+        for k, kv, c in self.waiting.walk(lambda: size, after):
+            if upto is not None and k > upto:
+                break
+            out.append((k, kv, c))
+        return out
+
     def entries(self) -> dict[str, tuple[Key, int | None]]:
         """A copy of id -> (key, CPU replica or None) (integrity checks)."""
-        return dict(self._entry)
+        return {pid: (k, r) for pid, (k, r, _) in self._entry.items()}
 
 
 class ReplicaSums:
@@ -155,3 +182,114 @@ class ReplicaOrder:
 
     def check(self) -> None:
         assert self._order == sorted((-v, r) for r, v in enumerate(self._of))
+
+
+_MARGIN = 1e-9  # slack on the bounds: rounding never reorders what they rule out
+_W0 = 1e-3  # the reasoning time (s) where the first geometric bucket starts
+_PER_OCTAVE = 4  # buckets per doubling of w
+
+
+class IotaOrder:
+    """Programs of one queue, walked most idle first at any ``now`` without computing
+    every program's iota (``descending``): the exact order ``sorted(key=_Iota.desc)``
+    gives, i.e. iota descending, then the later request first.
+
+    An Acting program's iota is ``1 - w / (now - b)`` for its fixed ``(w, b)``
+    (``IdlenessTracker.acting_line``): it grows with ``now``, and two programs can swap
+    places over time. Acting programs are kept in buckets of ``w`` (four per doubling;
+    a bucket's bound is exact whatever its span, the span only sets how tight it is)
+    ordered by ``b``; within a bucket, ``1 - w_min / (now - b)`` (``w_min`` the
+    bucket's least ``w``) bounds every later program from above. A held program's iota does not change while it is held:
+    those are kept in one list, most idle first. ``descending`` expands the bucket
+    whose bound is highest until the best exact value found beats every bound left,
+    so it computes the iota of the programs it yields and of a few per bucket beside.
+    """
+
+    __slots__ = ("_acting", "_ws", "_held", "_entry")
+
+    def __init__(self) -> None:
+        self._acting: dict[int, list[tuple[float, int, Program]]] = {}  # bucket -> (b, -seq, p)
+        self._ws: dict[int, list[float]] = {}  # bucket -> its programs' w, ascending
+        self._held: list[tuple[float, int, Program]] = []  # (-iota, -seq, p)
+        self._entry: dict[str, tuple[int | None, tuple[float, int, Program]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def ids(self) -> set[str]:
+        return set(self._entry)
+
+    def add(self, p: Program, held_iota: float | None) -> None:
+        """Index ``p``: Acting (its line), or held with iota ``held_iota``."""
+        line = p.tracker.acting_line()
+        if line is None:
+            assert held_iota is not None, f"{p.program_id}: neither acting nor held"
+            item = (-held_iota, -p.ready_seq, p)
+            insort(self._held, item)
+            self._entry[p.program_id] = (None, item)
+            return
+        w, b = line
+        bucket = -1 if w <= 0.0 else max(0, int(_PER_OCTAVE * math.log2(w / _W0)))
+        item = (b, -p.ready_seq, p)
+        insort(self._acting.setdefault(bucket, []), item)
+        insort(self._ws.setdefault(bucket, []), w)
+        self._entry[p.program_id] = (bucket, item)
+
+    def discard(self, program_id: str) -> None:
+        e = self._entry.pop(program_id, None)
+        if e is None:
+            return
+        bucket, item = e
+        lst = self._held if bucket is None else self._acting[bucket]
+        del lst[bisect_left(lst, item[:2])]
+        if bucket is not None:
+            line = item[2].tracker.acting_line()
+            assert line is not None, "an Acting program changed phase before leaving"
+            ws = self._ws[bucket]
+            del ws[bisect_left(ws, line[0])]
+            if not lst:
+                del self._acting[bucket], self._ws[bucket]
+
+    def descending(self, iota: Callable[[Program], float], now: float) -> Iterator[Program]:
+        """The programs, most idle first (ties: the later request first), with their
+        exact iota from ``iota`` (the round's values). The set must not change while
+        walking."""
+        frontier: list[tuple[float, int, int]] = []  # (-bound, bucket, position)
+        for bucket, lst in self._acting.items():
+            heapq.heappush(frontier, (-self._bound(self._ws[bucket][0], lst[0][0], now),
+                                      bucket, 0))
+        held, hp = self._held, 0
+        found: list[tuple[float, int, int, Program]] = []  # (-iota, -seq, n, p)
+        n = 0
+        while True:
+            best = -found[0][0] if found else -math.inf
+            while True:
+                top = -frontier[0][0] if frontier else -math.inf
+                hv = -held[hp][0] if hp < len(held) else -math.inf
+                if max(top, hv) < best - _MARGIN or (top == hv == -math.inf):
+                    break
+                n += 1
+                if hv >= top:
+                    _, negseq, p = held[hp]
+                    hp += 1
+                else:
+                    _, bucket, pos = heapq.heappop(frontier)
+                    lst = self._acting[bucket]
+                    _, negseq, p = lst[pos]
+                    if pos + 1 < len(lst):
+                        heapq.heappush(frontier, (-self._bound(
+                            self._ws[bucket][0], lst[pos + 1][0], now), bucket, pos + 1))
+                heapq.heappush(found, (-iota(p), negseq, n, p))
+                best = -found[0][0]
+            if not found:
+                return
+            yield heapq.heappop(found)[3]
+
+    @staticmethod
+    def _bound(w_low: float, b: float, now: float) -> float:
+        """An upper bound of iota at ``now`` for programs with ``w >= w_low`` and a
+        ``b`` no earlier than this one (a bucket's from this position on)."""
+        span = now - b
+        if w_low <= 0.0 or span <= 0.0:
+            return 1.0 + _MARGIN
+        return 1.0 - w_low / span + _MARGIN
