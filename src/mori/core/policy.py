@@ -106,6 +106,7 @@ class Policy(ABC):
         self.placement = Placement(self.cluster)
         self.programs: dict[str, Program] = {}
         self._ready: dict[str, Program] = {}  # programs holding a request
+        self._ready_gpu: dict[str, Program] = {}  # of those, the ones on a GPU
         self._releases: list[Release] = []
         self._seq = 0
         self.decisions_taken = 0
@@ -147,11 +148,17 @@ class Policy(ABC):
             assert (pid in self._ready) == (p.status is Status.GATED), (
                 f"{pid}: {p.status.value} but {'in' if pid in self._ready else 'not in'} "
                 "the index of held requests")
+            assert (pid in self._ready_gpu) == (p.ready and p.tier is Tier.GPU), (
+                f"{pid}: the index of held requests on a GPU")
         assert len(self.placement) == len(self.programs)
 
     @property
     def ready_programs(self) -> list[Program]:
         return list(self._ready.values())
+
+    def ready_on_gpu(self) -> list[Program]:
+        """The held requests of GPU-resident programs, in arrival order."""
+        return sorted(self._ready_gpu.values(), key=lambda q: q.ready_seq)
 
     # -- read-only queries (inspection; they change nothing) ------------------------------
     @property
@@ -193,6 +200,7 @@ class Policy(ABC):
         assert p.tier is Tier.GPU and p.replica is not None and p.ready
         out.append(Forward(p.program_id, p.replica))
         del self._ready[p.program_id]
+        del self._ready_gpu[p.program_id]
         p.tracker.started(now)  # status: REASONING
         if p.history:
             p.history[-1].forwarded = now
@@ -210,6 +218,10 @@ class Policy(ABC):
     def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
         self.placement.move(p.program_id, tier, replica)
         p.tier, p.replica = tier, replica
+        if tier is Tier.GPU and p.ready:
+            self._ready_gpu[p.program_id] = p
+        else:
+            self._ready_gpu.pop(p.program_id, None)
 
     # -- observation handling -----------------------------------------------------------
     def _on_arrival(self, ev: RequestArrived, now: float) -> None:
@@ -228,6 +240,8 @@ class Policy(ABC):
         self._seq += 1
         p.ready_seq = self._seq
         self._ready[p.program_id] = p
+        if p.tier is Tier.GPU:
+            self._ready_gpu[p.program_id] = p
         self._resize(p, ev.prompt_tokens)
         p.record(StepRecord(arrived=now))
 
@@ -245,6 +259,7 @@ class Policy(ABC):
     def _on_end(self, ev: ProgramEnded, now: float) -> None:
         p = self.programs.pop(ev.program_id)
         self._ready.pop(p.program_id, None)
+        self._ready_gpu.pop(p.program_id, None)
         self.placement.remove(p.program_id)
         self._releases.append(Release(p.program_id, p.replica))
 

@@ -78,7 +78,6 @@ class MoriPolicy(Policy):
         self._round_reserve: dict[int, int] = {}  # the round's reservation (_make_room)
         self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
         self._stale: set[int] = set()  # replicas whose membership of _open is to check
-        self._ready_gpu: dict[str, Program] = {}  # held programs already on a GPU
         # per replica, most idle first at any time: its Acting GPU programs, and all of
         # its CPU queue (Acting and held)
         self._gpu_acting = [IotaOrder() for _ in range(n)]
@@ -128,7 +127,6 @@ class MoriPolicy(Policy):
     def _unhook(self, p: Program) -> int | None:
         """Take ``p`` out of the sums before a change; the GPU replica it was on."""
         self._sums.account(p, -1)
-        self._ready_gpu.pop(p.program_id, None)
         if p.tier is Tier.GPU:
             assert p.replica is not None
             self._gpu_acting[p.replica].discard(p.program_id)
@@ -149,8 +147,6 @@ class MoriPolicy(Policy):
             if status is Status.ACTING:
                 assert p.replica is not None
                 self._gpu_acting[p.replica].add(p, None)
-            if p.ready:
-                self._ready_gpu[p.program_id] = p
             if p.replica != was:
                 assert p.replica is not None
                 self._sync(p.replica)
@@ -201,8 +197,6 @@ class MoriPolicy(Policy):
         assert (sums.acting, sums.reasoning, sums.gpu_used) == (
             self._sums.acting, self._sums.reasoning, self._sums.gpu_used), "GPU sums drifted"
         assert sum(gq.used for gq in self.placement.gpu) == self._sums.gpu_used
-        assert self._ready_gpu == {pid: p for pid, p in self._ready.items()
-                                   if p.tier is Tier.GPU}, "index of held GPU programs"
         for r in range(self.cluster.replicas):
             gpu = self.placement.gpu[r].members
             assert self._gpu_acting[r].ids() == {
@@ -255,7 +249,7 @@ class MoriPolicy(Policy):
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
-        for p in sorted(self._ready_gpu.values(), key=lambda q: q.ready_seq):
+        for p in self.ready_on_gpu():
             self._forward(p, now, out)
         if self._incremental:
             self._promote_indexed(now, out, iota)

@@ -42,10 +42,11 @@ managed by plain LRU, not coordinated with the scheduler.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from mori.core.decisions import Decision
-from mori.core.events import ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.ledger import ClusterSpec
 from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
@@ -83,8 +84,60 @@ class ThunderAgentPolicy(Policy):
         self.requests: dict[str, int] = {}  # requests each program has sent (step_count)
         self._acting_since: dict[str, float] = {}
         self._held_since: dict[str, float] = {}  # programs waiting in the paused queue
+        self._held_heap: list[tuple[float, str]] = []  # the same, earliest first (lazily)
         self._events: list[tuple[str, str]] = []  # ("new" | "pause", program) to handle
         self._next_check = self.config.tick_s
+        # per backend the summed tokens of its Reasoning and of its Acting programs, kept
+        # up to date at every change (what _tokens would sum over the members)
+        self._reasoning_tokens = [0] * cluster.replicas
+        self._acting_tokens = [0] * cluster.replicas
+        self._table_no: dict[str, int] = {}  # each program's place in the program table
+        self._table_next = 0
+
+    # -- bookkeeping around every change of a program ------------------------------------
+    def observe(self, event: Event, now: float) -> None:
+        if isinstance(event, KVReady):  # no change of status, tier or size
+            super().observe(event, now)
+            return
+        pid = event.program_id
+        p = self.programs.get(pid)
+        if p is not None:
+            self._count(p, -1)
+        try:
+            super().observe(event, now)
+        finally:
+            q = self.programs.get(pid)
+            if q is not None:
+                self._count(q, +1)
+                if pid not in self._table_no:
+                    self._table_no[pid] = self._table_next
+                    self._table_next += 1
+            else:
+                self._table_no.pop(pid, None)
+
+    def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
+        self._count(p, -1)
+        super()._move(p, tier, replica)
+        self._count(p, +1)
+
+    def _count(self, p: Program, sign: int) -> None:
+        if p.tier is Tier.GPU:
+            assert p.replica is not None
+            sums = self._reasoning_tokens if self._reasoning(p) else self._acting_tokens
+            sums[p.replica] += sign * p.tokens
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for r in range(self.cluster.replicas):
+            reasoning = acting = 0
+            for pid in self.placement.gpu[r].members:
+                p = self.programs[pid]
+                if self._reasoning(p):
+                    reasoning += p.tokens
+                else:
+                    acting += p.tokens
+            assert (reasoning, acting) == self._tokens(r), f"token sums of backend {r}"
+        assert list(self._table_no) == list(self.programs), "program table order"
 
     def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
         return ClusterSpec(cluster.replicas, None, 0)  # the engine bounds memory
@@ -96,7 +149,7 @@ class ThunderAgentPolicy(Policy):
         self.requests[pid] = self.requests.get(pid, 0) + 1
         self._acting_since.pop(pid, None)
         if pid in self.paused:
-            self._held_since[pid] = now
+            self._hold_since(pid, now)
         elif self.programs[pid].tier is not Tier.GPU:
             self._events.append(("new", pid))
 
@@ -119,14 +172,7 @@ class ThunderAgentPolicy(Policy):
 
     def _tokens(self, replica: int) -> tuple[int, int]:
         """The summed tokens of the backend's Reasoning and of its Acting programs."""
-        reasoning = acting = 0
-        for pid in self.placement.gpu[replica].members:
-            p = self.programs[pid]
-            if self._reasoning(p):
-                reasoning += p.tokens
-            else:
-                acting += p.tokens
-        return reasoning, acting
+        return self._reasoning_tokens[replica], self._acting_tokens[replica]
 
     def remaining(self, replica: int, now: float | None = None) -> float:
         """The backend's remaining capacity in tokens (negative when over); with ``now``,
@@ -161,12 +207,12 @@ class ThunderAgentPolicy(Policy):
             elif pid in self.marked and p.status is Status.ACTING:
                 self.marked.discard(pid)
                 self._pause(p, out)
-        for p in sorted((q for q in self._ready.values() if q.tier is Tier.GPU),
-                        key=lambda q: q.ready_seq):
+        for p in self.ready_on_gpu():
             self._forward(p, now, out)
-        for pid, since in list(self._held_since.items()):
-            if now - since >= FORCE_RESUME_S and pid in self.paused:
-                self._force_resume(self.programs[pid], now, out)
+        if self._force_due(now):
+            for pid, since in list(self._held_since.items()):
+                if now - since >= FORCE_RESUME_S and pid in self.paused:
+                    self._force_resume(self.programs[pid], now, out)
         if now >= self._next_check:
             while self._next_check <= now:
                 self._next_check += self.config.tick_s
@@ -174,6 +220,18 @@ class ThunderAgentPolicy(Policy):
             for r in range(self.cluster.replicas):
                 if self.remaining(r) < 0:
                     self._pause_until_safe(r, out)
+
+    def _hold_since(self, pid: str, now: float) -> None:
+        self._held_since[pid] = now
+        heapq.heappush(self._held_heap, (now, pid))
+
+    def _force_due(self, now: float) -> bool:
+        """Whether a paused request has waited ``FORCE_RESUME_S`` (the scan of all of
+        them then runs, in their order); entries since resumed are dropped lazily."""
+        heap, since = self._held_heap, self._held_since
+        while heap and since.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return bool(heap) and now - heap[0][0] >= FORCE_RESUME_S
 
     def _admit_new(self, p: Program, now: float, out: list[Decision]) -> None:
         """A new program's first request: to the backend with the fewest active tokens
@@ -191,7 +249,7 @@ class ThunderAgentPolicy(Policy):
             self._resume(p, best, now, out)
         else:
             self.paused[p.program_id] = _Paused(p.tokens, self.requests[p.program_id], None)
-            self._held_since[p.program_id] = now
+            self._hold_since(p.program_id, now)
 
     def _pause(self, p: Program, out: list[Decision]) -> None:
         assert p.replica is not None and p.tier is Tier.GPU
@@ -263,7 +321,8 @@ class ThunderAgentPolicy(Policy):
     def _pause_until_safe(self, replica: int, out: list[Decision]) -> None:
         members = self.placement.gpu[replica].members
         # in program-table order, so that equal sizes break ties as ThunderAgent's do
-        on = [p for pid, p in self.programs.items() if pid in members]
+        on = sorted((self.programs[pid] for pid in members),
+                    key=lambda p: self._table_no[p.program_id])
         while self.remaining(replica) < 0:
             acting = sorted((p for p in on if p.status is Status.ACTING),
                             key=lambda p: p.tokens)
