@@ -120,7 +120,7 @@ class EngineReplica:
         e = self.pools.entries.get(program_id)
         if e is not None:
             e.label = KVLabel.INACTIVE
-            e.ended = True
+            self.pools.end(e)
             if not e.gpu and not e.cpu and not e.pinned:
                 self.pools.remove(program_id)
 

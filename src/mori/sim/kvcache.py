@@ -50,6 +50,9 @@ class KVPools:
         self.gpu_used = 0
         self.cpu_used = 0
         self.entries: dict[str, KVEntry] = {}
+        # entries that lost pages or ended since the last sweep: the only ones a sweep
+        # can find empty and ended (instead of looking at every entry)
+        self._maybe_dead: list[KVEntry] = []
         self.evicted_gpu_pages = 0
         self.dropped_pages = 0
 
@@ -70,7 +73,19 @@ class KVPools:
         keep_cpu = min(e.cpu, max(0, valid_pages - keep_gpu))
         self.gpu_used -= e.gpu - keep_gpu
         self.cpu_used -= e.cpu - keep_cpu
+        if (keep_gpu, keep_cpu) != (e.gpu, e.cpu):
+            self._track(e)
         e.gpu, e.cpu = keep_gpu, keep_cpu
+
+    def end(self, e: KVEntry) -> None:
+        """Mark ``e``'s program as gone: the entry is dropped once it holds nothing."""
+        e.ended = True
+        self._track(e)
+
+    def _track(self, e: KVEntry) -> None:
+        self._maybe_dead.append(e)
+        if len(self._maybe_dead) > 2 * len(self.entries) + 64:  # no sweep for long
+            self._maybe_dead = list({id(x): x for x in self._maybe_dead}.values())
 
     def make_gpu_room(self, pages: int, now: float) -> bool:
         """Evict unpinned pages until ``pages`` are free on the GPU; False if impossible."""
@@ -95,6 +110,7 @@ class KVPools:
         self.evicted_gpu_pages += n
         self.gpu_used -= n
         e.gpu -= n
+        self._track(e)
         if self.cpu_cap == 0:
             self.dropped_pages += n + e.cpu
             self.cpu_used -= e.cpu
@@ -117,6 +133,7 @@ class KVPools:
                 break
             n = min(pages, e.cpu)
             e.cpu -= n
+            self._track(e)
             self.cpu_used -= n
             self.dropped_pages += n
             pages -= n
@@ -134,9 +151,12 @@ class KVPools:
         return victims
 
     def _sweep(self) -> None:
-        dead = [pid for pid, e in self.entries.items() if e.ended and not e.gpu and not e.cpu]
-        for pid in dead:
-            del self.entries[pid]
+        """Drop the entries of ended programs that hold no page."""
+        maybe, self._maybe_dead = self._maybe_dead, []
+        for e in maybe:
+            if (e.ended and not e.gpu and not e.cpu
+                    and self.entries.get(e.program_id) is e):
+                del self.entries[e.program_id]
 
     def take_for_request(self, e: KVEntry, total_pages: int) -> int:
         """Bring all of ``e``'s CPU pages onto the GPU and grow it to ``total_pages``.
@@ -158,6 +178,9 @@ class KVPools:
             self.cpu_used -= e.cpu
 
     def check(self) -> None:
+        swept = {pid for pid, e in self.entries.items() if e.ended and not e.gpu and not e.cpu}
+        tracked = {e.program_id for e in self._maybe_dead}
+        assert swept <= tracked, f"ended, empty and not to be swept: {swept - tracked}"
         assert self.gpu_used == sum(e.gpu for e in self.entries.values())
         assert self.cpu_used == sum(e.cpu for e in self.entries.values())
         assert 0 <= self.gpu_used <= self.gpu_cap, (self.gpu_used, self.gpu_cap)

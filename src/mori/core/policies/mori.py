@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mori.core.decisions import Decision
+from mori.core.decisions import Decision, Demote
 from mori.core.events import Event, KVReady
 from mori.core.ledger import ClusterSpec
 from mori.core.ordered import Key
@@ -421,9 +421,9 @@ class MoriPolicy(Policy):
             pushed: list[Program] = []
             if fail is not None:
                 fkey, fc, fr = fail
-                buf = []
-                self._make_room(fc, now, buf, iota, reserve)
-                chunks.append((fkey, buf))
+                room_made: list[Decision] = []
+                self._make_room(fc, now, room_made, iota, reserve)
+                chunks.append((fkey, room_made))
                 # what still fits behind the first miss, on the replicas where some can
                 for rc in sorted(self._open | {fr}):
                     for k2, _, c2 in idx.cpu[rc].walk(lambda: self._avail[rc]):  # noqa: B023
@@ -432,7 +432,8 @@ class MoriPolicy(Policy):
                             place(c2, rc, buf)
                             chunks.append((k2, buf))
                 # CPU candidates the room made pushed to Waiting join it ahead of the rest
-                pushed = [c for _, _, c in idx.cpu[fr] if c.tier is Tier.NONE]
+                if any(isinstance(d, Demote) and d.source is Tier.CPU for d in room_made):
+                    pushed = [c for _, _, c in idx.cpu[fr] if c.tier is Tier.NONE]
                 chunks.sort(key=lambda t: t[0])
             for _, decided in chunks:
                 out.extend(decided)
