@@ -621,7 +621,7 @@ class MoriPolicy(Policy):
         own rules), from the per-replica sums and orders instead of the members."""
         gpus, sums = self.placement.gpu, self._sums
         if c.tier is Tier.NONE and len(gpus) > 1:
-            assert not any(reserve), "room is made once per round, before any reservation"
+            assert not self._round_reserve, "room is made once a round, before reserving"
             kv = c.kv_bytes
             if self._room.most() >= kv:  # some replica can make room now: the one with
                 for avail, rr in self._avail:  # the most free space (then lowest index)
