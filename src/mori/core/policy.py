@@ -119,18 +119,29 @@ class Policy(ABC):
 
     def observe(self, event: Event, now: float) -> None:
         """Record what happened at ``now``; call ``decide`` afterwards."""
-        if isinstance(event, RequestArrived):
-            self._on_arrival(event, now)
-        elif isinstance(event, StepFinished):
-            self._on_finish(event, now)
-        elif isinstance(event, KVReady):
+        if isinstance(event, KVReady):  # no change of status, tier or size
             p = self.programs.get(event.program_id)
             if p is not None and p.status is Status.REASONING:
                 p.tracker.started(now)  # the interval since the forward becomes gated
-        elif isinstance(event, ProgramEnded):
-            self._on_end(event, now)
-        else:  # pragma: no cover - exhaustive
-            raise TypeError(f"unknown event {event!r}")
+            return
+        pid = event.program_id
+        p = self.programs.get(pid)
+        was = self._unhook(p) if p is not None else None
+        try:
+            if isinstance(event, RequestArrived):
+                self._on_arrival(event, now)
+            elif isinstance(event, StepFinished):
+                self._on_finish(event, now)
+            elif isinstance(event, ProgramEnded):
+                self._on_end(event, now)
+            else:  # pragma: no cover - exhaustive
+                raise TypeError(f"unknown event {event!r}")
+        finally:
+            q = self.programs.get(pid)
+            if q is not None:
+                self._hook(q, was)
+            else:
+                self._gone(pid, was)
 
     def decide(self, now: float) -> list[Decision]:
         """What to do now; the ledger is updated as if the decisions were executed."""
@@ -186,6 +197,21 @@ class Policy(ABC):
     @abstractmethod
     def _decide(self, now: float, out: list[Decision]) -> None: ...
 
+    # Every change of a program's status, tier, replica or size (an observation, a
+    # forward, a move) runs between ``_unhook`` and ``_hook``, so a subclass can keep
+    # indexes of its programs up to date instead of scanning them; ``_gone`` follows
+    # an observation after which the program no longer exists.
+    def _unhook(self, p: Program) -> int | None:
+        """Before ``p`` changes; what it returns is handed to ``_hook`` (``mori``: the
+        GPU replica ``p`` was on)."""
+        return None
+
+    def _hook(self, p: Program, was: int | None) -> None:  # noqa: B027 - a no-op hook
+        """After ``p`` changed."""
+
+    def _gone(self, program_id: str, was: int | None) -> None:  # noqa: B027 - a no-op hook
+        """After ``program_id`` ended (or its first request was refused)."""
+
     def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
         """The capacities this policy schedules against (a subclass may drop a tier)."""
         if self.uses_cpu_queue:
@@ -199,9 +225,11 @@ class Policy(ABC):
     def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
         assert p.tier is Tier.GPU and p.replica is not None and p.ready
         out.append(Forward(p.program_id, p.replica))
+        was = self._unhook(p)
         del self._ready[p.program_id]
         del self._ready_gpu[p.program_id]
         p.tracker.started(now)  # status: REASONING
+        self._hook(p, was)
         if p.history:
             p.history[-1].forwarded = now
 
@@ -216,12 +244,14 @@ class Policy(ABC):
         self._move(p, to, replica if to is not Tier.NONE else None)
 
     def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
+        was = self._unhook(p)
         self.placement.move(p.program_id, tier, replica)
         p.tier, p.replica = tier, replica
         if tier is Tier.GPU and p.ready:
             self._ready_gpu[p.program_id] = p
         else:
             self._ready_gpu.pop(p.program_id, None)
+        self._hook(p, was)
 
     # -- observation handling -----------------------------------------------------------
     def _on_arrival(self, ev: RequestArrived, now: float) -> None:

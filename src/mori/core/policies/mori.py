@@ -34,195 +34,28 @@ Every rule of section 4, and where a detail is ours:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import chain
 from typing import NamedTuple
 
 from mori.core.decisions import Decision, Demote
-from mori.core.events import Event, KVReady
-from mori.core.ledger import ClusterSpec
 from mori.core.ordered import Key
-from mori.core.policies.mori_index import (
-    CandidateIndex,
-    IotaOrder,
-    ReplicaOrder,
-    ReplicaSums,
-    priority,
-)
-from mori.core.policy import EngineProfile, Policy, PolicyConfig
+from mori.core.policies.mori_state import MoriState, _Iota
+from mori.core.policy import EngineProfile
 from mori.core.program import Program
 from mori.core.types import Status, Tier
+
+__all__ = ["SPREAD_BELOW", "MoriPolicy", "_Iota"]
 
 SPREAD_BELOW = 0.7
 """Admitted programs are spread by load while the GPU tiers would be at most this full."""
 
 
-class MoriPolicy(Policy):
+class MoriPolicy(MoriState):
     name = "mori"
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
-
-    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
-                 config: PolicyConfig | None = None) -> None:
-        super().__init__(cluster, kv_bytes_per_token, config)
-        n = self.cluster.replicas
-        cap = self.cluster.gpu_bytes
-        # kept up to date as events arrive (mori_index); the index needs a held
-        # program's priority to stay fixed, so gated time must be excluded from iota,
-        # and it needs managed GPU capacities
-        self._incremental = self.config.exclude_gated and cap is not None
-        self._cap = cap or 0
-        self._index = CandidateIndex(n)
-        self._sums = ReplicaSums(n)
-        self._avail = ReplicaOrder(n, self._cap)  # GPU free space beyond the reservation
-        self._room = ReplicaOrder(n, self._cap)  # GPU free space + its Acting programs' KV
-        self._round_reserve: dict[int, int] = {}  # the round's reservation (_make_room)
-        self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
-        self._stale: set[int] = set()  # replicas whose membership of _open is to check
-        # per replica, most idle first at any time: its Acting GPU programs, and all of
-        # its CPU queue (Acting and held)
-        self._gpu_acting = [IotaOrder() for _ in range(n)]
-        self._cpu_idle = [IotaOrder() for _ in range(n)]
-        self._touched: dict[str, Program] = {}  # to re-index before the next round
-        self._grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
-        self._frozen = False  # inside a round's promotions: the index is being walked
-        self._round_iota: _Iota | None = None  # the round's iota while frozen
-
-    # -- bookkeeping around every change of a program -----------------------------------
-    def observe(self, event: Event, now: float) -> None:
-        if isinstance(event, KVReady):  # no change of status, tier or size
-            super().observe(event, now)
-            return
-        pid = event.program_id
-        p = self.programs.get(pid)
-        was = self._unhook(p) if p is not None else None
-        try:
-            super().observe(event, now)
-        finally:
-            q = self.programs.get(pid)
-            if q is not None:
-                self._hook(q, was)
-                if q.replica is not None:  # its size may have grown where it is
-                    self._grown.add((q.tier, q.replica))
-            else:
-                if was is not None:
-                    self._sync(was)
-                self._touched.pop(pid, None)
-                self._unindex(pid)
-
-    def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
-        if self._round_iota is not None:
-            # a candidate's iota as the round ranked it (held), before its step starts
-            key = self._index.key_of(p.program_id)
-            if key is not None:
-                self._round_iota.hold(p, key[2])
-        was = self._unhook(p)
-        super()._forward(p, now, out)
-        self._hook(p, was)
-
-    def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
-        was = self._unhook(p)
-        super()._move(p, tier, replica)
-        self._hook(p, was)
-
-    def _unhook(self, p: Program) -> int | None:
-        """Take ``p`` out of the sums before a change; the GPU replica it was on."""
-        self._sums.account(p, -1)
-        if p.tier is Tier.GPU:
-            assert p.replica is not None
-            self._gpu_acting[p.replica].discard(p.program_id)
-            return p.replica
-        if p.tier is Tier.CPU:
-            assert p.replica is not None
-            self._cpu_idle[p.replica].discard(p.program_id)
-        return None
-
-    def _hook(self, p: Program, was: int | None) -> None:
-        self._sums.account(p, +1)
-        status = p.status
-        if p.tier is Tier.CPU:
-            assert p.replica is not None
-            self._cpu_idle[p.replica].add(
-                p, None if status is Status.ACTING else p.tracker.iota(0.0))
-        if p.tier is Tier.GPU:
-            if status is Status.ACTING:
-                assert p.replica is not None
-                self._gpu_acting[p.replica].add(p, None)
-            if p.replica != was:
-                assert p.replica is not None
-                self._sync(p.replica)
-        if was is not None:
-            self._sync(was)
-        self._touched[p.program_id] = p
-
-    def _sync(self, r: int) -> None:
-        """Replica ``r``'s GPU queue or its programs' statuses changed."""
-        if not self._incremental:
-            return
-        free = self._cap - self.placement.gpu[r].used
-        self._avail.set(r, free - self._round_reserve.get(r, 0))
-        self._room.set(r, free + self._sums.acting[r])
-        self._stale.add(r)
-
-    def _unindex(self, pid: str) -> None:
-        r = self._index.discard(pid)
-        if r is not None:
-            self._stale.add(r)
-
-    def _flush(self) -> None:
-        """Re-index the programs changed since the last flush (not while walking), and
-        recheck which replicas may fit one of their CPU candidates."""
-        assert not self._frozen
-        idx = self._index
-        for pid, p in self._touched.items():
-            self._unindex(pid)
-            if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self._cap
-                    and self.programs.get(pid) is p):
-                idx.put(p, priority(p, p.tracker.iota(0.0)))
-                if p.replica is not None:
-                    self._stale.add(p.replica)
-        self._touched.clear()
-        for r in self._stale:
-            smallest = idx.cpu[r].min_size()
-            if smallest is not None and smallest <= self._avail[r]:
-                self._open.add(r)
-            else:
-                self._open.discard(r)
-        self._stale.clear()
-
-    def check_integrity(self) -> None:
-        super().check_integrity()
-        sums = ReplicaSums(self.cluster.replicas)
-        for p in self.programs.values():
-            sums.account(p, +1)
-        assert (sums.acting, sums.reasoning, sums.gpu_used) == (
-            self._sums.acting, self._sums.reasoning, self._sums.gpu_used), "GPU sums drifted"
-        assert sum(gq.used for gq in self.placement.gpu) == self._sums.gpu_used
-        for r in range(self.cluster.replicas):
-            gpu = self.placement.gpu[r].members
-            assert self._gpu_acting[r].ids() == {
-                pid for pid in gpu if self.programs[pid].status is Status.ACTING}
-            assert self._cpu_idle[r].ids() == set(self.placement.cpu[r].members)
-        if not self._incremental:
-            return
-        self._flush()
-        want = {pid: (priority(p, p.tracker.iota(0.0)),
-                      p.replica if p.tier is Tier.CPU else None)
-                for pid, p in self._ready.items()
-                if p.tier is not Tier.GPU and p.kv_bytes <= self._cap}
-        assert self._index.entries() == want, "candidate index disagrees with the programs"
-        for r, order in enumerate(self._index.cpu):
-            assert all(c.tier is Tier.CPU and c.replica == r and kv == c.kv_bytes
-                       for _, kv, c in order)
-            gq = self.placement.gpu[r]
-            assert self._avail[r] == self._cap - gq.used, f"room of replica {r}"
-            assert self._room[r] == self._cap - gq.used + self._sums.acting[r]
-            smallest = order.min_size()
-            assert (r in self._open) == (smallest is not None and smallest <= self._avail[r])
-        assert sorted(self._index.cpu_all) == sorted(t for o in self._index.cpu for t in o)
-        assert all(c.tier is Tier.NONE and kv == c.kv_bytes
-                   for _, kv, c in self._index.waiting)
-        self._avail.check()
-        self._room.check()
 
     # -- ranking hooks (the ablations override these) --------------------------------
     def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
@@ -494,7 +327,11 @@ class MoriPolicy(Policy):
             after: Key | None = None  # the last Waiting index key looked at unblocked
             rest: list[Program] = pushed  # the pushed candidates left to look at
             if not blocked:
-                for i, c in enumerate(pushed):
+                rest = []
+                ahead: Iterator[tuple[Key | None, int, Program]] = chain(
+                    ((None, i, c) for i, c in enumerate(pushed)),
+                    ((k, -1, c) for k, _, c in idx.waiting))
+                for at, i, c in ahead:
                     if c.program_id in placed:
                         continue
                     r2 = self._avail.tightest(c.kv_bytes)
@@ -503,32 +340,19 @@ class MoriPolicy(Policy):
                         continue
                     blocked = True
                     self._make_room(c, now, out, iota, reserve)
-                    rest = pushed[i + 1:]
+                    if i >= 0:
+                        rest = pushed[i + 1:]
+                    else:
+                        after = at
                     break
                 else:
-                    rest = []
-                if not blocked:
-                    for k, _, c in idx.waiting:
-                        after = k
-                        if c.program_id in placed:
-                            continue
-                        r2 = self._avail.tightest(c.kv_bytes)
-                        if r2 is not None:
-                            place(c, r2, out)
-                            continue
-                        blocked = True
-                        self._make_room(c, now, out, iota, reserve)
-                        break
-                    else:
-                        return  # every candidate was placed
-            for c in rest:  # blocked from here on
+                    return  # every candidate was placed
+            # blocked from here on: a candidate fits only if no larger than the most room
+            small = chain(rest, (c for _, _, c in
+                                 idx.waiting_up_to(self._avail.most(), after=after)))
+            for c in small:
                 if c.program_id not in placed and c.kv_bytes <= self._avail.most():
                     r2 = self._avail.tightest(c.kv_bytes)
-                    assert r2 is not None
-                    place(c, r2, out)
-            for _, kv, c in idx.waiting_up_to(self._avail.most(), after=after):
-                if c.program_id not in placed and kv <= self._avail.most():
-                    r2 = self._avail.tightest(kv)
                     assert r2 is not None
                     place(c, r2, out)
         finally:
@@ -679,28 +503,3 @@ class _RoomPlan(NamedTuple):
     room_later: float  # the same, once the Reasoning victims' steps have ended
     acting: list[Program] | None  # the Acting victims, most idle first (None: all of
     # the replica's Acting programs, sorted when needed)
-
-
-class _Iota:
-    """Idleness of each program, computed once per decision round."""
-
-    __slots__ = ("now", "_memo")
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-        self._memo: dict[str, float] = {}
-
-    def __call__(self, p: Program) -> float:
-        v = self._memo.get(p.program_id)
-        if v is None:
-            v = p.tracker.iota(self.now)
-            self._memo[p.program_id] = v
-        return v
-
-    def hold(self, p: Program, value: float) -> None:
-        """Take ``value`` as ``p``'s iota this round unless one was computed already."""
-        self._memo.setdefault(p.program_id, value)
-
-    def desc(self, p: Program) -> tuple[float, int]:
-        """Sort key: highest iota first, then the most recent request last in."""
-        return (-self(p), -p.ready_seq)

@@ -46,7 +46,7 @@ import heapq
 from dataclasses import dataclass
 
 from mori.core.decisions import Decision
-from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import ProgramEnded, RequestArrived, StepFinished
 from mori.core.ledger import ClusterSpec
 from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
@@ -94,31 +94,19 @@ class ThunderAgentPolicy(Policy):
         self._table_no: dict[str, int] = {}  # each program's place in the program table
         self._table_next = 0
 
-    # -- bookkeeping around every change of a program ------------------------------------
-    def observe(self, event: Event, now: float) -> None:
-        if isinstance(event, KVReady):  # no change of status, tier or size
-            super().observe(event, now)
-            return
-        pid = event.program_id
-        p = self.programs.get(pid)
-        if p is not None:
-            self._count(p, -1)
-        try:
-            super().observe(event, now)
-        finally:
-            q = self.programs.get(pid)
-            if q is not None:
-                self._count(q, +1)
-                if pid not in self._table_no:
-                    self._table_no[pid] = self._table_next
-                    self._table_next += 1
-            else:
-                self._table_no.pop(pid, None)
-
-    def _move(self, p: Program, tier: Tier, replica: int | None) -> None:
+    # -- bookkeeping around every change of a program (Policy._unhook / _hook) ----------
+    def _unhook(self, p: Program) -> int | None:
         self._count(p, -1)
-        super()._move(p, tier, replica)
+        return None
+
+    def _hook(self, p: Program, was: int | None) -> None:
         self._count(p, +1)
+        if p.program_id not in self._table_no:
+            self._table_no[p.program_id] = self._table_next
+            self._table_next += 1
+
+    def _gone(self, program_id: str, was: int | None) -> None:
+        self._table_no.pop(program_id, None)
 
     def _count(self, p: Program, sign: int) -> None:
         if p.tier is Tier.GPU:
