@@ -7,16 +7,20 @@ each sends a request, waits until the policy forwards it, "runs" for a few secon
 fake time, then spends a tool call of fake time before its next request. Every event
 the controller sees (an arrival through ``admit``, a step's end through ``finished``)
 is timed, including the scheduling of the asyncio tasks it wakes and the KV controls
-it queues. Reports per-event p50 / p99 / mean in microseconds, and the mean against
-the smallest size measured in the same run.
+it queues. The garbage collector is set as ``mori serve`` sets it once started
+(``mori.gateway.server.tune_gc``; ``--python-gc`` keeps Python's defaults). Only
+pending tasks are kept, as a server holds them. Reports per-event p50 / p99 / mean in
+microseconds, and the mean against the smallest size measured in the same run.
 
     python bench/bench_controller.py [--sizes 1000,10000] [--events 20000] [--policy mori]
+                                     [--python-gc]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import heapq
 import random
 import statistics
@@ -28,6 +32,7 @@ from mori.gateway.app import policy_for
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
 from mori.gateway.metrics import GatewayMetrics
+from mori.gateway.server import tune_gc
 
 PER_REPLICA = 80
 GPU_TOKENS = 1_000_000  # per replica; programs of 20k-120k tokens: ~15 fit a GPU
@@ -64,7 +69,8 @@ class Clock:
         return self.t
 
 
-async def measure(policy: str, programs: int, events: int, seed: int = 0) -> list[float]:
+async def measure(policy: str, programs: int, events: int, seed: int = 0,
+                  serve_gc: bool = True) -> list[float]:
     rng = random.Random(seed)
     replicas = max(1, programs // PER_REPLICA)
     adapters: list[EngineAdapter] = [NullAdapter() for _ in range(replicas)]
@@ -74,6 +80,9 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0) -> lis
     ctl = Controller(policy_for(settings, caps), adapters, GatewayMetrics(), settings,
                      clock=clock)
     tokens = {f"p{i}": rng.randint(20_000, 60_000) for i in range(programs)}
+    defaults = gc.get_threshold()
+    if serve_gc:  # what ``mori serve`` does once started (GC_THRESHOLDS)
+        tune_gc()
     heap: list[tuple[float, int, str, str]] = []
     seq = 0
 
@@ -83,13 +92,14 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0) -> lis
         heapq.heappush(heap, (t, seq, kind, pid))
 
     def admitted(pid: str, task: asyncio.Task[Any]) -> None:
+        tasks.discard(task)  # only pending tasks are kept (as a server holds them)
         if not task.cancelled() and task.exception() is None:
             at(clock.t + rng.uniform(1.0, 8.0), "finish", pid)
 
     for pid in tokens:
         at(rng.uniform(0.0, 60.0), "arrive", pid)
     times: list[float] = []
-    tasks: list[asyncio.Task[Any]] = []
+    tasks: set[asyncio.Task[Any]] = set()
     try:
         while heap and len(times) < events:
             t, _, kind, pid = heapq.heappop(heap)
@@ -98,7 +108,7 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0) -> lis
             if kind == "arrive":
                 task = asyncio.get_running_loop().create_task(ctl.admit(pid, tokens[pid]))
                 task.add_done_callback(lambda tk, pid=pid: admitted(pid, tk))
-                tasks.append(task)
+                tasks.add(task)
             else:
                 tokens[pid] += rng.randint(200, 2_000)
                 ctl.finished(pid, tokens[pid])
@@ -109,6 +119,9 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0) -> lis
     finally:
         await ctl.stop()  # held requests are rejected: collect their tasks quietly
         await asyncio.gather(*tasks, return_exceptions=True)
+        if serve_gc:
+            gc.unfreeze()
+            gc.set_threshold(*defaults)
     return times[min(len(times) // 10, 2 * programs):]  # leave out the start-up
 
 
@@ -117,6 +130,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000")
     ap.add_argument("--events", type=int, default=20_000)
     ap.add_argument("--policy", default="mori")
+    ap.add_argument("--python-gc", action="store_true",
+                    help="keep Python's collector defaults instead of mori serve's")
     args = ap.parse_args()
     print(f"policy {args.policy}: controller cost per event ({PER_REPLICA} programs per "
           "replica, fake clock, in-memory adapters)")
@@ -124,7 +139,8 @@ def main() -> None:
           f"{'mean us':>8} {'vs first':>9}")
     base = None
     for n in (int(x) for x in args.sizes.split(",")):
-        ts = sorted(asyncio.run(measure(args.policy, n, args.events + 2 * n)))
+        ts = sorted(asyncio.run(measure(args.policy, n, args.events + 2 * n,
+                                        serve_gc=not args.python_gc)))
         mean = statistics.fmean(ts)
         base = base or mean
         print(f"{n:>9} {max(1, n // PER_REPLICA):>9} {len(ts):>7} "

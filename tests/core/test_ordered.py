@@ -18,7 +18,7 @@ def test_matches_a_sorted_list(ops: list[tuple[bool, int, int]], load: int,
                                limits: list[int], after: int | None) -> None:
     order: SizedOrder[str] = SizedOrder(load)
     model: dict[tuple[int], int] = {}
-    for add, k, size in ops:
+    for n, (add, k, size) in enumerate(ops):
         key = (k,)
         if add and key not in model:
             order.add(key, size, f"i{k}")
@@ -26,6 +26,9 @@ def test_matches_a_sorted_list(ops: list[tuple[bool, int, int]], load: int,
         elif not add and key in model:
             order.remove(key)
             del model[key]
+        # prefix() between changes: its tree of block totals is updated in place
+        budget = limits[n % len(limits)] * 5
+        assert order.prefix(budget) == _prefix(sorted(model.items()), budget)
     want = sorted((k, s, f"i{k[0]}") for k, s in model.items())
     assert list(order) == want
     assert len(order) == len(want)
@@ -33,7 +36,7 @@ def test_matches_a_sorted_list(ops: list[tuple[bool, int, int]], load: int,
     # walk with a limit that changes after each item taken (as a caller placing
     # programs shrinks the room it has)
     steps = iter(limits)
-    lim = [next(steps)]  # the limit of the moment, read by walk() before each item
+    lim = [next(steps)]  # the limit of the moment, read by walk() after each item
     got = []
     start = None if after is None else (after,)
     for triple in order.walk(lambda: lim[0], start):
@@ -52,12 +55,17 @@ def test_matches_a_sorted_list(ops: list[tuple[bool, int, int]], load: int,
     assert got == expect
     # the longest prefix that fits a budget
     budget = limits[0] * 5
+    assert order.prefix(budget) == _prefix([(k, s) for k, s, _ in want], budget)
+
+
+def _prefix(items: list[tuple[tuple[int], int]], budget: int) -> tuple[tuple[int] | None, int]:
+    """The longest prefix of (key, size) pairs whose sizes fit ``budget``: last key, total."""
     total, last = 0, None
-    for k, sz, _ in want:
+    for k, sz in items:
         if total + sz > budget:
             break
         total, last = total + sz, k
-    assert order.prefix(budget) == (last, total)
+    return last, total
 
 
 def test_rejects_duplicates_and_missing_keys() -> None:

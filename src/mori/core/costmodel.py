@@ -68,6 +68,9 @@ class CostModel:
     _overhead: float = field(init=False, repr=False, compare=False)
     _tau: float = field(init=False, repr=False, compare=False)
     _allreduce: float = field(init=False, repr=False, compare=False)
+    # tokens -> weight bytes per GPU one pass reads (a pure function of the count;
+    # the MoE estimate's power is the costly part, so it is computed once per count)
+    _weights: dict[int, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_scale) and self.time_scale > 0):
@@ -85,6 +88,15 @@ class CostModel:
         set_(self, "_tau", p.tau * k)
         set_(self, "_allreduce", p.allreduce_s * k)
         set_(self, "_overhead", (p.tau + p.allreduce_s) * k)
+        set_(self, "_weights", {})
+
+    def _weight_bytes(self, tokens: int) -> float:
+        """``weight_bytes_read(tokens) / tp``, memoized."""
+        v = self._weights.get(tokens)
+        if v is None:
+            v = self.preset.model.weight_bytes_read(tokens) / self.preset.tp
+            self._weights[tokens] = v
+        return v
 
     @classmethod
     def from_preset_name(cls, name: str) -> CostModel:
@@ -117,7 +129,7 @@ class CostModel:
             return 0.0
         compute = tokens * self._s_per_linear_token
         memory = (
-            self.preset.model.weight_bytes_read(tokens) / self.preset.tp
+            self._weight_bytes(tokens)
             + self._kv_bytes_gpu * decode_ctx_sum
         ) * self._s_per_hbm_byte
         attention = prefill_attn_ctx * self._s_per_attn_unit
@@ -142,7 +154,7 @@ class CostModel:
             return 0.0
         compute = batch * self._s_per_linear_token
         a = (
-            self.preset.model.weight_bytes_read(batch) / self.preset.tp
+            self._weight_bytes(batch)
             + self._kv_bytes_gpu * ctx_sum0
         ) * self._s_per_hbm_byte
         s = self._kv_bytes_gpu * batch * self._s_per_hbm_byte  # > 0

@@ -293,6 +293,10 @@ class MoriPolicy(MoriState):
                 room -= in_index
                 total += in_index
             n = len(gpus)
+            # the batch's Waiting candidates left unplaced that may fit later (key order),
+            # and the most room any replica had when they were chosen (None: unknown)
+            unplaced: list[tuple[Key, Program]] = []
+            most_then: int | None = None
             if n > 1 and total and self._sums.gpu_used + total <= SPREAD_BELOW * (cap * n):
                 # memory may not bind (_spread's test): it needs the whole batch
                 batch = list(head)
@@ -303,13 +307,21 @@ class MoriPolicy(MoriState):
                         batch.append(c)
                 order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
                 spread = self._spread(order, reserve)
+                if spread is not None:  # every one is placed below
+                    most_then = self._avail.most()
+                else:
+                    batch_waiting = [(k, c) for k, _, c in idx.waiting_up_to(
+                        self._avail.most(), upto=last)] if last is not None else []
+                    unplaced, most_then = batch_waiting, self._avail.most()
             else:
                 # packing: a batch member larger than the most room any replica has now
                 # fits nowhere then or later in this round, so only the others are tried
                 most = self._avail.most()
                 fit = [c for c in head if c.kv_bytes <= most]
                 if last is not None:
-                    fit += [c for _, _, c in idx.waiting_up_to(most, upto=last)]
+                    unplaced = [(k, c) for k, _, c in idx.waiting_up_to(most, upto=last)]
+                    fit += [c for _, c in unplaced]
+                most_then = most
                 order = sorted(fit, key=lambda p: (-p.kv_bytes, p.ready_seq))
                 spread = None
             placed: set[str] = set()
@@ -347,9 +359,20 @@ class MoriPolicy(MoriState):
                     break
                 else:
                     return  # every candidate was placed
-            # blocked from here on: a candidate fits only if no larger than the most room
-            small = chain(rest, (c for _, _, c in
-                                 idx.waiting_up_to(self._avail.most(), after=after)))
+            # blocked from here on: a candidate fits only if no larger than the most room.
+            # The batch's part of the Waiting order (keys up to ``last``) holds only
+            # placed candidates and those of ``unplaced``, unless room was made since
+            # (the most room grew): then it is walked again
+            most_now = self._avail.most()
+            lo = after
+            ahead_small: list[Program] = []
+            if (last is not None and most_then is not None and most_now <= most_then
+                    and (after is None or after < last)):
+                ahead_small = [c for k, c in unplaced
+                               if (after is None or k > after) and c.kv_bytes <= most_now
+                               and c.program_id not in placed]
+                lo = last
+            small = chain(rest, ahead_small, idx.waiting_fitting(self._avail.most, after=lo))
             for c in small:
                 if c.program_id not in placed and c.kv_bytes <= self._avail.most():
                     r2 = self._avail.tightest(c.kv_bytes)
@@ -380,6 +403,8 @@ class MoriPolicy(MoriState):
         total = (self.cluster.gpu_bytes or 0) * n
         if self._sums.gpu_used + sum(c.kv_bytes for c in order) > SPREAD_BELOW * total:
             return None  # memory binds: pack
+        if self._frozen:  # the indexed round: the replicas' loads and rooms are kept
+            return self._spread_indexed(order)
         free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
         # a replica's load: the programs it holds. With few programs most are Acting at
         # any instant, so the count balances their steps to come better than the
@@ -394,6 +419,27 @@ class MoriPolicy(MoriState):
             out[c.program_id] = r
             free[r] -= c.kv_bytes
             load[r] += 1
+        return out
+
+    def _spread_indexed(self, order: list[Program]) -> dict[str, int] | None:
+        """``_spread``'s choices from ``LoadOrder`` (its room is the free space beyond
+        the round's reservation, as ``_spread`` computes it): each placement is applied
+        to the order to choose the next, then undone, as the caller places them."""
+        loads = self._fresh_loads()
+        undo: list[tuple[int, int, int]] = []
+        out: dict[str, int] | None = {}
+        for c in order:
+            r = loads.best(c.kv_bytes)
+            if r is None:
+                out = None
+                break
+            load, room = loads[r]
+            undo.append((r, load, room))
+            loads.set(r, load + 1, room - c.kv_bytes)
+            assert out is not None
+            out[c.program_id] = r
+        for r, load, room in reversed(undo):
+            loads.set(r, load, room)
         return out
 
     def _best_fit(self, c: Program, reserve: list[int]) -> int | None:

@@ -12,6 +12,8 @@ all of it is the differential test's reference).
   programs, and the GPU bytes in use over all replicas.
 - ``ReplicaOrder``: the replicas sorted by a value (the GPU room they have), so the one
   with the most room, or the tightest that holds a given size, is found in O(log R).
+- ``LoadOrder``: the replicas sorted by their GPU programs, then room: where spreading
+  puts a program.
 """
 
 from __future__ import annotations
@@ -113,6 +115,17 @@ class CandidateIndex:
             out.append((k, kv, c))
         return out
 
+    def waiting_fitting(self, limit: Callable[[], float], after: Key | None = None
+                        ) -> Iterator[Program]:
+        """The Waiting candidates with key > ``after`` and size <= ``limit()``, in key
+        order, as ``waiting_up_to(limit())`` would list them, but lazily: ``limit`` may
+        shrink while walking, and whole blocks then too large are passed over."""
+        size = limit()
+        if bisect_right(self.waiting_by_size, (size, _TOP)) <= 2 * LOAD:
+            yield from (c for _, _, c in self.waiting_up_to(size, after))
+            return
+        yield from (c for _, _, c in self.waiting.walk(limit, after))
+
     def entries(self) -> dict[str, tuple[Key, int | None]]:
         """A copy of id -> (key, CPU replica or None) (integrity checks)."""
         return {pid: (k, r) for pid, (k, r, _) in self._entry.items()}
@@ -182,6 +195,45 @@ class ReplicaOrder:
 
     def check(self) -> None:
         assert self._order == sorted((-v, r) for r, v in enumerate(self._of))
+
+
+class LoadOrder:
+    """Replicas sorted by (GPU programs, room, index), for spreading (``_spread``): the
+    least loaded replica with room for a size, the tightest among those, the lowest
+    index among equals, in O(L log R) (L the distinct loads below the answer's)."""
+
+    __slots__ = ("_order", "_of")
+
+    def __init__(self, replicas: int, room: int) -> None:
+        self._order = [(0, room, r) for r in range(replicas)]  # ascending
+        self._of = [(0, room)] * replicas
+
+    def __getitem__(self, replica: int) -> tuple[int, int]:
+        """(programs, room) of ``replica``."""
+        return self._of[replica]
+
+    def set(self, replica: int, load: int, room: int) -> None:
+        old = self._of[replica]
+        if old == (load, room):
+            return
+        order = self._order
+        del order[bisect_left(order, (*old, replica))]
+        insort(order, (load, room, replica))
+        self._of[replica] = (load, room)
+
+    def best(self, need: int) -> int | None:
+        """The replica minimizing (load, room) among those with room >= ``need``."""
+        order, i, n = self._order, 0, len(self._order)
+        while i < n:
+            load = order[i][0]
+            i = bisect_left(order, (load, need, -1), i)
+            if i < n and order[i][0] == load:
+                return order[i][2]
+            # every replica of this load is too small: i starts the next load
+        return None
+
+    def check(self) -> None:
+        assert self._order == sorted((lo, rm, r) for r, (lo, rm) in enumerate(self._of))
 
 
 _MARGIN = 1e-9  # slack on the bounds: rounding never reorders what they rule out

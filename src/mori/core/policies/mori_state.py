@@ -14,6 +14,7 @@ from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_index import (
     CandidateIndex,
     IotaOrder,
+    LoadOrder,
     ReplicaOrder,
     ReplicaSums,
     priority,
@@ -40,6 +41,8 @@ class MoriState(Policy):
         self._sums = ReplicaSums(n)
         self._avail = ReplicaOrder(n, self._cap)  # GPU free space beyond the reservation
         self._room = ReplicaOrder(n, self._cap)  # GPU free space + its Acting programs' KV
+        self._loads = LoadOrder(n, self._cap)  # GPU programs, then _avail's room
+        self._loads_stale: set[int] = set()  # replicas to update in _loads before use
         self._round_reserve: dict[int, int] = {}  # the round's reservation (_make_room)
         self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
         self._stale: set[int] = set()  # replicas whose membership of _open is to check
@@ -110,7 +113,16 @@ class MoriState(Policy):
         free = self._cap - self.placement.gpu[r].used
         self._avail.set(r, free - self._round_reserve.get(r, 0))
         self._room.set(r, free + self._sums.acting[r])
+        self._loads_stale.add(r)  # spreading is rare: _loads is brought up to date then
         self._stale.add(r)
+
+    def _fresh_loads(self) -> LoadOrder:
+        """``_loads``, up to date."""
+        gpus = self.placement.gpu
+        for r in self._loads_stale:
+            self._loads.set(r, len(gpus[r].members), self._avail[r])
+        self._loads_stale.clear()
+        return self._loads
 
     def _unindex(self, pid: str) -> None:
         r = self._index.discard(pid)
@@ -165,6 +177,7 @@ class MoriState(Policy):
             gq = self.placement.gpu[r]
             assert self._avail[r] == self._cap - gq.used, f"room of replica {r}"
             assert self._room[r] == self._cap - gq.used + self._sums.acting[r]
+            assert self._fresh_loads()[r] == (len(gq.members), self._avail[r]), f"load {r}"
             smallest = order.min_size()
             assert (r in self._open) == (smallest is not None and smallest <= self._avail[r])
         assert sorted(self._index.cpu_all) == sorted(t for o in self._index.cpu for t in o)
@@ -172,6 +185,7 @@ class MoriState(Policy):
                    for _, kv, c in self._index.waiting)
         self._avail.check()
         self._room.check()
+        self._loads.check()
 
 
 class _Iota:
