@@ -139,7 +139,19 @@ def test_custom_sweep_replicas_are_per_replica_programs(tmp_path: Path) -> None:
         (row,) = read(out / f"h200-qwen3-30b-a3b_cpu1_dp{dp}.json")
         assert (row["replicas"], row["programs"], row["programs_per_replica"]) == (dp, 2 * dp, 2)
         assert (out / f"h200-qwen3-30b-a3b_cpu1_dp{dp}.png").exists()
-    assert read(out / "sweep.json")["sweep"] is None
+    meta = read(out / "sweep.json")
+    assert meta["sweep"] is None
+    # two replica counts of one preset and CPU ratio: a figure of how it scales
+    assert meta["scaling"] == [{"hardware": "h200-qwen3-30b-a3b", "cpu_ratio": 1.0,
+                                "png": "h200-qwen3-30b-a3b_cpu1_scaling.png"}]
+    assert (out / "h200-qwen3-30b-a3b_cpu1_scaling.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_one_replica_count_has_no_scaling_figure(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert smoke(out, "--jobs", "1") == 0
+    assert read(out / "sweep.json")["scaling"] == []
+    assert not list(out.glob("*_scaling.png"))
 
 
 def test_paper_definition_without_running_it() -> None:

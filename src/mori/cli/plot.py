@@ -84,3 +84,61 @@ def plot_results(results: Sequence[RunResult], path: Path, per_replica: bool = F
         fig.savefig(path, dpi=120)
     finally:
         plt.close(fig)
+
+
+def scaling_groups(results: Sequence[RunResult]) -> dict[tuple[str, float], list[RunResult]]:
+    """The (hardware, CPU ratio) settings whose runs span more than one replica count,
+    each with its runs (the input of ``plot_scaling``)."""
+    groups: dict[tuple[str, float], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.config.hardware, r.config.cpu_ratio), []).append(r)
+    return {k: v for k, v in groups.items() if len({r.config.replicas for r in v}) > 1}
+
+
+def plot_scaling(results: Sequence[RunResult], path: Path) -> None:
+    """Draw how ``results`` (one hardware and CPU ratio) scale with the replicas: one row
+    of three panels (output throughput, steps/s, TTFT mean solid and p90 dashed) per
+    programs-per-replica value, against the replica count (log scale), one line per
+    policy. Saved as a PNG at ``path`` (dpi 120)."""
+    loads = sorted({r.config.programs_per_replica for r in results})
+    policies = list(dict.fromkeys(r.config.policy for r in results))
+    colors = plt.get_cmap("tab10")
+    style = {p: (colors(i % 10), _MARKERS[i % len(_MARKERS)]) for i, p in enumerate(policies)}
+    replicas = sorted({r.config.replicas for r in results})
+    hw, cpu = results[0].config.hardware, results[0].config.cpu_ratio
+    fig, axes = plt.subplots(len(loads), 3, figsize=(15, 3.9 * len(loads) + 0.8),
+                             squeeze=False)
+    try:
+        for row, load in enumerate(loads):
+            here = [r for r in results if r.config.programs_per_replica == load]
+            for col, (label, metric) in enumerate(_PANELS):
+                ax: Axes = axes[row][col]
+                for pol in policies:
+                    runs = sorted((r for r in here if r.config.policy == pol),
+                                  key=lambda r: r.config.replicas)
+                    if not runs:
+                        continue
+                    color, marker = style[pol]
+                    x = [r.config.replicas for r in runs]
+                    ax.plot(x, [metric(r) for r in runs], marker=marker, color=color,
+                            label=pol, linewidth=1.8)
+                    if col == 2:
+                        ax.plot(x, [r.ttft_p90_s for r in runs], marker=marker, color=color,
+                                linestyle="--", linewidth=1.2, markersize=4, alpha=0.8)
+                ax.set_title(f"{hw}, CPU ratio {cpu:g}, {load:g} programs per replica\n"
+                             f"{label}", fontsize=10)
+                ax.set_xlabel("replicas")
+                ax.set_xscale("log")
+                ax.set_xticks(replicas, [str(n) for n in replicas])
+                ax.minorticks_off()
+                ax.set_ylim(bottom=0)
+                ax.grid(True, alpha=0.3)
+        handles = [Line2D([], [], color=style[p][0], marker=style[p][1], label=p)
+                   for p in policies]
+        handles.append(Line2D([], [], color="grey", linestyle="--", label="TTFT p90"))
+        fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False,
+                   bbox_to_anchor=(0.5, 1.0))
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)

@@ -1,7 +1,8 @@
 """``mori sweep``: run a named or custom grid of simulations, resumable, locally or on Ray.
 
 Outputs in ``--out DIR``: ``<preset>_cpu<R>_dp<N>.json`` and ``.png`` per setting,
-``sweep.json`` with every run, and ``runs/<key>.json``, one record per finished run,
+``<preset>_cpu<R>_scaling.png`` where a preset and CPU ratio were run on several replica
+counts (against the replicas), ``sweep.json`` with every run, and ``runs/<key>.json``, one record per finished run,
 which a rerun of the same sweep reuses (``--fresh`` ignores them). Everything the user
 can get wrong is checked before the first run; such problems exit with status 2.
 """
@@ -137,7 +138,7 @@ def _executor(args: argparse.Namespace) -> tuple[Executor, str]:
 def write_outputs(out: Path, sweep: SweepDef, runs: list[Run], results: list[RunResult],
                   store: RunStore) -> list[Path]:
     """The per-setting JSON and PNG files and sweep.json; returns the paths written."""
-    from mori.cli.plot import plot_results  # matplotlib only when needed
+    from mori.cli.plot import plot_results, plot_scaling, scaling_groups  # matplotlib
 
     written, settings = [], []
     for setting in settings_of(runs):
@@ -150,7 +151,14 @@ def write_outputs(out: Path, sweep: SweepDef, runs: list[Run], results: list[Run
         settings.append({"hardware": setting.hardware, "cpu_ratio": setting.cpu_ratio,
                          "replicas": setting.replicas, "json": f"{setting.stem}.json",
                          "png": png.name})
+    scaling = []  # settings run on several replica counts: how they scale
+    for (hw, cpu), group in scaling_groups(results).items():
+        png = out / f"{hw}_cpu{cpu:g}_scaling.png"
+        plot_scaling(group, png)
+        written.append(png)
+        scaling.append({"hardware": hw, "cpu_ratio": cpu, "png": png.name})
     meta = {"sweep": sweep.name, "description": sweep.description, "settings": settings,
+            "scaling": scaling,
             "traces": {"name": store.traces_name, "sha256": store.digest}}
     rows = [result_row(a, r) for a, r in zip(runs, results, strict=True)]
     written.append(write_sweep(out, meta, rows))
