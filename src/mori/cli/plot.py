@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # before pyplot: no display needed
 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
 from mori.cli.table import shown_programs  # noqa: E402
@@ -27,6 +28,17 @@ _PANELS: tuple[tuple[str, Callable[[RunResult], float]], ...] = (
     ("Steps/s", lambda r: r.steps_per_s),
     ("TTFT (s): mean, p90 dashed", lambda r: r.ttft_mean_s),
 )
+
+
+def _legend_and_save(fig: Figure, path: Path,
+                     style: dict[str, tuple[tuple[float, float, float, float], str]]) -> None:
+    """One legend above the panels (each policy, and the p90 dashes), then save."""
+    handles = [Line2D([], [], color=c, marker=m, label=p) for p, (c, m) in style.items()]
+    handles.append(Line2D([], [], color="grey", linestyle="--", label="TTFT p90"))
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False,
+               bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    fig.savefig(path, dpi=120)
 
 
 def _series(runs: Sequence[RunResult], metric: Callable[[RunResult], float], per_replica: bool
@@ -75,13 +87,7 @@ def plot_results(results: Sequence[RunResult], path: Path, per_replica: bool = F
                 ax.set_xticks(xs_all)
                 ax.set_ylim(bottom=0)
                 ax.grid(True, alpha=0.3)
-        handles = [Line2D([], [], color=style[p][0], marker=style[p][1], label=p)
-                   for p in policies]
-        handles.append(Line2D([], [], color="grey", linestyle="--", label="TTFT p90"))
-        fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False,
-                   bbox_to_anchor=(0.5, 1.0))
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
-        fig.savefig(path, dpi=120)
+        _legend_and_save(fig, path, style)
     finally:
         plt.close(fig)
 
@@ -133,12 +139,6 @@ def plot_scaling(results: Sequence[RunResult], path: Path) -> None:
                 ax.minorticks_off()
                 ax.set_ylim(bottom=0)
                 ax.grid(True, alpha=0.3)
-        handles = [Line2D([], [], color=style[p][0], marker=style[p][1], label=p)
-                   for p in policies]
-        handles.append(Line2D([], [], color="grey", linestyle="--", label="TTFT p90"))
-        fig.legend(handles=handles, loc="upper center", ncol=len(handles), frameon=False,
-                   bbox_to_anchor=(0.5, 1.0))
-        fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
-        fig.savefig(path, dpi=120)
+        _legend_and_save(fig, path, style)
     finally:
         plt.close(fig)
