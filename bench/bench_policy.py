@@ -3,8 +3,12 @@
 Builds a policy holding N programs with histories, all in tool calls (about 10% of their
 KV fits the GPU tier, 10% the CPU tier, the rest waits), then times ``decide()`` right
 after one request arrives for a program that is not GPU-resident, so every timed
-decision has to promote and demote (and rank the GPU's programs to choose whom). Reports p50 / p99 in milliseconds and, as a ratio, the time
-per program against the 100-program case measured in the same run.
+decision has to promote and demote (and rank the GPU's programs to choose whom).
+Between timed calls the harness touches only the programs it acts on (it keeps the ids
+the decisions forwarded): a scan of every program there would push the policy's working
+set out of the caches, more so the more programs there are. Reports p50 / p99 in
+milliseconds and, as a ratio, the time per program against the 100-program case
+measured in the same run.
 
     python bench/bench_policy.py [--sizes 100,1000,10000] [--trials 200]
 """
