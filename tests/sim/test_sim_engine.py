@@ -116,7 +116,8 @@ def test_typed_eviction_order_is_reversed_between_tiers() -> None:
                           ("gone", KVLabel.INACTIVE, 2.0)):
         e = pools.entry(pid)
         pools.take_for_request(e, 10)
-        e.label, e.last_access = label, t
+        pools.set_label(e, label)
+        pools.touch(e, t)
     # GPU: inactive first, then idle, and busy last although it is the least recent
     assert pools.make_gpu_room(10, 3.0)
     assert pools.entries["gone"].gpu == 0 and pools.entries["busy"].gpu == 10
@@ -136,7 +137,8 @@ def test_plain_lru_ignores_labels() -> None:
     for pid, label, t in (("busy", KVLabel.BUSY, 0.0), ("idle", KVLabel.IDLE, 1.0)):
         e = pools.entry(pid)
         pools.take_for_request(e, 10)
-        e.label, e.last_access = label, t
+        pools.set_label(e, label)
+        pools.touch(e, t)
     assert pools.make_gpu_room(10, 2.0)
     assert pools.entries["busy"].gpu == 0 and pools.entries["idle"].gpu == 10
 
@@ -145,6 +147,6 @@ def test_pinned_pages_are_never_evicted() -> None:
     pools = KVPools(gpu_pages=10, cpu_pages=0, typed=False)
     e = pools.entry("a")
     pools.take_for_request(e, 10)
-    e.pinned = True
+    pools.pin(e)
     assert not pools.make_gpu_room(1, 0.0)
     assert e.gpu == 10

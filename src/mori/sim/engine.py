@@ -102,7 +102,7 @@ class EngineReplica:
         self._kick()
 
     def set_label(self, program_id: str, label: KVLabel) -> None:
-        self.pools.entry(program_id).label = label
+        self.pools.set_label(self.pools.entry(program_id), label)
 
     def evict(self, program_id: str) -> None:
         """Drop a program's GPU pages now (to the CPU pool if the engine has one)."""
@@ -119,7 +119,7 @@ class EngineReplica:
     def release(self, program_id: str) -> None:
         e = self.pools.entries.get(program_id)
         if e is not None:
-            e.label = KVLabel.INACTIVE
+            self.pools.set_label(e, KVLabel.INACTIVE)
             self.pools.end(e)
             if not e.gpu and not e.cpu and not e.pinned:
                 self.pools.remove(program_id)
@@ -141,8 +141,7 @@ class EngineReplica:
             self.decode.remove(req)  # the iteration in flight still counts it; see _kick
         # else: its KV is being reloaded; _loaded drops it
         e = req.entry
-        e.pinned = False
-        e.last_access = self.loop.now
+        self.pools.unpin(e, self.loop.now)
         self.pools.truncate(e, (req.cached + req.decoded) // self.page)  # free the reserve
         if e.ended and not e.gpu and not e.cpu:
             self.pools.remove(e.program_id)
@@ -270,8 +269,7 @@ class EngineReplica:
     def _finish(self, r: SimRequest, now: float) -> None:
         e = r.entry
         assert e is not None
-        e.pinned = False
-        e.last_access = now
+        self.pools.unpin(e, now)
         self.listener.finished(r, now)
 
     # -- admission ---------------------------------------------------------------------
@@ -293,15 +291,15 @@ class EngineReplica:
         e = pools.entry(r.program_id)
         pools.truncate(e, r.reuse // page)
         total = -(-(r.prompt + r.output) // page)
-        e.pinned = True
+        pools.pin(e)
         if not pools.make_gpu_room(total - e.gpu, now):
-            e.pinned = False
+            pools.unpin(e)
             return False
         gpu_hit, cpu_hit = e.gpu * page, e.cpu * page
         if r.shared > gpu_hit + cpu_hit:  # the shared tools + system prefix is hot
             gpu_hit, cpu_hit = r.shared, 0
         reload_pages = pools.take_for_request(e, total)
-        e.last_access = now
+        pools.touch(e, now)
         r.entry = e
         r.cached = min(r.prompt - 1, gpu_hit + cpu_hit)  # at least one token is computed
         r.remaining = r.prompt - r.cached

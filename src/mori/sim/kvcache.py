@@ -18,24 +18,46 @@ otherwise plain LRU. Pinned programs (a request running) are never evicted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
 
 from mori.core.types import KVLabel
 
 _GPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.IDLE: 1, KVLabel.BUSY: 2}
 _CPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.BUSY: 1, KVLabel.IDLE: 2}
+_NO_RANK = {KVLabel.INACTIVE: 0, KVLabel.IDLE: 0, KVLabel.BUSY: 0}  # plain LRU
+
+# an eviction-order record: (tier rank, last access, entry seq, entry version, entry)
+_Record = tuple[int, float, int, int, "KVEntry"]
 
 
 @dataclass(slots=True)
 class KVEntry:
+    """One program's pages on one replica. ``label``, ``last_access`` and ``pinned``
+    set its place in the eviction order, so they change only through ``KVPools``
+    (``set_label``, ``touch``, ``pin``, ``unpin``), which keeps that order current."""
+
     program_id: str
+    seq: int = 0  # creation order among the pool's entries (ties in the eviction order)
     gpu: int = 0
     cpu: int = 0
-    label: KVLabel = KVLabel.BUSY
-    last_access: float = 0.0
-    pinned: bool = False
     ended: bool = False  # the program is gone; drop the entry once it holds nothing
+    _label: KVLabel = KVLabel.BUSY
+    _last_access: float = 0.0
+    _pinned: bool = False
+    _ver: int = 0  # bumped at each change of place: older records are stale
+
+    @property
+    def label(self) -> KVLabel:
+        return self._label
+
+    @property
+    def last_access(self) -> float:
+        return self._last_access
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
 
 
 class KVPools:
@@ -53,15 +75,71 @@ class KVPools:
         # entries that lost pages or ended since the last sweep: the only ones a sweep
         # can find empty and ended (instead of looking at every entry)
         self._maybe_dead: list[KVEntry] = []
+        # each tier's evictable entries, first to evict first, as heaps of records
+        # pushed at every change of an entry's place; a record is stale (passed over
+        # and dropped) once its entry has a newer version, is pinned, or holds no page
+        # in that tier. The order is the one a sort of every entry by (rank, last
+        # access) would give, ties in creation order (the entries' dict order).
+        self._gpu_rank = _GPU_RANK if typed else _NO_RANK
+        self._cpu_rank = _CPU_RANK if typed else _NO_RANK
+        self._gpu_heap: list[_Record] = []
+        self._cpu_heap: list[_Record] = []
+        self._created = 0
         self.evicted_gpu_pages = 0
         self.dropped_pages = 0
 
     def entry(self, program_id: str) -> KVEntry:
         e = self.entries.get(program_id)
         if e is None:
-            e = KVEntry(program_id)
+            self._created += 1
+            e = KVEntry(program_id, self._created)
             self.entries[program_id] = e
         return e
+
+    # -- an entry's place in the eviction order ----------------------------------------
+    def set_label(self, e: KVEntry, label: KVLabel) -> None:
+        if label is not e._label:
+            e._label = label
+            self._push(e)
+
+    def touch(self, e: KVEntry, now: float) -> None:
+        """``e`` was used at ``now`` (its last access)."""
+        if now != e._last_access:
+            e._last_access = now
+            self._push(e)
+
+    def pin(self, e: KVEntry) -> None:
+        """A request is running on ``e``'s pages: never evict them until ``unpin``."""
+        e._pinned = True
+
+    def unpin(self, e: KVEntry, now: float | None = None) -> None:
+        """The request is over (used at ``now``, if given)."""
+        e._pinned = False
+        if now is not None:
+            e._last_access = now
+        self._push(e)
+
+    def _push(self, e: KVEntry) -> None:
+        e._ver += 1
+        if e._pinned:
+            return
+        if e.gpu > 0:
+            heap = self._gpu_heap
+            heappush(heap, (self._gpu_rank[e._label], e._last_access, e.seq, e._ver, e))
+            if len(heap) > 2 * len(self.entries) + 64:
+                self._gpu_heap = self._compact(heap, True)
+        if e.cpu > 0:
+            heap = self._cpu_heap
+            heappush(heap, (self._cpu_rank[e._label], e._last_access, e.seq, e._ver, e))
+            if len(heap) > 2 * len(self.entries) + 64:
+                self._cpu_heap = self._compact(heap, False)
+
+    @staticmethod
+    def _compact(heap: list[_Record], gpu: bool) -> list[_Record]:
+        live = [r for r in heap if r[3] == r[4]._ver and not r[4]._pinned
+                and (r[4].gpu if gpu else r[4].cpu) > 0]
+        heapify(live)
+        return live
 
     def gpu_free(self) -> int:
         return self.gpu_cap - self.gpu_used
@@ -91,11 +169,17 @@ class KVPools:
         """Evict unpinned pages until ``pages`` are free on the GPU; False if impossible."""
         if self.gpu_free() >= pages:
             return True
-        for e in self._eviction_order(_GPU_RANK, lambda e: e.gpu > 0 and not e.pinned):
+        heap = self._gpu_heap
+        while heap:
             short = pages - self.gpu_free()
             if short <= 0:
                 break
+            _, _, _, ver, e = heap[0]
+            if ver != e._ver or e._pinned or e.gpu <= 0:
+                heappop(heap)  # stale
+                continue
             self._evict_gpu(e, min(short, e.gpu), now)
+            heap = self._gpu_heap  # (a push may have compacted it)
         self._sweep()
         return self.gpu_free() >= pages
 
@@ -119,6 +203,7 @@ class KVPools:
         # the moved pages sit right before e's CPU-only pages
         e.cpu += n
         self.cpu_used += n
+        self._push(e)  # now evictable from the CPU
         if self.cpu_used > self.cpu_cap:
             self._shrink_cpu(self.cpu_used - self.cpu_cap)
         if self.cpu_used > self.cpu_cap:  # only pinned pages left to drop: lose these
@@ -128,9 +213,12 @@ class KVPools:
             self.dropped_pages += lose
 
     def _shrink_cpu(self, pages: int) -> None:
-        for e in self._eviction_order(_CPU_RANK, lambda e: e.cpu > 0 and not e.pinned):
-            if pages <= 0:
-                break
+        heap = self._cpu_heap
+        while pages > 0 and heap:
+            _, _, _, ver, e = heap[0]
+            if ver != e._ver or e._pinned or e.cpu <= 0:
+                heappop(heap)  # stale
+                continue
             n = min(pages, e.cpu)
             e.cpu -= n
             self._track(e)
@@ -139,16 +227,10 @@ class KVPools:
             pages -= n
         self._sweep()
 
-    def _eviction_order(self, rank: dict[KVLabel, int],
-                        holds: Callable[[KVEntry], bool]) -> list[KVEntry]:
-        """Entries that ``holds`` pages in a tier, first to evict first: by type label
-        (this tier's ``rank``) then LRU when typed, plain LRU otherwise."""
-        victims = [e for e in self.entries.values() if holds(e)]
-        if self.typed:
-            victims.sort(key=lambda e: (rank[e.label], e.last_access))
-        else:
-            victims.sort(key=lambda e: e.last_access)
-        return victims
+    def eviction_order(self, gpu: bool) -> list[KVEntry]:
+        """The entries holding pages in a tier, first to evict first (read only)."""
+        heap = self._gpu_heap if gpu else self._cpu_heap
+        return [r[4] for r in sorted(self._compact(heap, gpu))]
 
     def _sweep(self) -> None:
         """Drop the entries of ended programs that hold no page."""
@@ -169,11 +251,14 @@ class KVPools:
         grow = total_pages - e.gpu
         e.gpu = total_pages
         self.gpu_used += grow
+        if not e._pinned:
+            self._push(e)
         return reload
 
     def remove(self, program_id: str) -> None:
         e = self.entries.pop(program_id, None)
         if e is not None:
+            e._ver += 1  # its records are stale
             self.gpu_used -= e.gpu
             self.cpu_used -= e.cpu
 
@@ -185,3 +270,11 @@ class KVPools:
         assert self.cpu_used == sum(e.cpu for e in self.entries.values())
         assert 0 <= self.gpu_used <= self.gpu_cap, (self.gpu_used, self.gpu_cap)
         assert 0 <= self.cpu_used <= self.cpu_cap, (self.cpu_used, self.cpu_cap)
+        for gpu, rank in ((True, self._gpu_rank), (False, self._cpu_rank)):
+            heap = self._gpu_heap if gpu else self._cpu_heap
+            current = {r[2] for r in heap if r[3] == r[4]._ver
+                       and r[:2] == (rank[r[4]._label], r[4]._last_access)}
+            evictable = {e.seq for e in self.entries.values()
+                         if not e._pinned and (e.gpu if gpu else e.cpu) > 0}
+            assert evictable <= current, (
+                f"{'GPU' if gpu else 'CPU'} eviction order misses {evictable - current}")

@@ -79,8 +79,9 @@ class MoriPolicy(MoriPlacement):
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
-        for p in self.ready_on_gpu():
-            self._forward(p, now, out)
+        if self._ready_gpu:
+            for p in self.ready_on_gpu():
+                self._forward(p, now, out)
         if self._incremental:
             self._promote_indexed(now, out, iota)
         else:
@@ -88,6 +89,8 @@ class MoriPolicy(MoriPlacement):
 
     def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
         # only a queue where a program grew since the last round can be over capacity
+        if not self._grown:
+            return
         grown = sorted((r for t, r in self._grown if t is Tier.GPU))
         grown_cpu = sorted((r for t, r in self._grown if t is Tier.CPU))
         self._grown.clear()
@@ -369,6 +372,8 @@ class MoriPolicy(MoriPlacement):
                                if (after is None or k > after) and c.kv_bytes <= most_now
                                and c.program_id not in placed]
                 lo = last
+            if not rest and not ahead_small and not idx.waiting_fits(most_now):
+                return  # nothing left is small enough (and the most room only shrinks)
             small = chain(rest, ahead_small, idx.waiting_fitting(self._avail.most, after=lo))
             for c in small:
                 if c.program_id not in placed and c.kv_bytes <= self._avail.most():

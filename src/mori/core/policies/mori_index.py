@@ -105,6 +105,8 @@ class CandidateIndex:
         small, else by a walk of the key order passing over blocks too large."""
         by_size = self.waiting_by_size
         n = bisect_right(by_size, (size, _TOP))
+        if n == 0:
+            return []
         if n <= 2 * LOAD:
             return sorted((k, kv, c) for kv, k, c in by_size[:n]
                           if (after is None or k > after) and (upto is None or k <= upto))
@@ -115,12 +117,19 @@ class CandidateIndex:
             out.append((k, kv, c))
         return out
 
+    def waiting_fits(self, size: float) -> bool:
+        """Whether some Waiting candidate is no larger than ``size``."""
+        by_size = self.waiting_by_size
+        return bool(by_size) and by_size[0][0] <= size
+
     def waiting_fitting(self, limit: Callable[[], float], after: Key | None = None
                         ) -> Iterator[Program]:
         """The Waiting candidates with key > ``after`` and size <= ``limit()``, in key
         order, as ``waiting_up_to(limit())`` would list them, but lazily: ``limit`` may
         shrink while walking, and whole blocks then too large are passed over."""
         size = limit()
+        if not self.waiting_fits(size):
+            return
         if bisect_right(self.waiting_by_size, (size, _TOP)) <= 2 * LOAD:
             yield from (c for _, _, c in self.waiting_up_to(size, after))
             return

@@ -133,6 +133,8 @@ class MoriState(Policy):
         """Re-index the programs changed since the last flush (not while walking), and
         recheck which replicas may fit one of their CPU candidates."""
         assert not self._frozen
+        if not self._touched and not self._stale:
+            return
         idx = self._index
         for pid, p in self._touched.items():
             self._unindex(pid)
