@@ -87,6 +87,10 @@ class EngineReplica:
         self.waiting: list[SimRequest] = []
         self.prefill: deque[SimRequest] = deque()
         self.decode: list[SimRequest] = []
+        # over ``decode``: the sum of prompt + decoded, and the least output left (None:
+        # to recompute), kept as requests join, advance and leave
+        self._dctx = 0
+        self._dleft: int | None = None
         self.loading = 0
         self._link_free = 0.0
         self._busy = False
@@ -139,6 +143,8 @@ class EngineReplica:
             self.prefill.remove(req)
         elif req in self.decode:
             self.decode.remove(req)  # the iteration in flight still counts it; see _kick
+            self._dctx -= req.prompt + req.decoded
+            self._dleft = None
         # else: its KV is being reloaded; _loaded drops it
         e = req.entry
         self.pools.unpin(e, self.loop.now)
@@ -176,8 +182,10 @@ class EngineReplica:
             self._mixed_iteration(now)
         elif self.decode:
             batch = len(self.decode)
-            ctx0 = sum(r.prompt + r.decoded for r in self.decode)
-            n = min(r.output - r.decoded for r in self.decode)
+            ctx0 = self._dctx
+            n = self._dleft
+            if n is None:
+                n = min(r.output - r.decoded for r in self.decode)
             self._seg = (now, batch, ctx0, n)
             self._schedule(now + self.cost.decode_run_time(batch, ctx0, n), self._end_decode, n)
         else:
@@ -218,13 +226,20 @@ class EngineReplica:
             return
         self.listener.produced(n * len(self.decode), now)
         still = []
+        ctx = 0
+        left: int | None = None
         for r in self.decode:
             r.decoded += n
             if r.decoded >= r.output:
                 self._finish(r, now)
             else:
                 still.append(r)
+                ctx += r.prompt + r.decoded
+                rest = r.output - r.decoded
+                if left is None or rest < left:
+                    left = rest
         self.decode = still
+        self._dctx, self._dleft = ctx, left
 
     def _mixed_iteration(self, now: float) -> None:
         budget = self.chunk
@@ -239,7 +254,7 @@ class EngineReplica:
             budget -= n
         new = sum(n for _, n in parts)
         batch = len(self.decode)
-        ctx = sum(r.prompt + r.decoded for r in self.decode)
+        ctx = self._dctx
         dt = self.cost.iteration_time(new, attn, batch, ctx)
         self._schedule(now + dt, self._end_mixed, parts, dt)
 
@@ -264,6 +279,11 @@ class EngineReplica:
                     self._finish(r, now)
                 else:
                     self.decode.append(r)
+                    self._dctx += r.prompt + r.decoded
+                    rest = r.output - r.decoded
+                    if len(self.decode) == 1 or (self._dleft is not None
+                                                 and rest < self._dleft):
+                        self._dleft = rest
         self._start()
 
     def _finish(self, r: SimRequest, now: float) -> None:

@@ -32,7 +32,7 @@ class SMGPolicy(Policy):
     def _decide(self, now: float, out: list[Decision]) -> None:
         loads = [len(q.members) for q in self.placement.gpu]
         for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
-            lightest = min(range(len(loads)), key=lambda r: (loads[r], r))
+            lightest = loads.index(min(loads))  # the fewest programs, lowest index
             r = lightest
             if p.replica is not None and loads[p.replica] <= self.imbalance * max(
                     1, loads[lightest]):
