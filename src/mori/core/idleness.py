@@ -147,10 +147,18 @@ class IdlenessTracker:
 
     def _resum(self) -> None:
         """Cache the window sums (k is small; summing afresh avoids float drift)."""
-        cs = self._cycles
-        self._all = (sum(c[0] for c in cs), sum(c[1] for c in cs))
-        tail = list(cs)[1:] if len(cs) == self._k else cs
-        self._tail = (sum(c[0] for c in tail), sum(c[1] for c in tail))
+        r_all = a_all = r_tail = a_tail = 0.0  # added in order, as sum() adds floats
+        skip = len(self._cycles) == self._k  # the tail leaves out the oldest
+        for r, a in self._cycles:
+            r_all += r
+            a_all += a
+            if skip:
+                skip = False
+            else:
+                r_tail += r
+                a_tail += a
+        self._all = (r_all, a_all)
+        self._tail = (r_tail, a_tail)
 
     def _end_gated(self, now: float) -> None:
         gated = max(0.0, now - self._t0)

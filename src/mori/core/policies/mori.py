@@ -241,7 +241,13 @@ class MoriPolicy(MoriPlacement):
 
             # (0) CPU-queue programs: their own replica (affinity), in priority order
             fail: tuple[Key, Program, int] | None = None
-            for key, kv, c in idx.cpu_all:
+            first = idx.cpu_all.first()
+            if first is not None:  # the first already missing is the usual case
+                fkey0, fkv0, fc0 = first
+                assert fc0.replica is not None
+                if self._avail[fc0.replica] < fkv0:
+                    fail = (fkey0, fc0, fc0.replica)
+            for key, kv, c in idx.cpu_all if fail is None else ():
                 r = c.replica
                 assert r is not None
                 if self._avail[r] < kv:
@@ -404,7 +410,8 @@ class MoriPolicy(MoriPlacement):
         if acting is None:  # every Acting program of the replica may go, most idle first:
             acting = []  # as many as it takes
             need = c.kv_bytes - (gq.free() - reserve[r])
-            for p in self._gpu_acting[r].descending(iota, now):
+            victims = self._gpu_acting[r]
+            for p in victims.descending(iota, now) if len(victims) and need > 0 else ():
                 if need <= 0:
                     break
                 acting.append(p)
@@ -432,7 +439,7 @@ class MoriPolicy(MoriPlacement):
         if c.tier is Tier.NONE and len(gpus) > 1:
             assert not self._round_reserve, "room is made once a round, before reserving"
             kv = c.kv_bytes
-            if self._room.most() >= kv:  # some replica can make room now: the one with
+            if self._fresh_room().most() >= kv:  # some replica can make room now: the one with
                 for avail, rr in self._avail:  # the most free space (then lowest index)
                     if avail + sums.acting[rr] >= kv:
                         return _RoomPlan(rr, 0.0, float(avail + sums.acting[rr]

@@ -182,8 +182,13 @@ class ReplicaOrder:
         if old == value:
             return
         order = self._order
-        del order[bisect_left(order, (-old, replica))]
-        insort(order, (-value, replica))
+        i = bisect_left(order, (-old, replica))
+        new = (-value, replica)
+        if (i == 0 or order[i - 1] < new) and (i + 1 == len(order) or new < order[i + 1]):
+            order[i] = new  # its place does not change
+        else:
+            del order[i]
+            insort(order, new)
         self._of[replica] = value
 
     def most(self) -> int:

@@ -43,6 +43,7 @@ class MoriState(Policy):
         self._room = ReplicaOrder(n, self._cap)  # GPU free space + its Acting programs' KV
         self._loads = LoadOrder(n, self._cap)  # GPU programs, then _avail's room
         self._loads_stale: set[int] = set()  # replicas to update in _loads before use
+        self._room_stale: set[int] = set()  # and in _room (read only to place a new program)
         self._round_reserve: dict[int, int] = {}  # the round's reservation (_make_room)
         self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
         self._stale: set[int] = set()  # replicas whose membership of _open is to check
@@ -112,9 +113,17 @@ class MoriState(Policy):
             return
         free = self._cap - self.placement.gpu[r].used
         self._avail.set(r, free - self._round_reserve.get(r, 0))
-        self._room.set(r, free + self._sums.acting[r])
-        self._loads_stale.add(r)  # spreading is rare: _loads is brought up to date then
+        self._room_stale.add(r)  # both are read rarely: brought up to date then
+        self._loads_stale.add(r)
         self._stale.add(r)
+
+    def _fresh_room(self) -> ReplicaOrder:
+        """``_room``, up to date."""
+        gpus, acting = self.placement.gpu, self._sums.acting
+        for r in self._room_stale:
+            self._room.set(r, self._cap - gpus[r].used + acting[r])
+        self._room_stale.clear()
+        return self._room
 
     def _fresh_loads(self) -> LoadOrder:
         """``_loads``, up to date."""
@@ -178,7 +187,7 @@ class MoriState(Policy):
                        for _, kv, c in order)
             gq = self.placement.gpu[r]
             assert self._avail[r] == self._cap - gq.used, f"room of replica {r}"
-            assert self._room[r] == self._cap - gq.used + self._sums.acting[r]
+            assert self._fresh_room()[r] == self._cap - gq.used + self._sums.acting[r]
             assert self._fresh_loads()[r] == (len(gq.members), self._avail[r]), f"load {r}"
             smallest = order.min_size()
             assert (r in self._open) == (smallest is not None and smallest <= self._avail[r])
