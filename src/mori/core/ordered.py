@@ -29,7 +29,7 @@ class SizedOrder(Generic[T]):
     """(key, size, item) triples in ascending key order; keys are unique tuples."""
 
     __slots__ = ("_keys", "_sizes", "_items", "_mins", "_tots", "_last", "_len", "_load",
-                 "_fen")
+                 "_fen", "_acc")
 
     def __init__(self, load: int | None = None) -> None:
         load = LOAD if load is None else load
@@ -46,6 +46,9 @@ class SizedOrder(Generic[T]):
         # the blocks' totals as a Fenwick tree (1-based) for prefix(); None: to rebuild
         # (after blocks were split or dropped, which is rare)
         self._fen: list[int] | None = None
+        # each block's running totals for prefix(), made when first needed (None); kept
+        # and reset with the tree
+        self._acc: list[list[int] | None] | None = None
 
     def __len__(self) -> int:
         return self._len
@@ -62,7 +65,7 @@ class SizedOrder(Generic[T]):
             self._tots.append(size)
             self._last.append(key)
             self._len = 1
-            self._fen = None
+            self._fen = self._acc = None
             return
         b = min(bisect_left(self._last, key), len(self._last) - 1)
         keys = self._keys[b]
@@ -81,6 +84,8 @@ class SizedOrder(Generic[T]):
             self._split(b)
         elif self._fen is not None:
             self._fen_add(b, size)
+            assert self._acc is not None
+            self._acc[b] = None
 
     def remove(self, key: Key) -> None:
         b = bisect_left(self._last, key)
@@ -96,11 +101,13 @@ class SizedOrder(Generic[T]):
             for arr in (self._keys, self._sizes, self._items, self._mins, self._tots,
                         self._last):
                 del arr[b]
-            self._fen = None
+            self._fen = self._acc = None
             return
         self._tots[b] -= size
         if self._fen is not None:
             self._fen_add(b, -size)
+            assert self._acc is not None
+            self._acc[b] = None
         self._last[b] = keys[-1]
         if size == self._mins[b]:
             self._mins[b] = min(self._sizes[b])
@@ -114,7 +121,7 @@ class SizedOrder(Generic[T]):
         self._mins[b:b + 1] = [min(sizes[:h]), min(sizes[h:])]
         self._tots[b:b + 1] = [sum(sizes[:h]), sum(sizes[h:])]
         self._last[b:b + 1] = [keys[h - 1], keys[-1]]
-        self._fen = None
+        self._fen = self._acc = None
 
     def _fen_add(self, b: int, delta: int) -> None:
         fen = self._fen
@@ -132,6 +139,7 @@ class SizedOrder(Generic[T]):
             if j <= n:
                 fen[j] += fen[i]
         self._fen = fen
+        self._acc = [None] * n
         return fen
 
     def min_size(self) -> int | None:
@@ -153,7 +161,11 @@ class SizedOrder(Generic[T]):
             step >>= 1
         last: Key | None = self._last[b - 1] if b else None
         if b < n and self._sizes[b][0] <= budget - total:  # part of block b fits
-            inner = list(accumulate(self._sizes[b]))
+            accs = self._acc
+            assert accs is not None
+            inner = accs[b]
+            if inner is None:
+                inner = accs[b] = list(accumulate(self._sizes[b]))
             j = bisect_right(inner, budget - total)
             total += inner[j - 1]
             last = self._keys[b][j - 1]

@@ -91,8 +91,15 @@ class MoriPolicy(MoriPlacement):
         # only a queue where a program grew since the last round can be over capacity
         if not self._grown:
             return
-        grown = sorted((r for t, r in self._grown if t is Tier.GPU))
-        grown_cpu = sorted((r for t, r in self._grown if t is Tier.CPU))
+        grown: list[int] = []
+        grown_cpu: list[int] = []
+        for t, r in self._grown:
+            if t is Tier.GPU:
+                grown.append(r)
+            elif t is Tier.CPU:
+                grown_cpu.append(r)
+        grown.sort()
+        grown_cpu.sort()
         self._grown.clear()
         pl = self.placement
         for r in grown:
@@ -282,9 +289,10 @@ class MoriPolicy(MoriPlacement):
             # decided as in _promote_ready
             cap = self._cap
             # sum over replicas of max(0, free - reserve): only one can hold a reservation
-            room = float(cap * len(gpus) - self._sums.gpu_used
-                         - sum(min(int(gpus[r].free()), v)
-                               for r, v in self._round_reserve.items()))
+            held_back = 0
+            for r, v in self._round_reserve.items():
+                held_back += min(int(gpus[r].free()), v)
+            room = float(cap * len(gpus) - self._sums.gpu_used - held_back)
             head: list[Program] = []  # the batch's part among the pushed candidates
             last: Key | None = None  # the batch's last key in the Waiting index
             total = 0
@@ -324,7 +332,7 @@ class MoriPolicy(MoriPlacement):
                 # fits nowhere then or later in this round, so only the others are tried
                 most = self._avail.most()
                 fit = [c for c in head if c.kv_bytes <= most]
-                if last is not None:
+                if last is not None and idx.waiting_fits(most):
                     unplaced = [(k, c) for k, _, c in idx.waiting_up_to(most, upto=last)]
                     fit += [c for _, c in unplaced]
                 most_then = most
