@@ -105,10 +105,8 @@ class MoriPolicy(MoriPlacement):
         for r in grown:
             gq = pl.gpu[r]
             if gq.over():
-                members = [self.programs[pid] for pid in gq.members]
-                acting = [p for p in members if p.status is Status.ACTING]
-                held = [p for p in members if p.status is Status.GATED]
-                order = sorted(acting, key=iota.desc) + sorted(held, key=iota.desc)
+                order = (self._overflow_order(r, iota) if self._incremental
+                         else self._overflow_order_scan(r, iota))
                 for p in order:
                     if not gq.over():
                         break
@@ -121,6 +119,31 @@ class MoriPolicy(MoriPlacement):
                     if not cq.over():
                         break
                     self._demote_to(p, Tier.NONE, None, out)
+
+    def _overflow_order_scan(self, r: int, iota: _Iota) -> list[Program]:
+        """Who leaves an overfull GPU queue first: its Acting programs, then its held
+        ones, the most idle first (ties: the later request first)."""
+        members = [self.programs[pid] for pid in self.placement.gpu[r].members]
+        acting = [p for p in members if p.status is Status.ACTING]
+        held = [p for p in members if p.status is Status.GATED]
+        return sorted(acting, key=iota.desc) + sorted(held, key=iota.desc)
+
+    def _overflow_order(self, r: int, iota: _Iota) -> list[Program]:
+        """``_overflow_order_scan`` cut to the programs that must leave, the Acting ones
+        taken from the replica's ``IotaOrder`` instead of sorting every member. The
+        held ones' iota is computed as the scan computes it: they are forwarded later
+        in the round, and a later look at their iota must find the value the scan left."""
+        gq = self.placement.gpu[r]
+        assert gq.capacity is not None
+        need = gq.used - gq.capacity
+        order: list[Program] = []
+        for p in self._gpu_acting[r].descending(iota, iota.now):
+            if need <= 0:
+                break
+            order.append(p)
+            need -= p.kv_bytes
+        held = sorted((p for p in self._ready_gpu.values() if p.replica == r), key=iota.desc)
+        return order + held
 
     def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
                  keep: Program | None = None) -> None:
@@ -303,9 +326,13 @@ class MoriPolicy(MoriPlacement):
                 room -= c.kv_bytes
                 total += c.kv_bytes
             else:
-                last, in_index = idx.waiting.prefix(room)
-                room -= in_index
-                total += in_index
+                # the batch's Waiting part matters only to spread (memory may not bind)
+                # or if some Waiting candidate fits the most room; otherwise it places
+                # nothing, and what is walked below without it is too large all the same
+                spreads = self._sums.gpu_used + total <= SPREAD_BELOW * (cap * len(gpus))
+                if (len(gpus) > 1 and spreads) or idx.waiting_fits(self._avail.most()):
+                    last, in_index = idx.waiting.prefix(room)
+                    total += in_index
             n = len(gpus)
             # the batch's Waiting candidates left unplaced that may fit later (key order),
             # and the most room any replica had when they were chosen (None: unknown)
