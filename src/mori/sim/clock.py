@@ -35,12 +35,15 @@ class EventLoop:
 
     def run(self, until: float) -> None:
         """Run events with time <= ``until``; the clock ends at ``until``."""
-        heap = self._heap
-        while heap and heap[0][0] <= until:
-            t, _, _, fn, args = heapq.heappop(heap)
-            self.now = t
-            self.events_run += 1
-            fn(*args)
+        heap, pop, n = self._heap, heapq.heappop, 0
+        try:
+            while heap and heap[0][0] <= until:
+                t, _, _, fn, args = pop(heap)
+                self.now = t
+                n += 1
+                fn(*args)
+        finally:
+            self.events_run += n
         self.now = until
 
 
