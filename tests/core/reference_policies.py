@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies import POLICIES, MoriPolicy
-from mori.core.policies.mori import _Iota, _RoomPlan
+from mori.core.policies.mori import _Iota
+from mori.core.policies.mori_room import _RoomPlan
 from mori.core.policy import Policy
 from mori.core.program import Program
 from mori.core.types import Status, Tier

@@ -4,6 +4,8 @@ each eviction. Same operations, same pages everywhere, after every step."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,34 +16,12 @@ from mori.sim.kvcache import _CPU_RANK, _GPU_RANK, KVEntry, KVPools
 class SortingPools(KVPools):
     """The reference: the eviction order sorted afresh from every entry each time."""
 
-    def _order(self, gpu: bool) -> list[KVEntry]:
+    def _victims(self, gpu: bool) -> Iterator[KVEntry]:
         rank = (_GPU_RANK if gpu else _CPU_RANK) if self.typed else None
         held = [e for e in self.entries.values()
                 if (e.gpu if gpu else e.cpu) > 0 and not e.pinned]
-        return sorted(held, key=lambda e: ((rank[e.label] if rank else 0), e.last_access))
-
-    def make_gpu_room(self, pages: int, now: float) -> bool:
-        if self.gpu_free() >= pages:
-            return True
-        for e in self._order(True):
-            short = pages - self.gpu_free()
-            if short <= 0:
-                break
-            self._evict_gpu(e, min(short, e.gpu), now)
-        self._sweep()
-        return self.gpu_free() >= pages
-
-    def _shrink_cpu(self, pages: int) -> None:
-        for e in self._order(False):
-            if pages <= 0:
-                break
-            n = min(pages, e.cpu)
-            e.cpu -= n
-            self._track(e)
-            self.cpu_used -= n
-            self.dropped_pages += n
-            pages -= n
-        self._sweep()
+        return iter(sorted(held, key=lambda e: ((rank[e.label] if rank else 0),
+                                                 e.last_access)))
 
 
 IDS = [f"p{i}" for i in range(6)]

@@ -18,6 +18,7 @@ otherwise plain LRU. Pinned programs (a request running) are never evicted.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 
@@ -169,17 +170,11 @@ class KVPools:
         """Evict unpinned pages until ``pages`` are free on the GPU; False if impossible."""
         if self.gpu_free() >= pages:
             return True
-        heap = self._gpu_heap
-        while heap:
+        for e in self._victims(gpu=True):
             short = pages - self.gpu_free()
             if short <= 0:
                 break
-            _, _, _, ver, e = heap[0]
-            if ver != e._ver or e._pinned or e.gpu <= 0:
-                heappop(heap)  # stale
-                continue
             self._evict_gpu(e, min(short, e.gpu), now)
-            heap = self._gpu_heap  # (a push may have compacted it)
         self._sweep()
         return self.gpu_free() >= pages
 
@@ -213,12 +208,9 @@ class KVPools:
             self.dropped_pages += lose
 
     def _shrink_cpu(self, pages: int) -> None:
-        heap = self._cpu_heap
-        while pages > 0 and heap:
-            _, _, _, ver, e = heap[0]
-            if ver != e._ver or e._pinned or e.cpu <= 0:
-                heappop(heap)  # stale
-                continue
+        for e in self._victims(gpu=False):
+            if pages <= 0:
+                break
             n = min(pages, e.cpu)
             e.cpu -= n
             self._track(e)
@@ -226,6 +218,20 @@ class KVPools:
             self.dropped_pages += n
             pages -= n
         self._sweep()
+
+    def _victims(self, gpu: bool) -> Iterator[KVEntry]:
+        """The entries holding pages in a tier, first to evict first, as the caller
+        evicts: each is given while it heads the order, so the caller must take all its
+        pages in the tier or stop (a partly evicted entry would be given again)."""
+        while True:
+            heap = self._gpu_heap if gpu else self._cpu_heap  # (a push may compact it)
+            if not heap:
+                return
+            _, _, _, ver, e = heap[0]
+            if ver != e._ver or e._pinned or (e.gpu if gpu else e.cpu) <= 0:
+                heappop(heap)  # stale
+                continue
+            yield e
 
     def eviction_order(self, gpu: bool) -> list[KVEntry]:
         """The entries holding pages in a tier, first to evict first (read only)."""
