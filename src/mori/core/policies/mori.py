@@ -217,6 +217,9 @@ class MoriPolicy(MoriRoom):
         idx = self._index
         if not len(idx):
             return
+        first = idx.cpu_all.first()
+        if first is not None and self._blocked_round(first[1], first[2]):
+            return
         gpus = self.placement.gpu
         reserve = [0] * len(gpus)
         chunks: list[tuple[Key, list[Decision]]] = []
@@ -229,7 +232,6 @@ class MoriPolicy(MoriRoom):
 
             # (0) CPU-queue programs: their own replica (affinity), in priority order
             fail: tuple[Key, Program, int] | None = None
-            first = idx.cpu_all.first()
             if first is not None:  # the first already missing is the usual case
                 fkey0, fkv0, fc0 = first
                 assert fc0.replica is not None
@@ -387,6 +389,38 @@ class MoriPolicy(MoriRoom):
             for r in reserved:
                 self._sync(r)
             self._flush()
+
+    def _blocked_round(self, kv: int, c: Program) -> bool:
+        """Whether the round would decide nothing, known from the first CPU candidate
+        ``c`` (``kv`` bytes) and a few sums: the most common round at fleet scale.
+
+        It holds when ``c`` does not fit its replica, which has no Acting program to
+        demote for it; no other replica can fit one of its CPU candidates (none is
+        open); and no Waiting candidate fits the most room any replica has, ``c``'s
+        replica counted with none. No request is held on a GPU at this point (the
+        round forwarded them), so ``c``'s replica has all of its capacity once its
+        Reasoning programs' steps end: the full round would reserve all of its free
+        space for ``c``, place nobody (nor spread anybody: nobody fits) and release
+        the reservation at its end, leaving every structure as it found it. Only
+        under MORI's own ranking (``_victim_ok``) and room making: an ablation that
+        ranks otherwise always runs the full round. ``test_differential`` checks the
+        decisions against the plain round, and ``test_blocked_round`` that a round
+        this finds blocked, run in full, decides nothing.
+        """
+        r = c.replica
+        assert r is not None and not self._ready_gpu
+        avail, opened = self._avail, self._open
+        if (avail[r] >= kv or len(self._gpu_acting[r])
+                or type(self)._victim_ok is not MoriRoom._victim_ok
+                or type(self)._make_room is not MoriPolicy._make_room
+                or (opened and (len(opened) > 1 or r not in opened))):
+            return False
+        # r's room is all reserved: none is left for its smaller CPU candidates or for
+        # a Waiting one while the round runs
+        smallest = self._index.cpu[r].min_size()
+        if smallest is not None and smallest <= 0:
+            return False
+        return not self._index.waiting_fits(avail.most_but(r, 0))
 
     def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
                    reserve: list[int]) -> None:

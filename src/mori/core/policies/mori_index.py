@@ -194,6 +194,12 @@ class ReplicaOrder:
     def most(self) -> int:
         return -self._order[0][0]
 
+    def most_but(self, replica: int, value: int) -> int:
+        """``most()`` were ``replica``'s value ``value`` instead."""
+        order = self._order
+        top = order[0] if order[0][1] != replica else order[1] if len(order) > 1 else None
+        return value if top is None else max(value, -top[0])
+
     def tightest(self, need: int) -> int | None:
         """The replica with the least value >= ``need`` (lowest index among equals)."""
         order = self._order

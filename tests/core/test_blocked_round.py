@@ -1,0 +1,87 @@
+"""A round ``MoriPolicy._blocked_round`` finds blocked decides nothing when run in full.
+
+The round skips its walk when the first CPU candidate cannot be placed and nothing
+else can move. Here the skip is disabled and every round runs in full; whenever the
+check would have skipped it, the full round must add no decision and leave the index,
+the sums and the room order as it found them. ``test_differential`` compares the
+decisions with the skip in place against the plain round; this checks the skip's own
+claim on every round of the same worlds, including those whose decisions the plain
+round would reach by another path.
+"""
+
+from __future__ import annotations
+
+import pytest
+from driver import FakeWorld
+from hypothesis import HealthCheck, given, settings
+from test_differential import _large_world, crowded
+from test_properties import time_limit
+
+from mori.core import ordered
+from mori.core.decisions import Decision
+from mori.core.ledger import ClusterSpec
+from mori.core.policies import POLICIES, MoriPolicy
+from mori.core.policies.mori import _Iota
+from mori.core.policy import PolicyConfig
+
+NAMES = ["mori", "mori-ski", "mori-pack"]
+
+
+def checked(name: str) -> type[MoriPolicy]:
+    base = POLICIES.get(name)
+    assert issubclass(base, MoriPolicy)
+
+    class Checked(base):  # type: ignore[valid-type, misc]
+        claimed = 0  # rounds the check found blocked
+        rounds = 0
+
+        def _state(self) -> object:
+            return (self._index.entries(), list(self._avail), set(self._open),
+                    list(self._sums.acting), list(self._sums.reasoning),
+                    self._sums.gpu_used, [gq.used for gq in self.placement.gpu])
+
+        def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota) -> None:
+            self._flush()
+            first = self._index.cpu_all.first()
+            blocked = (len(self._index) > 0 and first is not None
+                       and base._blocked_round(self, first[1], first[2]))
+            before, n = self._state(), len(out)
+            self._blocked_round = lambda kv, c: False  # type: ignore[method-assign]
+            try:
+                super()._promote_indexed(now, out, iota)
+            finally:
+                del self._blocked_round
+            type(self).rounds += 1
+            if blocked:
+                type(self).claimed += 1
+                assert out[n:] == [], f"a blocked round decided {out[n:]}"
+                self._flush()
+                assert self._state() == before, "a blocked round changed the state"
+
+    return Checked
+
+
+def run(cls: type[MoriPolicy], w: dict[str, object]) -> None:
+    programs, config = w["programs"], w["config"]
+    assert isinstance(programs, list) and isinstance(config, PolicyConfig)
+    policy = cls(ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"])),  # type: ignore[arg-type]
+                 int(w["per_token"]), config)  # type: ignore[arg-type]
+    FakeWorld(policy, programs, time_limit(programs, config.tick_s),
+              batch=bool(w.get("batch", False))).run()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=crowded())
+def test_blocked_round_decides_nothing(name: str, w: dict[str, object]) -> None:
+    run(checked(name), w)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("seed", [1, 2, 4, 5])  # worlds with a CPU tier (seed % 3)
+def test_blocked_round_many_programs(name: str, seed: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ordered, "LOAD", 3)
+    cls = checked(name)
+    run(cls, _large_world(seed, 150, 1 + seed))
+    assert cls.claimed > 0, f"no round of {cls.rounds} was found blocked"
