@@ -5,8 +5,9 @@ over capacity up to date as events arrive, and a round looks only at what change
 what can move (``MoriPolicy._promote_indexed``). The classes here are the same policies
 with the plain loops they replaced: every held request scanned and sorted by priority
 each round, every candidate tried on every replica, every queue checked for overflow,
-every member of every replica looked at to make room. ``test_differential`` runs both
-side by side and asserts identical decision lists.
+every member of every replica looked at to make room; ThunderAgent's whole paused
+queue sorted and grouped at every resume. ``test_differential`` runs both side by side
+and asserts identical decision lists.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mori.core.decisions import Decision
 from mori.core.policies import POLICIES, MoriPolicy
 from mori.core.policies.mori import _Iota
 from mori.core.policies.mori_room import _RoomPlan
+from mori.core.policies.thunderagent import BUFFER_PER_PROGRAM, ThunderAgentPolicy
 from mori.core.policy import Policy
 from mori.core.program import Program
 from mori.core.types import Status, Tier
@@ -142,16 +144,68 @@ class StraightMori(MoriPolicy):
                 place_or_make_room(c)
 
 
+class StraightThunderAgent(ThunderAgentPolicy):
+    """ThunderAgent's resume as first written: the whole paused queue sorted and split
+    into groups at every check, every program of every group tried."""
+
+    def _greedy_resume(self, now: float, out: list[Decision]) -> None:
+        decay = self.config.acting_token_decay
+        caps: list[tuple[int, float]] = []
+        for r in range(self.cluster.replicas):
+            rem = self.remaining(r, now if decay else None)
+            if rem > BUFFER_PER_PROGRAM:
+                caps.append((r, rem))
+        total = sum(rem for _, rem in caps)
+        if not caps or total <= 0 or not self.paused:
+            return
+        order = sorted(self.paused.items(), key=lambda kv: kv[1].tokens)
+        groups: tuple[list[Program], list[Program], list[Program]] = ([], [], [])
+        for pid, _info in order:
+            p = self.programs[pid]
+            if self.requests.get(pid, 0) == 1:
+                groups[1].append(p)  # new
+            elif self._reasoning(p):
+                groups[0].append(p)  # a held request, ran before
+            else:
+                groups[2].append(p)  # no request
+        chosen: list[Program] = []
+        cumulative = 0
+        for p in (*groups[0], *groups[1], *groups[2]):
+            need = p.tokens + BUFFER_PER_PROGRAM
+            if cumulative + need <= total:
+                chosen.append(p)
+                cumulative += need
+        if not chosen:
+            return
+        chosen.sort(key=lambda p: -p.tokens)
+        caps.sort(key=lambda c: -c[1])
+        smallest = chosen[-1].tokens + BUFFER_PER_PROGRAM
+        for p in chosen:
+            if not caps or smallest > caps[0][1]:
+                break
+            need = p.tokens + BUFFER_PER_PROGRAM
+            if need > caps[0][1]:
+                continue
+            r, rem = caps[0]
+            self._resume(p, r, now, out)
+            left = rem - need
+            if left > BUFFER_PER_PROGRAM:
+                caps[0] = (r, left)
+                caps.sort(key=lambda c: -c[1])
+            else:
+                caps.pop(0)
+
+
 def reference(name: str) -> type[Policy]:
     """The registered policy ``name`` with the straightforward decision round."""
     cls = POLICIES.get(name)
-    for straight in (StraightMori,):
+    for straight in (StraightMori, StraightThunderAgent):
         base = straight.__mro__[1]
         if issubclass(cls, base):
             # the policy's own overrides (ablations, variants) stay; the round is
             # the straightforward one
             return type(f"Reference{cls.__name__}", (_round_of(straight), cls), {})
-    return cls  # no optimized round (smg, thunderagent): its own code is the reference
+    return cls  # no optimized round (smg): its own code is the reference
 
 
 def _round_of(straight: type[Policy]) -> type:

@@ -43,6 +43,7 @@ managed by plain LRU, not coordinated with the scheduler.
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from mori.core.decisions import Decision
@@ -62,11 +63,13 @@ FORCE_RESUME_S = 1800.0
 @dataclass(slots=True)
 class _Paused:
     """An entry of the paused queue: the program's tokens and request count when it
-    was paused, and the backend it left (None for a new program)."""
+    was paused, and the backend it left (None for a new program); ``seq`` is its place
+    in the queue (later entries larger)."""
 
     tokens: int
     requests: int
     origin: int | None
+    seq: int = 0
 
 
 class ThunderAgentPolicy(Policy):
@@ -80,6 +83,11 @@ class ThunderAgentPolicy(Policy):
         self.capacity_tokens: float = float("inf") if gpu is None else gpu // kv_bytes_per_token
         super().__init__(cluster, kv_bytes_per_token, config)
         self.paused: dict[str, _Paused] = {}  # ThunderAgent's global waiting queue, in order
+        # the same programs in resume's groups (_resume_group), each ascending by
+        # (tokens when paused, place in the queue): resume's order, kept as they change
+        self._groups: tuple[list[tuple[int, int, str]], ...] = ([], [], [])
+        self._group_of: dict[str, int] = {}
+        self._paused_seq = 0
         self.marked: set[str] = set()  # Reasoning programs to pause when their step ends
         self.requests: dict[str, int] = {}  # requests each program has sent (step_count)
         self._acting_since: dict[str, float] = {}
@@ -116,6 +124,13 @@ class ThunderAgentPolicy(Policy):
 
     def check_integrity(self) -> None:
         super().check_integrity()
+        want: tuple[list[tuple[int, int, str]], ...] = ([], [], [])
+        for pid, info in self.paused.items():
+            want[self._resume_group(pid)].append((info.tokens, info.seq, pid))
+            if self._resume_group(pid):  # no request since the pause: tokens unchanged
+                assert self.programs[pid].tokens == info.tokens, f"tokens of paused {pid}"
+        assert self._groups == tuple(sorted(g) for g in want), "paused groups drifted"
+        assert list(self.paused) == sorted(self.paused, key=lambda q: self.paused[q].seq)
         for r in range(self.cluster.replicas):
             reasoning = acting = 0
             for pid in self.placement.gpu[r].members:
@@ -138,6 +153,7 @@ class ThunderAgentPolicy(Policy):
         self._acting_since.pop(pid, None)
         if pid in self.paused:
             self._hold_since(pid, now)
+            self._regroup(pid)
         elif self.programs[pid].tier is not Tier.GPU:
             self._events.append(("new", pid))
 
@@ -150,9 +166,44 @@ class ThunderAgentPolicy(Policy):
     def _on_end(self, ev: ProgramEnded, now: float) -> None:
         super()._on_end(ev, now)
         pid = ev.program_id
-        for d in (self.paused, self.requests, self._acting_since, self._held_since):
+        self._unpause(pid)
+        for d in (self.requests, self._acting_since, self._held_since):
             d.pop(pid, None)
         self.marked.discard(pid)
+
+    # -- the paused queue ------------------------------------------------------------------
+    def _resume_group(self, pid: str) -> int:
+        """Resume's group of a paused program: 0 a held request of one that ran before,
+        1 a new program (request count 1), 2 no request."""
+        if self.requests.get(pid, 0) == 1:
+            return 1
+        return 0 if self._reasoning(self.programs[pid]) else 2
+
+    def _enqueue(self, pid: str, info: _Paused) -> None:
+        assert pid not in self.paused, f"{pid} paused twice"
+        self._paused_seq += 1
+        info.seq = self._paused_seq
+        self.paused[pid] = info
+        g = self._resume_group(pid)
+        insort(self._groups[g], (info.tokens, info.seq, pid))
+        self._group_of[pid] = g
+
+    def _unpause(self, pid: str) -> None:
+        info = self.paused.pop(pid, None)
+        if info is not None:
+            group = self._groups[self._group_of.pop(pid)]
+            del group[bisect_left(group, (info.tokens, info.seq))]
+
+    def _regroup(self, pid: str) -> None:
+        """A paused program's request count or status changed."""
+        g = self._resume_group(pid)
+        old = self._group_of[pid]
+        if g != old:
+            info = self.paused[pid]
+            group = self._groups[old]
+            del group[bisect_left(group, (info.tokens, info.seq))]
+            insort(self._groups[g], (info.tokens, info.seq, pid))
+            self._group_of[pid] = g
 
     # -- the scheduler's accounting ------------------------------------------------------
     def _reasoning(self, p: Program) -> bool:
@@ -236,17 +287,17 @@ class ThunderAgentPolicy(Policy):
         if best is not None:
             self._resume(p, best, now, out)
         else:
-            self.paused[p.program_id] = _Paused(p.tokens, self.requests[p.program_id], None)
+            self._enqueue(p.program_id, _Paused(p.tokens, self.requests[p.program_id], None))
             self._hold_since(p.program_id, now)
 
     def _pause(self, p: Program, out: list[Decision]) -> None:
         assert p.replica is not None and p.tier is Tier.GPU
-        self.paused[p.program_id] = _Paused(p.tokens, self.requests.get(p.program_id, 0),
-                                            p.replica)
+        self._enqueue(p.program_id, _Paused(p.tokens, self.requests.get(p.program_id, 0),
+                                            p.replica))
         self._demote_to(p, Tier.NONE, None, out)
 
     def _resume(self, p: Program, replica: int, now: float, out: list[Decision]) -> None:
-        self.paused.pop(p.program_id, None)
+        self._unpause(p.program_id)
         self._held_since.pop(p.program_id, None)
         self._promote(p, replica, out)
         if p.ready:
@@ -269,22 +320,26 @@ class ThunderAgentPolicy(Policy):
         total = sum(rem for _, rem in caps)
         if not caps or total <= 0 or not self.paused:
             return
-        order = sorted(self.paused.items(), key=lambda kv: kv[1].tokens)
-        groups: tuple[list[Program], list[Program], list[Program]] = ([], [], [])
-        for pid, _info in order:
-            p = self.programs[pid]
-            if self.requests.get(pid, 0) == 1:
-                groups[1].append(p)  # new
-            elif self._reasoning(p):
-                groups[0].append(p)  # a held request, ran before
-            else:
-                groups[2].append(p)  # no request
+        # the paused programs by group (_resume_group), each smallest first (tokens when
+        # paused; ties: queue order), taken while they fit the total
+        programs = self.programs
+        held, new, idle = self._groups
         chosen: list[Program] = []
         cumulative = 0
-        for p in (*groups[0], *groups[1], *groups[2]):
+        for _, _, pid in held:
+            p = programs[pid]
             need = p.tokens + BUFFER_PER_PROGRAM
             if cumulative + need <= total:
                 chosen.append(p)
+                cumulative += need
+        for group in (new, idle):
+            # no request since the pause: their tokens are those they were paused with,
+            # so the group is ascending in need and none after the first miss fits
+            for tokens, _, pid in group:
+                need = tokens + BUFFER_PER_PROGRAM
+                if cumulative + need > total:
+                    break
+                chosen.append(programs[pid])
                 cumulative += need
         if not chosen:
             return
