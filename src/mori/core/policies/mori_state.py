@@ -111,11 +111,12 @@ class MoriState(Policy):
         """Replica ``r``'s GPU queue or its programs' statuses changed."""
         if not self._incremental:
             return
-        free = self._cap - self.placement.gpu[r].used
-        self._avail.set(r, free - self._round_reserve.get(r, 0))
+        avail = self._cap - self.placement.gpu[r].used - self._round_reserve.get(r, 0)
+        if avail != self._avail[r]:
+            self._avail.set(r, avail)
+            self._stale.add(r)  # whether a CPU candidate of r fits may have changed
         self._room_stale.add(r)  # both are read rarely: brought up to date then
         self._loads_stale.add(r)
-        self._stale.add(r)
 
     def _fresh_room(self) -> ReplicaOrder:
         """``_room``, up to date."""
@@ -146,7 +147,8 @@ class MoriState(Policy):
             return
         idx = self._index
         for pid, p in self._touched.items():
-            self._unindex(pid)
+            if pid in idx:
+                self._unindex(pid)
             if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self._cap
                     and self.programs.get(pid) is p):
                 idx.put(p, priority(p, p.tracker.iota(0.0)))
