@@ -359,6 +359,28 @@ def test_decode_iters_within_matches_loop(
         assert math.isclose(boundary, elapsed, rel_tol=1e-9)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    cm=cost_models,
+    batch=st.integers(1, 1024),
+    avg_ctx=st.one_of(st.integers(0, 3_000), st.integers(0, 200_000)),
+    n_max=st.integers(1, 20_000),
+    frac=st.floats(0.0, 1.0),
+)
+def test_decode_iters_within_estimate_then_check(
+    cm: CostModel, batch: int, avg_ctx: int, n_max: int, frac: float
+) -> None:
+    # the inverted closed form lands within one iteration of the answer, so the check
+    # takes a step or two; the answer is the bisection's
+    ctx_sum0 = batch * avg_ctx
+    elapsed = frac * cm.decode_run_time(batch, ctx_sum0, n_max)
+    if elapsed <= 0:
+        return
+    exact = cm._decode_iters_bisect(batch, ctx_sum0, elapsed)
+    assert cm.decode_iters_within(batch, ctx_sum0, elapsed) == exact
+    assert abs(cm._decode_iters_estimate(batch, ctx_sum0, elapsed) - exact) <= 1
+
+
 def test_decode_iters_within_edges() -> None:
     cm = CostModel(get_preset("h200-qwen3-30b-a3b"))
     assert cm.decode_iters_within(32, 32 * 1000, 0.0) == 0

@@ -167,8 +167,12 @@ class CostModel:
     def decode_iters_within(self, batch: int, ctx_sum0: int, elapsed: float) -> int:
         """The largest n with ``decode_run_time(batch, ctx_sum0, n) <= elapsed``.
 
-        O(log n): a bracket from the first iteration's time, then bisection over the
-        closed form (which is strictly increasing in n). Negative ``elapsed`` gives 0.
+        The closed form is inverted (linear while compute dominates, then a quadratic)
+        for an estimate, which is then checked against the closed form itself and moved
+        by single steps (it is off by at most one but for rounding); if that takes more
+        than a few steps, bisection over the closed form (strictly increasing in n)
+        decides. Either way the answer is the one the closed form defines. Negative
+        ``elapsed`` gives 0.
         """
         if batch <= 0:
             raise ValueError("batch must be > 0 (an empty batch decodes forever for free)")
@@ -176,6 +180,34 @@ class CostModel:
             raise ValueError("elapsed must be finite")
         if elapsed <= 0:
             return 0
+        run = self.decode_run_time
+        n = self._decode_iters_estimate(batch, ctx_sum0, elapsed)
+        for _ in range(4):
+            if run(batch, ctx_sum0, n) > elapsed:
+                n -= 1
+            elif run(batch, ctx_sum0, n + 1) <= elapsed:
+                n += 1
+            else:
+                return n
+        return self._decode_iters_bisect(batch, ctx_sum0, elapsed)
+
+    def _decode_iters_estimate(self, batch: int, ctx_sum0: int, elapsed: float) -> int:
+        """``decode_iters_within`` from the inverted closed form, before the check."""
+        over = self._overhead
+        compute = batch * self._s_per_linear_token
+        a = (self._weight_bytes(batch) + self._kv_bytes_gpu * ctx_sum0) * self._s_per_hbm_byte
+        s = self._kv_bytes_gpu * batch * self._s_per_hbm_byte
+        k = 0 if a >= compute else math.ceil((compute - a) / s)
+        head = k * (over + compute)  # the compute-bound iterations
+        if elapsed < head:
+            return max(0, int(elapsed // (over + compute)))
+        # then iteration i (from k) costs over + a + s*i: m of them cost
+        # m*(over + a) + s*(2k - 1 + m)*m/2
+        b = over + a + s * (2 * k - 1) / 2
+        m = (math.sqrt(b * b + 2 * s * (elapsed - head)) - b) / s
+        return k + max(0, int(m))
+
+    def _decode_iters_bisect(self, batch: int, ctx_sum0: int, elapsed: float) -> int:
         first = self.decode_run_time(batch, ctx_sum0, 1)  # every later iteration is longer
         lo = 0
         hi = math.floor(elapsed / first) + 1
