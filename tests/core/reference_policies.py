@@ -145,19 +145,10 @@ class StraightMori(MoriPolicy):
 
 
 class StraightThunderAgent(ThunderAgentPolicy):
-    """ThunderAgent's resume as first written: the whole paused queue sorted and split
-    into groups at every check, every program of every group tried."""
+    """ThunderAgent's choice of whom to resume as first written: the whole paused queue
+    sorted and split into groups at every check, every program of every group tried."""
 
-    def _greedy_resume(self, now: float, out: list[Decision]) -> None:
-        decay = self.config.acting_token_decay
-        caps: list[tuple[int, float]] = []
-        for r in range(self.cluster.replicas):
-            rem = self.remaining(r, now if decay else None)
-            if rem > BUFFER_PER_PROGRAM:
-                caps.append((r, rem))
-        total = sum(rem for _, rem in caps)
-        if not caps or total <= 0 or not self.paused:
-            return
+    def _to_resume(self, total: float) -> list[Program]:
         order = sorted(self.paused.items(), key=lambda kv: kv[1].tokens)
         groups: tuple[list[Program], list[Program], list[Program]] = ([], [], [])
         for pid, _info in order:
@@ -175,25 +166,7 @@ class StraightThunderAgent(ThunderAgentPolicy):
             if cumulative + need <= total:
                 chosen.append(p)
                 cumulative += need
-        if not chosen:
-            return
-        chosen.sort(key=lambda p: -p.tokens)
-        caps.sort(key=lambda c: -c[1])
-        smallest = chosen[-1].tokens + BUFFER_PER_PROGRAM
-        for p in chosen:
-            if not caps or smallest > caps[0][1]:
-                break
-            need = p.tokens + BUFFER_PER_PROGRAM
-            if need > caps[0][1]:
-                continue
-            r, rem = caps[0]
-            self._resume(p, r, now, out)
-            left = rem - need
-            if left > BUFFER_PER_PROGRAM:
-                caps[0] = (r, left)
-                caps.sort(key=lambda c: -c[1])
-            else:
-                caps.pop(0)
+        return chosen
 
 
 def reference(name: str) -> type[Policy]:

@@ -320,27 +320,7 @@ class ThunderAgentPolicy(Policy):
         total = sum(rem for _, rem in caps)
         if not caps or total <= 0 or not self.paused:
             return
-        # the paused programs by group (_resume_group), each smallest first (tokens when
-        # paused; ties: queue order), taken while they fit the total
-        programs = self.programs
-        held, new, idle = self._groups
-        chosen: list[Program] = []
-        cumulative = 0
-        for _, _, pid in held:
-            p = programs[pid]
-            need = p.tokens + BUFFER_PER_PROGRAM
-            if cumulative + need <= total:
-                chosen.append(p)
-                cumulative += need
-        for group in (new, idle):
-            # no request since the pause: their tokens are those they were paused with,
-            # so the group is ascending in need and none after the first miss fits
-            for tokens, _, pid in group:
-                need = tokens + BUFFER_PER_PROGRAM
-                if cumulative + need > total:
-                    break
-                chosen.append(programs[pid])
-                cumulative += need
+        chosen = self._to_resume(total)
         if not chosen:
             return
         chosen.sort(key=lambda p: -p.tokens)
@@ -360,6 +340,31 @@ class ThunderAgentPolicy(Policy):
                 caps.sort(key=lambda c: -c[1])
             else:
                 caps.pop(0)
+
+    def _to_resume(self, total: float) -> list[Program]:
+        """The paused programs resume takes, in its order: by group (_resume_group),
+        each group smallest first (tokens when paused; ties: queue order), every one
+        taken that still fits ``total`` with those taken before it (tokens + buffer)."""
+        programs = self.programs
+        held, new, idle = self._groups
+        chosen: list[Program] = []
+        cumulative = 0
+        for _, _, pid in held:
+            p = programs[pid]
+            need = p.tokens + BUFFER_PER_PROGRAM
+            if cumulative + need <= total:
+                chosen.append(p)
+                cumulative += need
+        for group in (new, idle):
+            # no request since the pause: their tokens are those they were paused with,
+            # so the group is ascending in need and none after the first miss fits
+            for tokens, _, pid in group:
+                need = tokens + BUFFER_PER_PROGRAM
+                if cumulative + need > total:
+                    break
+                chosen.append(programs[pid])
+                cumulative += need
+        return chosen
 
     def _pause_until_safe(self, replica: int, out: list[Decision]) -> None:
         members = self.placement.gpu[replica].members
