@@ -15,7 +15,6 @@ from __future__ import annotations
 from mori.core.decisions import Decision
 from mori.core.policies import POLICIES, MoriPolicy
 from mori.core.policies.mori import _Iota
-from mori.core.policies.mori_room import _RoomPlan
 from mori.core.policies.thunderagent import BUFFER_PER_PROGRAM, ThunderAgentPolicy
 from mori.core.policy import Policy
 from mori.core.program import Program
@@ -56,24 +55,10 @@ class StraightMori(MoriPolicy):
 
     def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
                    reserve: list[int]) -> None:
-        mine = iota(c)
-        plans = []
-        for r in self._replicas_for(c):
-            gq = self.placement.gpu[r]
-            members = [self.programs[pid] for pid in gq.members]
-            acting = sorted((p for p in members if p.status is Status.ACTING
-                             and self._victim_ok(iota(p), mine)
-                             and self._displaceable(p, now)), key=iota.desc)
-            reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
-                            and self._victim_ok(iota(p), mine))
-            room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
-            plans.append(_RoomPlan(r, room, room + reasoning, acting))
-        now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
-        if now_ok:
-            plan = max(now_ok, key=lambda t: (self.placement.gpu[t.replica].free()
-                                              - reserve[t.replica], -t.replica))
-        else:
-            plan = max(plans, key=lambda t: (t.room_later, -t.replica))
+        # the plan from every member of every replica (``_room_plan``), never from the
+        # kept sums (``_room_plan_fast``, which the optimized round uses under MORI's
+        # own ranking)
+        plan = self._room_plan(c, now, iota, reserve)
         if plan.room_later < c.kv_bytes:
             return
         r = plan.replica
