@@ -28,10 +28,11 @@ class StraightMori(MoriPolicy):
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
+        held_for = self._serve_aged(now, out, iota) if self.config.max_wait_s else None
         for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
             if p.tier is Tier.GPU:
                 self._forward(p, now, out)
-        self._promote_ready(now, out, iota)
+        self._promote_ready(now, out, iota, held_for)
 
     def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
         pl = self.placement
@@ -79,7 +80,8 @@ class StraightMori(MoriPolicy):
             return 0
         return 1 if p.returning else 2
 
-    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota) -> None:
+    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota,
+                       held_for: int | None = None) -> None:
         pl = self.placement
         cap = self.cluster.gpu_bytes
         cands = [p for p in self._ready.values() if p.tier is not Tier.GPU]
@@ -88,6 +90,8 @@ class StraightMori(MoriPolicy):
         cands.sort(key=lambda p: (self._level(p), p.tokens if self._level(p) == 2 else 0,
                                   iota(p), p.ready_seq))
         reserve = [0] * len(pl.gpu)
+        if held_for is not None:
+            reserve[held_for] = int(pl.gpu[held_for].free())
         blocked = False
 
         def fits_nowhere(c: Program) -> bool:

@@ -40,15 +40,16 @@ def checked(name: str) -> type[MoriPolicy]:
                     list(self._sums.acting), list(self._sums.reasoning),
                     self._sums.gpu_used, [gq.used for gq in self.placement.gpu])
 
-        def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota) -> None:
+        def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota,
+                             held_for: int | None = None) -> None:
             self._flush()
             first = self._index.cpu_all.first()
-            blocked = (len(self._index) > 0 and first is not None
+            blocked = (held_for is None and len(self._index) > 0 and first is not None
                        and base._blocked_round(self, first[1], first[2]))
             before, n = self._state(), len(out)
             self._blocked_round = lambda kv, c: False  # type: ignore[method-assign]
             try:
-                super()._promote_indexed(now, out, iota)
+                super()._promote_indexed(now, out, iota, held_for)
             finally:
                 del self._blocked_round
             type(self).rounds += 1

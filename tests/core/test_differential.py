@@ -40,7 +40,8 @@ def crowded(draw: st.DrawFn) -> dict[str, object]:
                     tick_s=draw(st.sampled_from([0.5, 2.0, 5.0])),
                     idleness_window=draw(st.integers(1, 5)),
                     binary_threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
-                    page_tokens=1))
+                    page_tokens=1,
+                    max_wait_s=draw(st.sampled_from([None, 2.0, 10.0, 3600.0]))))
 
 
 def trace(cls: type, w: dict[str, object]) -> list[tuple[float, object]]:

@@ -169,3 +169,22 @@ def test_no_request_is_lost(policy: str) -> None:
     sim.policy.check_integrity()
     for e in sim.engines:
         e.pools.check()
+
+
+def test_unanswered_requests_are_counted_at_the_end() -> None:
+    # an overloaded hour of 80 programs on one GPU: some requests are still waiting when
+    # the run ends, and the p99 that counts their waits is at least the answered one's
+    ts = default_traces()
+    cfg = SimConfig(policy="mori", programs=80, duration_s=1800,
+                    policy_config=PolicyConfig(max_wait_s=None))
+    sim = Simulation(cfg, ts)
+    r = sim.run()
+    unanswered = [cfg.duration_s - live.req.arrived for live in sim.live.values()
+                  if live.req is not None and live.req.first_token_at is None]
+    assert r.requests_waiting_at_end == len(unanswered) > 0
+    assert r.wait_max_at_end_s == max(unanswered)
+    assert r.ttft_p99_with_waiting_s >= r.ttft_p99_s
+    # the paper's rule lets a program wait almost the whole run; a bound cuts that
+    bounded = simulate(dataclasses.replace(cfg, policy_config=PolicyConfig(max_wait_s=300)),
+                       ts)
+    assert r.wait_max_at_end_s > 1500 > 2 * 300 >= bounded.wait_max_at_end_s

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,6 +22,10 @@ from mori.core.idleness import IdlenessTracker
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.program import Program, ProgramView, StepRecord
 from mori.core.types import Status, Tier
+
+DEFAULT_MAX_WAIT_S = 3600.0
+"""``PolicyConfig.max_wait_s`` unless set: an hour. Bounds that fire within the
+paper's one-hour runs cost MORI throughput there (README, "Bounded waiting")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,8 @@ class PolicyConfig:
     ``reload_gbps``: the host-to-GPU bandwidth of a KV reload as ``mori-ski`` estimates
     it, GB/s of policy time (None: the simulator gives its modelled link; elsewhere
     ``DEFAULT_RELOAD_GBPS``).
+    ``max_wait_s``: MORI's bound on waiting: a request held this many seconds goes ahead
+    of every other promotion (None or 0: no bound, the paper's rule).
     """
 
     tick_s: float = 5.0
@@ -48,6 +56,7 @@ class PolicyConfig:
     acting_token_weight: float = 1.0
     acting_token_decay: bool = False
     reload_gbps: float | None = None
+    max_wait_s: float | None = DEFAULT_MAX_WAIT_S
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -61,6 +70,10 @@ class PolicyConfig:
         if self.reload_gbps is not None and not (self.reload_gbps > 0
                                                  and math.isfinite(self.reload_gbps)):
             raise ValueError(f"reload_gbps must be a positive number, got {self.reload_gbps}")
+        if self.max_wait_s is not None and not (self.max_wait_s >= 0
+                                                and math.isfinite(self.max_wait_s)):
+            raise ValueError("max_wait_s must be a finite number of seconds >= 0, got "
+                             f"{self.max_wait_s}")
         if not (self.acting_token_weight >= 0 and math.isfinite(self.acting_token_weight)):
             raise ValueError("acting_token_weight must be a finite number >= 0, got "
                              f"{self.acting_token_weight}")
@@ -107,6 +120,7 @@ class Policy(ABC):
         self.programs: dict[str, Program] = {}
         self._ready: dict[str, Program] = {}  # programs holding a request
         self._ready_gpu: dict[str, Program] = {}  # of those, the ones on a GPU
+        self._arrivals: deque[tuple[int, Program]] = deque()  # (ready_seq, program)
         self._releases: list[Release] = []
         self._seq = 0
         self.decisions_taken = 0
@@ -166,6 +180,20 @@ class Policy(ABC):
     @property
     def ready_programs(self) -> list[Program]:
         return list(self._ready.values())
+
+    def held_since(self, cutoff: float) -> Iterator[Program]:
+        """The held requests that arrived at or before ``cutoff``, oldest first."""
+        arrivals, ready = self._arrivals, self._ready
+        while arrivals:  # drop what was forwarded or ended from the front
+            seq, p = arrivals[0]
+            if ready.get(p.program_id) is p and p.ready_seq == seq:
+                break
+            arrivals.popleft()
+        for seq, p in arrivals:
+            if ready.get(p.program_id) is p and p.ready_seq == seq:  # not stale
+                if p.ready_at > cutoff:
+                    return
+                yield p
 
     def ready_on_gpu(self) -> list[Program]:
         """The held requests of GPU-resident programs, in arrival order."""
@@ -269,7 +297,9 @@ class Policy(ABC):
         p.tracker.arrived(now)  # status: GATED, the request is held
         self._seq += 1
         p.ready_seq = self._seq
+        p.ready_at = now
         self._ready[p.program_id] = p
+        self._arrivals.append((self._seq, p))
         if p.tier is Tier.GPU:
             self._ready_gpu[p.program_id] = p
         self._resize(p, ev.prompt_tokens)

@@ -24,7 +24,8 @@ class Program:
     ``tokens`` is the context the ledger accounts for: the prompt of its latest request,
     then prompt + output once the step finished. ``status`` is read from the idleness
     tracker, the program's one phase machine: GATED means a request is held.
-    ``ready_seq`` orders held requests by arrival. ``returning`` means it has completed
+    ``ready_seq`` orders held requests by arrival, and ``ready_at`` is the time of the
+    latest. ``returning`` means it has completed
     at least one step.
     """
 
@@ -35,6 +36,7 @@ class Program:
     tier: Tier = Tier.NONE
     replica: int | None = None
     ready_seq: int = 0
+    ready_at: float = 0.0  # when the held request (or the latest one) arrived
     returning: bool = False
     steps_done: int = 0
     history: list[StepRecord] = field(default_factory=list)

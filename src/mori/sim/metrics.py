@@ -74,6 +74,11 @@ class RunResult:
     seconds, engine durations multiplied by ``config.time_scale``.
     ``gpu_hit_rate`` and ``cpu_hit_rate``: the shares of ``prompt_tokens`` found in the
     GPU pool and reloaded from the CPU tier (their sum is the prefix-cached share).
+    The TTFT figures count only requests answered within the run. A request still
+    without its first token at the end is counted in ``requests_waiting_at_end``;
+    ``wait_max_at_end_s`` is the longest such wait so far, and ``ttft_p99_with_waiting_s``
+    the p99 over the answered requests' TTFTs and those waits (a lower bound on what
+    they will be): the tail that censoring at the end of the run hides.
     """
 
     config: SimConfig
@@ -90,6 +95,9 @@ class RunResult:
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
+    requests_waiting_at_end: int
+    wait_max_at_end_s: float
+    ttft_p99_with_waiting_s: float
     gate_wait_mean_s: float
     gpu_busy_frac: float
     gpu_busy_frac_per_replica: list[float]
@@ -135,7 +143,7 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     ``--programs`` gives; derived, not a :class:`SimConfig` field). The policy knobs a
     record carries are ``tick_s``, ``idleness_window``, ``binary_threshold`` and
     ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``, and the
-    ``reload_gbps`` asked for (None: the simulated link's);
+    ``reload_gbps`` asked for (None: the simulated link's), and MORI's ``max_wait_s``;
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
     are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
@@ -153,7 +161,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "pcie_gbps": c.pcie_gbps, "tick_s": p.tick_s,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold,
             "acting_token_weight": p.acting_token_weight,
-            "acting_token_decay": p.acting_token_decay, "reload_gbps": p.reload_gbps}
+            "acting_token_decay": p.acting_token_decay, "reload_gbps": p.reload_gbps,
+            "max_wait_s": p.max_wait_s}
 
 
 RESULT_SETTINGS: tuple[str, ...] = tuple(settings_dict(SimConfig(), "", 0))

@@ -274,6 +274,9 @@ class Simulation:
         prompt = sum(s.prompt_tokens for s in st)
         busy = [min(1.0, s.busy_s / dur) for s in st]
         page = self.cost.preset.page_tokens
+        # requests sent but not answered (held by the policy or queued in an engine)
+        waits = [dur - live.req.arrived for live in self.live.values()
+                 if live.req is not None and live.req.first_token_at is None]
         return RunResult(
             config=cfg, traces=self.trace_name,
             max_context=context_cut(cfg),
@@ -283,6 +286,9 @@ class Simulation:
             ttft_mean_s=sum(c.ttft) / len(c.ttft) if c.ttft else float("nan"),
             ttft_p50_s=percentile(c.ttft, 50), ttft_p90_s=percentile(c.ttft, 90),
             ttft_p99_s=percentile(c.ttft, 99),
+            requests_waiting_at_end=len(waits),
+            wait_max_at_end_s=max(waits, default=0.0),
+            ttft_p99_with_waiting_s=percentile(c.ttft + waits, 99),
             gate_wait_mean_s=sum(c.gate_wait) / len(c.gate_wait) if c.gate_wait else float("nan"),
             gpu_busy_frac=sum(busy) / len(busy), gpu_busy_frac_per_replica=busy,
             running_requests_per_replica=[s.running_area / dur for s in st],

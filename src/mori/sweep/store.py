@@ -58,7 +58,8 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
 
 
 OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1.0,
-                                     "acting_token_decay": False, "reload_gbps": None}
+                                     "acting_token_decay": False, "reload_gbps": None,
+                                     "max_wait_s": None}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 

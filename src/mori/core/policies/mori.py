@@ -62,13 +62,14 @@ class MoriPolicy(MoriRoom):
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
+        held_for = self._serve_aged(now, out, iota) if self.config.max_wait_s else None
         if self._ready_gpu:
             for p in self.ready_on_gpu():
                 self._forward(p, now, out)
         if self._incremental:
-            self._promote_indexed(now, out, iota)
+            self._promote_indexed(now, out, iota, held_for)
         else:
-            self._promote_ready(now, out, iota)
+            self._promote_ready(now, out, iota, held_for)
 
     def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
         # only a queue where a program grew since the last round can be over capacity
@@ -129,7 +130,8 @@ class MoriPolicy(MoriRoom):
         to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
         self._demote_to(p, to, replica, out)
 
-    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota) -> None:
+    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota,
+                       held_for: int | None = None) -> None:
         pl = self.placement
         cap = self.cluster.gpu_bytes
         cands = [p for p in self._ready.values() if p.tier is not Tier.GPU]
@@ -143,6 +145,8 @@ class MoriPolicy(MoriRoom):
         cands.sort(key=priority)
         gpus = pl.gpu
         reserve = [0] * len(gpus)
+        if held_for is not None:  # a request past the bound waits for it (_serve_aged)
+            reserve[held_for] = int(gpus[held_for].free())
         blocked = False
         # the most room any replica has beyond its reservation, or None when a move may
         # have changed it: once a candidate has been blocked, a cacheless one larger than
@@ -202,7 +206,8 @@ class MoriPolicy(MoriRoom):
             if c.program_id not in placed:
                 place_or_make_room(c)
 
-    def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota) -> None:
+    def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota,
+                         held_for: int | None = None) -> None:
         """``_promote_ready`` from the kept-up-to-date index: the same decisions in the
         same order, looking only at candidates that can move and at replicas in O(log R).
 
@@ -212,16 +217,23 @@ class MoriPolicy(MoriRoom):
         walked (``_open``), and the decisions are emitted in the priority order, as the
         plain loop emits them. Cacheless candidates are then walked in priority order
         passing over those larger than the most room any replica has.
+        ``held_for``: a replica whose free space is reserved from the start (a request
+        past the bound waits for it, ``_serve_aged``).
         """
+        gpus = self.placement.gpu
+        reserve = [0] * len(gpus)
+        if held_for is not None:
+            reserve[held_for] = self._round_reserve[held_for] = int(gpus[held_for].free())
+            self._sync(held_for)
         self._flush()
         idx = self._index
         if not len(idx):
+            self._unreserve()
             return
         first = idx.cpu_all.first()
-        if first is not None and self._blocked_round(first[1], first[2]):
+        if (held_for is None and first is not None
+                and self._blocked_round(first[1], first[2])):
             return
-        gpus = self.placement.gpu
-        reserve = [0] * len(gpus)
         chunks: list[tuple[Key, list[Decision]]] = []
         self._frozen = True
         self._round_iota = iota
@@ -384,11 +396,69 @@ class MoriPolicy(MoriRoom):
         finally:
             self._frozen = False
             self._round_iota = None
-            reserved = list(self._round_reserve)
-            self._round_reserve.clear()
-            for r in reserved:
-                self._sync(r)
+            self._unreserve()
             self._flush()
+
+    def _unreserve(self) -> None:
+        """End the round's reservations."""
+        reserved = list(self._round_reserve)
+        self._round_reserve.clear()
+        for r in reserved:
+            self._sync(r)
+
+    def _serve_aged(self, now: float, out: list[Decision], iota: _Iota) -> int | None:
+        """Bounded waiting (ours, not the paper's): requests held ``max_wait_s`` or
+        longer go first, oldest first, each onto the replica that can hold it soonest;
+        for it, that replica's Acting programs are demoted, most idle first. When one cannot be placed yet (its replica's
+        running steps must end first), the rest wait behind it and its replica is
+        returned: the round reserves that replica's free space for it, so nobody is
+        promoted there ahead of it."""
+        assert self.config.max_wait_s is not None
+        for c in self.held_since(now - self.config.max_wait_s):
+            if c.tier is Tier.GPU:
+                continue  # resident: forwarded this round
+            r = self._aged_replica(c)
+            if r is None:
+                continue  # larger than a whole GPU tier: it can never be placed
+            gq = self.placement.gpu[r]
+            if not gq.fits(c.kv_bytes):
+                need = c.kv_bytes - gq.free()
+                victims = []
+                for p in self._gpu_acting[r].descending(iota, now):
+                    if need <= 0:
+                        break
+                    victims.append(p)
+                    need -= p.kv_bytes
+                for p in victims:
+                    self._offload(p, r, out, iota, keep=c)
+            if not gq.fits(c.kv_bytes):
+                self._aged_wait = (c.program_id, r)
+                return r
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+        return None
+
+    def _aged_replica(self, c: Program) -> int | None:
+        """Where a request past the bound goes: a CPU-queue program to its own replica;
+        a cacheless one where it fits now (the tightest), else where its room can be made
+        by demoting Acting programs (the most such room), else where it waited last
+        round (its Acting programs are gone already), else the most room then."""
+        if c.tier is Tier.CPU:
+            return c.replica
+        if self.cluster.gpu_bytes is None:
+            return self._best_fit(c, [0] * len(self.placement.gpu))
+        cap = self.cluster.gpu_bytes
+        if c.kv_bytes > cap:
+            return None
+        r = self._best_fit(c, [0] * len(self.placement.gpu))
+        if r is not None:
+            return r
+        gpus, acting = self.placement.gpu, self._sums.acting
+        best = max(range(len(gpus)), key=lambda q: (cap - gpus[q].used + acting[q], -q))
+        if cap - gpus[best].used + acting[best] >= c.kv_bytes:
+            return best
+        pid, last = self._aged_wait
+        return last if pid == c.program_id and last < len(gpus) else best
 
     def _blocked_round(self, kv: int, c: Program) -> bool:
         """Whether the round would decide nothing, known from the first CPU candidate

@@ -66,7 +66,8 @@ class MoriRoom(MoriPlacement):
         own rules), from the per-replica sums and orders instead of the members."""
         gpus, sums = self.placement.gpu, self._sums
         if c.tier is Tier.NONE and len(gpus) > 1:
-            assert not self._round_reserve, "room is made once a round, before reserving"
+            # room is made once a round; a replica may be reserved already for a request
+            # past the bound (its _avail counts the reservation, its _room does not)
             kv = c.kv_bytes
             if self._fresh_room().most() >= kv:  # some replica can make room now: the one with
                 for avail, rr in self._avail:  # the most free space (then lowest index)
@@ -74,7 +75,11 @@ class MoriRoom(MoriPlacement):
                         return _RoomPlan(rr, 0.0, float(avail + sums.acting[rr]
                                                         + sums.reasoning[rr]), None)
             if not self._ready_gpu:  # no held request on a GPU: every replica would have
-                return _RoomPlan(0, 0.0, float(self._cap), None)  # all of its room later
+                # all of its room later, but for a reservation
+                held = self._round_reserve
+                r0 = next((q for q in range(len(gpus)) if not held.get(q)), None)
+                if r0 is not None:
+                    return _RoomPlan(r0, 0.0, float(self._cap), None)
         now_best: tuple[float, int] | None = None  # (free beyond reservation, replica)
         later_best: tuple[float, int] | None = None  # (room later, replica)
         for r in self._replicas_for(c):

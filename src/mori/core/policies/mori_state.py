@@ -55,6 +55,8 @@ class MoriState(Policy):
         self._grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
         self._frozen = False  # inside a round's promotions: the index is being walked
         self._round_iota: _Iota | None = None  # the round's iota while frozen
+        self._aged_wait: tuple[str, int] = ("", -1)  # the request past the bound that
+        # waits for its replica's steps to end, and that replica (``_serve_aged``)
 
     # -- bookkeeping around every change of a program (Policy._unhook / _hook) ----------
     def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
