@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 from driver import FakeWorld
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_differential import crowded
 from test_properties import time_limit, worlds
@@ -141,7 +141,7 @@ def _run(name: str, w: dict[str, object], bound: float) -> None:
 
 
 @pytest.mark.parametrize("name", MORI_NAMES)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=[Phase.generate])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=crowded(), bound=BOUNDS)
 def test_no_request_waits_past_the_bound_while_capacity_allows(
         name: str, w: dict[str, object], bound: float) -> None:
@@ -149,7 +149,7 @@ def test_no_request_waits_past_the_bound_while_capacity_allows(
 
 
 @pytest.mark.parametrize("name", ["mori"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=[Phase.generate])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=worlds(), bound=BOUNDS)
 def test_the_bound_in_small_worlds(name: str, w: dict[str, object], bound: float) -> None:
     _run(name, w, bound)
