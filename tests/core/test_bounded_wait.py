@@ -153,3 +153,17 @@ def test_no_request_waits_past_the_bound_while_capacity_allows(
 @given(w=worlds(), bound=BOUNDS)
 def test_the_bound_in_small_worlds(name: str, w: dict[str, object], bound: float) -> None:
     _run(name, w, bound)
+
+
+@pytest.mark.parametrize("name", ["mori", "smg", "thunderagent"])
+def test_the_arrival_order_stays_small(name: str) -> None:
+    # every policy keeps the arrival order; forwarded requests must not pile up in it
+    p = make(name, gpu=10**9, cpu=0)
+    for i in range(300):
+        step(p, float(i), arrive(f"p{i}", 10))
+        step(p, i + 0.5, fin(f"p{i}", 20))
+        assert len(p._arrivals) <= 2 * 1 + 64  # at most one request held at a time
+    held = make("mori", gpu=100, cpu=0, max_wait_s=5.0)
+    for i in range(300):
+        step(held, float(i), arrive(f"p{i}", 60))  # p0 runs; the rest wait for room
+    assert [q.program_id for q in held.held_since(100.0)] == [f"p{i}" for i in range(1, 101)]

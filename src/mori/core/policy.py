@@ -120,7 +120,9 @@ class Policy(ABC):
         self.programs: dict[str, Program] = {}
         self._ready: dict[str, Program] = {}  # programs holding a request
         self._ready_gpu: dict[str, Program] = {}  # of those, the ones on a GPU
-        self._arrivals: deque[tuple[int, Program]] = deque()  # (ready_seq, program)
+        # (ready_seq, program) by arrival, for held_since; entries of requests forwarded
+        # since are dropped as they are met, and all at once when they are most of it
+        self._arrivals: deque[tuple[int, Program]] = deque()
         self._releases: list[Release] = []
         self._seq = 0
         self.decisions_taken = 0
@@ -299,7 +301,11 @@ class Policy(ABC):
         p.ready_seq = self._seq
         p.ready_at = now
         self._ready[p.program_id] = p
-        self._arrivals.append((self._seq, p))
+        arrivals = self._arrivals
+        arrivals.append((self._seq, p))
+        if len(arrivals) > 2 * len(self._ready) + 64:
+            # mostly forwarded entries: keep the held ones (``_ready`` is in arrival order)
+            self._arrivals = deque((q.ready_seq, q) for q in self._ready.values())
         if p.tier is Tier.GPU:
             self._ready_gpu[p.program_id] = p
         self._resize(p, ev.prompt_tokens)
