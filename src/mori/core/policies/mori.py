@@ -30,6 +30,10 @@ Every rule of section 4, and where a detail is ours:
   candidate (later candidates may only use space beyond the reservation); the Reasoning
   ones are demoted lazily: when their step ends, a later round finds them Acting and
   demotes them then. Otherwise nobody is demoted and it waits.
+- Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
+  the promotions above, requests held ``max_wait_s`` or longer are served oldest first
+  (``_serve_aged``), Acting programs demoted for them; one that must wait for running
+  steps to end has its replica's free space reserved for the round.
 """
 
 from __future__ import annotations
@@ -409,10 +413,10 @@ class MoriPolicy(MoriRoom):
     def _serve_aged(self, now: float, out: list[Decision], iota: _Iota) -> int | None:
         """Bounded waiting (ours, not the paper's): requests held ``max_wait_s`` or
         longer go first, oldest first, each onto the replica that can hold it soonest;
-        for it, that replica's Acting programs are demoted, most idle first. When one cannot be placed yet (its replica's
-        running steps must end first), the rest wait behind it and its replica is
-        returned: the round reserves that replica's free space for it, so nobody is
-        promoted there ahead of it."""
+        for it, that replica's Acting programs are demoted, most idle first. When one
+        cannot be placed yet (its replica's running steps must end first), the rest wait
+        behind it and its replica is returned: the round reserves that replica's free
+        space for it, so nobody is promoted there ahead of it."""
         assert self.config.max_wait_s is not None
         for c in self.held_since(now - self.config.max_wait_s):
             if c.tier is Tier.GPU:
