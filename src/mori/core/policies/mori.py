@@ -32,7 +32,7 @@ Every rule of section 4, and where a detail is ours:
   demotes them then. Otherwise nobody is demoted and it waits.
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
   the promotions above, requests held ``max_wait_s`` or longer are served oldest first
-  (``_serve_aged``), Acting programs demoted for them; one that must wait for running
+  (``mori_aged``), Acting programs demoted for them; one that must wait for running
   steps to end has its replica's free space reserved for the round.
 """
 
@@ -43,6 +43,7 @@ from itertools import chain
 
 from mori.core.decisions import Decision, Demote
 from mori.core.ordered import Key
+from mori.core.policies.mori_aged import MoriAged
 from mori.core.policies.mori_placement import SPREAD_BELOW
 from mori.core.policies.mori_room import MoriRoom
 from mori.core.policies.mori_state import _Iota
@@ -52,7 +53,7 @@ from mori.core.types import Tier
 
 __all__ = ["SPREAD_BELOW", "MoriPolicy", "_Iota"]
 
-class MoriPolicy(MoriRoom):
+class MoriPolicy(MoriAged):
     name = "mori"
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
@@ -107,32 +108,6 @@ class MoriPolicy(MoriRoom):
                     if not cq.over():
                         break
                     self._demote_to(p, Tier.NONE, None, out)
-
-    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
-                 keep: Program | None = None) -> None:
-        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit.
-
-        ``keep`` (the program being made room for) is never pushed out of the CPU.
-        """
-        cq = self.placement.cpu[replica]
-        if not cq.fits(p.kv_bytes) and cq.capacity:
-            need = p.kv_bytes - int(cq.free())
-            mine = iota(p)
-            victims = []
-            ranked = (self._cpu_idle[replica].descending(iota, iota.now) if self._incremental
-                      else sorted((self.programs[pid] for pid in cq.members), key=iota.desc))
-            for q in ranked:
-                if need <= 0 or iota(q) <= mine:
-                    break
-                if q is keep:
-                    continue
-                victims.append(q)
-                need -= q.kv_bytes
-            if need <= 0:
-                for q in victims:
-                    self._demote_to(q, Tier.NONE, None, out)
-        to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
-        self._demote_to(p, to, replica, out)
 
     def _promote_ready(self, now: float, out: list[Decision], iota: _Iota,
                        held_for: int | None = None) -> None:
@@ -409,60 +384,6 @@ class MoriPolicy(MoriRoom):
         self._round_reserve.clear()
         for r in reserved:
             self._sync(r)
-
-    def _serve_aged(self, now: float, out: list[Decision], iota: _Iota) -> int | None:
-        """Bounded waiting (ours, not the paper's): requests held ``max_wait_s`` or
-        longer go first, oldest first, each onto the replica that can hold it soonest;
-        for it, that replica's Acting programs are demoted, most idle first. When one
-        cannot be placed yet (its replica's running steps must end first), the rest wait
-        behind it and its replica is returned: the round reserves that replica's free
-        space for it, so nobody is promoted there ahead of it."""
-        assert self.config.max_wait_s is not None
-        for c in self.held_since(now - self.config.max_wait_s):
-            if c.tier is Tier.GPU:
-                continue  # resident: forwarded this round
-            r = self._aged_replica(c)
-            if r is None:
-                continue  # larger than a whole GPU tier: it can never be placed
-            gq = self.placement.gpu[r]
-            if not gq.fits(c.kv_bytes):
-                need = c.kv_bytes - gq.free()
-                victims = []
-                for p in self._gpu_acting[r].descending(iota, now):
-                    if need <= 0:
-                        break
-                    victims.append(p)
-                    need -= p.kv_bytes
-                for p in victims:
-                    self._offload(p, r, out, iota, keep=c)
-            if not gq.fits(c.kv_bytes):
-                self._aged_wait = (c.program_id, r)
-                return r
-            self._promote(c, r, out)
-            self._forward(c, now, out)
-        return None
-
-    def _aged_replica(self, c: Program) -> int | None:
-        """Where a request past the bound goes: a CPU-queue program to its own replica;
-        a cacheless one where it fits now (the tightest), else where its room can be made
-        by demoting Acting programs (the most such room), else where it waited last
-        round (its Acting programs are gone already), else the most room then."""
-        if c.tier is Tier.CPU:
-            return c.replica
-        if self.cluster.gpu_bytes is None:
-            return self._best_fit(c, [0] * len(self.placement.gpu))
-        cap = self.cluster.gpu_bytes
-        if c.kv_bytes > cap:
-            return None
-        r = self._best_fit(c, [0] * len(self.placement.gpu))
-        if r is not None:
-            return r
-        gpus, acting = self.placement.gpu, self._sums.acting
-        best = max(range(len(gpus)), key=lambda q: (cap - gpus[q].used + acting[q], -q))
-        if cap - gpus[best].used + acting[best] >= c.kv_bytes:
-            return best
-        pid, last = self._aged_wait
-        return last if pid == c.program_id and last < len(gpus) else best
 
     def _blocked_round(self, kv: int, c: Program) -> bool:
         """Whether the round would decide nothing, known from the first CPU candidate

@@ -1,6 +1,7 @@
 """Where room is made on a GPU and who leaves to make it (``mori`` module docstring):
-the ranking hooks the ablations override, the plan of which replica makes room for a
-candidate, and the order in which an overfull GPU queue is emptied. ``MoriRoom`` holds
+the ranking hooks the ablations override, where a demoted program goes (``_offload``),
+the plan of which replica makes room for a candidate, and the order in which an
+overfull GPU queue is emptied. ``MoriRoom`` holds
 these; the round that calls them is ``mori.MoriPolicy``.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from mori.core.decisions import Decision
 from mori.core.policies.mori_placement import MoriPlacement
 from mori.core.policies.mori_state import _Iota
 from mori.core.program import Program
@@ -35,6 +37,32 @@ class MoriRoom(MoriPlacement):
         """May the Acting program ``p`` be demoted now to make room for a ready one?
         (Always in MORI; ``mori-ski`` waits until it has acted as long as a reload.)"""
         return True
+
+    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
+                 keep: Program | None = None) -> None:
+        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit.
+
+        ``keep`` (the program being made room for) is never pushed out of the CPU.
+        """
+        cq = self.placement.cpu[replica]
+        if not cq.fits(p.kv_bytes) and cq.capacity:
+            need = p.kv_bytes - int(cq.free())
+            mine = iota(p)
+            victims = []
+            ranked = (self._cpu_idle[replica].descending(iota, iota.now) if self._incremental
+                      else sorted((self.programs[pid] for pid in cq.members), key=iota.desc))
+            for q in ranked:
+                if need <= 0 or iota(q) <= mine:
+                    break
+                if q is keep:
+                    continue
+                victims.append(q)
+                need -= q.kv_bytes
+            if need <= 0:
+                for q in victims:
+                    self._demote_to(q, Tier.NONE, None, out)
+        to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
+        self._demote_to(p, to, replica, out)
 
     def _overflow_order_scan(self, r: int, iota: _Iota) -> list[Program]:
         """Who leaves an overfull GPU queue first: its Acting programs, then its held
