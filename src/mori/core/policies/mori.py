@@ -430,14 +430,8 @@ class MoriPolicy(MoriAged):
         gq = self.placement.gpu[r]
         acting = plan.acting
         if acting is None:  # every Acting program of the replica may go, most idle first:
-            acting = []  # as many as it takes
-            need = c.kv_bytes - (gq.free() - reserve[r])
-            victims = self._gpu_acting[r]
-            for p in victims.descending(iota, now) if len(victims) and need > 0 else ():
-                if need <= 0:
-                    break
-                acting.append(p)
-                need -= p.kv_bytes
+            # as many as it takes
+            acting = self._most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), iota)
         for p in acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break

@@ -33,16 +33,8 @@ class MoriAged(MoriRoom):
             if r is None:
                 continue  # larger than a whole GPU tier: it can never be placed
             gq = self.placement.gpu[r]
-            if not gq.fits(c.kv_bytes):
-                need = c.kv_bytes - gq.free()
-                victims = []
-                for p in self._gpu_acting[r].descending(iota, now):
-                    if need <= 0:
-                        break
-                    victims.append(p)
-                    need -= p.kv_bytes
-                for p in victims:
-                    self._offload(p, r, out, iota, keep=c)
+            for p in self._most_idle_acting(r, c.kv_bytes - gq.free(), iota):
+                self._offload(p, r, out, iota, keep=c)
             if not gq.fits(c.kv_bytes):
                 self._aged_wait = (c.program_id, r)
                 return r

@@ -64,6 +64,18 @@ class MoriRoom(MoriPlacement):
         to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
         self._demote_to(p, to, replica, out)
 
+    def _most_idle_acting(self, r: int, need: float, iota: _Iota) -> list[Program]:
+        """Replica ``r``'s Acting GPU programs, most idle first, until their KV covers
+        ``need`` bytes (all of them if it never does; none if ``need`` <= 0)."""
+        chosen: list[Program] = []
+        acting = self._gpu_acting[r]
+        for p in acting.descending(iota, iota.now) if need > 0 and len(acting) else ():
+            if need <= 0:
+                break
+            chosen.append(p)
+            need -= p.kv_bytes
+        return chosen
+
     def _overflow_order_scan(self, r: int, iota: _Iota) -> list[Program]:
         """Who leaves an overfull GPU queue first: its Acting programs, then its held
         ones, the most idle first (ties: the later request first)."""
@@ -79,13 +91,7 @@ class MoriRoom(MoriPlacement):
         in the round, and a later look at their iota must find the value the scan left."""
         gq = self.placement.gpu[r]
         assert gq.capacity is not None
-        need = gq.used - gq.capacity
-        order: list[Program] = []
-        for p in self._gpu_acting[r].descending(iota, iota.now):
-            if need <= 0:
-                break
-            order.append(p)
-            need -= p.kv_bytes
+        order = self._most_idle_acting(r, gq.used - gq.capacity, iota)
         held = sorted((p for p in self._ready_gpu.values() if p.replica == r), key=iota.desc)
         return order + held
 
