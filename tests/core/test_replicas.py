@@ -35,14 +35,15 @@ def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
                                           Forward("P", 2)]
 
 
-def test_waiting_programs_placed_best_fit_decreasing() -> None:
+def test_waiting_programs_packed_best_fit_decreasing_once_memory_binds() -> None:
     p = make("mori", gpu=100, cpu=0, replicas=2)
-    step(p, 0.0, arrive("A", 50))  # both empty: the first best fit, replica 0 (50 free)
+    step(p, 0.0, arrive("A", 50))  # both empty: the most room, lowest index: replica 0
     step(p, 0.0, arrive("B", 70))  # fits only replica 1 (30 free)
     assert (where(p, "A"), where(p, "B")) == ((GPU, 0), (GPU, 1))
-    # X 25, Y 25, Z 30 arrive at once (free: 50 and 30). Priority order (smallest first,
-    # each onto its tightest replica) would put X on replica 1 and leave no room for Z;
-    # Best-Fit-Decreasing places Z first, exactly filling replica 1, then X and Y on 0
+    # X 25, Y 25, Z 30 arrive at once (free: 50 and 30). Spreading (each, largest first,
+    # onto the most room) would put Z on 0 and X on 1 and leave no room for Y: memory
+    # binds, so they are packed. Best-Fit-Decreasing places Z first, exactly filling
+    # replica 1, then X and Y on 0
     out = step(p, 1.0, arrive("X", 25), arrive("Y", 25), arrive("Z", 30))
     assert out == [Promote("Z", 1, NONE), Forward("Z", 1), Promote("X", 0, NONE),
                    Forward("X", 0), Promote("Y", 0, NONE), Forward("Y", 0)]
@@ -54,7 +55,7 @@ def test_mori_uses_all_three_replicas_for_three_small_programs() -> None:
     for x in "ABC":
         step(p, 0.0, arrive(x, 10))
     assert sorted(where(p, x)[1] for x in "ABC") == [0, 1, 2]
-    # arriving together: the largest first, each onto the replica holding the fewest
+    # arriving together: the largest first, each onto the replica with the most room
     q = make("mori", gpu=100, cpu=100, replicas=3)
     assert step(q, 0.0, arrive("X", 10), arrive("Y", 30), arrive("Z", 20)) == [
         Promote("Y", 0, NONE), Forward("Y", 0), Promote("Z", 1, NONE), Forward("Z", 1),
@@ -68,27 +69,30 @@ def test_mori_pack_keeps_the_papers_rule_and_leaves_two_replicas_idle() -> None:
     assert [where(p, x) for x in "ABC"] == [(GPU, 0)] * 3
 
 
-def test_mori_spreads_to_the_replica_holding_the_fewest_programs() -> None:
+def test_mori_spreads_to_the_replica_with_the_most_room() -> None:
     p = make("mori", gpu=100, cpu=100, replicas=2)
     assert step(p, 0.0, arrive("A", 30)) == [Promote("A", 0, NONE), Forward("A", 0)]
     assert step(p, 0.0, arrive("B", 20)) == [Promote("B", 1, NONE), Forward("B", 1)]
-    # one each: the tie goes to the tighter fit (replica 0: 70 free against 80)
-    assert step(p, 0.0, arrive("C", 10)) == [Promote("C", 0, NONE), Forward("C", 0)]
+    # replica 1 has 80 free against replica 0's 70
+    assert step(p, 0.0, arrive("C", 10)) == [Promote("C", 1, NONE), Forward("C", 1)]
     step(p, 1.0, fin("A", 30))  # A acts: it still holds its place on replica 0
-    assert step(p, 2.0, arrive("D", 10)) == [Promote("D", 1, NONE), Forward("D", 1)]
+    # 70 free each: the lowest index
+    assert step(p, 2.0, arrive("D", 10)) == [Promote("D", 0, NONE), Forward("D", 0)]
 
 
-def test_mori_packs_once_memory_binds() -> None:
-    def two_replicas() -> Policy:
-        p = make("mori", gpu=100, cpu=100, replicas=2)
+def test_mori_spreads_near_capacity_where_the_paper_packs() -> None:
+    def two_replicas(policy: str) -> Policy:
+        p = make(policy, gpu=100, cpu=100, replicas=2)
         step(p, 0.0, arrive("A", 60))  # replica 0
         step(p, 0.0, arrive("B", 60))  # replica 1
-        step(p, 0.0, arrive("C", 10))  # a tie (one each, 30 left either way): replica 0
+        step(p, 0.0, arrive("C", 10))  # mori: a tie (40 free each), replica 0
         return p
 
-    # 130 + 5 = 135 of 200 (at most 70%): spread, onto replica 1 (one program, not two)
-    assert step(two_replicas(), 1.0, arrive("D", 5)) == [Promote("D", 1, NONE),
-                                                          Forward("D", 1)]
-    # 130 + 15 = 145 (over 70%): memory binds, packed (the tightest fit, replica 0)
-    assert step(two_replicas(), 1.0, arrive("D", 15)) == [Promote("D", 0, NONE),
-                                                           Forward("D", 0)]
+    # 145 of 200 in use with D: MORI puts D where the most room is left (replica 1, 40
+    # free), so replica 0 (30 free) keeps room for A and C to grow
+    assert step(two_replicas("mori"), 1.0, arrive("D", 15)) == [Promote("D", 1, NONE),
+                                                                 Forward("D", 1)]
+    # the paper's Best-Fit-Decreasing puts C and then D onto replica 0, the tightest fit
+    pack = two_replicas("mori-pack")
+    assert where(pack, "C") == (GPU, 0)
+    assert step(pack, 1.0, arrive("D", 15)) == [Promote("D", 0, NONE), Forward("D", 0)]

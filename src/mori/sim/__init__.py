@@ -7,4 +7,7 @@ settings, so stored sweep results from an older model are not reused.
 2: ``thunderagent`` follows ThunderAgent's own scheduler (token capacity with buffers,
 pauses and resumes on a 5 s check, a pause leaves the KV to the engine's LRU).
 3: ``mori`` spreads admitted cacheless programs by load across replicas while memory
-does not bind (``mori-pack`` keeps the paper's packing)."""
+does not bind (``mori-pack`` keeps the paper's packing).
+4: ``mori`` spreads them onto the replica with the most room whenever that places the
+round's whole batch, and packs by Best-Fit-Decreasing only when it does not (it had
+packed above 70% full, overfilling the fullest replica)."""

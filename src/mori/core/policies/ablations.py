@@ -11,7 +11,8 @@
 - ``mori-no-exclusion``: MORI with the scheduler's gated time counted as acting time in
   the idleness window, to show the feedback loop the exclusion prevents.
 - ``mori-pack``: the paper's placement of cacheless programs, Best-Fit-Decreasing
-  always; MORI spreads them by load while memory does not bind (``mori.SPREAD_BELOW``).
+  always; MORI spreads them (the most room) while memory does not bind
+  (``mori_placement``).
 """
 
 from __future__ import annotations

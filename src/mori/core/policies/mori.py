@@ -17,12 +17,12 @@ Every rule of section 4, and where a detail is ours:
 - A candidate that fits is promoted and forwarded at once. A CPU-queue program goes back
   to its own replica (affinity: it reloads locally). Cacheless (Waiting) programs are
   admitted in priority order while the replicas' free space together holds them, and
-  placed by Best-Fit-Decreasing: the largest first, each onto the replica where it fits
-  most tightly. Ours, not the paper's: while memory does not bind (the GPU tiers, with
-  the round's admitted programs added, would be at most ``SPREAD_BELOW`` full), each
-  admitted program goes instead, largest first, to the replica holding the fewest
-  programs that has room (ties: the tightest fit), so that at low load no replica sits
-  idle while another runs everything (``mori-pack`` keeps the paper's rule).
+  placed the largest first, each onto the replica with the most free room, as long as
+  that places all of them (memory does not bind); else by Best-Fit-Decreasing, each onto
+  the replica where it fits most tightly. Ours, not the paper's, which packs by
+  Best-Fit-Decreasing always: that ran everything on one replica while the others sat
+  idle at low load, and overfilled the fullest replica near capacity
+  (``mori_placement``; ``mori-pack`` keeps the paper's rule).
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
   GPU are demoted, highest iota first (a ready program outranks an idle one: ours, see
   ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
@@ -44,14 +44,13 @@ from itertools import chain
 from mori.core.decisions import Decision, Demote
 from mori.core.ordered import Key
 from mori.core.policies.mori_aged import MoriAged
-from mori.core.policies.mori_placement import SPREAD_BELOW
 from mori.core.policies.mori_room import MoriRoom
 from mori.core.policies.mori_state import _Iota
 from mori.core.policy import EngineProfile
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["SPREAD_BELOW", "MoriPolicy", "_Iota"]
+__all__ = ["MoriPolicy", "_Iota"]
 
 class MoriPolicy(MoriAged):
     name = "mori"
@@ -161,8 +160,9 @@ class MoriPolicy(MoriAged):
         for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
             place_or_make_room(c)
         # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
-        # long as the free space of all replicas together holds them; *where* is
-        # Best-Fit-Decreasing: the largest first, each onto the replica it fits tightest
+        # long as the free space of all replicas together holds them; *where*: the
+        # largest first, each onto the replica with the most room if that places them
+        # all (_spread), else onto the replica it fits tightest (Best-Fit-Decreasing)
         waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
         room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(gpus))
         batch: list[Program] = []
@@ -277,11 +277,10 @@ class MoriPolicy(MoriAged):
                 room -= c.kv_bytes
                 total += c.kv_bytes
             else:
-                # the batch's Waiting part matters only to spread (memory may not bind)
-                # or if some Waiting candidate fits the most room; otherwise it places
+                # the batch's Waiting part matters only to spread (several replicas) or
+                # if some Waiting candidate fits the most room; otherwise it places
                 # nothing, and what is walked below without it is too large all the same
-                spreads = self._sums.gpu_used + total <= SPREAD_BELOW * (cap * len(gpus))
-                if (len(gpus) > 1 and spreads) or idx.waiting_fits(self._avail.most()):
+                if len(gpus) > 1 or idx.waiting_fits(self._avail.most()):
                     last, in_index = idx.waiting.prefix(room)
                     total += in_index
             n = len(gpus)
@@ -289,8 +288,11 @@ class MoriPolicy(MoriAged):
             # and the most room any replica had when they were chosen (None: unknown)
             unplaced: list[tuple[Key, Program]] = []
             most_then: int | None = None
-            if n > 1 and total and self._sums.gpu_used + total <= SPREAD_BELOW * (cap * n):
-                # memory may not bind (_spread's test): it needs the whole batch
+            most = self._avail.most()
+            if (n > 1 and total and all(c.kv_bytes <= most for c in head)
+                    and (last is None or idx.waiting_fits(most))):
+                # spreading needs the whole batch (memory binds if it does not place it):
+                # not tried when a member is known to fit nowhere (it packs then)
                 batch = list(head)
                 if last is not None:
                     for k, _, c in idx.waiting:
@@ -308,7 +310,6 @@ class MoriPolicy(MoriAged):
             else:
                 # packing: a batch member larger than the most room any replica has now
                 # fits nowhere then or later in this round, so only the others are tried
-                most = self._avail.most()
                 fit = [c for c in head if c.kv_bytes <= most]
                 if last is not None and idx.waiting_fits(most):
                     unplaced = [(k, c) for k, _, c in idx.waiting_up_to(most, upto=last)]

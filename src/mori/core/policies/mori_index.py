@@ -12,8 +12,6 @@ all of it is the differential test's reference).
   programs, and the GPU bytes in use over all replicas.
 - ``ReplicaOrder``: the replicas sorted by a value (the GPU room they have), so the one
   with the most room, or the tightest that holds a given size, is found in O(log R).
-- ``LoadOrder``: the replicas sorted by their GPU programs, then room: where spreading
-  puts a program.
 """
 
 from __future__ import annotations
@@ -208,6 +206,12 @@ class ReplicaOrder:
             return None
         return order[bisect_left(order, (order[i][0], -1))][1]
 
+    def roomiest(self, need: int) -> int | None:
+        """The replica with the most value if that is >= ``need`` (lowest index among
+        equals)."""
+        neg, r = self._order[0]
+        return r if -neg >= need else None
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         """(value, replica), the most first, lowest index among equals."""
         for neg, r in self._order:
@@ -215,45 +219,6 @@ class ReplicaOrder:
 
     def check(self) -> None:
         assert self._order == sorted((-v, r) for r, v in enumerate(self._of))
-
-
-class LoadOrder:
-    """Replicas sorted by (GPU programs, room, index), for spreading (``_spread``): the
-    least loaded replica with room for a size, the tightest among those, the lowest
-    index among equals, in O(L log R) (L the distinct loads below the answer's)."""
-
-    __slots__ = ("_order", "_of")
-
-    def __init__(self, replicas: int, room: int) -> None:
-        self._order = [(0, room, r) for r in range(replicas)]  # ascending
-        self._of = [(0, room)] * replicas
-
-    def __getitem__(self, replica: int) -> tuple[int, int]:
-        """(programs, room) of ``replica``."""
-        return self._of[replica]
-
-    def set(self, replica: int, load: int, room: int) -> None:
-        old = self._of[replica]
-        if old == (load, room):
-            return
-        order = self._order
-        del order[bisect_left(order, (*old, replica))]
-        insort(order, (load, room, replica))
-        self._of[replica] = (load, room)
-
-    def best(self, need: int) -> int | None:
-        """The replica minimizing (load, room) among those with room >= ``need``."""
-        order, i, n = self._order, 0, len(self._order)
-        while i < n:
-            load = order[i][0]
-            i = bisect_left(order, (load, need, -1), i)
-            if i < n and order[i][0] == load:
-                return order[i][2]
-            # every replica of this load is too small: i starts the next load
-        return None
-
-    def check(self) -> None:
-        assert self._order == sorted((lo, rm, r) for r, (lo, rm) in enumerate(self._of))
 
 
 _MARGIN = 1e-9  # slack on the bounds: rounding never reorders what they rule out

@@ -1,7 +1,16 @@
 """Where MORI puts an admitted program (``mori`` module docstring): its own replica for a
-CPU-queue program (affinity), Best-Fit-Decreasing for cacheless ones, or, while memory
-does not bind, spread by load. ``MoriPlacement`` holds these choices; the round that
-calls them is ``mori.MoriPolicy``.
+CPU-queue program (affinity); for the cacheless ones a round admits (the batch, largest
+first), each onto the replica with the most free GPU room, as long as that places the
+whole batch (memory does not bind); else Best-Fit-Decreasing, each onto the replica
+where it fits most tightly, which leaves the largest holes for the rest.
+``MoriPlacement`` holds these choices; the round that calls them is ``mori.MoriPolicy``.
+
+The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it). Measured
+(README, "Placement across replicas"): with three replicas and a handful of programs
+it put every program on one replica while the others sat idle, and near capacity it
+packed new programs onto the fullest replica, which then overflowed as their contexts
+grew (910 demotions to the CPU tier in an hour where the most room needed 2). With one
+replica there is no choice and nothing changes.
 """
 
 from __future__ import annotations
@@ -10,10 +19,7 @@ from mori.core.policies.mori_state import MoriState
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["SPREAD_BELOW", "MoriPlacement"]
-
-SPREAD_BELOW = 0.7
-"""Admitted programs are spread by load while the GPU tiers would be at most this full."""
+__all__ = ["MoriPlacement"]
 
 
 class MoriPlacement(MoriState):
@@ -25,53 +31,44 @@ class MoriPlacement(MoriState):
         return list(range(len(self.placement.gpu)))
 
     def _spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
-        """Where the admitted cacheless programs go instead of Best-Fit-Decreasing
-        (program id -> replica), or None to pack them: spread while memory does not
-        bind, each to the replica holding the fewest programs that has room."""
+        """Where the admitted cacheless programs (``order``: largest first) go instead of
+        Best-Fit-Decreasing (program id -> replica), or None to pack them: each onto the
+        replica with the most room beyond its ``reserve`` (the lowest index among
+        equals), if that places every one."""
         gpus = self.placement.gpu
         n = len(gpus)
         if n == 1 or not order:
             return None
-        total = (self.cluster.gpu_bytes or 0) * n
-        if self._sums.gpu_used + sum(c.kv_bytes for c in order) > SPREAD_BELOW * total:
-            return None  # memory binds: pack
-        if self._frozen:  # the indexed round: the replicas' loads and rooms are kept
+        if self._frozen:  # the indexed round: the replicas' rooms are kept in order
             return self._spread_indexed(order)
         free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
-        # a replica's load: the programs it holds. With few programs most are Acting at
-        # any instant, so the count balances their steps to come better than the
-        # requests running now
-        load = [len(gq.members) for gq in gpus]
         out: dict[str, int] = {}
         for c in order:
-            fits = [r for r in range(n) if free[r] >= c.kv_bytes]
-            if not fits:
-                return None
-            r = min(fits, key=lambda r: (load[r], free[r] - c.kv_bytes, r))
+            r = max(range(n), key=lambda r: (free[r], -r))
+            if free[r] < c.kv_bytes:
+                return None  # memory binds: pack
             out[c.program_id] = r
             free[r] -= c.kv_bytes
-            load[r] += 1
         return out
 
     def _spread_indexed(self, order: list[Program]) -> dict[str, int] | None:
-        """``_spread``'s choices from ``LoadOrder`` (its room is the free space beyond
-        the round's reservation, as ``_spread`` computes it): each placement is applied
-        to the order to choose the next, then undone, as the caller places them."""
-        loads = self._fresh_loads()
-        undo: list[tuple[int, int, int]] = []
+        """``_spread``'s choices from ``_avail`` (the free space beyond the round's
+        reservation, as ``_spread`` computes it): each placement is applied to the
+        order to choose the next, then undone, as the caller places them."""
+        avail = self._avail
+        undo: list[tuple[int, int]] = []
         out: dict[str, int] | None = {}
         for c in order:
-            r = loads.best(c.kv_bytes)
+            r = avail.roomiest(c.kv_bytes)
             if r is None:
                 out = None
                 break
-            load, room = loads[r]
-            undo.append((r, load, room))
-            loads.set(r, load + 1, room - c.kv_bytes)
+            undo.append((r, avail[r]))
+            avail.set(r, avail[r] - c.kv_bytes)
             assert out is not None
             out[c.program_id] = r
-        for r, load, room in reversed(undo):
-            loads.set(r, load, room)
+        for r, room in reversed(undo):
+            avail.set(r, room)
         return out
 
     def _best_fit(self, c: Program, reserve: list[int]) -> int | None:

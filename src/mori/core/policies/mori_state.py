@@ -14,7 +14,6 @@ from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_index import (
     CandidateIndex,
     IotaOrder,
-    LoadOrder,
     ReplicaOrder,
     ReplicaSums,
     priority,
@@ -41,8 +40,6 @@ class MoriState(Policy):
         self._sums = ReplicaSums(n)
         self._avail = ReplicaOrder(n, self._cap)  # GPU free space beyond the reservation
         self._room = ReplicaOrder(n, self._cap)  # GPU free space + its Acting programs' KV
-        self._loads = LoadOrder(n, self._cap)  # GPU programs, then _avail's room
-        self._loads_stale: set[int] = set()  # replicas to update in _loads before use
         self._room_stale: set[int] = set()  # and in _room (read only to place a new program)
         self._round_reserve: dict[int, int] = {}  # the round's reservation (_make_room)
         self._open: set[int] = set()  # replicas where one of its CPU candidates may fit
@@ -117,8 +114,7 @@ class MoriState(Policy):
         if avail != self._avail[r]:
             self._avail.set(r, avail)
             self._stale.add(r)  # whether a CPU candidate of r fits may have changed
-        self._room_stale.add(r)  # both are read rarely: brought up to date then
-        self._loads_stale.add(r)
+        self._room_stale.add(r)  # read rarely: brought up to date then
 
     def _fresh_room(self) -> ReplicaOrder:
         """``_room``, up to date."""
@@ -127,14 +123,6 @@ class MoriState(Policy):
             self._room.set(r, self._cap - gpus[r].used + acting[r])
         self._room_stale.clear()
         return self._room
-
-    def _fresh_loads(self) -> LoadOrder:
-        """``_loads``, up to date."""
-        gpus = self.placement.gpu
-        for r in self._loads_stale:
-            self._loads.set(r, len(gpus[r].members), self._avail[r])
-        self._loads_stale.clear()
-        return self._loads
 
     def _unindex(self, pid: str) -> None:
         r = self._index.discard(pid)
@@ -192,7 +180,6 @@ class MoriState(Policy):
             gq = self.placement.gpu[r]
             assert self._avail[r] == self._cap - gq.used, f"room of replica {r}"
             assert self._fresh_room()[r] == self._cap - gq.used + self._sums.acting[r]
-            assert self._fresh_loads()[r] == (len(gq.members), self._avail[r]), f"load {r}"
             smallest = order.min_size()
             assert (r in self._open) == (smallest is not None and smallest <= self._avail[r])
         assert sorted(self._index.cpu_all) == sorted(t for o in self._index.cpu for t in o)
@@ -200,7 +187,6 @@ class MoriState(Policy):
                    for _, kv, c in self._index.waiting)
         self._avail.check()
         self._room.check()
-        self._loads.check()
 
 
 class _Iota:
