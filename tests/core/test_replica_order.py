@@ -26,5 +26,7 @@ def test_replica_order_answers(n: int, start: int, sets: list[tuple[int, int]],
     assert order.most_but(r, v) == max([v, *(x for i, x in enumerate(plain) if i != r)])
     fits = [(x, i) for i, x in enumerate(plain) if x >= need]
     assert order.tightest(need) == (min(fits)[1] if fits else None)
+    most_room = min(((-x, i) for x, i in fits), default=None)  # the most, lowest index
+    assert order.roomiest(need) == (most_room[1] if most_room else None)
     assert list(order) == sorted(((x, i) for i, x in enumerate(plain)),
                                  key=lambda t: (-t[0], t[1]))

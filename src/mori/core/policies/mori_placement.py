@@ -9,7 +9,7 @@ The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it). Measure
 (README, "Placement across replicas"): with three replicas and a handful of programs
 it put every program on one replica while the others sat idle, and near capacity it
 packed new programs onto the fullest replica, which then overflowed as their contexts
-grew (910 demotions to the CPU tier in an hour where the most room needed 2). With one
+grew (910 demotions to the CPU tier in an hour, against 15 now). With one
 replica there is no choice and nothing changes.
 """
 
