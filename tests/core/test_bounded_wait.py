@@ -10,9 +10,9 @@ import pytest
 from driver import FakeWorld
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scenario_steps import arrive, fin, make, step, where
 from test_differential import crowded
 from test_properties import time_limit, worlds
-from test_scenarios import arrive, fin, make, step, where
 
 from mori.core.decisions import Decision, Demote, Forward, Promote
 from mori.core.ledger import ClusterSpec

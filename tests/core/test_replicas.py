@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from test_scenarios import arrive, fin, make, step, where
+from scenario_steps import CPU, GPU, NONE, arrive, fin, make, step, where
 
 from mori.core.decisions import Demote, Forward, Promote
 from mori.core.events import ProgramEnded
 from mori.core.policy import Policy
-from mori.core.types import Tier
-
-GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
 
 
 def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
@@ -96,3 +93,45 @@ def test_mori_spreads_near_capacity_where_the_paper_packs() -> None:
     pack = two_replicas("mori-pack")
     assert where(pack, "C") == (GPU, 0)
     assert step(pack, 1.0, arrive("D", 15)) == [Promote("D", 0, NONE), Forward("D", 0)]
+
+
+def test_best_fit_and_cpu_affinity() -> None:
+    # packed placement (mori-pack; MORI itself spreads while memory does not bind)
+    p = make("mori-pack", gpu=100, cpu=100, replicas=2)
+    assert step(p, 0.0, arrive("A", 60)) == [Promote("A", 0, NONE), Forward("A", 0)]
+    assert step(p, 0.0, arrive("B", 30)) == [Promote("B", 0, NONE), Forward("B", 0)]
+    assert step(p, 0.0, arrive("C", 50)) == [Promote("C", 1, NONE), Forward("C", 1)]
+    step(p, 1.0, fin("A", 60), fin("B", 30))
+    # D (80) fits nowhere; replica 0 can be cleared (A, B acting at 4/5), replica 1 not
+    assert step(p, 5.0, arrive("D", 80)) == [
+        Demote("B", 0, GPU, CPU), Demote("A", 0, GPU, CPU), Promote("D", 0, NONE),
+        Forward("D", 0)]
+    # B returns: it reloads on its own replica only, though replica 1 has 50 free
+    assert step(p, 6.0, arrive("B", 30)) == []
+    assert where(p, "B") == (CPU, 0)
+    # a new program goes wherever it fits
+    assert step(p, 6.0, arrive("E", 40)) == [Promote("E", 1, NONE), Forward("E", 1)]
+
+
+def test_smg_reroutes_returning_program_past_imbalance() -> None:
+    p = make("smg", replicas=2)
+    for i in range(6):  # balanced: p0 p2 p4 on replica 0, p1 p3 p5 on replica 1
+        step(p, 0.0, arrive(f"p{i}", 10))
+    for i in range(6):
+        step(p, 1.0, fin(f"p{i}", 10))
+    for i in (1, 3, 5):
+        step(p, 2.0, ProgramEnded(f"p{i}"))
+    assert [len(q.members) for q in p.placement.gpu] == [3, 0]
+    # replica 0 carries 3 programs > 2.0 x max(1, 0): the docstring sends p0 to replica 1
+    out = step(p, 3.0, arrive("p0", 20))
+    assert out[-1] == Forward("p0", 1)
+
+
+def test_smg_returning_program_goes_back_to_its_replica() -> None:
+    p = make("smg", replicas=3)
+    assert step(p, 0.0, arrive("a", 10), arrive("b", 10), arrive("c", 10)) == [
+        Promote("a", 0, NONE), Forward("a", 0), Promote("b", 1, NONE), Forward("b", 1),
+        Promote("c", 2, NONE), Forward("c", 2)]
+    step(p, 1.0, fin("b", 10))
+    assert step(p, 2.0, arrive("b", 15)) == [Forward("b", 1)]
+    assert p.tick_interval is None

@@ -3,58 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from driver import checked_decide
+from scenario_steps import CPU, GPU, NONE, UNBUFFERED, arrive, check_order, fin, make, step, where
 
 from mori.core.decisions import Decision, Demote, Forward, Promote, Release
-from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
-from mori.core.ledger import ClusterSpec
+from mori.core.events import ProgramEnded, StepFinished
 from mori.core.policies import PAPER_POLICIES, POLICIES
-from mori.core.policy import Policy, PolicyConfig
-from mori.core.types import Status, Tier
-
-GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
-# the scenarios below that every policy plays use GPUs of ~100 tokens; ThunderAgent
-# reserves 100 tokens per program, so its own scenarios (at the end) use larger ones,
-# and tests/core/test_thunderagent_crosscheck.py checks it against the real scheduler
-UNBUFFERED = [n for n in POLICIES.names() if not n.startswith("thunderagent")]
-
-
-def make(name: str, gpu: int | None = 100, cpu: int | None = 100, replicas: int = 1,
-         **cfg: object) -> Policy:
-    return POLICIES.get(name)(ClusterSpec(replicas, gpu, cpu), 1,
-                              PolicyConfig(page_tokens=1, **cfg))  # type: ignore[arg-type]
-
-
-def check_order(decisions: list[Decision]) -> None:
-    """A Forward never precedes the Promote of the same program in one list."""
-    promoted_at: dict[str, int] = {}
-    for i, d in enumerate(decisions):
-        if isinstance(d, Promote):
-            promoted_at.setdefault(d.program_id, i)
-    for i, d in enumerate(decisions):
-        if isinstance(d, Forward) and d.program_id in promoted_at:
-            assert promoted_at[d.program_id] < i, decisions
-
-
-def step(p: Policy, now: float, *events: Event) -> list[Decision]:
-    """Observe ``events`` at ``now`` (none: a tick), then decide (checked by replay)."""
-    for ev in events:
-        p.observe(ev, now)
-    out = checked_decide(p, now)
-    check_order(out)
-    return out
-
-
-def arrive(pid: str, tokens: int) -> RequestArrived:
-    return RequestArrived(pid, tokens)
-
-
-def fin(pid: str, tokens: int) -> StepFinished:
-    return StepFinished(pid, tokens)
-
-
-def where(p: Policy, pid: str) -> tuple[Tier, int | None]:
-    return p.placement.where(pid)
+from mori.core.policy import Policy
+from mori.core.types import Status
 
 
 # -- (a) both fit ------------------------------------------------------------------------
@@ -335,61 +290,6 @@ def test_e_program_larger_than_the_gpu_is_never_forwarded() -> None:
     assert p.programs["A"].ready
 
 
-# -- (f) mori-binary offloads on every round ------------------------------------------------
-@pytest.mark.parametrize("cpu,to", [(100, CPU), (0, NONE)])
-def test_f_binary_offloads_idle_program_with_room_mori_keeps_it(cpu: int, to: Tier) -> None:
-    ps = {n: make(n, cpu=cpu) for n in ("mori", "mori-binary")}
-    for p in ps.values():
-        step(p, 0.0, arrive("A", 40), arrive("B", 40))
-        assert step(p, 1.0, fin("A", 40)) == []  # iota 0 at the instant
-    assert step(ps["mori-binary"], 2.0) == [Demote("A", 0, GPU, to)]  # iota 0.5
-    assert step(ps["mori"], 2.0) == []
-    for p in ps.values():
-        assert step(p, 3.0, fin("B", 40)) == []
-        assert step(p, 5.0) == []  # B: 2/5 < 0.5 stays
-    assert where(ps["mori"], "A") == (GPU, 0)
-    assert where(ps["mori-binary"], "B") == (GPU, 0)
-
-
-# -- (g) gated time in idleness ----------------------------------------------------------------
-def test_g_no_exclusion_counts_kv_reload_time() -> None:
-    ps = {n: make(n) for n in ("mori", "mori-no-exclusion")}
-    for p in ps.values():
-        step(p, 0.0, arrive("A", 10))
-        step(p, 2.0, fin("A", 10))
-        assert step(p, 3.0, arrive("A", 10)) == [Forward("A", 0)]
-        step(p, 5.0, KVReady("A"))  # 3..5 gated (reload)
-        step(p, 6.0, fin("A", 10))
-    assert ps["mori"].programs["A"].iota(6.0) == pytest.approx(1.0 / 4.0)
-    assert ps["mori-no-exclusion"].programs["A"].iota(6.0) == pytest.approx(3.0 / 6.0)
-
-
-def test_g_no_exclusion_ranks_the_longest_gated_as_most_idle() -> None:
-    expected = {}
-    ps = {n: make(n, gpu=100, cpu=300) for n in ("mori", "mori-no-exclusion")}
-    for p in ps.values():
-        step(p, 0.0, arrive("A", 60))
-        step(p, 1.0, fin("A", 60))
-        assert step(p, 1.0, arrive("B", 60)) == [
-            Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)]
-        step(p, 2.0, fin("B", 60))
-        assert step(p, 2.0, arrive("G", 100)) == [
-            Demote("B", 0, GPU, CPU), Promote("G", 0, NONE), Forward("G", 0)]
-        # G reasons until t = 30; A returns at 3 (cycle (1, 2)), B at 10 (cycle (1, 8))
-        assert step(p, 3.0, arrive("A", 60)) == []
-        assert step(p, 10.0, arrive("B", 60)) == []
-        assert step(p, 20.0) == []
-        expected[p.name] = (p.programs["A"].iota(30.0), p.programs["B"].iota(30.0))
-    assert expected["mori"] == pytest.approx((2.0 / 3.0, 8.0 / 9.0))
-    # gated time counted as acting: A (gated since 3) 29 of 30, B (since 10) 28 of 29
-    assert expected["mori-no-exclusion"] == pytest.approx((29.0 / 30.0, 28.0 / 29.0))
-    # G finishes: one of the two CPU-queue programs fits; lowest iota goes first
-    assert step(ps["mori"], 30.0, fin("G", 100)) == [
-        Demote("G", 0, GPU, CPU), Promote("A", 0, CPU), Forward("A", 0)]
-    assert step(ps["mori-no-exclusion"], 30.0, fin("G", 100)) == [
-        Demote("G", 0, GPU, CPU), Promote("B", 0, CPU), Forward("B", 0)]
-
-
 # -- (h) program end ---------------------------------------------------------------------------
 def test_h_release_from_each_tier() -> None:
     p = make("mori", gpu=100, cpu=100)
@@ -465,49 +365,6 @@ def test_i_forward_before_promote_is_caught() -> None:
         check_order([Forward("A", 0), Promote("A", 0, NONE)])
 
 
-# -- several replicas --------------------------------------------------------------------------
-def test_best_fit_and_cpu_affinity() -> None:
-    # packed placement (mori-pack; MORI itself spreads while memory does not bind)
-    p = make("mori-pack", gpu=100, cpu=100, replicas=2)
-    assert step(p, 0.0, arrive("A", 60)) == [Promote("A", 0, NONE), Forward("A", 0)]
-    assert step(p, 0.0, arrive("B", 30)) == [Promote("B", 0, NONE), Forward("B", 0)]
-    assert step(p, 0.0, arrive("C", 50)) == [Promote("C", 1, NONE), Forward("C", 1)]
-    step(p, 1.0, fin("A", 60), fin("B", 30))
-    # D (80) fits nowhere; replica 0 can be cleared (A, B acting at 4/5), replica 1 not
-    assert step(p, 5.0, arrive("D", 80)) == [
-        Demote("B", 0, GPU, CPU), Demote("A", 0, GPU, CPU), Promote("D", 0, NONE),
-        Forward("D", 0)]
-    # B returns: it reloads on its own replica only, though replica 1 has 50 free
-    assert step(p, 6.0, arrive("B", 30)) == []
-    assert where(p, "B") == (CPU, 0)
-    # a new program goes wherever it fits
-    assert step(p, 6.0, arrive("E", 40)) == [Promote("E", 1, NONE), Forward("E", 1)]
-
-
 @pytest.mark.parametrize("name", PAPER_POLICIES)
 def test_paper_policies_registered(name: str) -> None:
     assert name in POLICIES
-
-
-def test_smg_reroutes_returning_program_past_imbalance() -> None:
-    p = make("smg", replicas=2)
-    for i in range(6):  # balanced: p0 p2 p4 on replica 0, p1 p3 p5 on replica 1
-        step(p, 0.0, arrive(f"p{i}", 10))
-    for i in range(6):
-        step(p, 1.0, fin(f"p{i}", 10))
-    for i in (1, 3, 5):
-        step(p, 2.0, ProgramEnded(f"p{i}"))
-    assert [len(q.members) for q in p.placement.gpu] == [3, 0]
-    # replica 0 carries 3 programs > 2.0 x max(1, 0): the docstring sends p0 to replica 1
-    out = step(p, 3.0, arrive("p0", 20))
-    assert out[-1] == Forward("p0", 1)
-
-
-def test_smg_returning_program_goes_back_to_its_replica() -> None:
-    p = make("smg", replicas=3)
-    assert step(p, 0.0, arrive("a", 10), arrive("b", 10), arrive("c", 10)) == [
-        Promote("a", 0, NONE), Forward("a", 0), Promote("b", 1, NONE), Forward("b", 1),
-        Promote("c", 2, NONE), Forward("c", 2)]
-    step(p, 1.0, fin("b", 10))
-    assert step(p, 2.0, arrive("b", 15)) == [Forward("b", 1)]
-    assert p.tick_interval is None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_scenarios import arrive, fin, make, step, where
+from scenario_steps import arrive, fin, make, step, where
 
 from mori.core.decisions import Demote, Forward, Promote
 from mori.core.types import Tier

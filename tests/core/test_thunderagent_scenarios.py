@@ -5,7 +5,7 @@ against the real router class."""
 from __future__ import annotations
 
 import pytest
-from test_scenarios import arrive, fin, make, step, where
+from scenario_steps import arrive, fin, make, step, where
 
 from mori.core.decisions import Demote, Forward, Promote, Release
 from mori.core.events import ProgramEnded
