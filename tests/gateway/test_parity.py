@@ -13,6 +13,9 @@ instant; times agree within ``TIME_TOL_S`` policy seconds.
 from __future__ import annotations
 
 import asyncio
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from gateway_harness import LoopThread
@@ -20,7 +23,7 @@ from gateway_harness import LoopThread
 from mori.core.execution import DecisionLog, DecisionRecord
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
-from mori.gateway.server import ServeConfig, start_simulated_backends
+from mori.gateway.server import ServeConfig, start_simulated_backends, tune_gc
 from mori.replay import ReplayConfig, replay
 from mori.sim.config import SimConfig
 from mori.sim.runner import Simulation
@@ -59,6 +62,22 @@ def simulated_decisions(traces: TraceSet) -> DecisionLog:
     return log
 
 
+@contextmanager
+def collector_as_in_mori_serve() -> Iterator[None]:
+    """``mori serve`` freezes what its startup allocated and makes collections rarer
+    (``tune_gc``). This test's process instead holds whatever earlier tests left, and one
+    full collection over that heap stalls the live run for tenths of a second: seconds
+    of policy time at ``TIME_SCALE`` (a CI run failed the time check by 4.7 s with every
+    decision the same). So the live run gets the collector ``mori serve`` has."""
+    old = gc.get_threshold()
+    tune_gc()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*old)
+
+
 def live_decisions(lt: LoopThread, traces: TraceSet) -> DecisionLog:
     settings = GatewaySettings(policy="mori", time_scale=TIME_SCALE)
     cfg = ServeConfig(replicas=1, preset=PRESET, cpu_ratio=1.0, settings=settings)
@@ -89,7 +108,8 @@ def key(r: DecisionRecord) -> tuple[Any, ...]:
 def test_simulator_and_live_gateway_take_the_same_decisions(loop_thread: LoopThread) -> None:
     traces = parity_traces()
     sim = simulated_decisions(traces)
-    live = live_decisions(loop_thread, traces)
+    with collector_as_in_mori_serve():
+        live = live_decisions(loop_thread, traces)
     until = DURATION_S - 20.0  # well inside both runs
     a, b = aligned(sim, until), aligned(live, until)
     assert len(a) >= 25
