@@ -15,7 +15,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from mori.gateway.config import GatewaySettings
-from mori.gateway.parsing import decode_body
+from mori.gateway.parsing import (
+    MAX_INT_DIGITS,
+    MAX_JSON_DEPTH,
+    _check_tree,
+    decode_body,
+    may_break_limits,
+)
 from mori.protocol.errors import RequestError
 
 PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -175,3 +181,27 @@ def test_decode_body_raises_nothing_but_request_errors(raw: bytes) -> None:
         decode_body(raw)
     except RequestError as e:
         assert e.status == 400
+
+
+def _nested(depth: int, leaf: Any) -> Any:
+    for i in range(depth):
+        leaf = [leaf] if i % 2 else {"k": leaf}
+    return leaf
+
+
+@settings(FUZZ, max_examples=200)
+@given(depth=st.integers(0, MAX_JSON_DEPTH + 8),
+       digits=st.integers(1, MAX_INT_DIGITS + 3),
+       sign=st.sampled_from([1, -1]),
+       pad=st.text(alphabet="[]{}0123456789 ab", max_size=40))
+def test_bodies_passed_by_the_quick_check_are_within_the_limits(
+        depth: int, digits: int, sign: int, pad: str) -> None:
+    """The quick look at the raw bytes (``may_break_limits``) lets a body skip the walk
+    over its tree only when the walk would find nothing: near the depth and the integer
+    limits, with brackets and digits inside strings besides."""
+    value = _nested(depth, [sign * int("9" * digits), pad])
+    raw = json.dumps(value).encode()
+    try:
+        _check_tree(value)
+    except RequestError:
+        assert may_break_limits(raw)

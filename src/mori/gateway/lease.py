@@ -63,8 +63,9 @@ class RequestLease:
     @property
     def priority(self) -> int:
         """MORI's rank of the program now: 0 = busiest (see ``RequestHints``)."""
-        v = self._ctl.policy.view(self.program_id, self._ctl.now())
-        return 0 if v is None else min(PRIORITY_LEVELS, int(v.idleness * PRIORITY_LEVELS))
+        p = self._ctl.policy.programs.get(self.program_id)
+        return 0 if p is None else min(PRIORITY_LEVELS,
+                                       int(p.iota(self._ctl.now()) * PRIORITY_LEVELS))
 
     async def prepare(self, path: str, body: dict[str, Any], stream: bool) -> None:
         """Wait for the replica's earlier KV controls and, after a promotion from the

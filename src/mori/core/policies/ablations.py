@@ -30,6 +30,7 @@ from mori.core.types import Status, Tier
 class MoriBinaryPolicy(MoriPolicy):
     name = "mori-binary"
     description = "ablation: fixed busy/idle threshold instead of ranking"
+    rebalances = True
 
     def _idle(self, iota: float) -> bool:
         return iota >= self.config.binary_threshold

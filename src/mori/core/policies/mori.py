@@ -57,12 +57,21 @@ class MoriPolicy(MoriAged):
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
+    rebalances = False
+    """Whether ``_rebalance`` moves programs (a variant that overrides it says True)."""
 
     def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
         """Moves made on every decision round regardless of demand (none for MORI)."""
 
     # -- the decision round ------------------------------------------------------------
     def _decide(self, now: float, out: list[Decision]) -> None:
+        if not self._ready and not self._grown and not self.rebalances:
+            # no request held and no tier grew: no rule below has anything to do (the
+            # most common round in a gateway, after each step's end); the candidate
+            # index is brought up to date as the full round would
+            if self._incremental:
+                self._flush()
+            return
         iota = _Iota(now)
         self._rebalance(now, out, iota)
         self._fix_overflow(out, iota)
