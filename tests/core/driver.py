@@ -226,6 +226,13 @@ class FakeWorld:
 
     def _decide(self) -> None:
         reasoning = {pid for pid, r in self.runs.items() if r.reasoning}
+        if self.p.config.spread_by_load:  # what the engines would report: running steps
+            loads = [0] * self.p.cluster.replicas
+            for pid in reasoning:
+                r = self.p.programs[pid].replica
+                if r is not None:
+                    loads[r] += 1
+            self.p.set_replica_loads(loads)
         out = checked_decide(self.p, self.now, reasoning, self.pending_end)
         self.pending_end.clear()
         self.trace.append((self.now, out))

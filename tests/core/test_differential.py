@@ -41,7 +41,8 @@ def crowded(draw: st.DrawFn) -> dict[str, object]:
                     idleness_window=draw(st.integers(1, 5)),
                     binary_threshold=draw(st.sampled_from([0.0, 0.5, 1.0])),
                     page_tokens=1,
-                    max_wait_s=draw(st.sampled_from([None, 2.0, 10.0, 3600.0]))))
+                    max_wait_s=draw(st.sampled_from([None, 2.0, 10.0, 3600.0])),
+                    spread_by_load=draw(st.booleans())))
 
 
 def trace(cls: type, w: dict[str, object]) -> list[tuple[float, object]]:

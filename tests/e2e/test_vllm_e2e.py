@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from mori.engines.base import Capability, KVCapacity, RequestHints, Residency
+from mori.engines.base import Capability, EngineLoad, KVCapacity, RequestHints, Residency
 from mori.engines.vllm import PrefixCacheCounters, VLLMAdapter
 
 from .conftest import VLLMServer, free_port, http_ok, stop_group
@@ -71,6 +71,7 @@ class AdapterRun:
     prefix_after: PrefixCacheCounters
     residency: Residency  # the last report polled
     residency_seen: bool  # both programs appeared within RESIDENCY_WAIT_S
+    load: EngineLoad | None  # the engine's reported load after the forwards
 
 
 async def run_adapter(vllm: VLLMServer) -> AdapterRun:
@@ -103,8 +104,9 @@ async def run_adapter(vllm: VLLMServer) -> AdapterRun:
             if seen or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.2)
+        load = await a.load()
         return AdapterRun(healthy, capacity, supports_residency, supports_prefetch, before,
-                          calls, after, res, seen)
+                          calls, after, res, seen, load)
     finally:
         await a.close()
 
@@ -130,6 +132,14 @@ def test_adapter_capacity_is_the_engines_kv_pool(adapter_run: AdapterRun,
     usable = vllm_server.kv_tokens - 32  # vLLM keeps one block aside (its null block)
     assert (cap.gpu_tokens, cap.page_tokens) == (usable, 32), \
         f"capacity {cap} is not the engine's usable {usable}-token pool in 32-token pages"
+
+
+def test_adapter_reads_the_engines_load(adapter_run: AdapterRun) -> None:
+    # vllm:num_requests_running and _waiting; the forwards have ended (a gauge may lag
+    # by a step, so at most the programs sent)
+    load = adapter_run.load
+    assert load is not None
+    assert 0 <= load.requests <= len(ADAPTER_PROGRAMS)
 
 
 def test_adapter_supports_residency_but_not_prefetch(adapter_run: AdapterRun) -> None:

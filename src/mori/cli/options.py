@@ -293,6 +293,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("health_interval", float, _GATEWAY.health_interval_s, metavar="S",
            field="health_interval_s",
            help="seconds between health checks of an unhealthy replica"),
+    Option("spread_by_load", bool, _POLICY.spread_by_load,
+           help="mori and its variants: spread admitted programs (while memory does not "
+                "bind) onto the replica whose engine serves the fewest requests of other "
+                "clients (its reported load beyond the gateway's own requests), then the "
+                "most room (default: off, the most room)"),
+    Option("load_interval", float, _GATEWAY.load_interval_s, metavar="S",
+           field="load_interval_s",
+           help="seconds between readings of the engines' load (requests running and "
+                "waiting, from the /metrics of vLLM, SGLang and the simulated engine; "
+                "shown in /healthz and /metrics, used by --spread-by-load); 0: never"),
     Option("startup_wait", float, _GATEWAY.startup_wait_s, metavar="S", field="startup_wait_s",
            help="seconds to wait for engines that are still starting before giving up"),
     Option("log_level", str, _SERVE.log_level, metavar="LEVEL",

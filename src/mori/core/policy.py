@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,6 +46,12 @@ class PolicyConfig:
     ``DEFAULT_RELOAD_GBPS``).
     ``max_wait_s``: MORI's bound on waiting: a request held this many seconds goes ahead
     of every other promotion (None or 0: no bound, the paper's rule).
+    ``spread_by_load``: MORI's spreading of admitted cacheless programs (while memory
+    does not bind) prefers the replica with the fewest requests that are not the
+    policy's own, as last told by ``Policy.set_replica_loads`` (in the gateway: what the
+    engines report beyond the gateway's requests, i.e. other clients'), then the most
+    room; off (the default), or with no loads told, the most room alone. The policy's
+    own programs are already weighed by the room they take.
     """
 
     tick_s: float = 5.0
@@ -57,6 +63,7 @@ class PolicyConfig:
     acting_token_decay: bool = False
     reload_gbps: float | None = None
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
+    spread_by_load: bool = False
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -126,6 +133,7 @@ class Policy(ABC):
         self._releases: list[Release] = []
         self._seq = 0
         self.decisions_taken = 0
+        self.replica_loads: tuple[int, ...] | None = None  # see set_replica_loads
 
     # -- the interface ----------------------------------------------------------------
     @property
@@ -166,6 +174,17 @@ class Policy(ABC):
         self._decide(now, out)
         self.decisions_taken += 1
         return out
+
+    def set_replica_loads(self, loads: Sequence[int]) -> None:
+        """Tell the policy how many requests that are not its own each replica is serving
+        or queueing now (a world's reading of its engines: other clients' requests;
+        used with ``PolicyConfig.spread_by_load``)."""
+        if len(loads) != self.cluster.replicas:
+            raise ValueError(f"{len(loads)} replica loads for {self.cluster.replicas} "
+                             "replicas")
+        if any(n < 0 for n in loads):
+            raise ValueError(f"replica loads must be >= 0, got {list(loads)}")
+        self.replica_loads = tuple(loads)
 
     def check_integrity(self) -> None:
         self.placement.check_integrity(capacity=True)

@@ -70,6 +70,19 @@ class RequestHints:
     synthetic: Mapping[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What an engine reports it is doing: requests running and requests queued (all of
+    them, other clients' included)."""
+
+    running: int
+    waiting: int
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
+
+
 @dataclass(slots=True)
 class UpstreamResponse:
     """An engine's answer. Exactly one of ``body`` (complete JSON bytes) and ``chunks``
@@ -155,3 +168,7 @@ class EngineAdapter(ABC):
 
     async def residency(self) -> Residency:
         raise NotSupportedError(f"{self.kind} engines report no residency")
+
+    async def load(self) -> EngineLoad | None:
+        """The engine's reported load now, or None if it reports none."""
+        return None

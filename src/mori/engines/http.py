@@ -18,6 +18,7 @@ import msgspec
 
 from mori.engines.base import (
     EngineAdapter,
+    EngineLoad,
     KVCapacity,
     RequestHints,
     UpstreamError,
@@ -226,7 +227,54 @@ class OpenAIHTTPAdapter(EngineAdapter):
                 return False
         return False
 
+    load_gauges: tuple[str, str] | None = None
+    """The Prometheus gauges (requests running, requests waiting) this engine's
+    ``/metrics`` reports, or None (a plain OpenAI-compatible server reports none)."""
+
+    async def load(self) -> EngineLoad | None:
+        """The engine's load from its ``/metrics`` (``load_gauges``, summed over their
+        label sets); None if it has no such gauges or does not answer."""
+        if self.load_gauges is None:
+            return None
+        try:
+            async with self.session.get(self.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=3.0)) as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            return None
+        return load_from_metrics(text, *self.load_gauges)
+
     async def models(self) -> list[dict[str, Any]]:
         data = await self.get_json("/v1/models")
         rows = data.get("data", []) if isinstance(data, dict) else []
         return [m for m in rows if isinstance(m, dict)]
+
+
+def load_from_metrics(text: str, running: str, waiting: str) -> EngineLoad | None:
+    """``EngineLoad`` from Prometheus text: the gauges ``running`` and ``waiting``, each
+    summed over its samples (label sets); None unless both are there. Only the lines of
+    those two gauges are parsed (an engine's ``/metrics`` is mostly histograms)."""
+    sums: dict[str, float] = {}
+    names = (running, waiting)
+    for line in text.splitlines():
+        if not line.startswith(names):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name, rest = line[:brace], line[line.rfind("}") + 1:]
+        else:
+            name, rest = line[:space], line[space:]
+        if name not in names:
+            continue  # a longer name with the same start
+        try:
+            v = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        if v >= 0:  # NaN and negative readings are left out
+            sums[name] = sums.get(name, 0.0) + v
+    if running not in sums or waiting not in sums:
+        return None
+    return EngineLoad(int(sums[running]), int(sums[waiting]))

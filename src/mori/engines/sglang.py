@@ -74,6 +74,7 @@ class SGLangAdapter(KVEventsAdapter):
     """
 
     kind = "sglang"
+    load_gauges = ("sglang:num_running_reqs", "sglang:num_queue_reqs")
     engine_name = "SGLang"
     tokenize_path = "/v1/tokenize"
     no_prefetch = "runs without HiCache: nothing to prefetch"

@@ -43,6 +43,7 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
     ``priority`` field) and accepted by the engine, which ignores them."""
 
     kind = "sim"
+    load_gauges = ("mori_engine_requests_running", "mori_engine_requests_waiting")
 
     def __init__(self, url: str, *, timeout_s: float = 600.0,
                  connect_timeout_s: float = 5.0) -> None:

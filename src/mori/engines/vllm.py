@@ -134,6 +134,7 @@ class VLLMAdapter(KVEventsAdapter):
     """A vLLM OpenAI-compatible server (see the module docstring for its options)."""
 
     kind = "vllm"
+    load_gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
     engine_name = "vLLM"
     tokenize_path = "/tokenize"
     no_prefetch = "has no host tier to prefetch from"

@@ -156,7 +156,9 @@ class Gateway:
             rows.append(ReplicaRow(
                 running_requests=r.in_flight, healthy=r.healthy, gpu_programs=len(gpu.members),
                 cpu_programs=len(cpu.members),
-                gpu_kv_used_ratio=gpu.used / gpu.capacity if gpu.capacity else 0.0))
+                gpu_kv_used_ratio=gpu.used / gpu.capacity if gpu.capacity else 0.0,
+                engine_running=r.engine_load.running if r.engine_load else None,
+                engine_waiting=r.engine_load.waiting if r.engine_load else None))
         counts = ctl.executor.counts
         now = ctl.now()
         idleness, context = distributions(
@@ -315,7 +317,11 @@ class Routes:
         if self._principal(request).access is Access.ADMIN:
             body["policy"] = self.gw.settings.policy
             body["replicas"] = [{"url": r.adapter.url, "kind": r.adapter.kind,
-                                 "healthy": r.healthy, "last_error": r.last_error}
+                                 "healthy": r.healthy, "last_error": r.last_error,
+                                 "in_flight": r.in_flight,
+                                 "engine_load": (None if r.engine_load is None else
+                                                 {"running": r.engine_load.running,
+                                                  "waiting": r.engine_load.waiting})}
                                 for r in replicas]
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -23,7 +23,9 @@ class GatewaySettings:
     ``max_body_bytes``: the largest request body (beyond: 413).
     ``max_program_id_bytes``: the longest program id, in bytes of UTF-8 (beyond: 400),
     1 to ``MAX_PROGRAM_ID_BYTES_LIMIT`` (1024). ``health_interval_s``:
-    how often an unhealthy replica is checked again. ``exact_tokens``: ask an engine
+    how often an unhealthy replica is checked again. ``load_interval_s``: how often
+    the engines' load is read (requests running and waiting, where an engine reports
+    them; 0: never). ``exact_tokens``: ask an engine
     that can count prompt tokens exactly. ``decision_log``: decisions kept for
     ``/v1/decisions``. ``startup_wait_s``: how long to wait for engines still starting.
     ``stream_write_timeout_s``: the longest one chunk of a streamed answer may wait for a
@@ -44,6 +46,7 @@ class GatewaySettings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES
     health_interval_s: float = 2.0
+    load_interval_s: float = 1.0
     exact_tokens: bool = False
     decision_log: int = 10000
     startup_wait_s: float = 60.0
@@ -60,7 +63,7 @@ class GatewaySettings:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number (got {v})")
-        for name in ("retry_after_s", "program_ttl_s", "startup_wait_s"):
+        for name in ("retry_after_s", "program_ttl_s", "startup_wait_s", "load_interval_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be >= 0 (got {v})")

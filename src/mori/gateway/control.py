@@ -48,7 +48,8 @@ class Controller:
         self.policy = policy
         self.settings = settings
         self.metrics = metrics
-        self.replicas = Replicas(adapters, settings.health_interval_s)
+        self.replicas = Replicas(adapters, settings.health_interval_s,
+                                 settings.load_interval_s)
         self._wall = clock or asyncio.get_running_loop().time
         self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
@@ -222,6 +223,8 @@ class Controller:
     # -- deciding -------------------------------------------------------------------------
     def decide(self) -> None:
         now = self.now()
+        if self.policy.config.spread_by_load:
+            self.policy.set_replica_loads(self.replicas.foreign_loads())
         self.executor.execute(now, self.policy.decide(now))
         orphans, self._orphans = self._orphans, []
         for pid in orphans:  # after this round's decisions, so rounds do not interleave

@@ -87,6 +87,8 @@ class ReplicaRow:
     gpu_programs: int
     cpu_programs: int
     gpu_kv_used_ratio: float
+    engine_running: int | None = None  # the engine's reported load (None: unreported)
+    engine_waiting: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +135,14 @@ class _StateCollector(Collector):
             for i, row in enumerate(s.replicas):
                 fam.add_metric([str(i)], float(getattr(row, name)))
             yield fam
+        eng = GaugeMetricFamily("mori_replica_engine_requests", "Requests the replica's "
+                                "engine reports, all clients' (where it reports them), by "
+                                "state", labels=["replica", "state"])
+        for i, row in enumerate(s.replicas):
+            if row.engine_running is not None and row.engine_waiting is not None:
+                eng.add_metric([str(i), "running"], row.engine_running)
+                eng.add_metric([str(i), "waiting"], row.engine_waiting)
+        yield eng
         promo = CounterMetricFamily("mori_promotions", "Programs moved to a GPU tier, by where "
                                     "their KV was", labels=["source"])
         for tier, n in sorted(s.promotions.items()):

@@ -5,7 +5,10 @@ they were issued, so a ``Demote`` never overtakes the ``Promote`` before it; a r
 is sent only after the controls issued before its forward have run
 (``controls_done``). A control that fails is logged; it never stops the gateway.
 An unhealthy replica (refused or dead connections) is checked again every
-``health_interval_s`` until its engine answers.
+``health_interval_s`` until its engine answers. Every ``load_interval_s`` each healthy
+replica's engine is asked for its load (requests running and waiting, all clients'),
+where the adapter can read one; ``foreign_loads()`` is what the policy is told
+(``PolicyConfig.spread_by_load``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mori.core.types import KVLabel
-from mori.engines.base import EngineAdapter, UpstreamError
+from mori.engines.base import EngineAdapter, EngineLoad, UpstreamError
 
 log = logging.getLogger("mori.gateway")
 
@@ -34,16 +37,31 @@ class Replica:
     last_error: str = ""
     errors: int = 0
     chain: asyncio.Future[None] | None = None  # tail of this replica's ordered controls
+    engine_load: EngineLoad | None = None  # the engine's latest report (None: none)
+
+    @property
+    def foreign_load(self) -> int:
+        """Requests the engine reports beyond the gateway's own in flight there: other
+        clients' (0 without a reading). Approximate: the reading is up to a
+        ``load_interval_s`` old, so a request of the gateway's that ended since still
+        counts until the next one."""
+        if self.engine_load is None:
+            return 0
+        return max(0, self.engine_load.requests - self.in_flight)
 
 
 class Replicas:
     """The replicas of one gateway, indexed as the policy numbers them."""
 
-    def __init__(self, adapters: list[EngineAdapter], health_interval_s: float) -> None:
+    def __init__(self, adapters: list[EngineAdapter], health_interval_s: float,
+                 load_interval_s: float = 0.0) -> None:
+        """``load_interval_s``: seconds between readings of the engines' load (0: none)."""
         self.all = [Replica(i, a) for i, a in enumerate(adapters)]
         self.health_interval_s = health_interval_s
+        self.load_interval_s = load_interval_s
         self._tasks: dict[asyncio.Task[None], Coroutine[Any, Any, None]] = {}
         self._health: asyncio.Task[None] | None = None
+        self._loads: asyncio.Task[None] | None = None
 
     def __getitem__(self, index: int) -> Replica:
         return self.all[index]
@@ -53,10 +71,16 @@ class Replicas:
 
     def start(self) -> None:
         self._health = asyncio.create_task(self._health_loop())
+        if self.load_interval_s > 0:
+            self._loads = asyncio.create_task(self._load_loop())
+
+    def foreign_loads(self) -> list[int]:
+        """Each replica's ``Replica.foreign_load``, in order."""
+        return [r.foreign_load for r in self.all]
 
     async def stop(self) -> None:
         pending = dict(self._tasks)
-        tasks = [t for t in (self._health, *pending) if t is not None]
+        tasks = [t for t in (self._health, self._loads, *pending) if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -86,6 +110,23 @@ class Replicas:
                 if ok:
                     log.info("replica %d (%s) is healthy again", r.index, r.adapter.url)
                     r.healthy = True
+
+    async def read_loads(self) -> None:
+        """Ask every healthy replica's engine for its load, all at once. A replica that
+        does not answer keeps no reading (its load is the gateway's own count)."""
+        async def one(r: Replica) -> None:
+            try:
+                r.engine_load = await r.adapter.load() if r.healthy else None
+            except Exception as e:  # a failed reading must not stop the loop
+                log.debug("load of replica %d unread: %s", r.index, e)
+                r.engine_load = None
+
+        await asyncio.gather(*(one(r) for r in self.all))
+
+    async def _load_loop(self) -> None:
+        while True:
+            await self.read_loads()
+            await asyncio.sleep(self.load_interval_s)
 
     # -- KV controls, in issue order per replica (the executor's EngineTarget side) ------
     def set_label(self, program_id: str, replica: int, label: KVLabel) -> None:

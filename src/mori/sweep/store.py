@@ -54,6 +54,11 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
     for name, default in OPTIONAL_SETTINGS.items():
         if name in out and out[name] == default:
             del out[name]
+    policy = out.get("policy_config")
+    if isinstance(policy, dict) and policy.get("spread_by_load") is False:
+        # a gateway knob (the simulator has no other clients' load to weigh): runs are
+        # keyed as before it existed
+        del policy["spread_by_load"]
     return out
 
 

@@ -11,6 +11,10 @@ it put every program on one replica while the others sat idle, and near capacity
 packed new programs onto the fullest replica, which then overflowed as their contexts
 grew (910 demotions to the CPU tier in an hour, against 15 now). With one
 replica there is no choice and nothing changes.
+
+With ``PolicyConfig.spread_by_load`` the spreading first prefers the replica serving the
+fewest requests that are not the policy's own (``Policy.set_replica_loads``: in the
+gateway, what the engines report beyond its own requests), then the most room.
 """
 
 from __future__ import annotations
@@ -39,9 +43,15 @@ class MoriPlacement(MoriState):
         n = len(gpus)
         if n == 1 or not order:
             return None
+        loads = self.replica_loads if self.config.spread_by_load else None
         if self._frozen:  # the indexed round: the replicas' rooms are kept in order
+            if loads is not None:
+                return self._spread_by_load(order, [self._avail[r] for r in range(n)],
+                                            loads)
             return self._spread_indexed(order)
         free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
+        if loads is not None:
+            return self._spread_by_load(order, free, loads)
         out: dict[str, int] = {}
         for c in order:
             r = max(range(n), key=lambda r: (free[r], -r))
@@ -49,6 +59,26 @@ class MoriPlacement(MoriState):
                 return None  # memory binds: pack
             out[c.program_id] = r
             free[r] -= c.kv_bytes
+        return out
+
+    @staticmethod
+    def _spread_by_load(order: list[Program], free: list[float], loads: tuple[int, ...]
+                        ) -> dict[str, int] | None:
+        """``_spread`` with the replicas' loads (``spread_by_load``: requests not the
+        policy's own): each program onto the replica with the fewest among those it
+        fits, then the most room, then the lowest index; each placed program counts as
+        one more request there. With equal loads these are ``_spread``'s choices."""
+        free = list(free)
+        load = list(loads)
+        out: dict[str, int] = {}
+        for c in order:
+            fits = [r for r in range(len(free)) if free[r] >= c.kv_bytes]
+            if not fits:
+                return None  # memory binds: pack
+            r = min(fits, key=lambda r: (load[r], -free[r], r))
+            out[c.program_id] = r
+            free[r] -= c.kv_bytes
+            load[r] += 1
         return out
 
     def _spread_indexed(self, order: list[Program]) -> dict[str, int] | None:
