@@ -551,6 +551,14 @@ def test_requests_were_gated(gateway_run: GatewayRun) -> None:
         f"mori_gated_requests_total is 0:\n{gateway_run.metrics}"
 
 
+def test_gateway_reports_the_engines_load(gateway_run: GatewayRun) -> None:
+    # read from vLLM's /metrics every --load-interval (1 s by default): both states of
+    # the one replica are there
+    for state in ("running", "waiting"):
+        assert re.search(rf'^mori_replica_engine_requests\{{replica="0",state="{state}"\}} ',
+                         gateway_run.metrics, re.M), gateway_run.metrics
+
+
 def test_engine_prompt_tokens_match_the_clients(gateway_run: GatewayRun) -> None:
     seen = sum(r["prompt_tokens"] for r in gateway_run.results)
     delta = gateway_run.engine_delta("vllm:prompt_tokens_total")
