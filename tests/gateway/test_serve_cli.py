@@ -115,6 +115,14 @@ def test_the_example_config_file_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     cfg = config(["--config", str(root / "examples" / "serve.toml")])
     assert cfg.replicas == 2 and cfg.settings.gate_timeout_s == 300.0
+    assert cfg.settings.load_interval_s == 1.0
+    assert cfg.settings.policy_config.spread_by_load is False
+
+
+def test_spread_by_load_and_load_interval_from_flags() -> None:
+    cfg = config(["--spread-by-load", "--load-interval", "0.5"])
+    assert cfg.settings.policy_config.spread_by_load is True
+    assert cfg.settings.load_interval_s == 0.5
 
 
 def test_an_unreachable_engine_at_startup_is_one_clear_error(
