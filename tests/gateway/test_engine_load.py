@@ -44,6 +44,7 @@ def test_load_read_from_each_engines_metrics() -> None:
     assert load_from_metrics("vllm:num_requests_running 3\n", "vllm:num_requests_running",
                              "vllm:num_requests_waiting") is None
     assert load_from_metrics("a NaN\nb x\n", "a", "b") is None
+    assert load_from_metrics("a +Inf\nb 1\n", "a", "b") is None
 
 
 def test_foreign_load_is_what_the_engine_serves_beyond_the_gateways_requests() -> None:

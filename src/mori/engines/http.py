@@ -10,6 +10,7 @@ protocol or dies mid-stream. Subclasses add capacity and the engine's KV control
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -273,7 +274,7 @@ def load_from_metrics(text: str, running: str, waiting: str) -> EngineLoad | Non
             v = float(rest.split()[0])
         except (IndexError, ValueError):
             continue
-        if v >= 0:  # NaN and negative readings are left out
+        if 0 <= v < math.inf:  # NaN, infinite and negative readings are left out
             sums[name] = sums.get(name, 0.0) + v
     if running not in sums or waiting not in sums:
         return None
