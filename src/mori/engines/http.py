@@ -233,17 +233,13 @@ class OpenAIHTTPAdapter(EngineAdapter):
     ``/metrics`` reports, or None (a plain OpenAI-compatible server reports none)."""
 
     async def load(self) -> EngineLoad | None:
-        """The engine's load from its ``/metrics`` (``load_gauges``, summed over their
-        label sets); None if it has no such gauges or does not answer."""
+        """The engine's load from its ``/metrics`` (``load_gauges``); None if it has no
+        such gauges or does not answer."""
         if self.load_gauges is None:
             return None
         try:
-            async with self.session.get(self.url + "/metrics",
-                                        timeout=aiohttp.ClientTimeout(total=3.0)) as r:
-                if r.status != 200:
-                    return None
-                text = await r.text()
-        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+            text = await self.get_text("/metrics", timeout_s=3.0)
+        except UpstreamError:
             return None
         return load_from_metrics(text, *self.load_gauges)
 
@@ -255,27 +251,13 @@ class OpenAIHTTPAdapter(EngineAdapter):
 
 def load_from_metrics(text: str, running: str, waiting: str) -> EngineLoad | None:
     """``EngineLoad`` from Prometheus text: the gauges ``running`` and ``waiting``, each
-    summed over its samples (label sets); None unless both are there. Only the lines of
-    those two gauges are parsed (an engine's ``/metrics`` is mostly histograms)."""
-    sums: dict[str, float] = {}
-    names = (running, waiting)
-    for line in text.splitlines():
-        if not line.startswith(names):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1:]
-        else:
-            name, rest = line[:space], line[space:]
-        if name not in names:
-            continue  # a longer name with the same start
-        try:
-            v = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        if 0 <= v < math.inf:  # NaN, infinite and negative readings are left out
-            sums[name] = sums.get(name, 0.0) + v
-    if running not in sums or waiting not in sums:
-        return None
-    return EngineLoad(int(sums[running]), int(sums[waiting]))
+    summed over its label sets; None unless both have a reading (NaN, infinite and
+    negative samples are left out)."""
+    samples = parse_prometheus(text)
+    counts: list[int] = []
+    for name in (running, waiting):
+        values = [v for _, v in samples.get(name, ()) if 0 <= v < math.inf]
+        if not values:
+            return None
+        counts.append(int(sum(values)))
+    return EngineLoad(*counts)
