@@ -252,8 +252,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("replicas", int, _SERVE.replicas, metavar="N",
            help="simulated engine replicas to start when no --backend is given"),
     Option("workers", int, _SERVE.workers, metavar="N",
-           help="gateway processes on the port: the policy process and N-1 workers that "
-                "serve completions and ask it for admission"),
+           help="gateway processes: 1 serves everything; N > 1 runs N-1 workers that take "
+                "the port's connections and ask the policy process for admission"),
     Option("preset", str, _SERVE.preset, metavar="PRESET",
            help="hardware preset of the simulated engines (see `mori presets`)"),
     Option("cpu_ratio", float, _SERVE.cpu_ratio, metavar="R",

@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from mori.gateway.config import GatewaySettings
 from mori.gateway.workers import (
     WorkerHub,
     WorkerSpec,
+    keep_workers,
     spawn_workers,
     stop_workers,
 )
@@ -102,6 +104,8 @@ async def run_gateway(cfg: ServeConfig,
     handles: list[Any] = []
     hub: WorkerHub | None = None
     procs: list[subprocess.Popen[bytes]] = []
+    keeper: asyncio.Task[None] | None = None
+    sock: socket.socket | None = None
     tmp = tempfile.TemporaryDirectory(prefix="mori-serve-")
     if cfg.backends:
         adapters = [parse_backend(b).build() for b in cfg.backends]
@@ -124,7 +128,10 @@ async def run_gateway(cfg: ServeConfig,
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False,
                                                lifespan="on", timeout_keep_alive=30,
                                                backlog=2048))
-        serve = asyncio.create_task(server.serve(sockets=sockets))
+        # with workers, the port is theirs: this process runs the policy for all of them
+        # and answers only what they pass on (taking connections too, it ran out of CPU
+        # first and held the others back)
+        serve = asyncio.create_task(server.serve(sockets=sockets[-1:]))
         while not server.started and not serve.done():
             await asyncio.sleep(0.01)
         if serve.done():
@@ -132,8 +139,10 @@ async def run_gateway(cfg: ServeConfig,
             raise RuntimeError("the gateway stopped during startup (see the log above)")
         if cfg.workers > 1:
             backends = cfg.backends or [f"sim={a.url}" for a in adapters]
-            hub, procs = await start_workers(cfg, app.state.gateway, backends, sock.fileno(),
-                                             sockets[1].getsockname()[1], tmp)
+            hub, specs, procs = await start_workers(cfg, app.state.gateway, backends,
+                                                    sock.fileno(), sockets[1].getsockname()[1],
+                                                    tmp)
+            keeper = asyncio.create_task(keep_workers(specs, procs))
         if on_ready is not None:
             r = on_ready(url)
             if r is not None:
@@ -145,9 +154,15 @@ async def run_gateway(cfg: ServeConfig,
             server.should_exit = True
         await serve
     finally:
+        if keeper is not None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
         if hub is not None:
             await hub.stop()
         stop_workers(procs)
+        if sock is not None:
+            sock.close()
         tmp.cleanup()
         for h in handles:
             with contextlib.suppress(Exception):
@@ -156,7 +171,7 @@ async def run_gateway(cfg: ServeConfig,
 
 async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], listen_fd: int,
                         policy_port: int, tmp: tempfile.TemporaryDirectory[str]
-                        ) -> tuple[WorkerHub, list[subprocess.Popen[bytes]]]:
+                        ) -> tuple[WorkerHub, list[WorkerSpec], list[subprocess.Popen[bytes]]]:
     """Start ``cfg.workers - 1`` worker processes accepting on the listening socket
     ``listen_fd`` and wait until each has connected to this process's hub
     (``RuntimeError`` if one does not)."""
@@ -175,4 +190,4 @@ async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], list
             await hub.stop()
             raise RuntimeError("a gateway worker failed to start (see the log above)")
         await asyncio.sleep(0.05)
-    return hub, procs
+    return hub, specs, procs

@@ -1,16 +1,18 @@
 """Several gateway processes, one policy: the policy process's side.
 
-With ``mori serve --workers N``, the process that holds the policy (the controller, the
-engines' KV controls, the inspection endpoints) also serves completions, and ``N - 1``
-worker processes (``mori.gateway.worker``) accept connections from the same listening
-socket (inherited: one accept queue, so an idle process takes the next connection). A worker parses, checks keys and forwards
+With ``mori serve --workers N``, ``N - 1`` worker processes (``mori.gateway.worker``)
+accept the connections on the gateway's port (the listening socket is inherited: one
+accept queue, so an idle worker takes the next connection), and the process that holds
+the policy (the controller, the engines' KV controls, the inspection endpoints) serves
+only what they pass on. A worker parses, checks keys and forwards
 to the engines itself; for admission it asks the policy process over a local socket
 (``mori.gateway.ipc``) and reports the lease's events back, so the policy sees every
 arrival, KV-ready and step end as it would in one process. ``WorkerHub`` serves those
 requests with the local ``Controller``; ``spawn_workers`` starts the processes.
 
 A worker that goes away has its admissions cancelled and its leases finished (context
-unchanged), so no program is left Reasoning.
+unchanged), so no program is left Reasoning; ``keep_workers`` starts it again
+(connections wait in the accept queue meanwhile).
 """
 
 from __future__ import annotations
@@ -191,6 +193,36 @@ def spawn_workers(specs: list[WorkerSpec]) -> list[subprocess.Popen[bytes]]:
         p.stdin.close()
         procs.append(p)
     return procs
+
+
+async def keep_workers(specs: list[WorkerSpec], procs: list[subprocess.Popen[bytes]], *,
+                       poll_s: float = 0.25, pause_s: float = 0.5, max_pause_s: float = 30.0,
+                       steady_s: float = 60.0) -> None:
+    """Watch the workers until cancelled, starting again one that exits (``procs`` is
+    updated in place). The pause before a start doubles on each exit that comes within
+    ``steady_s`` of the last start, up to ``max_pause_s``, so a worker that cannot start
+    does not spin."""
+    loop = asyncio.get_running_loop()
+    started = [loop.time()] * len(procs)
+    pauses = [pause_s] * len(procs)
+    due: dict[int, float] = {}  # a worker that exited: when it is started again
+    while True:
+        await asyncio.sleep(poll_s)
+        now = loop.time()
+        for i, p in enumerate(procs):
+            if p.poll() is None:
+                continue
+            if i not in due:
+                if now - started[i] >= steady_s:
+                    pauses[i] = pause_s
+                due[i] = now + pauses[i]
+                log.warning("gateway worker %d exited (code %s); starting it again in %.1f s",
+                            specs[i].worker, p.returncode, pauses[i])
+                pauses[i] = min(max_pause_s, pauses[i] * 2)
+            elif now >= due[i]:
+                procs[i] = spawn_workers([specs[i]])[0]
+                started[i] = now
+                del due[i]
 
 
 def stop_workers(procs: list[subprocess.Popen[bytes]]) -> None:
