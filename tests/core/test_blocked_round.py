@@ -24,7 +24,7 @@ from mori.core.policies import POLICIES, MoriPolicy
 from mori.core.policies.mori import _Iota
 from mori.core.policy import PolicyConfig
 
-NAMES = ["mori", "mori-ski", "mori-pack"]
+NAMES = ["mori", "mori-ski", "mori-pack", "mori-yield"]
 
 
 def checked(name: str) -> type[MoriPolicy]:

@@ -118,7 +118,7 @@ def _large_world(seed: int, n: int, replicas: int) -> dict[str, object]:
                 config=PolicyConfig(tick_s=2.0, page_tokens=1))
 
 
-@pytest.mark.parametrize("name", ["mori", "mori-pack", "mori-ski", "mori-strict"])
+@pytest.mark.parametrize("name", ["mori", "mori-pack", "mori-ski", "mori-strict", "mori-yield"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_same_decisions_many_programs(name: str, seed: int,
                                       monkeypatch: pytest.MonkeyPatch) -> None:

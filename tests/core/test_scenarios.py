@@ -319,6 +319,7 @@ H_END = {
     "mori": _H_LAZY,
     "mori-no-exclusion": _H_LAZY,
     "mori-pack": _H_LAZY,  # one replica: MORI
+    "mori-yield": _H_LAZY,  # one replica: MORI
     "mori-strict": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     "mori-binary": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     # A has acted 0 s when its step ends, less than any reload: it is not displaced

@@ -34,7 +34,8 @@ def run(config: SimConfig, straight: bool) -> tuple[dict[str, object], list[obje
     return {k: v for k, v in result.items() if k not in TIMING}, decided
 
 
-@pytest.mark.parametrize("policy", ["mori", "mori-pack", "mori-ski", "thunderagent+offload"])
+@pytest.mark.parametrize("policy", ["mori", "mori-pack", "mori-ski", "mori-yield",
+                                    "thunderagent+offload"])
 @pytest.mark.parametrize("replicas,programs,cpu", [(1, 60, 1.0), (3, 90, 2.0)])
 def test_same_run_as_the_straightforward_policy(policy: str, replicas: int, programs: int,
                                                 cpu: float) -> None:

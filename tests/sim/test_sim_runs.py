@@ -129,8 +129,12 @@ def test_the_policy_gets_the_configured_knobs_and_the_presets_pages() -> None:
                      default_traces())
     page = sim.cost.preset.page_tokens
     assert page != 1
-    # the reload bandwidth (mori-ski's guard) is the link the run models, 50 GB/s here
-    assert sim.policy.config == dataclasses.replace(knobs, page_tokens=page, reload_gbps=50.0)
+    # the reload bandwidth (mori-ski's guard) is the link the run models, 50 GB/s here,
+    # and the recompute rate (mori-yield's) the cost model's prefill of a 32k context
+    rate = sim.policy.config.recompute_tok_s
+    assert rate == sim.cost.prefill_rate() and rate is not None and 20_000 < rate < 40_000
+    assert sim.policy.config == dataclasses.replace(knobs, page_tokens=page, reload_gbps=50.0,
+                                                    recompute_tok_s=rate)
     row = sim.run().to_dict()
     assert (row["tick_s"], row["idleness_window"], row["binary_threshold"]) == (2.0, 3, 0.25)
 

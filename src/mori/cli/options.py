@@ -162,6 +162,10 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
            help="mori-ski: the KV reload bandwidth its guard assumes, GB/s per GPU "
                 "(default: in mori simulate the simulated link, --pcie-gbps or the "
                 "preset's; in mori serve 25)"),
+    Option("recompute_tok_s", float, _POLICY.recompute_tok_s, metavar="TOK/S",
+           help="mori-yield: the recompute rate its yield rule assumes, tokens/s per "
+                "replica (default: in mori simulate the cost model's; in mori serve "
+                "20000)"),
     Option("max_wait", float, _POLICY.max_wait_s, metavar="S", field="max_wait_s",
            help="mori and its variants: a request held this many seconds goes ahead of "
                 "every other promotion, Acting programs demoted for it (bounded "

@@ -66,6 +66,7 @@ class Settings:
     acting_token_weight: float
     acting_token_decay: bool
     reload_gbps: float | None
+    recompute_tok_s: float | None
     max_wait: float | None
     jobs: int
     quiet: bool

@@ -139,6 +139,19 @@ class CostModel:
         """One iteration prefilling ``new`` tokens on top of ``cached`` ones, no decodes."""
         return self.iteration_time(new, prefill_attn_ctx(new, cached), 0, 0)
 
+    def prefill_rate(self, context: int = 32_768) -> float:
+        """Tokens a second of prefilling a ``context``-token context from nothing in the
+        preset's chunks, alone (what a recompute of it costs)."""
+        if context < 1:
+            raise ValueError("context must be >= 1")
+        chunk = self.preset.chunk_size
+        total, done = 0.0, 0
+        while done < context:
+            n = min(chunk, context - done)
+            total += self.prefill_chunk_time(n, done)
+            done += n
+        return context / total
+
     def decode_run_time(self, batch: int, ctx_sum0: int, n: int) -> float:
         """Seconds for ``n`` pure-decode iterations of a fixed batch, in O(1).
 

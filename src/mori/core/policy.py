@@ -44,6 +44,9 @@ class PolicyConfig:
     ``reload_gbps``: the host-to-GPU bandwidth of a KV reload as ``mori-ski`` estimates
     it, GB/s of policy time (None: the simulator gives its modelled link; elsewhere
     ``DEFAULT_RELOAD_GBPS``).
+    ``recompute_tok_s``: the rate of a recompute as ``mori-yield`` estimates it, tokens
+    per second of policy time (None: the simulator gives its cost model's; elsewhere
+    ``DEFAULT_RECOMPUTE_TOK_S``).
     ``max_wait_s``: MORI's bound on waiting: a request held this many seconds goes ahead
     of every other promotion (None or 0: no bound, the paper's rule).
     ``spread_by_load``: MORI's spreading of admitted cacheless programs (while memory
@@ -62,6 +65,7 @@ class PolicyConfig:
     acting_token_weight: float = 1.0
     acting_token_decay: bool = False
     reload_gbps: float | None = None
+    recompute_tok_s: float | None = None
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
     spread_by_load: bool = False
 
@@ -77,6 +81,10 @@ class PolicyConfig:
         if self.reload_gbps is not None and not (self.reload_gbps > 0
                                                  and math.isfinite(self.reload_gbps)):
             raise ValueError(f"reload_gbps must be a positive number, got {self.reload_gbps}")
+        if self.recompute_tok_s is not None and not (self.recompute_tok_s > 0
+                                                     and math.isfinite(self.recompute_tok_s)):
+            raise ValueError("recompute_tok_s must be a positive number, got "
+                             f"{self.recompute_tok_s}")
         if self.max_wait_s is not None and not (self.max_wait_s >= 0
                                                 and math.isfinite(self.max_wait_s)):
             raise ValueError("max_wait_s must be a finite number of seconds >= 0, got "

@@ -143,7 +143,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     ``--programs`` gives; derived, not a :class:`SimConfig` field). The policy knobs a
     record carries are ``tick_s``, ``idleness_window``, ``binary_threshold`` and
     ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``, and the
-    ``reload_gbps`` asked for (None: the simulated link's), and MORI's ``max_wait_s``;
+    ``reload_gbps`` and ``recompute_tok_s`` asked for (None: the simulated link's and
+    the cost model's), and MORI's ``max_wait_s``;
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
     are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
@@ -162,7 +163,7 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold,
             "acting_token_weight": p.acting_token_weight,
             "acting_token_decay": p.acting_token_decay, "reload_gbps": p.reload_gbps,
-            "max_wait_s": p.max_wait_s}
+            "max_wait_s": p.max_wait_s, "recompute_tok_s": p.recompute_tok_s}
 
 
 RESULT_SETTINGS: tuple[str, ...] = tuple(settings_dict(SimConfig(), "", 0))

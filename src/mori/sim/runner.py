@@ -130,6 +130,9 @@ class Simulation:
         if knobs.reload_gbps is None:  # the link this run models, in policy time
             knobs = dataclasses.replace(
                 knobs, reload_gbps=preset.gpu.pcie_bw / 1e9 / config.time_scale)
+        if knobs.recompute_tok_s is None:  # this run's prefill rate (scaled durations)
+            knobs = dataclasses.replace(
+                knobs, recompute_tok_s=self.cost.prefill_rate())
         self.policy: Policy = build_policy(config.policy, cluster, kv_bytes,
                                            dataclasses.replace(knobs, page_tokens=page))
         self.loop = EventLoop()

@@ -55,6 +55,9 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
         if name in out and out[name] == default:
             del out[name]
     policy = out.get("policy_config")
+    if isinstance(policy, dict) and "recompute_tok_s" in policy and \
+            policy["recompute_tok_s"] is None:
+        del policy["recompute_tok_s"]  # added later: earlier runs keep their keys
     if isinstance(policy, dict) and policy.get("spread_by_load") is False:
         # a gateway knob (the simulator has no other clients' load to weigh): runs are
         # keyed as before it existed
@@ -64,7 +67,7 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
 
 OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1.0,
                                      "acting_token_decay": False, "reload_gbps": None,
-                                     "max_wait_s": None}
+                                     "max_wait_s": None, "recompute_tok_s": None}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 

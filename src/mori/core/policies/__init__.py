@@ -13,6 +13,7 @@ from mori.core.policies.mori import MoriPolicy
 from mori.core.policies.ski import MoriSkiPolicy
 from mori.core.policies.smg import SMGPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
+from mori.core.policies.yielding import MoriYieldPolicy
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
 
@@ -21,7 +22,7 @@ def _build() -> Registry[type[Policy]]:
     reg: Registry[type[Policy]] = Registry("policy")
     for cls in (MoriPolicy, SMGPolicy, ThunderAgentPolicy, ThunderAgentOffloadPolicy,
                 MoriBinaryPolicy, MoriNoExclusionPolicy, MoriStrictPolicy, MoriPackPolicy,
-                MoriSkiPolicy):
+                MoriSkiPolicy, MoriYieldPolicy):
         reg.register(cls.name, cls)
     reg.freeze()
     return reg
@@ -46,4 +47,4 @@ def build_policy(name: str, cluster: ClusterSpec, kv_bytes_per_token: int,
 
 __all__ = ["POLICIES", "PAPER_POLICIES", "build_policy", "MoriPolicy", "SMGPolicy", "ThunderAgentPolicy",
            "ThunderAgentOffloadPolicy", "MoriBinaryPolicy", "MoriNoExclusionPolicy", "MoriStrictPolicy",
-           "MoriPackPolicy", "MoriSkiPolicy"]
+           "MoriPackPolicy", "MoriSkiPolicy", "MoriYieldPolicy"]
