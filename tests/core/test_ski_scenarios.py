@@ -29,7 +29,7 @@ def test_ski_rental_guard_waits_until_the_victim_has_acted_as_long_as_its_reload
                               Forward("C", 0)]
     assert where(ski, "A") == (GPU, 0)
     # B returns at once and reloads (it waited its reload time out, never more)
-    assert ski.reload_s(ski.programs["A"]) == pytest.approx(4.0)  # type: ignore[attr-defined]
+    assert ski.reload_s(ski.programs["A"]) == pytest.approx(4.0)
 
 
 def test_ski_rental_guard_leaves_overflow_unguarded() -> None:

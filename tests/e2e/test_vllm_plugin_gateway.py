@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 
+from .agent_turns import text, turn_of
 from .conftest import BLOCK_SIZE, NUM_BLOCKS, free_port, http_ok, stop_group
 from .plugin_engine import Engine, start_engine
-from .test_vllm_e2e import text, turn_of
 
 pytestmark = pytest.mark.e2e
 

@@ -27,6 +27,13 @@ DEFAULT_MAX_WAIT_S = 3600.0
 """``PolicyConfig.max_wait_s`` unless set: an hour. Bounds that fire within the
 paper's one-hour runs cost MORI throughput there (README, "Bounded waiting")."""
 
+DEFAULT_RELOAD_GBPS = 25.0
+"""GB/s assumed for a KV reload when the world gives none (PCIe 4/5 x16, pinned)."""
+
+DEFAULT_RECOMPUTE_TOK_S = 20_000.0
+"""Tokens a second assumed for recomputing a context when the world gives no rate (the
+cost model's presets prefill a 32k context at 15-30k tokens/s per replica)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
@@ -274,6 +281,15 @@ class Policy(ABC):
         if self.uses_cpu_queue:
             return cluster
         return ClusterSpec(cluster.replicas, cluster.gpu_bytes, 0)
+
+    def reload_s(self, p: Program) -> float:
+        """Seconds a reload of ``p``'s KV is estimated to take (``reload_gbps``)."""
+        return p.kv_bytes / ((self.config.reload_gbps or DEFAULT_RELOAD_GBPS) * 1e9)
+
+    def recompute_s(self, p: Program) -> float:
+        """Seconds a recompute of ``p``'s context is estimated to take
+        (``recompute_tok_s``)."""
+        return p.tokens / (self.config.recompute_tok_s or DEFAULT_RECOMPUTE_TOK_S)
 
     def bytes_for(self, tokens: int) -> int:
         page = self.config.page_tokens

@@ -1,7 +1,8 @@
 """Where room is made on a GPU and who leaves to make it (``mori`` module docstring):
 the ranking hooks the ablations override, where a demoted program goes (``_offload``),
-the plan of which replica makes room for a candidate, and the order in which an
-overfull GPU queue is emptied. ``MoriRoom`` holds
+the plan of which replica makes room for a candidate, making that room (or reserving
+what is free until running steps end), and the order in which an overfull GPU queue is
+emptied. ``MoriRoom`` holds
 these; the round that calls them is ``mori.MoriPolicy``.
 """
 
@@ -153,6 +154,37 @@ class MoriRoom(MoriPlacement):
                                               - reserve[t.replica], -t.replica))
         # only after running steps end: the replica with the most room then
         return max(plans, key=lambda t: (t.room_later, -t.replica))
+
+    def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
+                   reserve: list[int]) -> None:
+        if (self._frozen and type(self)._victim_ok is MoriRoom._victim_ok
+                and type(self)._displaceable is MoriRoom._displaceable):
+            plan = self._room_plan_fast(c, reserve)
+        else:
+            plan = self._room_plan(c, now, iota, reserve)
+        if plan.room_later < c.kv_bytes:
+            return  # cannot be made to fit yet: demote nobody, wait
+        r = plan.replica
+        gq = self.placement.gpu[r]
+        acting = plan.acting
+        if acting is None:  # every Acting program of the replica may go, most idle first:
+            # as many as it takes
+            acting = self._most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), iota)
+        for p in acting:
+            if gq.free() - reserve[r] >= c.kv_bytes:
+                break
+            self._offload(p, r, out, iota, keep=c)
+        if gq.free() - reserve[r] >= c.kv_bytes:
+            self._promote(c, r, out)
+            self._forward(c, now, out)
+            return
+        # the Reasoning programs will make up the rest when their steps end (lazy
+        # demotion: a later round demotes them as Acting programs); until then hold
+        # what is free for c
+        reserve[r] = max(reserve[r], int(gq.free()))
+        if self._frozen:
+            self._round_reserve[r] = reserve[r]
+            self._sync(r)
 
 
 class _RoomPlan(NamedTuple):

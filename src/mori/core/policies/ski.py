@@ -13,7 +13,7 @@ as in MORI, unguarded. Every other rule is MORI's.
 
 The bandwidth is ``PolicyConfig.reload_gbps``: the simulator gives its modelled link
 (``--pcie-gbps`` or the preset's, divided by ``--time-scale``); elsewhere it defaults
-to ``DEFAULT_RELOAD_GBPS``.
+to ``DEFAULT_RELOAD_GBPS`` (``Policy.reload_s``).
 """
 
 from __future__ import annotations
@@ -21,18 +21,10 @@ from __future__ import annotations
 from mori.core.policies.mori import MoriPolicy
 from mori.core.program import Program
 
-DEFAULT_RELOAD_GBPS = 25.0
-"""GB/s assumed for a KV reload when the world gives none (PCIe 4/5 x16, pinned)."""
-
 
 class MoriSkiPolicy(MoriPolicy):
     name = "mori-ski"
     description = "MORI, an Acting program displaced only after acting as long as its reload"
-
-    def reload_s(self, p: Program) -> float:
-        """Seconds a reload of ``p``'s KV takes at the configured bandwidth."""
-        gbps = self.config.reload_gbps or DEFAULT_RELOAD_GBPS
-        return p.kv_bytes / (gbps * 1e9)
 
     def _displaceable(self, p: Program, now: float) -> bool:
         last = p.history[-1] if p.history else None

@@ -20,7 +20,7 @@ With one replica it is MORI.
 
 The rates are estimates: the recompute rate is one number for every context (the
 simulator gives its cost model's rate for a 32,768-token context in the preset's
-chunks; elsewhere ``DEFAULT_RECOMPUTE_TOK_S``), while a real prefill slows as the
+chunks; elsewhere ``policy.DEFAULT_RECOMPUTE_TOK_S``; ``Policy.recompute_s``), while a real prefill slows as the
 context grows.
 """
 
@@ -28,27 +28,14 @@ from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies.mori import MoriPolicy, _Iota
-from mori.core.policies.ski import DEFAULT_RELOAD_GBPS
 from mori.core.program import Program
 from mori.core.types import Tier
-
-DEFAULT_RECOMPUTE_TOK_S = 20_000.0
-"""Tokens a second assumed for recomputing a context when the world gives no rate (the
-cost model's presets prefill a 32k context at 15-30k tokens/s per replica)."""
 
 
 class MoriYieldPolicy(MoriPolicy):
     name = "mori-yield"
     description = ("MORI, a CPU-queue program recomputed on a replica with room once it "
                    "has waited as long as that costs beyond a reload")
-
-    def recompute_s(self, p: Program) -> float:
-        """Seconds a recompute of ``p``'s context is estimated to take."""
-        return p.tokens / (self.config.recompute_tok_s or DEFAULT_RECOMPUTE_TOK_S)
-
-    def reload_s(self, p: Program) -> float:
-        """Seconds a reload of ``p``'s KV is estimated to take."""
-        return p.kv_bytes / ((self.config.reload_gbps or DEFAULT_RELOAD_GBPS) * 1e9)
 
     def yield_after_s(self, p: Program) -> float:
         """How long ``p``'s request waits at home before it may move."""

@@ -1,0 +1,260 @@
+"""MORI's promotions from the kept-up-to-date index (``mori`` module docstring): the
+same decisions, in the same order, as ``mori.MoriPolicy._promote_ready``'s plain loop,
+looking only at candidates that can move and at replicas in O(log R); and the check
+that finds a round blocked from a few sums (``_blocked_round``). ``MoriIndexedRound``
+holds these; the round that calls them is ``mori.MoriPolicy``. ``test_differential``
+checks the decisions against the plain round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import chain
+
+from mori.core.decisions import Decision, Demote
+from mori.core.ordered import Key
+from mori.core.policies.mori_aged import MoriAged
+from mori.core.policies.mori_room import MoriRoom
+from mori.core.policies.mori_state import _Iota
+from mori.core.program import Program
+from mori.core.types import Tier
+
+__all__ = ["MoriIndexedRound"]
+
+
+class MoriIndexedRound(MoriAged):
+    """MORI's bookkeeping, placement, room making and bound on waiting, plus the
+    indexed promotions."""
+
+    def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota,
+                         held_for: int | None = None) -> None:
+        """``_promote_ready`` from the kept-up-to-date index: the same decisions in the
+        same order, looking only at candidates that can move and at replicas in O(log R).
+
+        CPU-queue candidates only compete for their own replica. Walking all of them in
+        priority order, every one fits until the first that does not; that one makes
+        room. After it only the replicas where one of their CPU candidates can fit are
+        walked (``_open``), and the decisions are emitted in the priority order, as the
+        plain loop emits them. Cacheless candidates are then walked in priority order
+        passing over those larger than the most room any replica has.
+        ``held_for``: a replica whose free space is reserved from the start (a request
+        past the bound waits for it, ``_serve_aged``).
+        """
+        gpus = self.placement.gpu
+        reserve = [0] * len(gpus)
+        if held_for is not None:
+            reserve[held_for] = self._round_reserve[held_for] = int(gpus[held_for].free())
+            self._sync(held_for)
+        self._flush()
+        idx = self._index
+        if not len(idx):
+            self._unreserve()
+            return
+        first = idx.cpu_all.first()
+        if (held_for is None and first is not None
+                and self._blocked_round(first[1], first[2])):
+            return
+        chunks: list[tuple[Key, list[Decision]]] = []
+        self._frozen = True
+        self._round_iota = iota
+        try:
+            def place(c: Program, r: int, into: list[Decision]) -> None:
+                self._promote(c, r, into)
+                self._forward(c, now, into)
+
+            # (0) CPU-queue programs: their own replica (affinity), in priority order
+            fail: tuple[Key, Program, int] | None = None
+            if first is not None:  # the first already missing is the usual case
+                fkey0, fkv0, fc0 = first
+                assert fc0.replica is not None
+                if self._avail[fc0.replica] < fkv0:
+                    fail = (fkey0, fc0, fc0.replica)
+            for key, kv, c in idx.cpu_all if fail is None else ():
+                r = c.replica
+                assert r is not None
+                if self._avail[r] < kv:
+                    fail = (key, c, r)
+                    break
+                buf: list[Decision] = []
+                place(c, r, buf)
+                chunks.append((key, buf))
+            blocked = fail is not None
+            pushed: list[Program] = []
+            if fail is not None:
+                fkey, fc, fr = fail
+                room_made: list[Decision] = []
+                self._make_room(fc, now, room_made, iota, reserve)
+                chunks.append((fkey, room_made))
+                # what still fits behind the first miss, on the replicas where some can
+                for rc in sorted(self._open | {fr}):
+                    for k2, _, c2 in idx.cpu[rc].walk(lambda: self._avail[rc]):  # noqa: B023
+                        if c2.tier is Tier.CPU and c2 is not fc:
+                            buf = []
+                            place(c2, rc, buf)
+                            chunks.append((k2, buf))
+                # CPU candidates the room made pushed to Waiting join it ahead of the rest
+                if any(isinstance(d, Demote) and d.source is Tier.CPU for d in room_made):
+                    pushed = [c for _, _, c in idx.cpu[fr] if c.tier is Tier.NONE]
+                chunks.sort(key=lambda t: t[0])
+            for _, decided in chunks:
+                out.extend(decided)
+
+            # (1, 2) cacheless programs: who is admitted follows the priority order while
+            # the free space of all replicas together holds them (the batch); where is
+            # decided as in _promote_ready
+            cap = self._cap
+            # sum over replicas of max(0, free - reserve): only one can hold a reservation
+            held_back = 0
+            for r, v in self._round_reserve.items():
+                held_back += min(int(gpus[r].free()), v)
+            room = float(cap * len(gpus) - self._sums.gpu_used - held_back)
+            head: list[Program] = []  # the batch's part among the pushed candidates
+            last: Key | None = None  # the batch's last key in the Waiting index
+            total = 0
+            for c in pushed:
+                if c.kv_bytes > room:
+                    break
+                head.append(c)
+                room -= c.kv_bytes
+                total += c.kv_bytes
+            else:
+                # the batch's Waiting part matters only to spread (several replicas) or
+                # if some Waiting candidate fits the most room; otherwise it places
+                # nothing, and what is walked below without it is too large all the same
+                if len(gpus) > 1 or idx.waiting_fits(self._avail.most()):
+                    last, in_index = idx.waiting.prefix(room)
+                    total += in_index
+            n = len(gpus)
+            # the batch's Waiting candidates left unplaced that may fit later (key order),
+            # and the most room any replica had when they were chosen (None: unknown)
+            unplaced: list[tuple[Key, Program]] = []
+            most_then: int | None = None
+            most = self._avail.most()
+            if (n > 1 and total and all(c.kv_bytes <= most for c in head)
+                    and (last is None or idx.waiting_fits(most))):
+                # spreading needs the whole batch (memory binds if it does not place it):
+                # not tried when a member is known to fit nowhere (it packs then)
+                batch = list(head)
+                if last is not None:
+                    for k, _, c in idx.waiting:
+                        if k > last:
+                            break
+                        batch.append(c)
+                order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
+                spread = self._spread(order, reserve)
+                if spread is not None:  # every one is placed below
+                    most_then = self._avail.most()
+                else:
+                    batch_waiting = [(k, c) for k, _, c in idx.waiting_up_to(
+                        self._avail.most(), upto=last)] if last is not None else []
+                    unplaced, most_then = batch_waiting, self._avail.most()
+            else:
+                # packing: a batch member larger than the most room any replica has now
+                # fits nowhere then or later in this round, so only the others are tried
+                fit = [c for c in head if c.kv_bytes <= most]
+                if last is not None and idx.waiting_fits(most):
+                    unplaced = [(k, c) for k, _, c in idx.waiting_up_to(most, upto=last)]
+                    fit += [c for _, c in unplaced]
+                most_then = most
+                order = sorted(fit, key=lambda p: (-p.kv_bytes, p.ready_seq))
+                spread = None
+            placed: set[str] = set()
+            for c in order:
+                r2 = (spread[c.program_id] if spread is not None
+                      else self._avail.tightest(c.kv_bytes))
+                if r2 is not None:
+                    place(c, r2, out)
+                    placed.add(c.program_id)
+
+            # what is left: backfill into free space, in priority order. Until one does
+            # not fit, each is tried; the first that does not (if no CPU-queue program
+            # did) may make room. Once blocked, only a candidate no larger than the most
+            # room any replica has can move: those few are taken from the size order.
+            after: Key | None = None  # the last Waiting index key looked at unblocked
+            rest: list[Program] = pushed  # the pushed candidates left to look at
+            if not blocked:
+                rest = []
+                ahead: Iterator[tuple[Key | None, int, Program]] = chain(
+                    ((None, i, c) for i, c in enumerate(pushed)),
+                    ((k, -1, c) for k, _, c in idx.waiting))
+                for at, i, c in ahead:
+                    if c.program_id in placed:
+                        continue
+                    r2 = self._avail.tightest(c.kv_bytes)
+                    if r2 is not None:
+                        place(c, r2, out)
+                        continue
+                    blocked = True
+                    self._make_room(c, now, out, iota, reserve)
+                    if i >= 0:
+                        rest = pushed[i + 1:]
+                    else:
+                        after = at
+                    break
+                else:
+                    return  # every candidate was placed
+            # blocked from here on: a candidate fits only if no larger than the most room.
+            # The batch's part of the Waiting order (keys up to ``last``) holds only
+            # placed candidates and those of ``unplaced``, unless room was made since
+            # (the most room grew): then it is walked again
+            most_now = self._avail.most()
+            lo = after
+            ahead_small: list[Program] = []
+            if (last is not None and most_then is not None and most_now <= most_then
+                    and (after is None or after < last)):
+                ahead_small = [c for k, c in unplaced
+                               if (after is None or k > after) and c.kv_bytes <= most_now
+                               and c.program_id not in placed]
+                lo = last
+            if not rest and not ahead_small and not idx.waiting_fits(most_now):
+                return  # nothing left is small enough (and the most room only shrinks)
+            small = chain(rest, ahead_small, idx.waiting_fitting(self._avail.most, after=lo))
+            for c in small:
+                if c.program_id not in placed and c.kv_bytes <= self._avail.most():
+                    r2 = self._avail.tightest(c.kv_bytes)
+                    assert r2 is not None
+                    place(c, r2, out)
+        finally:
+            self._frozen = False
+            self._round_iota = None
+            self._unreserve()
+            self._flush()
+
+    def _unreserve(self) -> None:
+        """End the round's reservations."""
+        reserved = list(self._round_reserve)
+        self._round_reserve.clear()
+        for r in reserved:
+            self._sync(r)
+
+    def _blocked_round(self, kv: int, c: Program) -> bool:
+        """Whether the round would decide nothing, known from the first CPU candidate
+        ``c`` (``kv`` bytes) and a few sums: the most common round at fleet scale.
+
+        It holds when ``c`` does not fit its replica, which has no Acting program to
+        demote for it; no other replica can fit one of its CPU candidates (none is
+        open); and no Waiting candidate fits the most room any replica has, ``c``'s
+        replica counted with none. No request is held on a GPU at this point (the
+        round forwarded them), so ``c``'s replica has all of its capacity once its
+        Reasoning programs' steps end: the full round would reserve all of its free
+        space for ``c``, place nobody (nor spread anybody: nobody fits) and release
+        the reservation at its end, leaving every structure as it found it. Only
+        under MORI's own ranking (``_victim_ok``) and room making: an ablation that
+        ranks otherwise always runs the full round. ``test_differential`` checks the
+        decisions against the plain round, and ``test_blocked_round`` that a round
+        this finds blocked, run in full, decides nothing.
+        """
+        r = c.replica
+        assert r is not None and not self._ready_gpu
+        avail, opened = self._avail, self._open
+        if (avail[r] >= kv or len(self._gpu_acting[r])
+                or type(self)._victim_ok is not MoriRoom._victim_ok
+                or type(self)._make_room is not MoriRoom._make_room
+                or (opened and (len(opened) > 1 or r not in opened))):
+            return False
+        # r's room is all reserved: none is left for its smaller CPU candidates or for
+        # a Waiting one while the round runs
+        smallest = self._index.cpu[r].min_size()
+        if smallest is not None and smallest <= 0:
+            return False
+        return not self._index.waiting_fits(avail.most_but(r, 0))
