@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -175,10 +176,35 @@ def main() -> None:
                     + (f" non2xx {row[n]['non2xx']}" if row[n]["non2xx"] else "")
                     + (f" sockerr {row[n]['socket_errors']}" if row[n]["socket_errors"] else "")
                     for n in targets), flush=True)
+        if "smg" in targets:
+            for line in against_targets(rows):
+                print(line)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
     finally:
         stop(procs[::-1])
+
+
+def against_targets(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 13's three headroom targets, each round and the median over rounds: added
+    p50 at 1 connection <= 2x smg's, p99 at 16 connections <= 10 ms, req/s at 64
+    connections >= 0.5x smg's."""
+    checks = {1: ("added p50 vs smg", lambda r: r["mori_added_p50_ms"]
+                  / max(r["smg_added_p50_ms"], 1e-3), "x", lambda v: v <= 2.0),
+              16: ("p99", lambda r: r["mori"]["p99_us"] / 1e3, " ms", lambda v: v <= 10.0),
+              64: ("req/s vs smg", lambda r: r["mori"]["rps"] / r["smg"]["rps"], "x",
+                   lambda v: v >= 0.5)}
+    out = []
+    for c, (what, value, unit, ok) in checks.items():
+        vals = [value(r) for r in rows if r["connections"] == c]
+        if not vals:
+            continue
+        med = statistics.median(vals)
+        rounds = ", ".join(f"{v:.2f}" for v in vals)
+        out.append(f"target c={c:<3d} mori {what}: median {med:.2f}{unit} "
+                   f"({'met' if ok(med) else 'not met'}; rounds: {rounds}; "
+                   f"met in {sum(map(ok, vals))}/{len(vals)})")
+    return out
 
 
 if __name__ == "__main__":

@@ -24,7 +24,12 @@ from mori.core.ledger import ClusterSpec
 from mori.core.policies import build_policy
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.types import Status, Tier
-from mori.dashboard.history import History, percentiles
+from mori.dashboard.history import (
+    TTFTS_PER_SAMPLE,
+    History,
+    percentiles,
+    weighted_percentiles,
+)
 from mori.dashboard.page import live_page, timeline_page
 from mori.dashboard.payload import charts, frame
 from mori.dashboard.snapshot import TierRow, decision_row, take_snapshot
@@ -185,6 +190,41 @@ def test_history_rates_and_ttft_over_the_trailing_window() -> None:
 def test_percentiles_are_order_statistics(values: list[float]) -> None:
     p0, p50, p100 = percentiles(values, (0, 50, 100))
     assert p0 == min(values) and p100 == max(values) and p0 <= p50 <= p100
+
+
+QS = (0, 10, 50, 90, 99, 100)
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 1e4), st.integers(1, 5)), min_size=1, max_size=60))
+def test_weighted_percentiles_are_those_of_the_values_repeated(
+        pairs: list[tuple[float, int]]) -> None:
+    expanded = [v for v, n in pairs for _ in range(n)]
+    assert weighted_percentiles(pairs, QS) == pytest.approx(percentiles(expanded, QS))
+
+
+@settings(max_examples=50)
+@given(st.lists(st.lists(st.floats(0.0, 100.0), max_size=400), min_size=1, max_size=4))
+def test_the_ttft_window_is_exact_up_to_the_cap_and_close_beyond(
+        batches: list[list[float]]) -> None:
+    h = History(window_s=100.0, keep_s=None)
+    for i, batch in enumerate(batches):
+        s = h.record(float(i), [], 0, 0, batch)
+    values = sorted(v for b in batches for v in b)
+    if not values:
+        assert all(math.isnan(v) for v in s.ttft)
+        return
+    exact = percentiles(values, (50, 90, 99))
+    if all(len(b) <= TTFTS_PER_SAMPLE for b in batches):
+        assert s.ttft == pytest.approx(exact)
+        return
+    # each kept value stands for a run of at most ceil(n / cap) of its sample's values:
+    # the percentile is off by at most a run per sample in the sorted values
+    run = sum(math.ceil(len(b) / TTFTS_PER_SAMPLE) for b in batches) + 1
+    for q, got in zip((50, 90, 99), s.ttft, strict=True):
+        k = (len(values) - 1) * q / 100.0
+        lo = values[max(0, math.floor(k) - run)]
+        hi = values[min(len(values) - 1, math.ceil(k) + run)]
+        assert lo <= got <= hi
 
 
 # -- SVG and the page -----------------------------------------------------------------------

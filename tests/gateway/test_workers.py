@@ -94,8 +94,12 @@ def test_every_step_reaches_the_one_policy_whichever_process_served_it(three: st
             break
         time.sleep(0.3)
     assert ok == 80
-    # the port is the workers': they served every completion, the policy process none
-    assert sum(by_worker.values()) == 80 and set(by_worker) <= {"worker=1", "worker=2"}
+    # the policy process kept the first connection (its requests need no round trip)
+    # and handed the others to the workers in turn
+    conns = metric(three, "mori_connections_total")
+    assert conns.get("process=policy", 0) >= 1
+    assert conns.get("process=worker1", 0) >= 5 and conns.get("process=worker2", 0) >= 5
+    assert set(by_worker) == {"worker=1", "worker=2"} and 40 <= sum(by_worker.values()) < 80
 
 
 def test_held_requests_are_admitted_across_processes() -> None:
@@ -176,12 +180,24 @@ def test_a_killed_worker_is_started_again_and_the_port_keeps_serving() -> None:
         run_programs(url, 2, 1)
         (worker,) = children(proc.pid)
         os.kill(worker, signal.SIGKILL)
-        # connections made meanwhile wait in the accept queue for the new worker
+        # meanwhile the policy process serves every new connection itself
         run_programs(url, 2, 2)
-        (again,) = children(proc.pid)
-        assert again != worker
+        deadline = time.monotonic() + 15
+        while (again := children(proc.pid) - {worker}) == set() \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(again) == 1
+        before = metric(url, "mori_connections_total").get("process=worker1", 0)
+        deadline = time.monotonic() + 15
+        while True:  # the new worker takes connections once it has connected
+            run_programs(url, 4, 1)
+            after = metric(url, "mori_connections_total").get("process=worker1", 0)
+            if after > before or time.monotonic() > deadline:
+                break
+        assert after > before
         progs = {p["program_id"]: p for p in httpx.get(url + "/v1/programs").json()["data"]}
-        assert [progs[f"p{i}"]["steps"] for i in range(2)] == [3, 3]
+        assert progs["p0"]["steps"] >= 4 and progs["p3"]["steps"] >= 1
+        assert all(not p["in_flight"] for p in progs.values())
         assert proc.poll() is None
     finally:
         stop(proc)

@@ -256,8 +256,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("replicas", int, _SERVE.replicas, metavar="N",
            help="simulated engine replicas to start when no --backend is given"),
     Option("workers", int, _SERVE.workers, metavar="N",
-           help="gateway processes: 1 serves everything; N > 1 runs N-1 workers that take "
-                "the port's connections and ask the policy process for admission"),
+           help="gateway processes: 1 serves everything; N > 1 runs N-1 workers: the "
+                "policy process keeps the first open connection and hands the others to "
+                "the workers, which ask it for admission"),
     Option("preset", str, _SERVE.preset, metavar="PRESET",
            help="hardware preset of the simulated engines (see `mori presets`)"),
     Option("cpu_ratio", float, _SERVE.cpu_ratio, metavar="R",

@@ -9,6 +9,8 @@ in.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -17,6 +19,12 @@ from dataclasses import dataclass
 from mori.dashboard.snapshot import TierRow
 
 NAN = float("nan")
+TTFTS_PER_SAMPLE = 128
+"""The most TTFTs a sample keeps. Beyond, it keeps that many order statistics of them
+(the middle one of each of as many equal runs of the sorted values), each standing for
+its run, so the window's percentiles are then approximate. This bounds a sample's work
+on a busy gateway: at 2,000 requests a second the 30 s window held 60,000 values, all
+sorted once a second (tens of milliseconds in which the gateway served nobody)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +55,42 @@ def percentiles(values: Sequence[float], qs: Sequence[float]) -> tuple[float, ..
     return tuple(out)
 
 
+def weighted_percentiles(pairs: Sequence[tuple[float, int]], qs: Sequence[float]
+                         ) -> tuple[float, ...]:
+    """``percentiles`` of the values ``pairs`` stand for: (value, how many times)."""
+    if not pairs:
+        return tuple(NAN for _ in qs)
+    ordered = sorted(pairs)
+    xs = [v for v, _ in ordered]
+    ends = list(itertools.accumulate(n for _, n in ordered))  # positions < ends[j]: xs[j]
+    last = ends[-1] - 1
+
+    def at(pos: int) -> float:
+        return xs[bisect.bisect_right(ends, pos)]
+
+    out = []
+    for q in qs:
+        k = last * q / 100.0
+        lo = math.floor(k)
+        a, b = at(lo), at(min(lo + 1, last))
+        out.append(a + (b - a) * (k - lo))
+    return tuple(out)
+
+
+def _reduced(values: Iterable[float], keep: int) -> list[tuple[float, int]]:
+    """``values`` as (value, count) pairs, at most ``keep`` of them (module doc)."""
+    xs = sorted(values)
+    if len(xs) <= keep:
+        return [(v, 1) for v in xs]
+    size, extra = divmod(len(xs), keep)
+    out, start = [], 0
+    for i in range(keep):
+        n = size + (i < extra)
+        out.append((xs[start + n // 2], n))
+        start += n
+    return out
+
+
 class History:
     """Samples over the last ``keep_s`` seconds (None: all of them).
 
@@ -62,7 +106,7 @@ class History:
         self.keep_s = keep_s
         self.samples: deque[Sample] = deque()
         self._tokens: deque[tuple[float, int]] = deque()  # (t, output tokens so far)
-        self._ttft: deque[tuple[float, float]] = deque()  # (t observed, seconds)
+        self._ttft: deque[tuple[float, list[tuple[float, int]]]] = deque()  # (t, reduced)
 
     def record(self, t: float, tiers: Sequence[TierRow], gated: int, tokens_total: int,
                ttfts: Iterable[float]) -> Sample:
@@ -77,10 +121,10 @@ class History:
         t0, n0 = toks[0]
         rate = (tokens_total - n0) / (t - t0) if t > t0 else 0.0
         tt = self._ttft
-        tt.extend((t, v) for v in ttfts)
+        tt.append((t, _reduced(ttfts, TTFTS_PER_SAMPLE)))
         while tt and tt[0][0] <= start:
             tt.popleft()
-        p50, p90, p99 = percentiles([v for _, v in tt], (50, 90, 99))
+        p50, p90, p99 = weighted_percentiles([p for _, ps in tt for p in ps], (50, 90, 99))
         s = Sample(t, tuple(r.gpu_frac for r in tiers), tuple(r.cpu_frac for r in tiers),
                    gated, rate, (p50, p90, p99))
         self.samples.append(s)

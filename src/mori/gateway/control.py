@@ -51,6 +51,7 @@ class Controller:
         self.replicas = Replicas(adapters, settings.health_interval_s,
                                  settings.load_interval_s)
         self._wall = clock or asyncio.get_running_loop().time
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
         self.log = DecisionLog(settings.decision_log, context_reader(policy.programs))
@@ -130,7 +131,9 @@ class Controller:
         info.anonymous = anonymous
         info.last_seen = self.wall()
         pol = self.policy.programs.get(program_id)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:  # kept: get_running_loop makes a system call (mori.engines.h1)
+            loop = self._loop = asyncio.get_running_loop()
         if pol is not None and pol.status is Status.GATED and info.held is not None:
             # a retry of a request still held by the policy: take its place
             old = info.held

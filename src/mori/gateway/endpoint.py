@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from mori.gateway.serving import Serving as Gateway
 
 FAST_PATHS = frozenset((CHAT, COMPLETIONS))
+WATCH_AFTER_S = 0.05
+"""How long a request runs before the gateway starts watching for its client to leave."""
 _WANTED = frozenset((b"authorization", b"content-length", b"x-program-id"))
 
 
@@ -49,11 +51,12 @@ def unauthorized(message: str = "a valid API key is required: send 'Authorizatio
 class CompletionEndpoint:
     """``POST /v1/chat/completions`` and ``POST /v1/completions`` (an ASGI app)."""
 
-    __slots__ = ("gw", "_counters")
+    __slots__ = ("gw", "_counters", "_loop")
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self._counters: dict[tuple[str, int], Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _count(self, path: str, status: int) -> None:
         c = self._counters.get((path, status))
@@ -85,7 +88,10 @@ class CompletionEndpoint:
             return
         anonymous = req.program_id is None
         req.program_id = principal.internal(req.program_id or gw.anonymous_id())
-        resp = await unless_client_leaves(receive, serve_completion(gw, req, anonymous))
+        loop = self._loop
+        if loop is None:  # kept: get_running_loop makes a system call (mori.engines.h1)
+            loop = self._loop = asyncio.get_running_loop()
+        resp = await unless_client_leaves(receive, serve_completion(gw, req, anonymous), loop)
         if resp is None:  # the client left: nobody to answer
             self._count(path, 499)
             return
@@ -115,15 +121,23 @@ async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-async def unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response]
+async def unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Response],
+                               loop: asyncio.AbstractEventLoop | None = None
                                ) -> Response | None:
     """``work``'s answer, or None if the client disconnects first (its body is read, so
     the next message is the disconnect): ``work``, run in this task, is cancelled then
     where it waits. If this handler is cancelled otherwise (the server stops), the
-    cancellation goes on."""
-    me = asyncio.current_task()
+    cancellation goes on.
+
+    The watch starts ``WATCH_AFTER_S`` after the work does: most answers that come at
+    once (a trivial upstream, an error) are sent before, and skip the task it takes. A
+    client that left in that time is seen when it starts (its disconnect is kept)."""
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    me = asyncio.current_task(loop)
     assert me is not None
     gone = False
+    watch: asyncio.Future[Message] | None = None
 
     def on_message(w: asyncio.Future[Message]) -> None:
         nonlocal gone
@@ -132,8 +146,14 @@ async def unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Respo
             gone = True
             me.cancel()
 
-    watch = asyncio.ensure_future(receive())
-    watch.add_done_callback(on_message)
+    def start_watch() -> None:
+        nonlocal watch
+        waiting = receive()
+        watch = (loop.create_task(waiting) if asyncio.iscoroutine(waiting)
+                 else asyncio.ensure_future(waiting, loop=loop))
+        watch.add_done_callback(on_message)
+
+    timer = loop.call_later(WATCH_AFTER_S, start_watch)
     try:
         return await work
     except asyncio.CancelledError:
@@ -142,9 +162,11 @@ async def unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Respo
         me.uncancel()
         return None
     finally:
-        watch.remove_done_callback(on_message)
-        if not watch.done():
-            watch.cancel()
+        timer.cancel()
+        if watch is not None:
+            watch.remove_done_callback(on_message)
+            if not watch.done():
+                watch.cancel()
 
 
 class GatewayApp(Starlette):

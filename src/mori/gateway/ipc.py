@@ -58,10 +58,11 @@ class FrameWriter:
     """Writes frames to a stream, the frames of one turn of the event loop together (one
     system call for many messages under load)."""
 
-    __slots__ = ("writer", "_buf", "_scheduled")
+    __slots__ = ("writer", "_buf", "_scheduled", "_loop")
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
+        self._loop = asyncio.get_running_loop()
         self._buf: list[bytes] = []
         self._scheduled = False
 
@@ -69,7 +70,7 @@ class FrameWriter:
         self._buf.append(frame(msg))
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._scheduled = False
@@ -113,7 +114,7 @@ class WorkerLink:
     async def call(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send ``msg`` (with a fresh ``id`` unless it has one) and await its answer."""
         rid = msg.setdefault("id", self.next_id())
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[dict[str, Any]] = self._out._loop.create_future()
         self._waiting[rid] = fut
         try:
             self.send(msg)

@@ -225,6 +225,10 @@ class GatewayMetrics:
         self.worker_requests = Counter("mori_worker_requests", "Completion requests served by "
                                        "each worker process (mori serve --workers)",
                                        ["worker"], registry=r)
+        self.connections = Counter("mori_connections", "Client connections taken on the "
+                                   "gateway's port by each process (mori serve --workers: "
+                                   "the policy process keeps the first open one, the "
+                                   "workers take the rest in turn)", ["process"], registry=r)
         self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
         self.completion_tokens = Recorded(Counter("mori_completion_tokens",
                                                   "Completion tokens returned", registry=r),

@@ -70,11 +70,14 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
     if up.chunks is None:
         gw.metrics.ttft.observe(ctl.wall() - arrived)
         body = up.body or b""
-        p_used, c_used = usage_tokens(body) if up.status == 200 else (None, 0)
-        prompt = p_used if p_used is not None and req.synthetic is None else tokens
-        _count(gw, prompt, c_used or 0)
-        lease.finish(prompt + (c_used or 0))
-        return PassThrough(up.status, body, up.headers)
+
+        def step_ended() -> None:  # once the answer is on its way: it waits for nothing
+            p_used, c_used = usage_tokens(body) if up.status == 200 else (None, 0)
+            prompt = p_used if p_used is not None and req.synthetic is None else tokens
+            _count(gw, prompt, c_used or 0)
+            lease.finish(prompt + (c_used or 0))
+
+        return PassThrough(up.status, body, up.headers, after=step_ended)
     relay = _relay(gw, up.chunks, up.aclose, lease, req, arrived)
     await anext(relay)  # started: closing it now always ends the lease
 

@@ -29,11 +29,12 @@ from mori.engines.base import EngineAdapter
 from mori.engines.registry import parse_backend
 from mori.gateway.app import Gateway, create_app
 from mori.gateway.config import GatewaySettings
+from mori.gateway.handoff import Dealer, Served, protocol_factory
 from mori.gateway.workers import (
     WorkerHub,
     WorkerSpec,
     keep_workers,
-    spawn_workers,
+    spawn_worker,
     stop_workers,
 )
 from mori.protocol.serve import bind_socket
@@ -105,6 +106,7 @@ async def run_gateway(cfg: ServeConfig,
     hub: WorkerHub | None = None
     procs: list[subprocess.Popen[bytes]] = []
     keeper: asyncio.Task[None] | None = None
+    dealer: Dealer | None = None
     sock: socket.socket | None = None
     tmp = tempfile.TemporaryDirectory(prefix="mori-serve-")
     if cfg.backends:
@@ -126,11 +128,10 @@ async def run_gateway(cfg: ServeConfig,
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False,
-                                               lifespan="on", timeout_keep_alive=30,
-                                               backlog=2048))
-        # with workers, the port is theirs: this process runs the policy for all of them
-        # and answers only what they pass on (taking connections too, it ran out of CPU
-        # first and held the others back)
+                                               proxy_headers=False, lifespan="on",
+                                               timeout_keep_alive=30, backlog=2048))
+        # with workers, this process accepts on the port itself (Dealer, below) and its
+        # uvicorn listens only for what the workers pass on
         serve = asyncio.create_task(server.serve(sockets=sockets[-1:]))
         while not server.started and not serve.done():
             await asyncio.sleep(0.01)
@@ -139,10 +140,14 @@ async def run_gateway(cfg: ServeConfig,
             raise RuntimeError("the gateway stopped during startup (see the log above)")
         if cfg.workers > 1:
             backends = cfg.backends or [f"sim={a.url}" for a in adapters]
-            hub, specs, procs = await start_workers(cfg, app.state.gateway, backends,
-                                                    sock.fileno(), sockets[1].getsockname()[1],
-                                                    tmp)
-            keeper = asyncio.create_task(keep_workers(specs, procs))
+            counted = app.state.gateway.metrics.connections
+            dealer = Dealer(sock, Served(protocol_factory(server)), on_dealt=lambda w: counted
+                            .labels("policy" if w == 0 else f"worker{w}").inc())
+            hub, procs, restart = await start_workers(cfg, app.state.gateway, backends,
+                                                      dealer, sockets[1].getsockname()[1],
+                                                      tmp)
+            keeper = asyncio.create_task(keep_workers(procs, restart))
+            dealer.start()
         if on_ready is not None:
             r = on_ready(url)
             if r is not None:
@@ -158,6 +163,8 @@ async def run_gateway(cfg: ServeConfig,
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
+        if dealer is not None:
+            dealer.stop()
         if hub is not None:
             await hub.stop()
         stop_workers(procs)
@@ -169,19 +176,28 @@ async def run_gateway(cfg: ServeConfig,
                 await h.stop()
 
 
-async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], listen_fd: int,
+async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], dealer: Dealer,
                         policy_port: int, tmp: tempfile.TemporaryDirectory[str]
-                        ) -> tuple[WorkerHub, list[WorkerSpec], list[subprocess.Popen[bytes]]]:
-    """Start ``cfg.workers - 1`` worker processes accepting on the listening socket
-    ``listen_fd`` and wait until each has connected to this process's hub
-    (``RuntimeError`` if one does not)."""
+                        ) -> tuple[WorkerHub, list[subprocess.Popen[bytes]],
+                                   Callable[[int], subprocess.Popen[bytes]]]:
+    """Start ``cfg.workers - 1`` worker processes, each on a new line from ``dealer``,
+    and wait until each has connected to this process's hub (``RuntimeError`` if one
+    does not). Returns the hub, the processes and how to start the i-th one again."""
     hub = WorkerHub(gw)
     path = os.path.join(tmp.name, "policy.sock")
     await hub.start(path)
     n = cfg.workers - 1
-    specs = [WorkerSpec(i + 1, listen_fd, path, f"http://127.0.0.1:{policy_port}", backends,
-                        dataclasses.asdict(cfg.settings), cfg.log_level) for i in range(n)]
-    procs = spawn_workers(specs)
+
+    def start(i: int) -> subprocess.Popen[bytes]:
+        theirs = dealer.line(i + 1)
+        try:
+            return spawn_worker(WorkerSpec(i + 1, theirs.fileno(), path,
+                                           f"http://127.0.0.1:{policy_port}", backends,
+                                           dataclasses.asdict(cfg.settings), cfg.log_level))
+        finally:
+            theirs.close()  # the worker has its copy
+
+    procs = [start(i) for i in range(n)]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60.0
     while hub.hellos < n:
@@ -190,4 +206,4 @@ async def start_workers(cfg: ServeConfig, gw: Gateway, backends: list[str], list
             await hub.stop()
             raise RuntimeError("a gateway worker failed to start (see the log above)")
         await asyncio.sleep(0.05)
-    return hub, specs, procs
+    return hub, procs, start

@@ -1,8 +1,8 @@
 """A gateway worker process (``mori serve --workers N``): completions served here, the
 policy consulted in the policy process (``mori.gateway.workers``).
 
-The worker accepts connections from the gateway's listening socket, inherited from the
-policy process. Completions run the same path as in the policy process
+The worker serves the connections the policy process hands it (``mori.gateway.handoff``:
+they arrive on a socket pair whose end the worker inherits). Completions run the same path as in the policy process
 (``mori.gateway.endpoint`` and ``mori.gateway.proxy``), with the controller replaced by
 ``RemoteAdmitter``: admission is a round trip to the policy process, and the lease's
 events (KV ready, an engine failure, the step's end) are sent there as they happen. The
@@ -39,6 +39,7 @@ from mori.gateway.auth import KeyRing
 from mori.gateway.config import GatewaySettings
 from mori.gateway.endpoint import CompletionEndpoint, GatewayApp
 from mori.gateway.gate import GateRejected
+from mori.gateway.handoff import Served, protocol_factory, take_connections
 from mori.gateway.ipc import LinkClosed, WorkerLink
 from mori.gateway.lease import warm_up
 from mori.gateway.workers import WorkerSpec
@@ -285,11 +286,15 @@ async def serve_worker(spec: WorkerSpec) -> None:
     endpoint = CompletionEndpoint(gw)
     app = GatewayApp(endpoint, routes=[passthrough(spec.policy_url, session)],
                      lifespan=lifespan)
-    sock = socket.socket(fileno=spec.listen_fd)
-    sock.setblocking(False)
+    line = socket.socket(fileno=spec.line_fd)
     server = uvicorn.Server(uvicorn.Config(app, log_level=spec.log_level, access_log=False,
-                                           lifespan="on", timeout_keep_alive=30))
-    serve = asyncio.create_task(server.serve(sockets=[sock]))
+                                           proxy_headers=False, lifespan="on",
+                                           timeout_keep_alive=30))
+    serve = asyncio.create_task(server.serve(sockets=[]))  # connections come on the line
+    while not server.started and not serve.done():
+        await asyncio.sleep(0.01)
+    if server.started:
+        take_connections(line, Served(protocol_factory(server)))
     closed = asyncio.create_task(_wait_closed(link))
     await asyncio.wait({serve, closed}, return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True  # the policy process went away: so does this worker

@@ -1,18 +1,18 @@
 """Several gateway processes, one policy: the policy process's side.
 
-With ``mori serve --workers N``, ``N - 1`` worker processes (``mori.gateway.worker``)
-accept the connections on the gateway's port (the listening socket is inherited: one
-accept queue, so an idle worker takes the next connection), and the process that holds
-the policy (the controller, the engines' KV controls, the inspection endpoints) serves
-only what they pass on. A worker parses, checks keys and forwards
-to the engines itself; for admission it asks the policy process over a local socket
-(``mori.gateway.ipc``) and reports the lease's events back, so the policy sees every
-arrival, KV-ready and step end as it would in one process. ``WorkerHub`` serves those
-requests with the local ``Controller``; ``spawn_workers`` starts the processes.
+With ``mori serve --workers N``, the policy process (the controller, the engines' KV
+controls, the inspection endpoints) accepts the connections on the gateway's port,
+serves the first itself and hands the others to ``N - 1`` worker processes
+(``mori.gateway.worker``; ``mori.gateway.handoff`` deals them out). A worker parses,
+checks keys and forwards to the engines itself; for admission it asks the policy process
+over a local socket (``mori.gateway.ipc``) and reports the lease's events back, so the
+policy sees every arrival, KV-ready and step end as it would in one process.
+``WorkerHub`` serves those requests with the local ``Controller``; ``spawn_worker``
+starts a process.
 
 A worker that goes away has its admissions cancelled and its leases finished (context
-unchanged), so no program is left Reasoning; ``keep_workers`` starts it again
-(connections wait in the accept queue meanwhile).
+unchanged), so no program is left Reasoning; ``keep_workers`` starts it again (new
+connections go to the others meanwhile).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -166,7 +167,7 @@ class WorkerSpec:
     """What a worker process is told at start (on its standard input: it may hold keys)."""
 
     worker: int
-    listen_fd: int  # the gateway's listening socket, inherited: one accept queue for all
+    line_fd: int  # its end of the line connections arrive on (mori.gateway.handoff)
     ipc_path: str
     policy_url: str  # the policy process's own listener, for the endpoints workers pass on
     backends: list[str]
@@ -181,25 +182,23 @@ class WorkerSpec:
         return WorkerSpec(**json.loads(text))
 
 
-def spawn_workers(specs: list[WorkerSpec]) -> list[subprocess.Popen[bytes]]:
-    """Start one ``python -m mori.gateway.worker`` process a spec (its spec on stdin, the
-    listening socket inherited)."""
-    procs = []
-    for spec in specs:
-        p = subprocess.Popen([sys.executable, "-m", "mori.gateway.worker"],
-                             stdin=subprocess.PIPE, pass_fds=(spec.listen_fd,))
-        assert p.stdin is not None
-        p.stdin.write(spec.to_json().encode())
-        p.stdin.close()
-        procs.append(p)
-    return procs
+def spawn_worker(spec: WorkerSpec) -> subprocess.Popen[bytes]:
+    """Start a ``python -m mori.gateway.worker`` process (its spec on stdin, its line's
+    end inherited)."""
+    p = subprocess.Popen([sys.executable, "-m", "mori.gateway.worker"],
+                         stdin=subprocess.PIPE, pass_fds=(spec.line_fd,))
+    assert p.stdin is not None
+    p.stdin.write(spec.to_json().encode())
+    p.stdin.close()
+    return p
 
 
-async def keep_workers(specs: list[WorkerSpec], procs: list[subprocess.Popen[bytes]], *,
+async def keep_workers(procs: list[subprocess.Popen[bytes]],
+                       restart: Callable[[int], subprocess.Popen[bytes]], *,
                        poll_s: float = 0.25, pause_s: float = 0.5, max_pause_s: float = 30.0,
                        steady_s: float = 60.0) -> None:
-    """Watch the workers until cancelled, starting again one that exits (``procs`` is
-    updated in place). The pause before a start doubles on each exit that comes within
+    """Watch the workers until cancelled, starting again one that exits with
+    ``restart(index)`` (``procs`` is updated in place). The pause before a start doubles on each exit that comes within
     ``steady_s`` of the last start, up to ``max_pause_s``, so a worker that cannot start
     does not spin."""
     loop = asyncio.get_running_loop()
@@ -217,10 +216,10 @@ async def keep_workers(specs: list[WorkerSpec], procs: list[subprocess.Popen[byt
                     pauses[i] = pause_s
                 due[i] = now + pauses[i]
                 log.warning("gateway worker %d exited (code %s); starting it again in %.1f s",
-                            specs[i].worker, p.returncode, pauses[i])
+                            i + 1, p.returncode, pauses[i])
                 pauses[i] = min(max_pause_s, pauses[i] * 2)
             elif now >= due[i]:
-                procs[i] = spawn_workers([specs[i]])[0]
+                procs[i] = restart(i)
                 started[i] = now
                 del due[i]
 

@@ -27,16 +27,29 @@ def error_response(status: int, message: str, param: str | None = None,
 
 class PassThrough(Response):
     """A complete answer passed on as the engine gave it: ``headers`` (lower-case names)
-    are sent as they are, with the body's length; nothing is re-derived."""
+    are sent as they are, with the body's length; nothing is re-derived. ``after`` is
+    called once the answer is handed to the server (or sending it failed), in the same
+    task and before it yields: bookkeeping that need not delay the client's bytes."""
 
-    def __init__(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+    def __init__(self, status: int, body: bytes, headers: Mapping[str, str],
+                 after: Callable[[], None] | None = None) -> None:
         self.status_code = status
         self.body = body
         self.background = None
+        self.after = after
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
                if k != "content-length"]
         raw.append((b"content-length", str(len(body)).encode("latin-1")))
         self.raw_headers = raw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            await send({"type": "http.response.body", "body": self.body})
+        finally:
+            if self.after is not None:
+                self.after()
 
 
 class EventStream(Response):
