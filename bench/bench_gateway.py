@@ -9,10 +9,13 @@ openai=...``). Each request names one of ``--programs`` program ids in turn, so 
 sees agent programs come back step after step. Reports p50/p99 latency and requests/s
 per target and the latency each gateway adds to ``direct`` (p50 difference), measured
 in the same run since these machines are shared and noisy; ``--rounds`` repeats the
-whole sweep. All processes share this machine's cores.
+whole sweep. With ``--against smg`` it ends with the headroom targets (added p50 at 1
+connection at most 2x ``smg``'s, p99 at 16 at most 10 ms, requests/s at 64 at least 0.5x
+``smg``'s): each round's figure and the median. All processes share this machine's
+cores.
 
     python bench/bench_gateway.py --against smg [--connections 1,16,64] [--seconds 5]
-        [--rounds 2] [--smg PATH] [--workers N] [--json out.json]
+        [--rounds 4] [--smg PATH] [--workers N] [--json out.json]
 
 Needs ``wrk`` (Debian: ``apt-get install wrk``) and, for ``--against smg``, the ``smg``
 command (``pip install sglang-router``, best in its own virtual environment; ``--smg``
