@@ -94,7 +94,7 @@ def test_every_step_reaches_the_one_policy_whichever_process_served_it(three: st
             break
         time.sleep(0.3)
     assert ok == 80
-    # the policy process kept the first connection (its requests need no round trip)
+    # the policy process kept the first connections (their requests need no round trip)
     # and handed the others to the workers in turn
     conns = metric(three, "mori_connections_total")
     assert conns.get("process=policy", 0) >= 1

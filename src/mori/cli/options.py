@@ -257,7 +257,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="simulated engine replicas to start when no --backend is given"),
     Option("workers", int, _SERVE.workers, metavar="N",
            help="gateway processes: 1 serves everything; N > 1 runs N-1 workers: the "
-                "policy process keeps the first open connection and hands the others to "
+                "policy process keeps the first two open connections, hands the others to "
                 "the workers, which ask it for admission"),
     Option("preset", str, _SERVE.preset, metavar="PRESET",
            help="hardware preset of the simulated engines (see `mori presets`)"),

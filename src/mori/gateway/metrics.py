@@ -227,7 +227,7 @@ class GatewayMetrics:
                                        ["worker"], registry=r)
         self.connections = Counter("mori_connections", "Client connections taken on the "
                                    "gateway's port by each process (mori serve --workers: "
-                                   "the policy process keeps the first open one, the "
+                                   "the policy process keeps the first two open, the "
                                    "workers take the rest in turn)", ["process"], registry=r)
         self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
         self.completion_tokens = Recorded(Counter("mori_completion_tokens",
