@@ -48,6 +48,15 @@ def test_small_grid_json_in_grid_order(tmp_path: Path, capsys: pytest.CaptureFix
     lines = out.splitlines()
     assert lines[0].split()[:4] == ["policy", "programs", "hardware", "cpu"]
     assert "TTFT p90 (s)" in lines[0] and "reloaded (M tok)" in lines[0]
+    # the p99 column stands right of the p90 one and shows each run's own value
+    p90_at = lines[0].index("TTFT p90 (s)")
+    p99_at = lines[0].index("TTFT p99 (s)")
+    assert p99_at > p90_at
+    shown = {(r["cpu_ratio"], r["programs"], r["policy"]): r for r in rows}
+    for ln, (cpu, n, pol) in zip(lines[2:2 + len(grid)], grid, strict=True):
+        cells = ln.split()
+        p99 = shown[(cpu, n, pol)]["ttft_p99_s"]
+        assert cells[8] == ("-" if p99 is None else format(p99, ".2f"))
     assert [ln.split()[0] for ln in lines[2:2 + len(grid)]] == [g[2] for g in grid]
     assert len(lines) == 2 + len(grid)  # --quiet: the table and nothing else
 

@@ -49,7 +49,7 @@ def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
 
 
 RESULT_HEADERS = ("policy", "programs", "hardware", "cpu", "tok/s", "steps/s", "TTFT mean (s)",
-                  "TTFT p90 (s)", "GPU busy %", "GPU hit %", "CPU hit %", "recomputed (M tok)",
+                  "TTFT p90 (s)", "TTFT p99 (s)", "GPU busy %", "GPU hit %", "CPU hit %", "recomputed (M tok)",
                   "reloaded (M tok)")
 
 
@@ -69,6 +69,7 @@ def results_table(results: Sequence[RunResult], per_replica: bool = False) -> st
          format(r.config.cpu_ratio, "g"),
          _num(r.output_tokens_per_s, ".1f"), _num(r.steps_per_s, ".3f"),
          _num(r.ttft_mean_s, ".2f"), _num(r.ttft_p90_s, ".2f"),
+         _num(r.ttft_p99_s, ".2f"),
          _num(r.gpu_busy_frac, ".1f", 100), _num(r.gpu_hit_rate, ".1f", 100),
          _num(r.cpu_hit_rate, ".1f", 100), _num(r.recomputed_tokens, ".2f", 1e-6),
          _num(r.reloaded_tokens, ".2f", 1e-6))
