@@ -1,9 +1,11 @@
-"""Helpers the benchmark scripts share: free ports, the open-file limit, a process's RSS,
-percentiles, the end of a log file. (Run from ``bench/``, so scripts import it by name.)"""
+"""Helpers the benchmark scripts share: free ports, the open-file limit, a process's RSS
+and CPU time, its children, percentiles, the end of a log file. (Run from ``bench/``, so
+scripts import it by name.)"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import socket
 
@@ -49,3 +51,32 @@ def tail(path: str, n: int) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return ""
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time a process has used so far (``/proc/PID/stat``), or
+    None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces; the fields after it start at ")"
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``, in pid order."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(entry))
+    return sorted(out)
