@@ -116,11 +116,17 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
     settings = GatewaySettings(time_scale=1.0)
     gw, engine, model = start(loop_thread, settings, gpu_kv_tokens=32_768)
     long = raw_request(gw, chat(model, "long", 20_000, 8_000))
+    sent = time.monotonic()
     held = raw_request(gw, chat(model, "held", 20_000, 8))
     try:
         wait_for(lambda: status(gw, "long") == ("reasoning", True), "the first request runs")
         wait_for(lambda: status(gw, "held") == ("gated", False), "the second is held")
         assert metric(engine.url, "mori_engine_requests_total") == 1
+        # the gauge of the longest wait counts the held request's wait as it grows
+        first = metric(gw.url, "mori_gate_oldest_wait_seconds")
+        time.sleep(0.3)
+        second = metric(gw.url, "mori_gate_oldest_wait_seconds")
+        assert first > 0 and first + 0.25 <= second <= time.monotonic() - sent
 
         held.close()  # the client leaves while its request is held
         wait_for(lambda: metric(gw.url, "mori_requests_total", status="499") == 1,
@@ -144,6 +150,7 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
         r = httpx.post(gw.url + CHAT, json=chat(model, "held", 20_000, 3), timeout=60)
         assert r.status_code == 200, r.text
         assert metric(engine.url, "mori_engine_requests_total") == 2
+        assert metric(gw.url, "mori_gate_oldest_wait_seconds") == 0  # none is held
     finally:
         long.close()
         held.close()

@@ -163,9 +163,11 @@ class Gateway:
         now = ctl.now()
         idleness, context = distributions(
             (p.tier.value, p.iota(now), p.tokens) for p in ctl.policy.programs.values())
+        oldest = next(ctl.policy.held_since(now), None)
         return GatewayState(
             programs={(t.value, s.value): n for (t, s), n in ctl.policy.status_counts().items()},
             gated=ctl.policy.held_count, replicas=rows,
+            oldest_wait_s=(now - oldest.ready_at) / ctl.settings.time_scale if oldest else 0.0,
             promotions={t.value: counts.promotions[t] for t in Tier},
             demotions={t.value: counts.demotions[t] for t in (Tier.CPU, Tier.NONE)},
             idleness=idleness, context=context)

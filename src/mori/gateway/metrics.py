@@ -93,13 +93,14 @@ class ReplicaRow:
 
 @dataclass(frozen=True, slots=True)
 class GatewayState:
-    """The state read at scrape time: programs per (tier, status), held requests, the
-    replicas, and the executor's promotions (by source tier) and demotions (by
-    destination)."""
+    """The state read at scrape time: programs per (tier, status), held requests and how
+    long the longest held has waited (wall seconds), the replicas, and the executor's
+    promotions (by source tier) and demotions (by destination)."""
 
     programs: dict[tuple[str, str], int]
     gated: int
     replicas: list[ReplicaRow]
+    oldest_wait_s: float = 0.0
     promotions: dict[str, int] = field(default_factory=dict)
     demotions: dict[str, int] = field(default_factory=dict)
     idleness: dict[str, Distribution] = field(default_factory=dict)
@@ -130,6 +131,10 @@ class _StateCollector(Collector):
         yield g
         yield GaugeMetricFamily("mori_gate_queue_length", "Requests held in the gateway now",
                                 value=s.gated)
+        yield GaugeMetricFamily("mori_gate_oldest_wait_seconds", "How long the request held "
+                                "longest has waited so far (0 when none is held): a program "
+                                "kept waiting shows here before its request ends; "
+                                "compare with --max-wait", value=s.oldest_wait_s)
         for name, doc in _REPLICA_GAUGES:
             fam = GaugeMetricFamily(f"mori_replica_{name}", doc, labels=["replica"])
             for i, row in enumerate(s.replicas):
