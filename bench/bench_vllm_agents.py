@@ -259,8 +259,9 @@ def turn_split(events: Any) -> dict[str, Any]:
     turns (their prefix was computed before: a miss is a recompute the cache could have
     saved), from the usage the engine returned to the client with each completed
     request."""
-    out: dict[str, Any] = {"first_turn_prompt": 0, "first_turn_recomputed": 0, "later_turn_prompt": 0,
-           "later_turn_recomputed": 0, "requests_with_usage": 0}
+    out: dict[str, Any] = {"first_turn_prompt": 0, "first_turn_recomputed": 0,
+                           "later_turn_prompt": 0, "later_turn_recomputed": 0,
+                           "requests_with_usage": 0}
     for e in events:
         if e.error is not None or e.end_s is None or e.prompt_tokens is None:
             continue

@@ -30,6 +30,11 @@ from typing import Any
 
 from mori.core.costmodel import CostModel, get_preset
 
+NEEDED = ("hardware", "cpu_ratio", "replicas", "programs_per_replica", "duration_s",
+          "ttft_p90_s", "requests_waiting_at_end", "wait_max_at_end_s", "demotions_to_none",
+          "recomputed_tokens")
+"""The fields of a run the estimate reads."""
+
 
 def rows(runs: list[dict[str, Any]], within: float) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
@@ -58,9 +63,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--within", type=float, default=4.0,
                     help="the bound on a parked request's wait, in multiples of p90 (default 4)")
     args = ap.parse_args(argv)
-    with open(args.sweep) as f:
-        data = json.load(f)
-    runs = data["runs"] if isinstance(data, dict) else data
+    try:
+        with open(args.sweep) as f:
+            data = json.load(f)
+    except OSError as e:
+        ap.error(f"cannot read {args.sweep}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        ap.error(f"{args.sweep}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})")
+    runs = data.get("runs") if isinstance(data, dict) else data
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        ap.error(f"{args.sweep}: expected a sweep.json (an object with 'runs') or a list of "
+                 "runs from `mori simulate --json`")
+    missing = sorted({k for r in runs if r.get("policy") == "mori" for k in NEEDED
+                      if k not in r})
+    if missing:
+        ap.error(f"{args.sweep}: its mori runs lack {', '.join(missing)}; rerun the sweep "
+                 "with this version of mori (`mori sweep ... --fresh`)")
     head = ("preset", "CPU", "DP", "programs / replica", "parked", "drops/h", "recompute %",
             "bound (s)", "readmits/h", "extra %")
     print("| " + " | ".join(head) + " |")

@@ -60,3 +60,21 @@ def test_main_reads_a_sweep_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| preset |") and len(lines) == 3
     assert lines[2].startswith(f"| {PRESET} | 1x | 1 | 80 | 50 |")
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "cannot read"),
+    ("{bad", "not JSON (line 1"),
+    ('{"runs": 3}', "expected a sweep.json"),
+    ('[{"policy": "mori", "hardware": "h200-qwen3-30b-a3b"}]', "lack cpu_ratio"),
+])
+def test_bad_files_get_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      content: str | None, says: str) -> None:
+    path = tmp_path / "sweep.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        load().main([str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

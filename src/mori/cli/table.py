@@ -49,8 +49,8 @@ def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
 
 
 RESULT_HEADERS = ("policy", "programs", "hardware", "cpu", "tok/s", "steps/s", "TTFT mean (s)",
-                  "TTFT p90 (s)", "TTFT p99 (s)", "GPU busy %", "GPU hit %", "CPU hit %", "recomputed (M tok)",
-                  "reloaded (M tok)")
+                  "TTFT p90 (s)", "TTFT p99 (s)", "GPU busy %", "GPU hit %", "CPU hit %",
+                  "recomputed (M tok)", "reloaded (M tok)")
 
 
 def shown_programs(r: RunResult, per_replica: bool) -> int:
