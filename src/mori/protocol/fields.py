@@ -31,6 +31,12 @@ from mori.protocol.errors import RequestError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"
+"""Anthropic's Messages API (Claude Code's path; it adds the query ``?beta=true``)."""
+COUNT_TOKENS = "/v1/messages/count_tokens"
+"""Anthropic's token counting: ``{"input_tokens": n}`` for a Messages body."""
+RESPONSES = "/v1/responses"
+"""OpenAI's Responses API (Codex's path)."""
 PROGRAM_ID_HEADER = "X-Program-Id"
 ANONYMOUS_PREFIX = "anon-"
 """The prefix of the ids the gateway makes up for anonymous requests; reserved: a client's
