@@ -7,7 +7,7 @@ completion (a growing synthetic prompt in the ``mori`` field, ``--max-tokens`` o
 streamed for a ``--stream`` share of programs), a tool gap (exponential, mean
 ``--tool-time`` wall seconds), for ``--steps-per-program`` steps; then it releases itself
 (except a ``--never-release-share`` of programs, which the gateway must end by its
-``--program-ttl``) and a new program, with a new id, takes its slot. 429 and 503 answers
+``--program-idle-timeout``) and a new program, with a new id, takes its slot. 429 and 503 answers
 that carry ``Retry-After`` are retried after that long (counted as retries, not errors).
 At the end, programs still running are released (never-release ones are left), the
 gateway's program list is counted, then counted again after the TTL has passed.
@@ -219,13 +219,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     serve_args: list[str] = []
     for a in args.serve_arg:
         serve_args.extend(a.split())
-    ttl_s = serve_flag(serve_args, "--program-ttl")
+    ttl_s = serve_flag(serve_args, "--program-idle-timeout")
     ttl = float(ttl_s) if ttl_s is not None else args.program_ttl
     scale_s = serve_flag(serve_args, "--time-scale")
     scale = float(scale_s) if scale_s is not None else args.time_scale
     port = free_port()
     cmd = [sys.executable, "-m", "mori", "serve", "--port", str(port),
-           "--time-scale", str(args.time_scale), "--program-ttl", str(args.program_ttl),
+           "--time-scale", str(args.time_scale), "--program-idle-timeout", str(args.program_ttl),
            "--log-level", args.log_level, *serve_args]
     log_path = args.serve_log or tempfile.mkstemp(prefix="mori-soak-", suffix=".log")[1]
     log_f: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 (closed in finally)
@@ -368,7 +368,7 @@ def main() -> None:
     ap.add_argument("--growth-tokens", type=int, default=32, help="new prompt tokens a step")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--time-scale", type=float, default=20.0, help="serve's --time-scale")
-    ap.add_argument("--program-ttl", type=float, default=30.0, help="serve's --program-ttl")
+    ap.add_argument("--program-ttl", type=float, default=30.0, help="serve's --program-idle-timeout")
     ap.add_argument("--log-level", default="info", help="serve's --log-level")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="more serve flags, repeatable, split on spaces "

@@ -289,8 +289,27 @@ SERVE_OPTIONS: tuple[Option, ...] = (
                 "before the stream is cut off and the engine's request aborted"),
     Option("retry_after", float, _GATEWAY.retry_after_s, metavar="S", field="retry_after_s",
            help="Retry-After seconds on 429/503"),
-    Option("program_ttl", float, _GATEWAY.program_ttl_s, metavar="S", field="program_ttl_s",
-           help="release a program idle this many wall seconds without a request; 0 never"),
+    Option("program_idle_timeout", float, _GATEWAY.program_ttl_s, metavar="S",
+           field="program_ttl_s",
+           help="release a program (an agent's session context) that sends nothing for this "
+                "many wall seconds, its KV labelled inactive; 0 never"),
+    Option("program_id_from", str, ",".join(_GATEWAY.program_id_from), multi=True,
+           metavar="LIST",
+           help="the recognisers that name a request's program, in the order tried: "
+                "program-id (body program_id, X-Program-Id), claude-code (its session "
+                "header or metadata.user_id), codex (its session-id / thread-id and "
+                "window headers), prompt-cache-key (the body's prompt_cache_key), "
+                "session-header (X-Session-Id); a request none names is anonymous"),
+    Option("model_alias", str, None, repeat=True, field="model_aliases",
+           metavar="PATTERN=SERVED",
+           help="serve model names matching PATTERN (shell-style, e.g. 'claude-*') with the "
+                "served model SERVED (repeatable; the first match wins)"),
+    Option("record", str, None, metavar="FILE.jsonl.gz",
+           help="append every program's steps to this trace file (MORI's trace format; "
+                "`mori trace stats` and `mori simulate --traces` read it); no prompt text "
+                "unless --record-text"),
+    Option("record_text", bool, _GATEWAY.record_text,
+           help="keep each step's new prompt text in the --record file (default: off)"),
     Option("max_body_bytes", int, _GATEWAY.max_body_bytes, metavar="N",
            help="largest request body accepted; larger gets 413"),
     Option("max_program_id_bytes", int, _GATEWAY.max_program_id_bytes, metavar="N",

@@ -38,7 +38,7 @@ def frame(snap: Snapshot, sample: Sample | None) -> dict[str, Any]:
         "programs": [[p.program_id, round(p.iota, 4), p.status.value, p.tier.value, p.replica,
                       p.context_tokens,
                       None if p.since_request_s is None else round(p.since_request_s, 1),
-                      p.steps] for p in snap.programs],
+                      p.steps, p.agent, p.tools] for p in snap.programs],
         "tiers": [[r.replica, r.gpu_tokens, r.gpu_capacity, r.cpu_tokens, r.cpu_capacity,
                    r.gpu_programs, r.cpu_programs] for r in snap.tiers],
         "gated": [[g.program_id, round(g.waited_s, 2), g.tier.value, g.replica,

@@ -7,7 +7,7 @@ nothing is changed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mori.core.decisions import Demote, Promote
@@ -18,7 +18,9 @@ from mori.core.types import Status, Tier
 
 @dataclass(frozen=True, slots=True)
 class ProgramRow:
-    """One program. ``since_request_s``: seconds since its latest request arrived."""
+    """One program. ``since_request_s``: seconds since its latest request arrived.
+    ``agent``: its agent kind and ``tools`` the tools it called, most used first (the
+    gateway knows them from the wire; empty in the simulator)."""
 
     program_id: str
     iota: float
@@ -28,6 +30,8 @@ class ProgramRow:
     context_tokens: int
     since_request_s: float | None
     steps: int
+    agent: str = ""
+    tools: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,18 +94,22 @@ class Snapshot:
 
 
 def take_snapshot(policy: Policy, now: float, decisions: Sequence[DecisionRecord] = (),
-                  time_scale: float = 1.0) -> Snapshot:
+                  time_scale: float = 1.0,
+                  agents: Mapping[str, tuple[str, str]] | None = None) -> Snapshot:
     """The state of ``policy`` at policy time ``now``.
 
     ``decisions``: the records to show, newest first. ``time_scale``: policy seconds per
     second shown (the gateway's ``--time-scale``; durations are divided by it).
+    ``agents``: program id -> (agent kind, tools), where known.
     """
     rows = []
+    known = agents or {}
     for p in policy.programs.values():
         last = p.history[-1].arrived if p.history else None
         since = (now - last) / time_scale if last is not None else None
+        agent, tools = known.get(p.program_id, ("", ""))
         rows.append(ProgramRow(p.program_id, p.iota(now), p.status, p.tier, p.replica,
-                               p.tokens, since, p.steps_done))
+                               p.tokens, since, p.steps_done, agent, tools))
     rows.sort(key=lambda r: (r.iota, r.program_id))
     held = sorted(policy.ready_programs, key=lambda p: p.ready_seq)
     gated = tuple(

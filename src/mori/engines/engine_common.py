@@ -27,6 +27,7 @@ from mori.engines.base import (
 from mori.engines.http import OpenAIHTTPAdapter
 from mori.engines.kvevents import KVEventSubscriber
 from mori.engines.kvindex import KVBlockIndex
+from mori.protocol.fields import CHAT, MESSAGES, RESPONSES
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,21 @@ def tokenize_payload(body: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def warmup_body(body: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a request that asks for one output token, not streamed (a warm-up)."""
+def warmup_body(body: dict[str, Any], path: str = CHAT) -> dict[str, Any]:
+    """A copy of a request that asks for the fewest output tokens its API allows, not
+    streamed (a warm-up): one (chat, completions, Messages), 16 (Responses' least
+    ``max_output_tokens``)."""
     warm = copy.deepcopy(body)
-    warm["max_tokens"] = 1
-    if "max_completion_tokens" in warm:
-        warm["max_completion_tokens"] = 1
     warm["stream"] = False
     warm.pop("stream_options", None)
+    if path == RESPONSES:
+        warm["max_output_tokens"] = 16
+        return warm
+    warm["max_tokens"] = 1
+    if path == MESSAGES:
+        return warm
+    if "max_completion_tokens" in warm:
+        warm["max_completion_tokens"] = 1
     warm["n"] = 1
     return warm
 
@@ -174,7 +182,7 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
         the engine cannot be reached or refuses it."""
         if Capability.PREFETCH not in self.capabilities:
             raise NotSupportedError(f"{self.engine_name} {self.url} {self.no_prefetch}")
-        resp = await self.forward(path, warmup_body(body), False,
+        resp = await self.forward(path, warmup_body(body, path), False,
                                   RequestHints(program_id=program_id))
         await resp.aclose()
         if resp.status >= 400:

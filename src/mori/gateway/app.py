@@ -28,13 +28,15 @@ from mori.core.policies import build_policy
 from mori.core.policy import Policy
 from mori.core.types import Capability, Tier
 from mori.engines.base import EngineAdapter, KVCapacity, NotSupportedError, UpstreamError
+from mori.gateway.aliases import ModelAliases
 from mori.gateway.auth import Access, KeyRing, Principal
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
 from mori.gateway.dashboard import STATE_PATH, LiveDashboard
 from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow, distributions
-from mori.gateway.parsing import CHAT, COMPLETIONS
+from mori.gateway.record import TraceRecorder
+from mori.protocol.apis import API_BY_PATH
 from mori.protocol.fields import anonymous_program_id
 from mori.protocol.responses import error_response
 
@@ -71,6 +73,7 @@ class Gateway:
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
+        self.aliases = ModelAliases.parse(settings.model_aliases)
         self.dashboard = LiveDashboard(self)
 
     @property
@@ -109,6 +112,9 @@ class Gateway:
                                f"{[c.page_tokens for c in self.capacities]}")
         policy = policy_for(self.settings, self.capacities)
         self.controller = Controller(policy, self.adapters, self.metrics, self.settings)
+        if self.settings.record is not None:
+            self.controller.recorder = TraceRecorder(self.settings.record,
+                                                     keep_text=self.settings.record_text)
         self.metrics.watch(self.state)
         await self.refresh_models()
 
@@ -203,8 +209,7 @@ class Routes:
 
     def table(self) -> list[Route]:
         return [
-            Route(CHAT, self.endpoint, methods=["POST"]),
-            Route(COMPLETIONS, self.endpoint, methods=["POST"]),
+            *(Route(path, self.endpoint, methods=["POST"]) for path in API_BY_PATH),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/programs", self.programs, methods=["GET"]),
             Route("/v1/programs/{program_id:path}/release", self.release, methods=["POST"]),
@@ -252,12 +257,7 @@ class Routes:
             return unauthorized()
         rows = self.gw.ctl.describe_all()
         if p.access is not Access.ADMIN:
-            mine = []
-            for row in rows:
-                own = p.external(row["program_id"])
-                if own is not None:
-                    mine.append({**row, "program_id": own})
-            rows = mine
+            rows = [mine for row in rows if (mine := _as_seen_by(p, row)) is not None]
         return JSONResponse({"object": "list", "data": rows})
 
     async def program(self, request: Request) -> Response:
@@ -269,7 +269,7 @@ class Routes:
         d = self.gw.ctl.describe(internal)
         if d is None:
             return _no_program(pid)
-        return JSONResponse({**d, "program_id": pid})
+        return JSONResponse(d if p.access is Access.ADMIN else _as_seen_by(p, d))
 
     async def release(self, request: Request) -> Response:
         p = self._principal(request)
@@ -332,6 +332,19 @@ class Routes:
                 and (denied := self._denied(request, admin=True)) is not None:
             return denied
         return Response(self.gw.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _as_seen_by(p: Principal, row: dict[str, Any]) -> dict[str, Any] | None:
+    """A program's description with the ids (program, session, parent) as ``p`` names
+    them; None if the program is another key's."""
+    own = p.external(row["program_id"])
+    if own is None:
+        return None
+    out = {**row, "program_id": own}
+    for key in ("session", "parent"):
+        if isinstance(out.get(key), str):
+            out[key] = p.external(out[key])
+    return out
 
 
 def _no_program(pid: str) -> Response:

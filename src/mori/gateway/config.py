@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from mori.core.policies import POLICIES
 from mori.core.policy import PolicyConfig
+from mori.gateway.aliases import ModelAliases
+from mori.gateway.identity import DEFAULT_ORDER, parse_order
 from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES, MAX_PROGRAM_ID_BYTES_LIMIT
 
 
@@ -34,6 +36,11 @@ class GatewaySettings:
     ``api_keys`` and ``admin_keys``: the keys of ``mori.gateway.auth`` (none: every
     endpoint open; never shown in the repr). ``public_metrics``: ``/metrics`` without an
     admin key when keys are set.
+    ``program_id_from``: the recognisers that name a request's program, in the order
+    tried (``mori.gateway.identity``). ``model_aliases``: ``PATTERN=SERVED`` rules
+    mapping the model names clients ask for onto served ones (``mori.gateway.aliases``).
+    ``record``: a trace file every program's steps are appended to (None: none);
+    ``record_text``: keep the prompts' text in it.
     """
 
     policy: str = "mori"
@@ -54,8 +61,16 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     public_metrics: bool = False
+    program_id_from: tuple[str, ...] = DEFAULT_ORDER
+    model_aliases: tuple[str, ...] = ()
+    record: str | None = None
+    record_text: bool = False
 
     def __post_init__(self) -> None:
+        # lists (a config file, a worker's JSON) become tuples; names and rules checked
+        object.__setattr__(self, "program_id_from", parse_order(self.program_id_from))
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
+        ModelAliases.parse(self.model_aliases)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
         for name in ("time_scale", "gate_timeout_s", "health_interval_s",

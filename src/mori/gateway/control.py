@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +28,12 @@ from mori.core.explain import context_reader
 from mori.core.policy import Policy
 from mori.core.types import KVLabel, Status
 from mori.engines.base import EngineAdapter
+from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
 from mori.gateway.gate import Admission, GateRejected, HeldRequest, ProgramInfo
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
+from mori.gateway.record import StepRecord, TraceRecorder
 from mori.gateway.replicas import Replicas
 
 log = logging.getLogger("mori.gateway")
@@ -60,6 +63,9 @@ class Controller:
                                          _Target(self), self.log)
         self._orphans: list[str] = []
         self._ticker: asyncio.Task[None] | None = None
+        self.sessions: dict[str, set[str]] = {}  # a client session's live programs
+        self.recorder: TraceRecorder | None = None  # set by the gateway (--record)
+        self._epoch_offset = time.time() - self._wall()
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -85,6 +91,12 @@ class Controller:
         for p in self.programs.values():
             if p.held is not None:
                 p.held.reject(503, "the gateway is shutting down")
+        if self.recorder is not None:
+            try:
+                self.recorder.close(self.epoch(self.wall()))
+            except Exception:
+                log.exception("closing the recorded trace failed")
+            self.recorder = None
 
     async def _tick_loop(self, period_s: float) -> None:
         while True:
@@ -101,13 +113,13 @@ class Controller:
         self.decide()
 
     # -- the request path ---------------------------------------------------------------
-    async def lease(self, program_id: str, prompt_tokens: int,
-                    anonymous: bool = False) -> RequestLease:
+    async def lease(self, program_id: str, prompt_tokens: int, anonymous: bool = False,
+                    facts: RequestFacts | None = None) -> RequestLease:
         """Admit the request (waiting while it is held) and lease its replica.
 
         Raises ``GateRejected``: 409, 429, 503 (held too long, or its replica is down).
         """
-        adm = await self.admit(program_id, prompt_tokens, anonymous)
+        adm = await self.admit(program_id, prompt_tokens, anonymous, facts)
         lease = RequestLease(self, program_id, adm, prompt_tokens)
         r = lease.replica
         if not r.healthy:
@@ -116,9 +128,10 @@ class Controller:
                                "later", self.settings.retry_after_s)
         return lease
 
-    async def admit(self, program_id: str, prompt_tokens: int, anonymous: bool = False
-                    ) -> Admission:
-        """Report the request and wait until the policy forwards it."""
+    async def admit(self, program_id: str, prompt_tokens: int, anonymous: bool = False,
+                    facts: RequestFacts | None = None) -> Admission:
+        """Report the request and wait until the policy forwards it. ``facts``: what the
+        request says of its agent (``mori.gateway.agents``)."""
         s = self.settings
         info = self.programs.get(program_id)
         if info is not None and info.in_flight:
@@ -127,9 +140,15 @@ class Controller:
         if info is not None and info.release_pending:
             raise GateRejected(409, "this program was released")
         if info is None:
-            info = self.programs[program_id] = ProgramInfo(program_id)
+            info = self.programs[program_id] = self._new_program(program_id, facts)
         info.anonymous = anonymous
         info.last_seen = self.wall()
+        if facts is not None and not (info.held is not None and info.held.waiting):
+            info.arrived_wall = info.last_seen
+            info.text = facts.text
+            took = info.agent.arrived(facts, info.last_seen)
+            if took is not None:
+                self.metrics.tool_time.labels(info.agent.agent).observe(took)
         pol = self.policy.programs.get(program_id)
         loop = self._loop
         if loop is None:  # kept: get_running_loop makes a system call (mori.engines.h1)
@@ -177,8 +196,37 @@ class Controller:
         if info is not None and info.in_flight:
             self.policy.observe(KVReady(program_id), self.now())
 
-    def finished(self, program_id: str, context_tokens: int) -> None:
-        """The forwarded request ended (normally, by error, or the client left)."""
+    def _new_program(self, program_id: str, facts: RequestFacts | None) -> ProgramInfo:
+        """A program's first request: its agent, and its parent where one of its
+        session's programs is in a tool call (a subagent starts in its parent's tool
+        call: the latest such to have begun)."""
+        info = ProgramInfo(program_id)
+        if facts is None:
+            return info
+        track = info.agent
+        track.recogniser, track.agent, track.session = (facts.recogniser, facts.agent,
+                                                        facts.session)
+        if facts.session is not None:
+            members = self.sessions.setdefault(facts.session, set())
+            callers = [(p.agent.last_end or 0.0, pid) for pid in members
+                       if (p := self.programs.get(pid)) is not None and p.agent.in_tool]
+            if callers:
+                track.parent = max(callers)[1]
+            members.add(program_id)
+        if self.recorder is not None:
+            self.recorder.start(program_id, recogniser=facts.recogniser, agent=facts.agent,
+                                session=facts.session, parent=track.parent,
+                                at=self.epoch(self.wall()))
+        return info
+
+    def epoch(self, wall: float) -> float:
+        """Unix time of a wall-clock reading (the recorded trace's clock)."""
+        return wall + self._epoch_offset
+
+    def finished(self, program_id: str, context_tokens: int,
+                 step: StepFacts | None = None) -> None:
+        """The forwarded request ended (normally, by error, or the client left);
+        ``step``: what its answer said (usage, tool calls), where it was read."""
         info = self.programs.get(program_id)
         if info is None or not info.in_flight:
             return
@@ -186,6 +234,9 @@ class Controller:
         info.last_seen = self.wall()
         info.context_tokens = max(context_tokens, info.prompt_tokens)
         info.steps += 1
+        info.agent.ended(step, info.last_seen)
+        if self.recorder is not None and not info.anonymous and step is not None:
+            self._record_step(info, step)
         self.policy.observe(StepFinished(program_id, info.context_tokens), self.now())
         if info.anonymous or info.release_pending:
             self._end(program_id)
@@ -206,10 +257,36 @@ class Controller:
         self.decide()
         return True
 
+    def _record_step(self, info: ProgramInfo, step: StepFacts | None) -> None:
+        assert self.recorder is not None
+        s = step or StepFacts()
+        prompt = s.prompt_tokens if s.prompt_tokens is not None else info.prompt_tokens
+        output = s.output_tokens if s.output_tokens is not None else max(
+            0, info.context_tokens - prompt)
+        rec = StepRecord(arrival=self.epoch(info.arrived_wall or info.last_seen),
+                         ended=self.epoch(info.last_seen), prompt_tokens=prompt,
+                         cached_tokens=s.cached_tokens, output_tokens=output,
+                         tool_names=s.tool_names, text=info.text)
+        try:
+            self.recorder.step(info.program_id, rec)
+        except Exception:  # recording must never take serving down
+            log.exception("recording a step of %s failed", info.program_id)
+
     def _end(self, program_id: str) -> None:
         if program_id in self.policy.programs:
             self.policy.observe(ProgramEnded(program_id), self.now())
-        self.programs.pop(program_id, None)
+        info = self.programs.pop(program_id, None)
+        if info is not None and info.agent.session is not None:
+            members = self.sessions.get(info.agent.session)
+            if members is not None:
+                members.discard(program_id)
+                if not members:
+                    del self.sessions[info.agent.session]
+        if self.recorder is not None and info is not None and not info.anonymous:
+            try:
+                self.recorder.end(program_id, self.epoch(self.wall()))
+            except Exception:
+                log.exception("recording the end of %s failed", program_id)
 
     def _expire_programs(self) -> None:
         ttl = self.settings.program_ttl_s
@@ -269,6 +346,7 @@ class Controller:
                            "finished": last.finished} if last is not None else None),
             "in_flight": bool(info and info.in_flight),
             "anonymous": bool(info and info.anonymous),
+            **(info.agent.as_dict() if info is not None else {}),
         }
 
     def describe_all(self) -> list[dict[str, Any]]:

@@ -92,8 +92,11 @@ class LiveDashboard:
     def state(self) -> dict[str, Any]:
         ctl = self.gw.ctl
         s = self.gw.settings
+        agents = {pid: (info.agent.agent, ", ".join(
+                      f"{n} ×{c}" for n, c in info.agent.tools.most_common(5)))
+                  for pid, info in ctl.programs.items() if not info.anonymous}
         snap = take_snapshot(ctl.policy, ctl.now(), ctl.log.latest(DECISIONS_SHOWN),
-                             time_scale=s.time_scale)
+                             time_scale=s.time_scale, agents=agents)
         return {
             "frame": frame(snap, self.history.latest),
             "charts": charts(self.history, (-self.keep_s, 0.0), origin=ctl.wall(),

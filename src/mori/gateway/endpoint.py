@@ -15,26 +15,38 @@ upstream: the engine's request is aborted). Streams watch their client themselve
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from mori.gateway.agents import RequestFacts
 from mori.gateway.auth import Access
-from mori.gateway.parsing import CHAT, COMPLETIONS, parse_request
-from mori.gateway.proxy import serve_completion
+from mori.gateway.identity import HEADERS_READ, Seen, recognise
+from mori.gateway.parsing import ClientRequest, parse_request
+from mori.gateway.proxy import serve_completion, serve_count_tokens
+from mori.protocol.apis import API_BY_PATH, ApiSpec, carries_tool_results, last_turn_text
 from mori.protocol.errors import RequestError
-from mori.protocol.responses import error_response
+from mori.protocol.responses import api_error_response, request_error_response
 
 if TYPE_CHECKING:
     from mori.gateway.serving import Serving as Gateway
 
-FAST_PATHS = frozenset((CHAT, COMPLETIONS))
+FAST_PATHS = frozenset(API_BY_PATH)
 WATCH_AFTER_S = 0.05
 """How long a request runs before the gateway starts watching for its client to leave."""
-_WANTED = frozenset((b"authorization", b"content-length", b"x-program-id"))
+_WANTED = frozenset((b"authorization", b"x-api-key", b"content-length")) | HEADERS_READ
+
+
+def credentials(headers: dict[bytes, str]) -> str | None:
+    """The request's key as an ``Authorization`` value: the header itself, or the
+    Messages API's ``x-api-key`` (Anthropic's clients send the key there)."""
+    auth = headers.get(b"authorization")
+    if auth is None and (key := headers.get(b"x-api-key")):
+        auth = "Bearer " + key
+    return auth
 
 
 class ClientGone(Exception):
@@ -42,14 +54,17 @@ class ClientGone(Exception):
 
 
 def unauthorized(message: str = "a valid API key is required: send 'Authorization: Bearer "
-                 "KEY'") -> Response:
-    resp = error_response(401, message, None, "invalid_api_key")
+                 "KEY' (or, on /v1/messages, 'x-api-key: KEY')",
+                 spec: ApiSpec | None = None) -> Response:
+    resp = api_error_response(spec, 401, message, None, "invalid_api_key")
     resp.headers["WWW-Authenticate"] = "Bearer"
     return resp
 
 
 class CompletionEndpoint:
-    """``POST /v1/chat/completions`` and ``POST /v1/completions`` (an ASGI app)."""
+    """Every model-calling path of ``mori.protocol.apis`` (an ASGI app): chat and
+    completions, Anthropic's Messages and its token counting, OpenAI's Responses.
+    Errors come in the shape of the API the request came in on."""
 
     __slots__ = ("gw", "_counters", "_loop")
 
@@ -68,11 +83,12 @@ class CompletionEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
         path: str = scope["path"]
+        spec = API_BY_PATH[path]
         headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _WANTED}
-        principal = gw.keys.identify(headers.get(b"authorization"))
+        principal = gw.keys.identify(credentials(headers))
         if principal.access is Access.NONE:
             self._count(path, 401)
-            await unauthorized()(scope, receive, send)
+            await unauthorized(spec=spec)(scope, receive, send)
             return
         s = gw.settings
         try:
@@ -81,22 +97,41 @@ class CompletionEndpoint:
                                 principal.id_limit(s.max_program_id_bytes))
         except RequestError as e:
             self._count(path, e.status)
-            await e.response()(scope, receive, send)
+            await request_error_response(spec, e)(scope, receive, send)
             return
         except ClientGone:
             self._count(path, 499)
             return
-        anonymous = req.program_id is None
-        req.program_id = principal.internal(req.program_id or gw.anonymous_id())
         loop = self._loop
         if loop is None:  # kept: get_running_loop makes a system call (mori.engines.h1)
             loop = self._loop = asyncio.get_running_loop()
-        resp = await unless_client_leaves(receive, serve_completion(gw, req, anonymous), loop)
+        if not spec.generates:
+            work = serve_count_tokens(gw, req)
+        else:
+            facts = self._name_program(req, headers, principal.internal)
+            work = serve_completion(gw, req, facts.recogniser == "anonymous", facts)
+        resp = await unless_client_leaves(receive, work, loop)
         if resp is None:  # the client left: nobody to answer
             self._count(path, 499)
             return
         self._count(path, resp.status_code)
         await resp(scope, receive, send)
+
+
+    def _name_program(self, req: ClientRequest, headers: dict[bytes, str],
+                      internal: Callable[[str], str]) -> RequestFacts:
+        """Name the request's program (``mori.gateway.identity``; in the caller's key
+        namespace, ``internal``) and say what the request tells of its agent."""
+        gw = self.gw
+        rec = recognise(gw.settings.program_id_from, req.spec,
+                        Seen(headers, req.body, req.program_id))
+        req.program_id = internal(rec.program_id or gw.anonymous_id())
+        session = rec.session if rec.recogniser != "program-id" else None
+        return RequestFacts(rec.recogniser, rec.agent,
+                            None if session is None else internal(session),
+                            carries_tool_results(req.spec, req.body),
+                            last_turn_text(req.spec, req.body) if gw.settings.record_text
+                            else None)
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:

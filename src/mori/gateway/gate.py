@@ -12,7 +12,9 @@ vanish, and no program is left Reasoning.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from mori.gateway.agents import AgentTrack
 
 
 class GateRejected(Exception):
@@ -72,3 +74,6 @@ class ProgramInfo:
     last_seen: float = 0.0
     held: HeldRequest | None = None
     orphan_forwards: int = 0
+    arrived_wall: float = 0.0  # when its latest request arrived
+    text: str | None = None  # its latest prompt's last turn (recorded with --record-text)
+    agent: AgentTrack = field(default_factory=AgentTrack)

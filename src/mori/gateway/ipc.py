@@ -8,12 +8,13 @@ id; the policy process answers on the same connection (``mori.gateway.workers``)
 The messages (``W>`` from a worker, ``P>`` from the policy process):
 
 - ``W> hello {worker}`` / ``P> hello {gpu_tokens}``: once, first.
-- ``W> admit {id, pid, tokens, anon}``: a request arrived; ``P> go {id, replica,
+- ``W> admit {id, pid, tokens, anon, facts}``: a request arrived; ``P> go {id, replica,
   reloaded, priority}`` once the policy forwards it and the replica's earlier KV controls
   have run, or ``P> reject {id, status, message, retry_after}``.
 - ``W> abandon {id}``: the client left before ``go`` (or just as it came).
 - ``W> kv_ready {id}``, ``W> failed {id, message, unhealthy}``, ``W> finish {id,
-  context}``: the lease's events (``mori.gateway.lease``).
+  context, step}``: the lease's events (``mori.gateway.lease``); ``facts`` and ``step`` are ``mori.gateway.agents``'s
+  ``RequestFacts`` and ``StepFacts`` as dicts.
 - ``W> counts {...}``: the worker's metric increments since its last report.
 """
 

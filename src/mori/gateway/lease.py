@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.core.types import Capability
 from mori.engines.base import EngineAdapter, UpstreamError
+from mori.gateway.agents import StepFacts
 from mori.gateway.gate import Admission
 from mori.gateway.replicas import Replica
 
@@ -92,10 +93,11 @@ class RequestLease:
             log.warning("program %s on replica %d: %s", self.program_id, self.replica.index,
                         e.message)
 
-    def finish(self, context_tokens: int) -> None:
-        """The request ended (normally, by error, or the client left): once."""
+    def finish(self, context_tokens: int, step: StepFacts | None = None) -> None:
+        """The request ended (normally, by error, or the client left): once. ``step``:
+        what its answer said (``mori.gateway.agents``)."""
         if self._done:
             return
         self._done = True
         self.replica.in_flight -= 1
-        self._ctl.finished(self.program_id, context_tokens)
+        self._ctl.finished(self.program_id, context_tokens, step)

@@ -235,6 +235,11 @@ class GatewayMetrics:
                                    "the policy process keeps the first two open, the "
                                    "workers take the rest in turn)", ["process"], registry=r)
         self.prompt_tokens = Counter("mori_prompt_tokens", "Prompt tokens forwarded", registry=r)
+        self.tool_time = Histogram("mori_tool_call_seconds", "Time an agent spent in tool "
+                                   "calls, measured on the wire: from an answer that ended in "
+                                   "a tool call to the request returning its results, by "
+                                   "agent kind", ["agent"], buckets=_LATENCY_BUCKETS,
+                                   registry=r)
         self.completion_tokens = Recorded(Counter("mori_completion_tokens",
                                                   "Completion tokens returned", registry=r),
                                           keep=0)  # the dashboard reads only the total

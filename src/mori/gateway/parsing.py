@@ -1,4 +1,4 @@
-"""Reading a client's request: validation, MORI's own fields, prompt size, usage.
+"""Reading a client's request: validation, MORI's own fields, prompt size.
 
 A request's program id is the body's ``program_id`` (a string) or the ``X-Program-Id``
 header (its bytes read as UTF-8; the body wins when both are given, and both are
@@ -15,19 +15,18 @@ is bounded before (``max_body_bytes``). Whatever the bytes, parsing raises nothi
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from mori.protocol.apis import API_BY_PATH, ApiSpec, check_body, output_limit
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import (
     CHAT,
     COMPLETIONS,
     DEFAULT_MAX_PROGRAM_ID_BYTES,
-    KV_READY_LINE,
     program_id_field,
     program_id_header,
     synthetic_field,
@@ -35,8 +34,7 @@ from mori.protocol.fields import (
 from mori.protocol.tokens import text_prompt_tokens
 
 __all__ = ["CHAT", "COMPLETIONS", "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "ClientRequest",
-           "StreamWatcher", "decode_body", "estimate_prompt_tokens", "max_output_tokens",
-           "parse_request", "usage_tokens"]
+           "decode_body", "estimate_prompt_tokens", "max_output_tokens", "parse_request"]
 
 MAX_JSON_DEPTH = 128
 """The deepest nesting of arrays and objects a request body may have (the top level is 1;
@@ -56,6 +54,7 @@ class ClientRequest:
     stream: bool
     model: str
     synthetic: dict[str, Any] | None  # the ``mori`` field, validated
+    spec: ApiSpec  # the API it came in on
 
 
 def decode_body(raw: bytes) -> Any:
@@ -124,32 +123,14 @@ def parse_request(path: str, raw: bytes, header_program: str | bytes | None,
                   max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES) -> ClientRequest:
     """The client's request: ``raw`` its body, ``header_program`` its ``X-Program-Id``
     header (the ASGI bytes, or as Starlette gives it: latin-1 decoded). ``RequestError``
-    for bad input."""
+    for bad input (``mori.protocol.apis.check_body`` for the API's shape)."""
+    spec = API_BY_PATH.get(path)
+    if spec is None:
+        raise RequestError(404, f"the gateway serves no {path!r}")
     body = decode_body(raw)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise RequestError(400, "missing required field 'model' (a string)", "model")
-    if path == CHAT:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise RequestError(400, "'messages' must be a non-empty array", "messages")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise RequestError(400, f"messages[{i}] must be an object with a string 'role'",
-                                   f"messages[{i}]")
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)):
-            raise RequestError(400, "'prompt' must be a string or an array", "prompt")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(400, "'stream' must be a boolean", "stream")
-    for key in ("max_tokens", "max_completion_tokens"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise RequestError(400, f"'{key}' must be a positive integer", key)
+    check_body(spec, body)
     pid = program_id_field(body.pop("program_id", None), max_program_id_bytes)
     from_header = program_id_header(header_program, max_program_id_bytes)
     if pid is None:
@@ -161,7 +142,8 @@ def parse_request(path: str, raw: bytes, header_program: str | bytes | None,
         if "prompt_tokens" in synthetic and synthetic.get("reuse_tokens", 0) > synthetic[
                 "prompt_tokens"]:
             raise RequestError(400, "'mori.reuse_tokens' exceeds 'mori.prompt_tokens'", "mori")
-    return ClientRequest(path, body, pid, stream, model, synthetic)
+    return ClientRequest(path, body, pid, body.get("stream") is True, body["model"],
+                         synthetic, spec)
 
 
 def estimate_prompt_tokens(req: ClientRequest) -> int:
@@ -171,81 +153,4 @@ def estimate_prompt_tokens(req: ClientRequest) -> int:
 
 
 def max_output_tokens(req: ClientRequest) -> int | None:
-    v = req.body.get("max_completion_tokens") or req.body.get("max_tokens")
-    return v if isinstance(v, int) else None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
-
-
-_usage_decoder = msgspec.json.Decoder(_WithUsage)
-"""Reads only ``usage`` of an answer (the rest is scanned, not built)."""
-
-
-def usage_tokens(body: bytes) -> tuple[int | None, int | None]:
-    """(prompt_tokens, completion_tokens) from a complete JSON answer, if it has usage."""
-    try:
-        u = _usage_decoder.decode(body).usage
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, None
-    return (None, None) if u is None else (u.prompt_tokens, u.completion_tokens)
-
-
-def _usage(data: object) -> tuple[int | None, int | None]:
-    if not isinstance(data, dict):
-        return None, None
-    u = data.get("usage")
-    if not isinstance(u, dict):
-        return None, None
-    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
-    return (p if isinstance(p, int) else None, c if isinstance(c, int) else None)
-
-
-class StreamWatcher:
-    """Follows an SSE stream as it passes: counts content events, finds usage and errors.
-
-    Only lines that may carry usage are parsed as JSON; the rest is counted by scanning.
-    """
-
-    __slots__ = ("_tail", "events", "prompt_tokens", "completion_tokens", "done", "kv_ready")
-
-    def __init__(self) -> None:
-        self._tail = b""
-        self.events = 0
-        self.prompt_tokens: int | None = None
-        self.completion_tokens: int | None = None
-        self.done = False
-        self.kv_ready = False  # the engine's ``: kv-ready`` comment went by
-
-    def feed(self, chunk: bytes) -> None:
-        data = self._tail + chunk
-        lines = data.split(b"\n")
-        self._tail = lines.pop()
-        for line in lines:
-            if not line.startswith(b"data:"):
-                if line.rstrip(b"\r") == KV_READY_LINE:
-                    self.kv_ready = True
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                self.done = True
-                continue
-            self.events += 1
-            if b'"usage"' in payload and b'"usage":null' not in payload.replace(b" ", b""):
-                try:
-                    p, c = _usage(json.loads(payload))
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    continue
-                if c is not None:
-                    self.prompt_tokens, self.completion_tokens = p, c
-                    self.events -= 1  # the usage-only event carries no token
-
-    def output_tokens(self) -> int:
-        """Completion tokens: the usage if the stream had one, else content events."""
-        return self.completion_tokens if self.completion_tokens is not None else self.events
+    return output_limit(req.spec, req.body)

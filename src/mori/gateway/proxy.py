@@ -1,4 +1,5 @@
-"""Serving one completion request: admit it, forward it, pass the answer back.
+"""Serving one model call (any API of ``mori.protocol.apis``): admit it, forward it,
+pass the answer back.
 
 The controller's ``RequestLease`` covers the request from admission to its end; this
 module only moves bytes and counts tokens: it checks the model, sizes the prompt, takes
@@ -17,14 +18,17 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from mori.core.types import Capability
 from mori.engines.base import RequestHints, UpstreamError
+from mori.gateway.agents import RequestFacts, StepFacts
+from mori.gateway.answers import Answer, read_answer, watcher_for
 from mori.gateway.gate import GateRejected
-from mori.gateway.parsing import ClientRequest, StreamWatcher, estimate_prompt_tokens, usage_tokens
-from mori.protocol.errors import sse_error
-from mori.protocol.responses import EventStream, PassThrough, error_response
+from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens
+from mori.protocol.apis import stream_error
+from mori.protocol.fields import CHAT, COMPLETIONS, RESPONSES
+from mori.protocol.responses import EventStream, PassThrough, api_error_response
 
 if TYPE_CHECKING:
     from mori.gateway.serving import LeaseLike
@@ -33,28 +37,48 @@ if TYPE_CHECKING:
 log = logging.getLogger("mori.gateway")
 
 
-async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> Response:
-    """The gateway's answer to one parsed completion request, whose ``program_id`` is
-    the gateway's id (namespaced; made up for an ``anonymous`` one-step program)."""
-    ctl = gw.ctl
-    if gw.model_ids and req.model not in gw.model_ids:
+async def resolve_model(gw: Gateway, req: ClientRequest) -> Response | None:
+    """Map the asked model onto a served one (``--model-alias``; the body is rewritten);
+    the API's not-found error when neither served nor mapped (None: go on)."""
+    if not gw.model_ids:  # the engines did not say: pass the name on
+        return None
+    target = gw.aliases.resolve(req.model, gw.model_ids)
+    if target is None:
         await gw.refresh_models()
-        if req.model not in gw.model_ids:
-            return error_response(404, f"the model {req.model!r} does not exist; served: "
-                                  + ", ".join(m["id"] for m in gw.models), "model",
-                                  "model_not_found")
+        target = gw.aliases.resolve(req.model, gw.model_ids)
+    if target is None:
+        served = ", ".join(m["id"] for m in gw.models)
+        hint = " (map it with --model-alias PATTERN=SERVED)" if req.spec.anthropic or \
+            req.spec.path == RESPONSES else ""
+        return api_error_response(req.spec, 404, f"the model {req.model!r} does not exist; "
+                                  f"served: {served}{hint}", "model", "model_not_found")
+    if target != req.model:
+        req.body["model"] = req.model = target
+    return None
+
+
+async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
+                           facts: RequestFacts | None = None) -> Response:
+    """The gateway's answer to one parsed model call, whose ``program_id`` is the
+    gateway's id (namespaced; made up for an ``anonymous`` one-step program); ``facts``:
+    what the request says of its agent."""
+    ctl = gw.ctl
+    spec = req.spec
+    if (refused := await resolve_model(gw, req)) is not None:
+        return refused
     pid = req.program_id
     assert pid is not None, "the endpoint names every request's program"
     tokens = await prompt_tokens(gw, req)
     if tokens > gw.gpu_tokens():
-        return error_response(400, f"the prompt ({tokens} tokens) does not fit the GPU KV "
-                              f"capacity of one replica ({gw.gpu_tokens()} tokens)",
-                              "messages", "context_length_exceeded")
+        return api_error_response(spec, 400, f"the prompt ({tokens} tokens) does not fit the "
+                                  f"GPU KV capacity of one replica ({gw.gpu_tokens()} tokens)",
+                                  "messages", "context_length_exceeded")
     arrived = ctl.wall()
     try:
-        lease = await ctl.lease(pid, tokens, anonymous)
+        lease = await ctl.lease(pid, tokens, anonymous, facts)
     except GateRejected as e:
-        return error_response(e.status, e.message, "program_id", None, e.retry_after_s)
+        return api_error_response(spec, e.status, e.message, "program_id", None,
+                                  e.retry_after_s)
     try:
         await lease.prepare(req.path, req.body, req.stream)
         hints = RequestHints(pid, priority=lease.priority, synthetic=req.synthetic)
@@ -62,8 +86,8 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
     except UpstreamError as e:
         lease.failed(e)
         lease.finish(tokens)
-        return error_response(e.status, for_client(e, lease.adapter.url), None, None,
-                              gw.settings.retry_after_s if e.status == 503 else None)
+        return api_error_response(spec, e.status, for_client(e, lease.adapter.url), None,
+                                  None, gw.settings.retry_after_s if e.status == 503 else None)
     except BaseException:
         lease.finish(tokens)
         raise
@@ -72,10 +96,13 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
         body = up.body or b""
 
         def step_ended() -> None:  # once the answer is on its way: it waits for nothing
-            p_used, c_used = usage_tokens(body) if up.status == 200 else (None, 0)
-            prompt = p_used if p_used is not None and req.synthetic is None else tokens
-            _count(gw, prompt, c_used or 0)
-            lease.finish(prompt + (c_used or 0))
+            ans = read_answer(spec, body) if up.status == 200 else Answer(completion_tokens=0)
+            used = ans.prompt_tokens
+            prompt = used if used is not None and req.synthetic is None else tokens
+            out = ans.completion_tokens or 0
+            _count(gw, prompt, out)
+            lease.finish(prompt + out, StepFacts(prompt, ans.cached_tokens, out,
+                                                 tuple(ans.tool_names)))
 
         return PassThrough(up.status, body, up.headers, after=step_ended)
     relay = _relay(gw, up.chunks, up.aclose, lease, req, arrived)
@@ -91,10 +118,27 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool) -> 
                        on_write_timeout=stalled)
 
 
+async def serve_count_tokens(gw: Gateway, req: ClientRequest) -> Response:
+    """``/v1/messages/count_tokens``: no model call, so not gated. The first engine that
+    counts answers (an exact count); where none does (no such path, or unreachable),
+    the gateway's estimate (``mori.protocol.tokens``)."""
+    if (refused := await resolve_model(gw, req)) is not None:
+        return refused
+    for a in gw.adapters:
+        try:
+            up = await a.forward(req.path, req.body, False, RequestHints(""))
+        except UpstreamError:
+            continue
+        if up.status not in (404, 405, 501) and up.body is not None:
+            return PassThrough(up.status, up.body, up.headers)
+    n = estimate_prompt_tokens(req)
+    return JSONResponse({"input_tokens": n})
+
+
 async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[], Awaitable[None]],
                  lease: LeaseLike, req: ClientRequest, arrived: float
                  ) -> AsyncGenerator[bytes, None]:
-    watcher = StreamWatcher()
+    watcher = watcher_for(req.spec)
     first = True
     try:
         yield b""  # taken by serve_completion, to start the generator
@@ -108,19 +152,21 @@ async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[],
             yield chunk
     except UpstreamError as e:
         lease.failed(e)
-        yield sse_error(502, for_client(e, lease.adapter.url))
+        yield stream_error(req.spec, 502, for_client(e, lease.adapter.url))
     except (asyncio.CancelledError, GeneratorExit):
         gw.metrics.disconnects.inc()
         raise
     finally:
         with contextlib.suppress(Exception):
             await aclose()
+        ans = watcher.answer
         prompt = lease.prompt_tokens
-        if watcher.prompt_tokens is not None and req.synthetic is None:
-            prompt = watcher.prompt_tokens
+        if ans.prompt_tokens is not None and req.synthetic is None:
+            prompt = ans.prompt_tokens
         out = watcher.output_tokens()
         _count(gw, prompt, out)
-        lease.finish(prompt + out)
+        lease.finish(prompt + out, StepFacts(prompt, ans.cached_tokens, out,
+                                             tuple(ans.tool_names)))
 
 
 def for_client(e: UpstreamError, url: str) -> str:
@@ -143,7 +189,7 @@ async def prompt_tokens(gw: Gateway, req: ClientRequest) -> int:
     ``exact_tokens``), or the gateway's estimate."""
     if req.synthetic is not None and "prompt_tokens" in req.synthetic:
         return max(1, int(req.synthetic["prompt_tokens"]))
-    if gw.settings.exact_tokens:
+    if gw.settings.exact_tokens and req.path in (CHAT, COMPLETIONS):
         for a in gw.adapters:
             if a.supports(Capability.TOKENIZE):
                 with contextlib.suppress(UpstreamError, Exception):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from mori.engines.base import EngineAdapter, UpstreamError
+from mori.gateway.agents import RequestFacts, StepFacts
+from mori.gateway.aliases import ModelAliases
 from mori.gateway.auth import KeyRing
 from mori.gateway.config import GatewaySettings
 
@@ -29,7 +31,7 @@ class LeaseLike(Protocol):
 
     def failed(self, e: UpstreamError) -> None: ...
 
-    def finish(self, context_tokens: int) -> None: ...
+    def finish(self, context_tokens: int, step: StepFacts | None = None) -> None: ...
 
 
 class Admitter(Protocol):
@@ -37,8 +39,8 @@ class Admitter(Protocol):
 
     def wall(self) -> float: ...
 
-    async def lease(self, program_id: str, prompt_tokens: int,
-                    anonymous: bool = False) -> LeaseLike: ...
+    async def lease(self, program_id: str, prompt_tokens: int, anonymous: bool = False,
+                    facts: RequestFacts | None = None) -> LeaseLike: ...
 
 
 class Serving(Protocol):
@@ -50,6 +52,7 @@ class Serving(Protocol):
     models: list[dict[str, Any]]
     model_ids: frozenset[str]
     metrics: Any  # GatewayMetrics, or a worker's tally of the same names
+    aliases: ModelAliases
 
     @property
     def ctl(self) -> Admitter: ...

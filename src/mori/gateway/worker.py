@@ -35,6 +35,8 @@ from mori.core.policy import PolicyConfig
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.engines.http import OpenAIHTTPAdapter
 from mori.engines.registry import parse_backend
+from mori.gateway.agents import RequestFacts, StepFacts
+from mori.gateway.aliases import ModelAliases
 from mori.gateway.auth import KeyRing
 from mori.gateway.config import GatewaySettings
 from mori.gateway.endpoint import CompletionEndpoint, GatewayApp
@@ -155,10 +157,11 @@ class RemoteLease:
     def failed(self, e: UpstreamError) -> None:
         self._send({"op": "failed", "message": e.message, "unhealthy": e.unhealthy})
 
-    def finish(self, context_tokens: int) -> None:
+    def finish(self, context_tokens: int, step: StepFacts | None = None) -> None:
         if not self._done:
             self._done = True
-            self._send({"op": "finish", "context": context_tokens})
+            self._send({"op": "finish", "context": context_tokens,
+                        "step": None if step is None else step.as_msg()})
 
 
 class RemoteAdmitter:
@@ -172,12 +175,13 @@ class RemoteAdmitter:
     def wall(self) -> float:
         return self._loop.time()
 
-    async def lease(self, program_id: str, prompt_tokens: int,
-                    anonymous: bool = False) -> RemoteLease:
+    async def lease(self, program_id: str, prompt_tokens: int, anonymous: bool = False,
+                    facts: RequestFacts | None = None) -> RemoteLease:
         rid = self.link.next_id()
         try:
             ans = await self.link.call({"op": "admit", "id": rid, "pid": program_id,
-                                        "tokens": prompt_tokens, "anon": anonymous})
+                                        "tokens": prompt_tokens, "anon": anonymous,
+                                        "facts": None if facts is None else facts.as_msg()})
         except LinkClosed:
             raise GateRejected(503, "the gateway's policy process is unavailable; retry later",
                                5.0) from None
@@ -203,6 +207,7 @@ class WorkerGateway:
         self.metrics = WorkerMetrics()
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
+        self.aliases = ModelAliases.parse(settings.model_aliases)
         self.link = link
         self._ctl = RemoteAdmitter(link, adapters)
         self._gpu_tokens = gpu_tokens

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mori.engines.base import UpstreamError
+from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.gate import GateRejected
 from mori.gateway.ipc import FrameWriter, read_frame
 from mori.gateway.lease import RequestLease
@@ -98,7 +99,7 @@ class WorkerHub:
         elif op == "finish":
             lease = peer.leases.pop(rid, None)
             if lease is not None:
-                lease.finish(int(msg["context"]))
+                lease.finish(int(msg["context"]), StepFacts.from_msg(msg.get("step")))
         elif op == "kv_ready":
             if (lease := peer.leases.get(rid)) is not None:
                 lease.kv_ready()
@@ -124,7 +125,8 @@ class WorkerHub:
         rid = msg["id"]
         ctl = self.gw.ctl
         try:
-            lease = await ctl.lease(str(msg["pid"]), int(msg["tokens"]), bool(msg["anon"]))
+            lease = await ctl.lease(str(msg["pid"]), int(msg["tokens"]), bool(msg["anon"]),
+                                    RequestFacts.from_msg(msg.get("facts")))
         except GateRejected as e:
             peer.send({"op": "reject", "id": rid, "status": e.status, "message": e.message,
                        "retry_after": e.retry_after_s})

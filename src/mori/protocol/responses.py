@@ -10,7 +10,8 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from mori.protocol.errors import error_body
+from mori.protocol.apis import ApiSpec, anthropic_error_body
+from mori.protocol.errors import RequestError, error_body
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -23,6 +24,26 @@ def error_response(status: int, message: str, param: str | None = None,
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
     return Response(json.dumps(error_body(status, message, param, code, type_=type_)),
                     status_code=status, media_type="application/json", headers=headers)
+
+
+def api_error_response(spec: ApiSpec | None, status: int, message: str,
+                       param: str | None = None, code: str | None = None,
+                       retry_after_s: float | None = None, *, type_: str | None = None
+                       ) -> Response:
+    """An error answer in the shape of the API a request came in on: Anthropic's for the
+    Messages paths, OpenAI's otherwise (``spec`` None: OpenAI's)."""
+    if spec is None or not spec.anthropic:
+        return error_response(status, message, param, code, retry_after_s, type_=type_)
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
+    return Response(json.dumps(anthropic_error_body(status, message)), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def request_error_response(spec: ApiSpec | None, e: RequestError) -> Response:
+    """``e`` as an answer in ``spec``'s API's shape."""
+    return api_error_response(spec, e.status, e.message, e.param, e.code, type_=e.type)
 
 
 class PassThrough(Response):

@@ -54,11 +54,13 @@
   function renderPrograms(f) {
     var rows = [], q = filterText;
     f.programs.forEach(function (p, i) {
-      if (q && String(p[0]).toLowerCase().indexOf(q) < 0) return;
+      if (q && (String(p[0]) + " " + (p[8] || "")).toLowerCase().indexOf(q) < 0) return;
       rows.push("<tr><td>" + (i + 1) + '</td><td class="id" title="' + esc(p[0]) + '">' + esc(p[0]) +
         "</td><td>" + p[1].toFixed(3) + '</td><td class="st-' + esc(p[2]) + '">' + esc(p[2]) +
         '</td><td class="t-' + esc(p[3]) + '">' + esc(p[3]) + "</td><td>" + dash(p[4]) +
-        "</td><td>" + int(p[5]) + "</td><td>" + secs(p[6]) + "</td><td>" + int(p[7]) + "</td></tr>");
+        "</td><td>" + int(p[5]) + "</td><td>" + secs(p[6]) + "</td><td>" + int(p[7]) +
+        "</td><td>" + esc(p[8] || "–") + '</td><td class="id" title="' + esc(p[9] || "") + '">' +
+        esc(p[9] || "–") + "</td></tr>");
     });
     $("programs").tBodies[0].innerHTML = rows.join("");
   }

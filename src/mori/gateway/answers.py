@@ -1,0 +1,305 @@
+"""Reading an engine's answer as it passes: usage, cached tokens, the tools it called.
+
+One reader per API shape (``watcher_for``): ``ChatWatcher`` for OpenAI's chat and
+completions streams, ``MessagesWatcher`` for Anthropic's Messages stream, and
+``ResponsesWatcher`` for OpenAI's Responses stream. Each takes the SSE bytes chunk by
+chunk (``feed``) and keeps what the step's end needs (``Answer``): the prompt tokens the
+engine reported, those it read from its cache, the output tokens (the usage, else the
+content events counted), and the tool calls the answer ended in (``tool_use`` blocks,
+``function_call`` items, ``tool_calls``). Only lines that can carry those are parsed as
+JSON; the rest are counted by scanning. ``read_answer`` reads a complete (non-streamed)
+answer of any API.
+
+Every stream may carry the simulated engine's ``: kv-ready`` comment
+(``mori.protocol.fields.KV_READY_LINE``); the watchers note it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from mori.protocol.apis import ApiSpec
+from mori.protocol.fields import KV_READY_LINE, RESPONSES
+
+
+@dataclass(slots=True)
+class Answer:
+    """What an answer said of its step (None: not reported)."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    tool_names: list[str] = field(default_factory=list)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _openai_usage(u: Any, ans: Answer) -> None:
+    """Chat / completions usage (``prompt_tokens``, ``completion_tokens``, cached in
+    ``prompt_tokens_details``) or Responses usage (``input_tokens``, ``output_tokens``,
+    cached in ``input_tokens_details``)."""
+    if not isinstance(u, dict):
+        return
+    p = _int(u.get("prompt_tokens", u.get("input_tokens")))
+    c = _int(u.get("completion_tokens", u.get("output_tokens")))
+    details = u.get("prompt_tokens_details", u.get("input_tokens_details"))
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+    if p is not None:
+        ans.prompt_tokens = p
+    if c is not None:
+        ans.completion_tokens = c
+    if cached is not None:
+        ans.cached_tokens = cached
+
+
+def _anthropic_usage(u: Any, ans: Answer) -> None:
+    """Messages usage: ``input_tokens`` are those *not* read from the cache; the prompt is
+    ``input + cache_read + cache_creation``."""
+    if not isinstance(u, dict):
+        return
+    parts = [_int(u.get(k)) for k in ("input_tokens", "cache_read_input_tokens",
+                                       "cache_creation_input_tokens")]
+    if parts[0] is not None:
+        ans.prompt_tokens = sum(x or 0 for x in parts)
+    if parts[1] is not None:
+        ans.cached_tokens = parts[1]
+    out = _int(u.get("output_tokens"))
+    if out is not None:
+        ans.completion_tokens = max(out, ans.completion_tokens or 0)
+
+
+def _tool_names_chat(message: Any) -> list[str]:
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    names = []
+    for c in calls if isinstance(calls, list) else ():
+        fn = c.get("function") if isinstance(c, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    return names
+
+
+_RESPONSES_CALLS = ("function_call", "custom_tool_call", "local_shell_call")
+
+
+def _tool_name_item(item: Any) -> str | None:
+    """The tool a Responses output item calls, None if it calls none."""
+    if not isinstance(item, dict) or item.get("type") not in _RESPONSES_CALLS:
+        return None
+    name = item.get("name")
+    return name if isinstance(name, str) else str(item.get("type"))
+
+
+class _Lines:
+    """Splits a byte stream into lines across chunks; notes the kv-ready comment."""
+
+    __slots__ = ("_tail", "kv_ready")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.kv_ready = False
+
+    def lines(self, chunk: bytes) -> list[bytes]:
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        return lines
+
+
+class ChatWatcher(_Lines):
+    """An OpenAI chat or completions stream (``data:`` events, ``[DONE]`` at the end)."""
+
+    __slots__ = ("events", "answer", "done")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events = 0
+        self.answer = Answer()
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        for line in self.lines(chunk):
+            if not line.startswith(b"data:"):
+                if line.rstrip(b"\r") == KV_READY_LINE:
+                    self.kv_ready = True
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            self.events += 1
+            has_usage = (b'"usage"' in payload
+                         and b'"usage":null' not in payload.replace(b" ", b""))
+            if not has_usage and b'"tool_calls"' not in payload:
+                continue
+            try:
+                data = json.loads(payload)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if not isinstance(data, dict):
+                continue
+            for choice in data.get("choices") or ():
+                if isinstance(choice, dict):
+                    self.answer.tool_names.extend(_tool_names_chat(choice.get("delta")))
+            if has_usage:
+                before = self.answer.completion_tokens
+                _openai_usage(data.get("usage"), self.answer)
+                if before is None and self.answer.completion_tokens is not None:
+                    self.events -= 1  # the usage-only event carries no token
+
+    def output_tokens(self) -> int:
+        c = self.answer.completion_tokens
+        return c if c is not None else self.events
+
+
+class _TypedEvents(_Lines):
+    """A stream of typed JSON events (``event: NAME`` then ``data: {"type": NAME, ...}``):
+    the events in ``parse`` are read as JSON, those in ``count`` counted."""
+
+    parse: tuple[bytes, ...] = ()
+    count: bytes = b""
+    __slots__ = ("events", "answer")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events = 0
+        self.answer = Answer()
+
+    def feed(self, chunk: bytes) -> None:
+        for line in self.lines(chunk):
+            if not line.startswith(b"data:"):
+                if line.rstrip(b"\r") == KV_READY_LINE:
+                    self.kv_ready = True
+                continue
+            payload = line[5:]
+            if self.count in payload:
+                self.events += 1
+                continue
+            if not any(p in payload for p in self.parse):
+                continue
+            try:
+                data = json.loads(payload)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if isinstance(data, dict):
+                self.event(data)
+
+    def event(self, data: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def output_tokens(self) -> int:
+        c = self.answer.completion_tokens
+        return c if c is not None else self.events
+
+
+class MessagesWatcher(_TypedEvents):
+    """Anthropic's Messages stream: usage in ``message_start`` (the prompt) and
+    ``message_delta`` (the output), tool calls in ``content_block_start``."""
+
+    parse = (b'"message_start"', b'"message_delta"', b'"content_block_start"')
+    count = b'"content_block_delta"'
+    __slots__ = ()
+
+    def event(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "message_start":
+            msg = data.get("message")
+            if isinstance(msg, dict):
+                _anthropic_usage(msg.get("usage"), self.answer)
+        elif kind == "message_delta":
+            _anthropic_usage(data.get("usage"), self.answer)
+        elif kind == "content_block_start":
+            block = data.get("content_block")
+            if isinstance(block, dict) and block.get("type") in ("tool_use",
+                                                                 "server_tool_use"):
+                name = block.get("name")
+                self.answer.tool_names.append(name if isinstance(name, str) else "tool_use")
+
+
+class ResponsesWatcher(_TypedEvents):
+    """OpenAI's Responses stream: tool calls in ``response.output_item.added``, usage in
+    the final ``response.completed`` (or ``.incomplete`` / ``.failed``)."""
+
+    parse = (b'"response.output_item.added"', b'"response.completed"',
+             b'"response.incomplete"', b'"response.failed"')
+    count = b'"response.output_text.delta"'
+    __slots__ = ()
+
+    def event(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "response.output_item.added":
+            name = _tool_name_item(data.get("item"))
+            if name is not None:
+                self.answer.tool_names.append(name)
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            resp = data.get("response")
+            if isinstance(resp, dict):
+                _openai_usage(resp.get("usage"), self.answer)
+
+
+Watcher = ChatWatcher | MessagesWatcher | ResponsesWatcher
+
+
+def watcher_for(spec: ApiSpec) -> Watcher:
+    """A fresh stream reader for ``spec``'s API."""
+    if spec.anthropic:
+        return MessagesWatcher()
+    if spec.path == RESPONSES:
+        return ResponsesWatcher()
+    return ChatWatcher()
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+"""Reads only ``usage`` of a chat answer (the rest is scanned, not built)."""
+
+
+def read_answer(spec: ApiSpec, body: bytes) -> Answer:
+    """What a complete JSON answer of ``spec``'s API says (empty for anything else). A
+    chat answer with no tool call nor cache details has only its usage read."""
+    ans = Answer()
+    if not spec.anthropic and spec.path != RESPONSES and b'"tool_calls"' not in body \
+            and b'"cached_tokens"' not in body:
+        try:
+            u = _usage_decoder.decode(body).usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return ans
+        if u is not None:
+            ans.prompt_tokens, ans.completion_tokens = u.prompt_tokens, u.completion_tokens
+        return ans
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return ans
+    if not isinstance(data, dict):
+        return ans
+    if spec.anthropic:
+        _anthropic_usage(data.get("usage"), ans)
+        for block in data.get("content") or ():
+            if isinstance(block, dict) and block.get("type") in ("tool_use", "server_tool_use"):
+                name = block.get("name")
+                ans.tool_names.append(name if isinstance(name, str) else "tool_use")
+    elif spec.path == RESPONSES:
+        _openai_usage(data.get("usage"), ans)
+        for item in data.get("output") or ():
+            name = _tool_name_item(item)
+            if name is not None:
+                ans.tool_names.append(name)
+    else:
+        _openai_usage(data.get("usage"), ans)
+        for choice in data.get("choices") or ():
+            if isinstance(choice, dict):
+                ans.tool_names.extend(_tool_names_chat(choice.get("message")))
+    return ans

@@ -1,0 +1,331 @@
+"""Recording the programs the gateway serves as a canonical trace (``mori serve --record``).
+
+:class:`TraceRecorder` collects each program's steps (:class:`StepRecord`: wall-clock
+times and token counts as the gateway saw them) and, when the program ends, appends it to
+a canonical trace file (:mod:`mori.traces.jsonl`) as one line, with the fields that file
+documents as "written by mori serve --record". The result is read by ``mori trace
+stats`` and ``mori simulate --traces`` like any other trace.
+
+From records to :class:`~mori.traces.model.Step` s (steps in arrival order; durations
+rounded to the microsecond, never negative):
+
+* ``call_s = ended - arrival``; ``gap_s`` = the next step's arrival - this step's end;
+* ``gap_kind``: ``TOOL`` when the answer called tools, ``HUMAN`` when it ended in text and
+  another step followed, ``END`` for the last step;
+* ``reuse_tokens``: the engine's cached prompt tokens, capped by this prompt and the
+  previous one (a prefix of the program's previous prompt, as the model defines it; 0 for
+  the first step or when the engine did not say); ``new_tokens = prompt - cached`` (capped
+  by the prompt) when it did;
+* a subagent (a program started with a ``parent``) that ends while its parent is open is
+  nested below the parent's step that was the latest to end before the subagent's first
+  arrival: ``delay_s`` = its first arrival - that step's end; the step's kind becomes
+  ``SUBAGENT`` and its gap the residual after the last of its subagents ends (the parent's
+  next arrival - their latest end; 0 for the parent's last step). A subagent whose parent
+  has ended, is unknown, or has no step that ended before it arrived is written as a
+  top-level program of its own. Programs without steps are not written.
+
+The file: when it exists it must be a readable MORI trace (checked, read through once, on
+opening; anything else is refused with a :class:`~mori.traces.errors.TraceError` naming
+it) and programs are appended after its last whole line (a torn line a crash left is cut
+off first, with a warning); else it is created with its header. Each program's line is
+written and flushed to the operating system when the program ends, so a crash of the
+gateway loses only the programs still open, and tears at most the last line (in a
+``.gz`` file every line is its own gzip member; the readers skip a torn last line).
+Nothing is synced to the disk. Writing is synchronous: one line per program end, which is
+short, but it does run on the caller's thread (the gateway's event loop).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from mori.traces.errors import TraceError
+from mori.traces.jsonl import (
+    complete_length,
+    encode_header,
+    encode_program,
+    is_gzip_path,
+)
+from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn
+
+log = logging.getLogger("mori.gateway")
+
+SOURCE = "mori serve"  # the recorded programs' ``source``
+_NAME_ENDINGS = (".jsonl", ".jsonl.gz")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One request of a program as the gateway served it.
+
+    ``arrival`` / ``ended``: wall-clock seconds (Unix time) when the request arrived and
+    when its answer ended; ``cached_tokens``: prompt tokens the engine served from its
+    cache, if it said; ``tool_names``: the tools the answer called, in order (empty: it
+    ended in text); ``text``: the prompt's new text (kept only with ``keep_text``).
+    """
+
+    arrival: float
+    ended: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    output_tokens: int
+    tool_names: tuple[str, ...]
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class _Program:
+    """A program being recorded: who it is, its steps so far, and its ended subagents."""
+
+    program_id: str
+    recogniser: str
+    agent: str
+    session: str | None
+    parent: str | None
+    steps: list[StepRecord] = field(default_factory=list)
+    subagents: list[_Program] = field(default_factory=list)
+
+    def ordered(self) -> list[StepRecord]:
+        """The steps in arrival order."""
+        return sorted(self.steps, key=lambda s: s.arrival)
+
+    def first_arrival(self) -> float:
+        return min(s.arrival for s in self.steps)
+
+    def last_end(self) -> float:
+        return max(s.ended for s in self.steps)
+
+
+@dataclass(slots=True)
+class _Built:
+    """A program made into a trace: the trace (None: it had no steps), the records its
+    programs came from (by the trace object's id, to annotate the line), and the
+    subagents that could not be nested (they become top-level lines)."""
+
+    trace: ProgramTrace | None
+    records: dict[int, tuple[_Program, list[StepRecord]]]
+    orphans: list[_Program]
+
+
+class TraceRecorder:
+    """Records programs into the canonical trace file ``path`` (see the module doc).
+
+    ``name``: the set's name in the header of a new file; ``keep_text``: write each step's
+    prompt text (``StepRecord.text``) as a step-level ``"text"``. Raises
+    :class:`~mori.traces.errors.TraceError` naming the file if it exists and is not a
+    readable MORI trace, or its name does not end in ``.jsonl`` / ``.jsonl.gz``; I/O
+    errors propagate as :class:`OSError` (here and from :meth:`end` / :meth:`close`).
+    The ``at`` arguments are wall-clock seconds of the call; the trace's own times come
+    from the step records. After :meth:`close`, calls are ignored.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, name: str = "mori-serve",
+                 keep_text: bool = False) -> None:
+        self.file = os.fspath(path)
+        self.keep_text = keep_text
+        self.written = 0  # top-level program lines written
+        self._gzip = is_gzip_path(self.file)
+        self._open: dict[str, _Program] = {}
+        self._out: BinaryIO | None = _open_for_append(self.file, name, self._gzip)
+
+    def start(self, program_id: str, *, recogniser: str, agent: str, session: str | None,
+              parent: str | None, at: float) -> None:
+        """A new program (nothing happens for a program already open)."""
+        if self._out is None or program_id in self._open:
+            return
+        self._open[program_id] = _Program(program_id, recogniser, agent, session, parent)
+
+    def step(self, program_id: str, rec: StepRecord) -> None:
+        """A step of ``program_id`` ended (a program not started is started, with
+        recogniser and agent ``"unknown"``)."""
+        if self._out is None:
+            return
+        program = self._open.get(program_id)
+        if program is None:
+            program = _Program(program_id, "unknown", "unknown", None, None)
+            self._open[program_id] = program
+        program.steps.append(rec)
+
+    def end(self, program_id: str, at: float) -> None:
+        """The program was released (by its client, or idle): it is written, or held in
+        its open parent's line when it is a subagent. Unknown ids are ignored."""
+        program = self._open.pop(program_id, None)
+        if program is None or self._out is None:
+            return
+        parent = self._open.get(program.parent) if program.parent is not None else None
+        if parent is not None:
+            parent.subagents.append(program)
+        else:
+            self._write(program)
+
+    def close(self, at: float) -> None:
+        """End every open program (subagents before their parents, so they nest), write
+        them and close the file (idempotent)."""
+        if self._out is None:
+            return
+        try:
+            for program_id in _close_order(self._open):
+                self.end(program_id, at)
+        finally:
+            self._out.close()
+            self._out = None
+
+    def _write(self, program: _Program) -> None:
+        """Write ``program`` as a top-level line (unless it has no steps), then any
+        subagent of it that could not be nested."""
+        assert self._out is not None
+        built = _build(program)
+        if built.trace is not None:
+            def annotate(trace: ProgramTrace, obj: dict[str, object],
+                         steps: list[dict[str, object]]) -> None:
+                record, ordered = built.records[id(trace)]
+                _annotate(record, ordered, obj, steps, self.keep_text)
+
+            line = encode_program(built.trace, annotate)
+            self._out.write(gzip.compress(line, mtime=0) if self._gzip else line)
+            self._out.flush()
+            self.written += 1
+        for orphan in built.orphans:
+            self._write(orphan)
+
+
+def _open_for_append(file: str, name: str, gzipped: bool) -> BinaryIO:
+    """The file opened for appending: created with its header when new or empty, else
+    checked (a MORI trace) and cut after its last whole line."""
+    if not file.lower().endswith(_NAME_ENDINGS):
+        raise TraceError(file, None, "cannot record into it: the name must end in .jsonl "
+                         "or .jsonl.gz", "the trace readers tell a trace file by its name")
+    if not os.path.exists(file) or os.path.getsize(file) == 0:
+        out = open(file, "wb")  # noqa: SIM115 -- the recorder closes it
+        header = encode_header(name)
+        out.write(gzip.compress(header, mtime=0) if gzipped else header)
+        out.flush()
+        return out
+    try:
+        whole = complete_length(file, on_torn=lambda torn: None)
+    except TraceError as exc:
+        raise TraceError(file, exc.where, f"cannot record into it: {exc.problem}",
+                         "--record appends only to a MORI trace file; name a new file "
+                         "to start one") from exc
+    size = os.path.getsize(file)
+    if whole < size:
+        log.warning("%s: cutting off %d bytes of a torn last line (the file was cut while "
+                    "being written) before appending", file, size - whole)
+        os.truncate(file, whole)
+    out = open(file, "ab")  # noqa: SIM115 -- the recorder closes it
+    if not gzipped and not _ends_with_newline(file):
+        out.write(b"\n")
+    return out
+
+
+def _ends_with_newline(file: str) -> bool:
+    with open(file, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _close_order(open_programs: dict[str, _Program]) -> list[str]:
+    """The open programs' ids, the deepest (the most open ancestors) first."""
+    def depth(program_id: str) -> int:
+        seen = {program_id}
+        parent = open_programs[program_id].parent
+        while parent is not None and parent in open_programs and parent not in seen:
+            seen.add(parent)
+            parent = open_programs[parent].parent
+        return len(seen)
+
+    return sorted(open_programs, key=depth, reverse=True)
+
+
+def _build(program: _Program) -> _Built:
+    """``program`` as a trace, its ended subagents nested where they can be."""
+    ordered = program.ordered()
+    built = _Built(None, {}, [])
+    spawns: list[list[SubagentSpawn]] = [[] for _ in ordered]
+    last_ends: list[float] = [0.0 for _ in ordered]
+    for sub in program.subagents:
+        inner = _build(sub)
+        if inner.trace is None:  # no steps: its own subagents stand alone
+            built.orphans.extend(inner.orphans)
+            continue
+        index = _spawning_step(ordered, sub.first_arrival())
+        if index is None:  # written on its own (its orphans with it)
+            built.orphans.append(sub)
+            continue
+        built.orphans.extend(inner.orphans)
+        built.records.update(inner.records)
+        delay = _duration(sub.first_arrival() - ordered[index].ended)
+        spawns[index].append(SubagentSpawn(delay, inner.trace))
+        last_ends[index] = max(last_ends[index], sub.last_end())
+    if ordered:
+        steps = tuple(_step(ordered, i, spawns[i], last_ends[i]) for i in range(len(ordered)))
+        built.trace = ProgramTrace(name=program.program_id, steps=steps, source=SOURCE)
+        built.records[id(built.trace)] = (program, ordered)
+    return built
+
+
+def _spawning_step(ordered: Sequence[StepRecord], first_arrival: float) -> int | None:
+    """The index of the step that was the latest to end at or before ``first_arrival``
+    (None: none had)."""
+    best: int | None = None
+    for index, rec in enumerate(ordered):
+        if rec.ended <= first_arrival and (best is None or rec.ended >= ordered[best].ended):
+            best = index
+    return best
+
+
+def _step(ordered: Sequence[StepRecord], index: int, spawns: list[SubagentSpawn],
+          subagents_end: float) -> Step:
+    """Step ``index`` of a program's records (in arrival order), with its subagents."""
+    rec = ordered[index]
+    nxt = ordered[index + 1] if index + 1 < len(ordered) else None
+    prompt = max(0, rec.prompt_tokens)
+    if spawns:
+        kind = GapKind.SUBAGENT
+        gap = 0.0 if nxt is None else _duration(nxt.arrival - max(subagents_end, rec.ended))
+    elif nxt is None:
+        kind, gap = GapKind.END, 0.0
+    else:
+        kind = GapKind.TOOL if rec.tool_names else GapKind.HUMAN
+        gap = _duration(nxt.arrival - rec.ended)
+    cached = None if rec.cached_tokens is None else min(max(0, rec.cached_tokens), prompt)
+    reuse = 0
+    if index > 0 and cached is not None:
+        reuse = min(cached, max(0, ordered[index - 1].prompt_tokens))
+    return Step(
+        prompt_tokens=prompt,
+        output_tokens=max(0, rec.output_tokens),
+        gap_s=gap,
+        gap_kind=kind,
+        reuse_tokens=reuse,
+        subagents=tuple(sorted(spawns, key=lambda s: s.delay_s)),
+        new_tokens=None if cached is None else prompt - cached,
+        call_s=_duration(rec.ended - rec.arrival),
+        tool_names=tuple(rec.tool_names),
+    )
+
+
+def _duration(seconds: float) -> float:
+    """A duration as written: rounded to the microsecond, never negative."""
+    return max(0.0, round(seconds, 6))
+
+
+def _annotate(program: _Program, ordered: Sequence[StepRecord], obj: dict[str, object],
+              steps: list[dict[str, object]], keep_text: bool) -> None:
+    """Add the recorder's own fields to a program's JSON object and its steps'."""
+    obj["recogniser"] = program.recogniser
+    obj["agent"] = program.agent
+    if program.session is not None:
+        obj["session"] = program.session
+    if program.parent is not None:
+        obj["parent"] = program.parent
+    obj["arrival_s"] = round(program.first_arrival(), 6)
+    if keep_text:
+        for rec, step in zip(ordered, steps, strict=True):
+            if rec.text is not None:
+                step["text"] = rec.text

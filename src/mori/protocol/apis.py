@@ -1,0 +1,284 @@
+"""The client APIs MORI serves, and what a request body says in each of them.
+
+Five paths, one ``ApiSpec`` each (``API_BY_PATH``):
+
+- ``/v1/chat/completions`` and ``/v1/completions``: OpenAI's (any OpenAI client, SWE-agent
+  and OpenHands through litellm);
+- ``/v1/messages``: Anthropic's Messages API (Claude Code; it adds ``?beta=true``, which is
+  ignored like any query string);
+- ``/v1/messages/count_tokens``: Anthropic's token counting (no generation: not gated);
+- ``/v1/responses``: OpenAI's Responses API (Codex).
+
+Each spec says where a body puts its output limit, whether errors come in Anthropic's
+shape (``{"type": "error", "error": {"type", "message"}}``, ``anthropic_error_body``) or
+OpenAI's (``mori.protocol.errors``), and how to validate the body (``check_body``: a
+``RequestError`` 400 naming the field for a wrong shape, never anything else).
+
+Two readings of a conversation serve program identity (``mori.gateway.identity``):
+``conversation_head`` is the text that starts it (the system prompt and the first user
+message: a subagent or a compacted conversation starts with other text), and
+``carries_tool_results`` whether the request answers a tool call (its last turn holds tool
+results).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mori.protocol.errors import RequestError, sse_error
+from mori.protocol.fields import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSpec:
+    """One client API: ``name`` (metrics and docs), ``path``, ``generates`` (a model
+    call: gated and placed; False for token counting), ``anthropic`` (errors in
+    Anthropic's shape), ``output_keys`` (the body's output limit, first found wins)."""
+
+    name: str
+    path: str
+    generates: bool
+    anthropic: bool
+    output_keys: tuple[str, ...]
+
+
+API_BY_PATH: dict[str, ApiSpec] = {s.path: s for s in (
+    ApiSpec("chat", CHAT, True, False, ("max_completion_tokens", "max_tokens")),
+    ApiSpec("completions", COMPLETIONS, True, False, ("max_tokens",)),
+    ApiSpec("messages", MESSAGES, True, True, ("max_tokens",)),
+    ApiSpec("count_tokens", COUNT_TOKENS, False, True, ()),
+    ApiSpec("responses", RESPONSES, True, False, ("max_output_tokens",)),
+)}
+"""Every path served, with its spec."""
+
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         409: "invalid_request_error", 413: "request_too_large",
+                         422: "invalid_request_error", 429: "rate_limit_error",
+                         499: "invalid_request_error", 500: "api_error", 502: "api_error",
+                         503: "overloaded_error", 504: "api_error", 529: "overloaded_error"}
+"""Anthropic's error ``type`` for a status (others: ``api_error``)."""
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """An error in the Messages API's shape."""
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                       "message": message}}
+
+
+def _bad(field: str, rule: str) -> RequestError:
+    return RequestError(400, f"'{field}' {rule}", field)
+
+
+def _positive_int(body: Mapping[str, Any], key: str, required: bool = False) -> None:
+    v = body.get(key)
+    if v is None:
+        if required:
+            raise _bad(key, "is required (a positive integer)")
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise _bad(key, "must be a positive integer")
+
+
+def _chat_messages(body: Mapping[str, Any]) -> None:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty array")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(400, f"messages[{i}] must be an object with a string 'role'",
+                               f"messages[{i}]")
+
+
+def _anthropic_messages(body: Mapping[str, Any]) -> None:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "must be a non-empty array")
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError(400, f"{where} must be an object with 'role' \"user\" or "
+                               "\"assistant\"", where)
+        content = m.get("content")
+        if not isinstance(content, (str, list)):
+            raise _bad(f"{where}.content", "must be a string or an array of content blocks")
+        if isinstance(content, list):
+            for j, block in enumerate(content):
+                if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+                    raise _bad(f"{where}.content[{j}]", "must be an object with a string "
+                               "'type'")
+    system = body.get("system")
+    if system is not None and not isinstance(system, (str, list)):
+        raise _bad("system", "must be a string or an array of text blocks")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools", "must be an array")
+
+
+def _responses_input(body: Mapping[str, Any]) -> None:
+    inp = body.get("input")
+    if inp is not None and not isinstance(inp, (str, list)):
+        raise _bad("input", "must be a string or an array of input items")
+    if isinstance(inp, list):
+        for i, item in enumerate(inp):
+            if not isinstance(item, dict):
+                raise _bad(f"input[{i}]", "must be an object")
+    for key in ("instructions", "previous_response_id", "prompt_cache_key"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, str):
+            raise _bad(key, "must be a string")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools", "must be an array")
+
+
+def check_body(spec: ApiSpec, body: Mapping[str, Any]) -> None:
+    """``RequestError`` (400, naming the field) unless ``body`` has the shape ``spec``'s
+    API needs: a string ``model``, its messages / prompt / input, a boolean ``stream``,
+    positive output limits."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError(400, "missing required field 'model' (a string)", "model")
+    if spec.path == CHAT:
+        _chat_messages(body)
+    elif spec.path == COMPLETIONS:
+        if not isinstance(body.get("prompt"), (str, list)):
+            raise _bad("prompt", "must be a string or an array")
+    elif spec.anthropic:
+        _anthropic_messages(body)
+    else:
+        _responses_input(body)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream", "must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        _positive_int(body, key, required=spec.path == MESSAGES and key == "max_tokens")
+
+
+def output_limit(spec: ApiSpec, body: Mapping[str, Any]) -> int | None:
+    """The request's output limit, if it sets one."""
+    for key in spec.output_keys:
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return None
+
+
+# -- reading a conversation ------------------------------------------------------------------
+def _text(content: Any) -> str:
+    """The plain text of a message content (a string, or the ``text`` of its parts);
+    markers such as ``cache_control`` are left out, so the text of a message does not
+    change when a client moves them."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if isinstance(part, str):
+                out.append(part)
+            elif isinstance(part, Mapping):
+                t = part.get("text")
+                if isinstance(t, str):
+                    out.append(t)
+                elif part.get("type") in ("tool_result", "function_call_output"):
+                    out.append(_text(part.get("content", part.get("output"))))
+        return "\n".join(out)
+    return ""
+
+
+def conversation_head(spec: ApiSpec, body: Mapping[str, Any]) -> str:
+    """The text a conversation starts with: its system prompt (``system``,
+    ``instructions``, or system / developer messages before the first user message) and
+    its first user message. Two requests of one growing conversation have the same head;
+    a subagent's, or a conversation compacted into a summary, starts with other text."""
+    parts: list[str] = []
+    if spec.anthropic:
+        parts.append(_text(body.get("system")))
+        items: Any = body.get("messages")
+    elif spec.path == RESPONSES:
+        parts.append(body["instructions"] if isinstance(body.get("instructions"), str) else "")
+        items = body.get("input")
+        if isinstance(items, str):
+            return "\n".join((*parts, items))
+    elif spec.path == CHAT:
+        items = body.get("messages")
+    else:
+        prompt = body.get("prompt")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)[:4096]
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, Mapping):
+            continue
+        role = item.get("role")
+        text = _text(item.get("content"))
+        if role == "user":
+            parts.append(text)
+            break
+        if role in ("system", "developer"):
+            parts.append(text)
+    return "\n".join(parts)
+
+
+def carries_tool_results(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
+    """Whether the request's last turn returns tool results (Anthropic ``tool_result``
+    blocks, Responses ``function_call_output`` items, chat ``tool`` messages): it follows
+    a tool call, whose time the gap before it was."""
+    if spec.anthropic:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], Mapping):
+            return False
+        content = msgs[-1].get("content")
+        return isinstance(content, list) and any(
+            isinstance(b, Mapping) and b.get("type") == "tool_result" for b in content)
+    if spec.path == RESPONSES:
+        items = body.get("input")
+        if not isinstance(items, list):
+            return False
+        for item in reversed(items):
+            if not isinstance(item, Mapping):
+                continue
+            kind = item.get("type")
+            if kind in ("function_call_output", "custom_tool_call_output",
+                        "local_shell_call_output", "tool_result"):
+                return True
+            if kind in ("function_call", "custom_tool_call", "reasoning"):
+                continue
+            return False
+        return False
+    if spec.path == CHAT:
+        msgs = body.get("messages")
+        return (isinstance(msgs, list) and bool(msgs) and isinstance(msgs[-1], Mapping)
+                and msgs[-1].get("role") == "tool")
+    return False
+
+
+def stream_error(spec: ApiSpec, status: int, message: str) -> bytes:
+    """An error inside an SSE stream of ``spec``'s API, which then ends: Anthropic's
+    ``error`` event, the Responses API's ``error`` event, or a chat ``data:`` error and
+    ``[DONE]``."""
+    if spec.anthropic:
+        return b"event: error\ndata: " + json.dumps(
+            anthropic_error_body(status, message)).encode() + b"\n\n"
+    if spec.path == RESPONSES:
+        return b"event: error\ndata: " + json.dumps(
+            {"type": "error", "code": str(status), "message": message, "param": None}
+        ).encode() + b"\n\n"
+    return sse_error(status, message)
+
+
+def last_turn_text(spec: ApiSpec, body: Mapping[str, Any]) -> str:
+    """The text of the request's last turn (the new part of a growing conversation):
+    the last message's or input item's text, or a completion's prompt."""
+    key = "messages" if spec.anthropic or spec.path == CHAT else (
+        "input" if spec.path == RESPONSES else "prompt")
+    items = body.get(key)
+    if isinstance(items, str):
+        return items
+    if not isinstance(items, list) or not items:
+        return ""
+    last = items[-1]
+    if isinstance(last, Mapping):
+        return _text(last.get("content", last.get("output")))
+    return _text(items) if key == "prompt" else ""

@@ -1,0 +1,215 @@
+"""Program identity with no change to the client: the recognisers, their order, the split
+of a session into programs (one growing context each), and the API readings they use."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mori.core.registry import UnknownNameError
+from mori.gateway.aliases import ModelAliases
+from mori.gateway.identity import (
+    DEFAULT_ORDER,
+    RECOGNISERS,
+    Seen,
+    parse_order,
+    recognise,
+)
+from mori.protocol.apis import (
+    API_BY_PATH,
+    carries_tool_results,
+    check_body,
+    conversation_head,
+    last_turn_text,
+)
+from mori.protocol.errors import RequestError
+from mori.protocol.fields import CHAT, MESSAGES, RESPONSES, check_program_id
+
+MSG = API_BY_PATH[MESSAGES]
+RESP = API_BY_PATH[RESPONSES]
+CHAT_SPEC = API_BY_PATH[CHAT]
+SID = "0f3c2a8e-1d2b-4c5d-9e8f-123456789abc"
+
+
+def claude_body(system: str, first: str, *more: dict[str, Any], user_meta: bool = True
+                ) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "claude-sonnet-4-5", "max_tokens": 32000, "stream": True,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": first}]}, *more]}
+    if user_meta:
+        body["metadata"] = {"user_id": json.dumps({"device_id": "d" * 64,
+                                                   "session_id": SID})}
+    return body
+
+
+def seen(body: dict[str, Any], headers: dict[bytes, str] | None = None,
+         pid: str | None = None) -> Seen:
+    return Seen(headers or {}, body, pid)
+
+
+def test_claude_code_session_from_header_or_metadata() -> None:
+    body = claude_body("You are Claude Code.", "fix the bug")
+    by_meta = recognise(DEFAULT_ORDER, MSG, seen(body))
+    by_header = recognise(DEFAULT_ORDER, MSG, seen(
+        {**body, "metadata": {}}, {b"x-claude-code-session-id": SID}))
+    assert by_meta.recogniser == by_header.recogniser == "claude-code"
+    assert by_meta.agent == "claude-code" and by_meta.session == SID
+    assert by_meta.program_id == by_header.program_id
+    assert by_meta.program_id is not None
+    assert by_meta.program_id.startswith(f"claude-code:{SID}/")
+    # an older CLI's user id: user_<hash>_account__session_<uuid>
+    old = {**body, "metadata": {"user_id": f"user_{'a' * 64}_account__session_{SID}"}}
+    assert recognise(DEFAULT_ORDER, MSG, seen(old)).session == SID
+
+
+def test_one_conversation_is_one_program_as_it_grows() -> None:
+    first = claude_body("sys", "fix the bug")
+    first["messages"][0]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    later = claude_body(
+        "sys", "fix the bug",
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash",
+                                            "input": {"command": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "a\nb", "cache_control": {"type": "x"}}]})
+    a = recognise(DEFAULT_ORDER, MSG, seen(first))
+    b = recognise(DEFAULT_ORDER, MSG, seen(later))
+    assert a.program_id == b.program_id
+    assert not carries_tool_results(MSG, first) and carries_tool_results(MSG, later)
+
+
+def test_a_subagent_or_compacted_conversation_is_another_program_of_the_session() -> None:
+    main = recognise(DEFAULT_ORDER, MSG, seen(claude_body("You are Claude Code.", "task")))
+    sub = recognise(DEFAULT_ORDER, MSG, seen(claude_body("You are a search agent.",
+                                                         "find the config files")))
+    compacted = recognise(DEFAULT_ORDER, MSG, seen(claude_body(
+        "You are Claude Code.", "This session is being continued... Summary: ...")))
+    assert len({main.program_id, sub.program_id, compacted.program_id}) == 3
+    assert main.session == sub.session == compacted.session == SID
+
+
+def test_codex_headers_and_window() -> None:
+    body = {"model": "gpt-5-codex", "instructions": "You are Codex.", "stream": True,
+            "input": [{"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "list files"}]}],
+            "prompt_cache_key": "pck-1"}
+    h = {b"session-id": "s-1", b"x-codex-window-id": "w-7"}
+    r = recognise(DEFAULT_ORDER, RESP, seen(body, h))
+    assert (r.recogniser, r.agent, r.session, r.program_id) == ("codex", "codex", "s-1",
+                                                                "codex:s-1/w-7")
+    # without the window header: split by the conversation's head
+    r2 = recognise(DEFAULT_ORDER, RESP, seen(body, {b"thread-id": "t-9"}))
+    assert r2.session == "t-9" and r2.program_id is not None
+    assert r2.program_id.startswith("codex:t-9/")
+    # only the body's cache key: the generic OpenAI recogniser
+    r3 = recognise(DEFAULT_ORDER, RESP, seen(body))
+    assert (r3.recogniser, r3.agent, r3.session) == ("prompt-cache-key", "openai", "pck-1")
+
+
+def test_explicit_ids_win_and_are_not_split() -> None:
+    body = claude_body("sys", "hi")
+    r = recognise(DEFAULT_ORDER, MSG, seen(body, {b"x-session-id": "x"}, pid="my-agent"))
+    assert (r.program_id, r.recogniser, r.agent) == ("my-agent", "program-id", "client")
+
+
+def test_order_decides_and_unknown_requests_are_anonymous() -> None:
+    body = claude_body("sys", "hi")
+    h = {b"x-session-id": "generic-1"}
+    r = recognise(("session-header", "claude-code"), MSG, seen(body, h))
+    assert (r.recogniser, r.session) == ("session-header", "generic-1")
+    r = recognise(("program-id",), MSG, seen(body, h))
+    assert r.program_id is None and r.recogniser == "anonymous"
+    plain = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert recognise(DEFAULT_ORDER, CHAT_SPEC, seen(plain)).program_id is None
+
+
+def test_parse_order() -> None:
+    assert parse_order("codex, claude-code") == ("codex", "claude-code")
+    assert parse_order(["program-id"]) == ("program-id",)
+    with pytest.raises(UnknownNameError, match="claude-code"):
+        parse_order("claude")
+    with pytest.raises(ValueError, match="twice"):
+        parse_order("codex,codex")
+    with pytest.raises(ValueError, match="at least one"):
+        parse_order(" , ")
+    assert set(DEFAULT_ORDER) == set(RECOGNISERS.names())
+
+
+@given(st.text(max_size=400), st.text(max_size=60))
+def test_any_session_id_gives_a_valid_program_id(session: str, window: str) -> None:
+    """Whatever a client puts in its session headers, the program id is valid (odd ids
+    are hashed) and stable."""
+    h = {b"session-id": session, b"x-codex-window-id": window}
+    body = {"model": "m", "input": "hi"}
+    r = recognise(("codex",), RESP, seen(body, h))
+    if not session:
+        assert r.program_id is None
+        return
+    assert r.program_id is not None
+    check_program_id(r.program_id, 1024)
+    assert recognise(("codex",), RESP, seen(body, h)) == r
+
+
+def test_check_body_per_api() -> None:
+    ok = claude_body("s", "hi")
+    check_body(MSG, ok)
+    for broken, field in ((dict(ok, max_tokens=None), "max_tokens"),
+                          (dict(ok, max_tokens=0), "max_tokens"),
+                          (dict(ok, messages="hi"), "messages"),
+                          (dict(ok, messages=[{"role": "system", "content": "x"}]),
+                           "messages[0]"),
+                          (dict(ok, messages=[{"role": "user", "content": 5}]),
+                           "messages[0].content"),
+                          (dict(ok, system=3), "system"),
+                          (dict(ok, stream="yes"), "stream")):
+        with pytest.raises(RequestError) as e:
+            check_body(MSG, broken)
+        assert e.value.status == 400 and e.value.param == field
+    check_body(RESP, {"model": "m", "input": "hi"})
+    check_body(RESP, {"model": "m", "input": [{"type": "message", "role": "user",
+                                              "content": "x"}]})
+    for broken, field in (({"model": "m", "input": 3}, "input"),
+                          ({"model": "m", "input": ["x"]}, "input[0]"),
+                          ({"model": "m", "input": "x", "max_output_tokens": -1},
+                           "max_output_tokens"),
+                          ({"model": "m", "input": "x", "instructions": []}, "instructions"),
+                          ({"input": "x"}, "model")):
+        with pytest.raises(RequestError) as e:
+            check_body(RESP, broken)
+        assert e.value.param == field
+
+
+def test_conversation_readings() -> None:
+    body = {"model": "m", "instructions": "be brief",
+            "input": [{"type": "message", "role": "developer", "content": "env"},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "task"}]},
+                      {"type": "function_call", "name": "shell", "call_id": "c",
+                       "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c", "output": "done"}]}
+    assert conversation_head(RESP, body) == "be brief\nenv\ntask"
+    assert carries_tool_results(RESP, body)
+    assert last_turn_text(RESP, body) == "done"
+    chat = {"model": "m", "messages": [{"role": "system", "content": "s"},
+                                       {"role": "user", "content": "u"},
+                                       {"role": "tool", "content": "r", "tool_call_id": "1"}]}
+    assert conversation_head(CHAT_SPEC, chat) == "s\nu"
+    assert carries_tool_results(CHAT_SPEC, chat)
+
+
+def test_model_aliases() -> None:
+    a = ModelAliases.parse(["claude-*-haiku*=small", "claude-*=big", "gpt-?=big"])
+    served = frozenset({"big", "small"})
+    assert a.resolve("claude-3-5-haiku-20241022", served) == "small"
+    assert a.resolve("claude-sonnet-4-5", served) == "big"
+    assert a.resolve("gpt-5", served) == "big"
+    assert a.resolve("gpt-55", served) is None
+    assert a.resolve("big", served) == "big"
+    assert a.resolve("Claude-x", served) is None  # case-sensitive
+    for bad in ("claude-*", "=x", "claude-*="):
+        with pytest.raises(ValueError, match="PATTERN=SERVED"):
+            ModelAliases.parse([bad])
