@@ -54,7 +54,7 @@ LAYERS = {
     "enginesim": {"core", "protocol", "sim"},
     "replay": {"core", "protocol", "sim", "traces", "engines"},
     "dashboard": {"core", "sim", "traces"},
-    "gateway": {"core", "protocol", "engines", "enginesim", "dashboard"},
+    "gateway": {"core", "protocol", "engines", "enginesim", "dashboard", "sim", "traces"},
     "sweep": {"core", "sim", "traces"},
     # runs inside vLLM's processes: nothing of MORI but itself (its protocol module is
     # what the gateway's adapter imports)

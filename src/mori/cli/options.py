@@ -267,6 +267,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("gpu_kv_tokens", int, _SERVE.gpu_kv_tokens, metavar="TOKENS",
            help="shrink the simulated engines' GPU KV pool to this many tokens (default: the "
                 "preset's)"),
+    Option("engine_script", Path, None, metavar="FILE",
+           help="the simulated engines answer with this script's text and tool calls (see "
+                "`mori engine-sim --help`; e.g. examples/agent-script.json), so real agents "
+                "run real tools"),
     Option("policy", str, _GATEWAY.policy, metavar="NAME",
            help="scheduling policy (see `mori policies`)"),
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",

@@ -30,8 +30,11 @@ from mori.core.registry import UnknownNameError
 from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend
 from mori.gateway.auth import KeyRing, check_exposure, read_key_file
 from mori.gateway.config import GatewaySettings
+from mori.gateway.record import check_record_file
 from mori.gateway.server import ServeConfig, run_gateway
 from mori.protocol.serve import bind_socket
+from mori.sim.script import ScriptError, load_script
+from mori.traces.errors import TraceError
 
 _SERVE_FIELDS = frozenset(f.name for f in fields(ServeConfig)) - {"settings"}
 """The fields of ``ServeConfig`` options set directly; the rest are the gateway's."""
@@ -46,8 +49,18 @@ program ids:
   A request names its program by the body field "program_id" (with the openai client:
   extra_body={{"program_id": "..."}}) or the header X-Program-Id (UTF-8). An id is 1 to
   --max-program-id-bytes bytes, without control characters, and may not start with
-  "anon-" (reserved). A request with neither is served as its own one-step program.
-  POST /v1/programs/ID/release ends a program.
+  "anon-" (reserved). Unmodified agents are recognised by their own session ids
+  (--program-id-from): Claude Code (X-Claude-Code-Session-Id, metadata.user_id), Codex
+  (session-id / thread-id, x-codex-window-id), prompt_cache_key, X-Session-Id; each of
+  their conversations (a subagent's, a compacted one) is a program of its own. A request
+  none recognises is served as its own one-step program. POST /v1/programs/ID/release
+  ends a program.
+
+agents:
+  Paths: /v1/chat/completions, /v1/completions, /v1/messages (Claude Code),
+  /v1/messages/count_tokens, /v1/responses (Codex). Map the models agents ask for:
+  --model-alias 'claude-*=SERVED'. Record their traffic as a trace: --record FILE.jsonl.gz.
+  Claude Code: ANTHROPIC_BASE_URL=http://127.0.0.1:8000 claude
 
 config file (--config FILE.toml):
 {textwrap.fill("Keys are the long options, with dashes or underscores: "
@@ -134,7 +147,26 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
                        cfg.allow_unauthenticated)
     except ValueError as e:
         raise ServeUsageError(str(e)) from None
+    check_files(cfg)
     return cfg
+
+
+def check_files(cfg: ServeConfig) -> None:
+    """Refuse, before anything starts, an engine script that cannot be read and a record
+    file that is not a MORI trace (``ServeUsageError`` naming the file and the fault)."""
+    if cfg.engine_script is not None:
+        if cfg.backends:
+            raise ServeUsageError("--engine-script scripts the simulated engines; it cannot "
+                                  "be used with --backend")
+        try:
+            load_script(cfg.engine_script)
+        except ScriptError as e:
+            raise ServeUsageError(f"--engine-script: {e}") from None
+    if cfg.settings.record is not None:
+        try:
+            check_record_file(cfg.settings.record)
+        except TraceError as e:
+            raise ServeUsageError(f"--record: {e}") from None
 
 
 def with_keys(cfg: ServeConfig, env: Mapping[str, str]) -> GatewaySettings:

@@ -1,4 +1,5 @@
-"""The simulated engine as an OpenAI-compatible HTTP server (``mori engine-sim``).
+"""The simulated engine as an OpenAI- and Anthropic-compatible HTTP server
+(``mori engine-sim``).
 
 ``create_engine_sim_app(config)`` builds a Starlette app around one ``RealtimeReplica``
 (``mori.sim.realtime``: the simulator's engine replica run against the wall clock,
@@ -7,18 +8,25 @@ gateway starts simulated replicas this way); ``mori engine-sim`` serves it stand
 
 Endpoints
 ---------
-- ``POST /v1/chat/completions``, ``POST /v1/completions``: streaming (SSE) or not; what
-  is generated and how prompts are sized: ``mori.enginesim.completions``. Reusable
-  prefix: ``mori.reuse_tokens`` if given, else the program's previous context (prompt +
-  output of its last request here) when the new prompt is at least that long
-  (append-only conversations), else 0. A second request of a program while one runs is
-  served as a one-shot program (the model runs one request per program at a time).
-  Usage reports ``prompt_tokens_details.cached_tokens`` (prompt tokens found in the GPU
-  or CPU tier); streams include it in a last chunk with
-  ``stream_options.include_usage``. The first token is sent when the simulated prefill
-  ends; the rest as decode iterations complete. A client that disconnects aborts its
-  request (out of the queue / batch, its KV unpinned). Errors come in OpenAI's shape
-  (``mori.protocol.errors``): 400 bad input, 404 unknown model, 503 queue full.
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI), ``POST /v1/messages``
+  (Anthropic, any query string such as ``?beta=true``), ``POST /v1/responses`` (OpenAI
+  Responses): streaming (SSE) or not. How requests are read and prompts sized:
+  ``mori.enginesim.calls``; what is answered: ``mori.enginesim.answers`` (placeholder
+  text, or the config's ``script``); each API's body and stream:
+  ``mori.enginesim.completions``, ``.messages``, ``.responses``. Reusable prefix:
+  ``mori.reuse_tokens`` if given, else the program's previous context (prompt + output
+  of its last request here) when the new prompt is at least that long (append-only
+  conversations), else 0. A second request of a program while one runs is served as a
+  one-shot program (the model runs one request per program at a time). Usage reports
+  the prompt tokens found in the GPU or CPU tier (``cached_tokens``; Anthropic's
+  ``cache_read_input_tokens``). The first token is sent when the simulated prefill ends;
+  the rest as decode iterations complete; streams carry the ``: kv-ready`` comment when
+  the KV is in place (``mori.enginesim.streams``). A client that disconnects aborts its
+  request (out of the queue / batch, its KV unpinned). Errors come in the API's shape
+  (OpenAI's, ``mori.protocol.errors``; Anthropic's on ``/v1/messages``): 400 bad input,
+  404 unknown model, 503 queue full.
+- ``POST /v1/messages/count_tokens`` -> ``{"input_tokens": n}``: the text rule
+  (``mori.protocol.tokens``), no engine work.
 - KV controls (JSON) under ``/mori/v1/``: ``POST programs/{pid}/label`` with
   ``{"label": "busy"|"idle"|"inactive"}``, ``POST programs/{pid}/offload`` (GPU pages
   to the CPU tier, or dropped without one), ``POST programs/{pid}/drop`` (both tiers),
@@ -34,48 +42,68 @@ Endpoints
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive
 
 from mori.core.types import KVLabel
-from mori.enginesim.completions import completion_body, parse_completion, stream_completion
+from mori.enginesim.answers import Api
+from mori.enginesim.calls import Call, check_body, check_model, parse_call, prompt_sizes
+from mori.enginesim.completions import ChatStream, completion_body
+from mori.enginesim.messages import MessagesStream, anthropic_error, message_body
 from mori.enginesim.metrics import EngineCollector
+from mori.enginesim.responses import ResponsesStream, response_body
+from mori.enginesim.streams import SSE_HEADERS, Outcome, Render, stream_answer, wait_answer
 from mori.protocol.errors import RequestError
-from mori.protocol.fields import CHAT, COMPLETIONS
+from mori.protocol.fields import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES
 from mori.protocol.responses import EventStream, error_response
 from mori.protocol.serve import RunningServer, serve_app
 from mori.sim.realtime import EngineSimConfig, RealtimeReplica, Track
 
 __all__ = ["EngineSimConfig", "EngineSimServer", "create_engine_sim_app", "start_engine_sim"]
 
-SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",
-               "x-accel-buffering": "no"}
+def _openai_error(e: RequestError) -> Response:
+    return e.response()
 
 
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """How one API answers: its request ids, its errors, its body and its stream."""
+
+    api: Api
+    id_prefix: str
+    error: Callable[[RequestError], Response]
+    body: Callable[[Call, Track, str, int], dict[str, Any]]
+    stream: Callable[[Call, Track, str, int], Render]
 
 
-async def _wait_done(track: Track) -> None:
-    while not track.done:
-        track.changed.clear()
-        if track.done:
-            return
-        await track.changed.wait()
+_SHAPES = {
+    Api.CHAT: _Shape(Api.CHAT, "chatcmpl-", _openai_error, completion_body, ChatStream),
+    Api.COMPLETIONS: _Shape(Api.COMPLETIONS, "cmpl-", _openai_error, completion_body,
+                            ChatStream),
+    Api.MESSAGES: _Shape(Api.MESSAGES, "msg_", anthropic_error,
+                         lambda c, t, rid, _: message_body(c, t, rid),
+                         lambda c, t, rid, _: MessagesStream(c, t, rid)),
+    Api.RESPONSES: _Shape(Api.RESPONSES, "resp_", _openai_error, response_body,
+                          ResponsesStream),
+}
+
+
+async def _json_body(request: Request) -> Any:
+    """The request's JSON; ``RequestError`` (400) for a body that is none."""
+    try:
+        return await request.json()
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, huge ints, deep nesting
+        raise RequestError(400, "the request body is not valid JSON") from None
 
 
 class _Api:
@@ -85,45 +113,51 @@ class _Api:
         self.engine = engine
         self.created = int(time.time())
 
-    # -- completions ------------------------------------------------------------------
+    # -- generation -------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
-        return await self._complete(request, CHAT)
+        return await self._answer(request, _SHAPES[Api.CHAT])
 
     async def completions(self, request: Request) -> Response:
-        return await self._complete(request, COMPLETIONS)
+        return await self._answer(request, _SHAPES[Api.COMPLETIONS])
 
-    async def _complete(self, request: Request, path: str) -> Response:
+    async def messages(self, request: Request) -> Response:
+        return await self._answer(request, _SHAPES[Api.MESSAGES])
+
+    async def responses(self, request: Request) -> Response:
+        return await self._answer(request, _SHAPES[Api.RESPONSES])
+
+    async def _answer(self, request: Request, shape: _Shape) -> Response:
         eng = self.engine
         try:
-            body = await request.json()
-        except (ValueError, RecursionError):  # bad JSON or UTF-8, huge ints, deep nesting
-            return error_response(400, "the request body is not valid JSON")
-        try:
-            call = parse_completion(path, body, request.headers, eng.model_name)
-            track = eng.submit(call.program_id, call.prompt, call.output, call.reuse)
+            body = await _json_body(request)
+            call = parse_call(shape.api, body, request.headers, eng.model_name,
+                              eng.config.script)
+            track = eng.submit(call.program_id, call.prompt, call.answer.tokens, call.reuse)
         except RequestError as e:
-            return e.response()
-        rid = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
+            return shape.error(e)
+        rid = shape.id_prefix + uuid.uuid4().hex
         created = int(time.time())
         if call.stream:
             return EventStream(200, SSE_HEADERS,
-                               stream_completion(eng, call, track, rid, created))
-        done = asyncio.ensure_future(_wait_done(track))
-        gone = asyncio.ensure_future(_wait_disconnect(request.receive))
+                               stream_answer(eng, track, shape.stream(call, track, rid, created)))
+        outcome = await wait_answer(eng, track, request.receive)
+        if outcome is Outcome.CLIENT_GONE:
+            return shape.error(RequestError(499, "the client closed the request",
+                                            code="client_closed",
+                                            type_="invalid_request_error"))
+        if outcome is Outcome.ABORTED:
+            return shape.error(RequestError(503, "the engine aborted the request (shutting "
+                                            "down)", code="aborted", type_="server_error"))
+        return JSONResponse(shape.body(call, track, rid, created))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's token counting: the text rule, no engine work."""
         try:
-            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (done, gone):
-                t.cancel()
-            await asyncio.gather(done, gone, return_exceptions=True)
-            eng.abort(track)  # no-op once finished
-        if track.finished_at is None:
-            if gone.done() and not gone.cancelled():
-                return error_response(499, "the client closed the request",
-                                      code="client_closed", type_="invalid_request_error")
-            return error_response(503, "the engine aborted the request (shutting down)",
-                                  code="aborted", type_="server_error")
-        return JSONResponse(completion_body(call, track, rid, created))
+            body = check_body(await _json_body(request))
+            check_model(body, self.engine.model_name, required=True)
+            return JSONResponse({"input_tokens": prompt_sizes(COUNT_TOKENS, body)[0]})
+        except RequestError as e:
+            return anthropic_error(e)
 
     # -- info -------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -208,6 +242,9 @@ def create_engine_sim_app(config: EngineSimConfig) -> Starlette:
     routes = [
         Route(CHAT, api.chat, methods=["POST"]),
         Route(COMPLETIONS, api.completions, methods=["POST"]),
+        Route(MESSAGES, api.messages, methods=["POST"]),
+        Route(COUNT_TOKENS, api.count_tokens, methods=["POST"]),
+        Route(RESPONSES, api.responses, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),

@@ -4,8 +4,8 @@ Agents ask for their own model names (Claude Code for a Sonnet and a small fast 
 Codex for a GPT). ``--model-alias PATTERN=SERVED`` (repeatable) maps every name matching
 ``PATTERN`` (shell-style: ``*``, ``?``, ``[...]``; matched in full, case-sensitive) onto
 ``SERVED``; the first matching rule wins. A name the engines serve is never mapped. A
-name neither served nor mapped gets the API's own not-found error, listing the models
-served.
+name neither served nor mapped onto a served model gets the API's own not-found error,
+listing the models served.
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ class ModelAliases:
         return cls(tuple(rules))
 
     def resolve(self, asked: str, served: frozenset[str]) -> str | None:
-        """The served model for ``asked``: itself if served, else the first rule's target
-        that matches; None when neither."""
+        """The served model for ``asked``: itself if served, else the first matching rule's
+        target if that is served; None otherwise."""
         if asked in served:
             return asked
         for _, rx, target in self.rules:
             if rx.fullmatch(asked):
-                return target
+                return target if target in served else None
         return None
 
     def describe(self) -> list[str]:

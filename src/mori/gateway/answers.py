@@ -36,6 +36,10 @@ class Answer:
     tool_names: list[str] = field(default_factory=list)
 
 
+def _list(v: Any) -> list[Any]:
+    return v if isinstance(v, list) else []
+
+
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
@@ -142,7 +146,7 @@ class ChatWatcher(_Lines):
                 continue
             if not isinstance(data, dict):
                 continue
-            for choice in data.get("choices") or ():
+            for choice in _list(data.get("choices")):
                 if isinstance(choice, dict):
                     self.answer.tool_names.extend(_tool_names_chat(choice.get("delta")))
             if has_usage:
@@ -287,19 +291,19 @@ def read_answer(spec: ApiSpec, body: bytes) -> Answer:
         return ans
     if spec.anthropic:
         _anthropic_usage(data.get("usage"), ans)
-        for block in data.get("content") or ():
+        for block in _list(data.get("content")):
             if isinstance(block, dict) and block.get("type") in ("tool_use", "server_tool_use"):
                 name = block.get("name")
                 ans.tool_names.append(name if isinstance(name, str) else "tool_use")
     elif spec.path == RESPONSES:
         _openai_usage(data.get("usage"), ans)
-        for item in data.get("output") or ():
+        for item in _list(data.get("output")):
             name = _tool_name_item(item)
             if name is not None:
                 ans.tool_names.append(name)
     else:
         _openai_usage(data.get("usage"), ans)
-        for choice in data.get("choices") or ():
+        for choice in _list(data.get("choices")):
             if isinstance(choice, dict):
                 ans.tool_names.extend(_tool_names_chat(choice.get("message")))
     return ans

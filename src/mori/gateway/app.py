@@ -39,6 +39,7 @@ from mori.gateway.record import TraceRecorder
 from mori.protocol.apis import API_BY_PATH
 from mori.protocol.fields import anonymous_program_id
 from mori.protocol.responses import error_response
+from mori.traces.errors import TraceError
 
 log = logging.getLogger("mori.gateway")
 
@@ -113,8 +114,11 @@ class Gateway:
         policy = policy_for(self.settings, self.capacities)
         self.controller = Controller(policy, self.adapters, self.metrics, self.settings)
         if self.settings.record is not None:
-            self.controller.recorder = TraceRecorder(self.settings.record,
-                                                     keep_text=self.settings.record_text)
+            try:
+                self.controller.recorder = TraceRecorder(self.settings.record,
+                                                         keep_text=self.settings.record_text)
+            except (TraceError, OSError) as e:
+                raise RuntimeError(f"--record: {e}") from e
         self.metrics.watch(self.state)
         await self.refresh_models()
 

@@ -187,31 +187,46 @@ class TraceRecorder:
                 _annotate(record, ordered, obj, steps, self.keep_text)
 
             line = encode_program(built.trace, annotate)
-            self._out.write(gzip.compress(line, mtime=0) if self._gzip else line)
+            self._out.write(gzip.compress(line, 6, mtime=0) if self._gzip else line)
             self._out.flush()
             self.written += 1
         for orphan in built.orphans:
             self._write(orphan)
 
 
-def _open_for_append(file: str, name: str, gzipped: bool) -> BinaryIO:
-    """The file opened for appending: created with its header when new or empty, else
-    checked (a MORI trace) and cut after its last whole line."""
+def check_record_file(path: str | os.PathLike[str]) -> None:
+    """``TraceError`` naming ``path`` unless it can be recorded into (a new or empty file,
+    or a readable MORI trace: read through once); nothing is written."""
+    _whole_length(os.fspath(path))
+
+
+def _whole_length(file: str) -> int | None:
+    """How many leading bytes of the trace ``file`` are whole (None: new or empty); a
+    :class:`TraceError` naming it when it cannot be recorded into."""
     if not file.lower().endswith(_NAME_ENDINGS):
         raise TraceError(file, None, "cannot record into it: the name must end in .jsonl "
                          "or .jsonl.gz", "the trace readers tell a trace file by its name")
     if not os.path.exists(file) or os.path.getsize(file) == 0:
+        return None
+    try:
+        return complete_length(file, on_torn=lambda torn: None)
+    except TraceError as exc:
+        hint = ("cannot record into it: --record appends only to a readable MORI trace "
+                "file (name a new file to start one)")
+        raise TraceError(file, exc.where, exc.problem,
+                         f"{exc.hint}; {hint}" if exc.hint else hint) from exc
+
+
+def _open_for_append(file: str, name: str, gzipped: bool) -> BinaryIO:
+    """The file opened for appending: created with its header when new or empty, else
+    checked (a MORI trace) and cut after its last whole line."""
+    whole = _whole_length(file)
+    if whole is None:
         out = open(file, "wb")  # noqa: SIM115 -- the recorder closes it
         header = encode_header(name)
         out.write(gzip.compress(header, mtime=0) if gzipped else header)
         out.flush()
         return out
-    try:
-        whole = complete_length(file, on_torn=lambda torn: None)
-    except TraceError as exc:
-        raise TraceError(file, exc.where, f"cannot record into it: {exc.problem}",
-                         "--record appends only to a MORI trace file; name a new file "
-                         "to start one") from exc
     size = os.path.getsize(file)
     if whole < size:
         log.warning("%s: cutting off %d bytes of a torn last line (the file was cut while "

@@ -53,6 +53,7 @@ class ServeConfig:
     preset: str = "h200-qwen3-30b-a3b"
     cpu_ratio: float = 1.0
     gpu_kv_tokens: int | None = None
+    engine_script: Path | None = None  # the simulated engines' scripted answers
     log_level: str = "info"
     workers: int = 1  # gateway processes (1: the policy process alone)
     api_key_file: Path | None = None
@@ -66,15 +67,18 @@ async def start_simulated_backends(cfg: ServeConfig) -> tuple[list[EngineAdapter
     handles (``await handle.stop()``)."""
     from mori.engines.simulated import SimEngineAdapter
     from mori.enginesim import EngineSimConfig, start_engine_sim
+    from mori.sim.script import load_script
 
     profile = POLICIES.get(cfg.settings.policy).engine_profile
+    script = load_script(cfg.engine_script) if cfg.engine_script is not None else None
     adapters: list[EngineAdapter] = []
     handles: list[Any] = []
     for _ in range(cfg.replicas):
         sim_cfg = EngineSimConfig(
             preset=cfg.preset, time_scale=cfg.settings.time_scale,
             cpu_ratio=cfg.cpu_ratio if profile.cpu_tier else 0.0,
-            typed_eviction=profile.typed_eviction, gpu_kv_tokens=cfg.gpu_kv_tokens)
+            typed_eviction=profile.typed_eviction, gpu_kv_tokens=cfg.gpu_kv_tokens,
+            script=script)
         h = await start_engine_sim(sim_cfg, host="127.0.0.1", port=0)
         handles.append(h)
         adapters.append(SimEngineAdapter(h.url))

@@ -42,6 +42,7 @@ from mori.protocol.errors import RequestError
 from mori.sim.clock import EventLoop
 from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
+from mori.sim.script import Script
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,8 @@ class EngineSimConfig:
     pool (a small pool for tests). ``model_name``: the served model name (default: the
     preset's model). ``max_queue``: the most requests waiting for admission (0: no limit);
     more are refused with 503. ``min_emit_interval_s``: tokens due this close together
-    (wall seconds) are sent in one write.
+    (wall seconds) are sent in one write. ``script``: the answers' text and tool calls
+    (``mori.sim.script``; None: placeholder text).
     """
 
     preset: str
@@ -67,6 +69,7 @@ class EngineSimConfig:
     model_name: str | None = None
     max_queue: int = 0
     min_emit_interval_s: float = 0.001
+    script: Script | None = None
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # UnknownNameError lists the presets

@@ -21,6 +21,13 @@ in any letter case):
   ``reuse_tokens`` to 0; unknown fields are ignored; blank lines after the header are
   skipped.
 
+Written by ``mori serve --record`` (:mod:`mori.gateway.record`), and ignored by the
+reader: program-level ``"recogniser"``, ``"agent"``, ``"session"``, ``"parent"`` (strings;
+the last two omitted when none) and ``"arrival_s"`` (the program's first request, wall
+seconds since the Unix epoch), and with ``--record-text`` a step-level ``"text"`` (the
+prompt's new text). Such a file is appended to one program at a time, each line its own
+gzip member when gzipped (concatenated members are one valid gzip stream).
+
 Version history: version 1 had no ``new_tokens``, ``call_s``, ``tool_names``,
 ``block_hashes`` nor ``block_size``; a version 1 file is read as the same set with those
 unknown. Version 2 is written.
@@ -28,7 +35,14 @@ unknown. Version 2 is written.
 Writing then reading gives back an equal :class:`TraceSet` (floats are written with
 ``repr`` precision). :class:`TraceWriter` writes programs one at a time (bounded memory);
 :func:`iter_programs` reads them one at a time. Any problem reading raises
-:class:`~mori.traces.errors.TraceError` naming the file, the line and the field path.
+:class:`~mori.traces.errors.TraceError` naming the file, the line and the field path,
+but for a *torn last line*, the mark a crash leaves on a file written line by line: it is
+skipped with a note (:class:`TornLine`, logged as a warning unless ``on_torn`` is given)
+and every line before it is read. A torn last line is, in a plain file, a last line
+without its newline that is not valid JSON; in a gzipped file, a last gzip member that is
+cut short (or undecodable, with no whole member after it) and holds at most one line,
+begun at a line boundary. A bad line anywhere else, or a cut through a member of several
+lines (a file written by :class:`TraceWriter` is one member), still raises.
 """
 
 from __future__ import annotations
@@ -36,12 +50,15 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
+import mmap
 import os
 import re
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from types import TracebackType
+from typing import BinaryIO
 
 from mori.traces.errors import Fields, TraceError
 from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet, block_hashes
@@ -50,6 +67,38 @@ FORMAT = "mori-trace"
 VERSION = 2
 READ_VERSIONS = (1, 2)
 _GAP_KINDS = ", ".join(kind.value for kind in GapKind)
+_CHUNK = 1 << 16  # compressed bytes read at a time
+_MEMBER_START = b"\x1f\x8b\x08"  # a gzip member's magic and its (deflate) method
+
+log = logging.getLogger("mori.traces")
+
+#: adds fields the reader ignores to a program as encoded: called with each program (its
+#: subagents included), its JSON object and that object's list of step objects
+Annotate = Callable[[ProgramTrace, dict[str, object], list[dict[str, object]]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TornLine:
+    """A torn last line that a reader skipped: the ``file``, the ``line`` number, the
+    byte ``offset`` in the file where the torn part begins (the line, or in a gzipped file
+    its gzip member; the file is whole up to there), and ``reason``."""
+
+    file: str
+    line: int
+    offset: int
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"{self.file}: line {self.line}: torn last line skipped ({self.reason}); "
+                "the file was cut while being written, every line before it was read")
+
+
+#: what a reader does with a :class:`TornLine` (by default: log a warning)
+OnTorn = Callable[[TornLine], None]
+
+
+def _log_torn(torn: TornLine) -> None:
+    log.warning("%s", torn)
 
 
 def write_traceset(ts: TraceSet, path: str | os.PathLike[str]) -> None:
@@ -86,15 +135,15 @@ class TraceWriter:
         self._raw = open(self.file, "wb")  # noqa: SIM115 -- closed in close()
         self._gz: gzip.GzipFile | None = None
         self._out: io.BufferedIOBase | gzip.GzipFile = self._raw
-        if _is_gzip(self.file):
+        if is_gzip_path(self.file):
             self._gz = gzip.GzipFile(filename="", mode="wb", fileobj=self._raw, mtime=0)
             self._out = self._gz
-        self._out.write(_dump({"format": FORMAT, "version": VERSION, "name": name}))
+        self._out.write(encode_header(name))
 
     def write(self, program: ProgramTrace) -> None:
         """Append one top-level program (with its subagents)."""
         try:
-            line = _dump(_program_to_json(program))
+            line = encode_program(program)
         except ValueError as exc:
             raise TraceError(
                 self.file, f"programs[{self.count}] ({program.name!r})", f"cannot write: {exc}"
@@ -121,31 +170,51 @@ class TraceWriter:
         self.close()
 
 
-def read_traceset(path: str | os.PathLike[str], hashes: bool = True) -> TraceSet:
+def encode_header(name: str) -> bytes:
+    """The header line of a set named ``name`` (UTF-8, newline included)."""
+    return _dump({"format": FORMAT, "version": VERSION, "name": name})
+
+
+def encode_program(program: ProgramTrace, annotate: Annotate | None = None) -> bytes:
+    """The line of one top-level program (UTF-8, newline included). ``annotate`` may add
+    fields to each program and step object (they must be fields the reader ignores).
+    Raises :class:`ValueError` if a number is not finite."""
+    return _dump(_program_to_json(program, annotate))
+
+
+def is_gzip_path(file: str | os.PathLike[str]) -> bool:
+    """Whether a trace file of this name is gzip-compressed (it ends in ``.gz``)."""
+    return os.fspath(file).lower().endswith(".gz")
+
+
+def read_traceset(path: str | os.PathLike[str], hashes: bool = True,
+                  on_torn: OnTorn | None = None) -> TraceSet:
     """Read a canonical trace file written by :func:`write_traceset` (or by hand).
 
     ``hashes=False`` leaves the steps' block hashes (and the programs' ``block_size``)
     out, unread: a run or the statistics do not need them, and they are most of such a
-    file's memory.
+    file's memory. A torn last line (see the module doc) is skipped and passed to
+    ``on_torn`` (default: logged as a warning).
 
     Raises :class:`TraceError` naming the file, line (and column or field path) when the
     file is unreadable, not gzip although named ``.gz``, not UTF-8 JSON Lines, lacks the
     header, has an unsupported version, or a program does not follow the layout.
     """
-    name, programs = read_header_and_programs(path, hashes)
+    name, programs = read_header_and_programs(path, hashes, on_torn)
     return TraceSet(name=name, programs=tuple(programs))
 
 
-def read_header_and_programs(path: str | os.PathLike[str], hashes: bool = True
+def read_header_and_programs(path: str | os.PathLike[str], hashes: bool = True,
+                             on_torn: OnTorn | None = None
                              ) -> tuple[str, Iterator[ProgramTrace]]:
     """The set name and an iterator over its programs, read lazily one line at a time.
 
     The header is checked before returning; program lines are parsed as the iterator is
-    consumed (errors as for :func:`read_traceset`). The file stays open until the
-    iterator is exhausted or closed.
+    consumed (errors and torn lines as for :func:`read_traceset`). The file stays open
+    until the iterator is exhausted or closed.
     """
     file = os.fspath(path)
-    lines = _iter_objects(file, hashes)
+    lines = _iter_objects(file, hashes, on_torn or _log_torn)
     first = next(lines, None)
     if first is None:
         raise TraceError(file, "line 1", "empty file", f"expected the header {_header_example()}")
@@ -158,9 +227,30 @@ def read_header_and_programs(path: str | os.PathLike[str], hashes: bool = True
     return name, programs()
 
 
-def iter_programs(path: str | os.PathLike[str]) -> Iterator[ProgramTrace]:
+def iter_programs(path: str | os.PathLike[str], on_torn: OnTorn | None = None
+                  ) -> Iterator[ProgramTrace]:
     """The top-level programs of a canonical trace file, one at a time."""
-    return read_header_and_programs(path)[1]
+    return read_header_and_programs(path, on_torn=on_torn)[1]
+
+
+def complete_length(path: str | os.PathLike[str], on_torn: OnTorn | None = None) -> int:
+    """How many leading bytes of a canonical trace file are whole: its size, or the
+    offset where its torn last line begins (where a writer that appends must cut it).
+
+    Reads the whole file (every program is checked, block hashes skipped), so raises
+    :class:`TraceError` as :func:`read_traceset` does for a file that is not a readable
+    MORI trace; the torn line is passed to ``on_torn`` (default: logged as a warning).
+    """
+    file = os.fspath(path)
+    torn: list[TornLine] = []
+
+    def note(line: TornLine) -> None:
+        torn.append(line)
+        (on_torn or _log_torn)(line)
+
+    for _ in read_header_and_programs(file, hashes=False, on_torn=note)[1]:
+        pass
+    return torn[0].offset if torn else os.path.getsize(file)
 
 
 # a "block_hashes" array of integers with the comma that separates it from its neighbour
@@ -175,42 +265,141 @@ def _without_hashes(raw_line: bytes) -> bytes:
     return _HASHES_FIELD.sub(lambda m: b"," if m.group(1) and m.group(2) else b"", raw_line)
 
 
-def _iter_objects(file: str, hashes: bool = True) -> Iterator[tuple[int, object]]:
-    """(line number, parsed JSON) for each non-blank line after the first (``hashes``
-    False: with the steps' ``block_hashes`` arrays left out)."""
+def _iter_objects(file: str, hashes: bool, on_torn: OnTorn) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) for each non-blank line (after the first: ``hashes``
+    False leaves the steps' ``block_hashes`` arrays out); a torn last line is passed to
+    ``on_torn`` instead."""
     lineno = 0  # the last line read whole
+    offset = 0  # in a plain file, where line ``lineno + 1`` begins
     opened = False
+    gzipped = is_gzip_path(file)
     try:
-        with _open_read(file) as stream:
+        with open(file, "rb") as raw:
             opened = True
-            for lineno, raw_line in enumerate(stream, 1):
+            for lineno, raw_line in enumerate(_gzip_lines(raw) if gzipped else raw, 1):
+                start, offset = offset, offset + len(raw_line)
                 if lineno > 1 and not raw_line.strip():
                     continue
                 if not hashes and lineno > 1:
                     raw_line = _without_hashes(raw_line)
-                yield lineno, _parse_line(file, lineno, raw_line)
+                try:
+                    obj = _parse_line(file, lineno, raw_line)
+                except TraceError as exc:
+                    if gzipped or lineno == 1 or raw_line.endswith(b"\n"):
+                        raise
+                    on_torn(TornLine(file, lineno, start, f"no newline, {exc.problem}"))
+                    return
+                yield lineno, obj
+    except _TornMember as torn:
+        if lineno == 0:  # no whole header
+            raise TraceError(file, "line 1", f"cannot read: {torn}",
+                             "is it really gzip-compressed?") from torn
+        on_torn(TornLine(file, lineno + 1, torn.offset, str(torn)))
     except (OSError, EOFError, zlib.error) as exc:
         where = f"line {lineno + 1}" if opened else None
-        hint = "is it really gzip-compressed?" if _is_gzip(file) else None
+        hint = "is it really gzip-compressed?" if gzipped else None
         raise TraceError(file, where, f"cannot read: {exc}", hint) from exc
 
 
-def _is_gzip(file: str) -> bool:
-    return file.lower().endswith(".gz")
+class _TornMember(Exception):
+    """The gzip stream ends in a member that is cut short, or undecodable with no whole
+    member after it; ``offset``: where that member begins in the file."""
+
+    def __init__(self, reason: str, offset: int) -> None:
+        super().__init__(reason)
+        self.offset = offset
+
+
+def _gzip_lines(raw: BinaryIO) -> Iterator[bytes]:
+    """The lines of a gzip file of one or more members (the last one without its newline
+    if it has none). A member's lines are held back until it ends while it holds at most
+    one line, so that a torn last member of one line (what a crash leaves of a file
+    written a line a member) yields nothing and raises :class:`_TornMember`; a cut through
+    a member of more lines, or one that began inside a line, raises :class:`EOFError`."""
+    parts: list[bytes] = []  # the bytes of the line being read
+    held: list[bytes] = []  # whole lines of the current member, not yet yielded
+    several = False  # the current member holds more than one line: yield as read
+    at_boundary = True  # the current member began at the start of a line
+    try:
+        for data, ended in _gzip_pieces(raw):
+            if ended:
+                yield from held
+                held.clear()
+                several, at_boundary = False, not parts
+                continue
+            pieces = data.split(b"\n")
+            for piece in pieces[:-1]:
+                parts.append(piece)
+                held.append(b"".join(parts) + b"\n")
+                parts.clear()
+            if pieces[-1]:
+                parts.append(pieces[-1])
+            several = several or len(held) > 1 or (bool(held) and bool(parts))
+            if several:
+                yield from held
+                held.clear()
+    except _TornMember as torn:
+        if several or not at_boundary:
+            raise EOFError(f"{torn} (within a member of several lines)") from torn
+        raise
+    if parts:
+        yield b"".join(parts)
+
+
+def _gzip_pieces(raw: BinaryIO) -> Iterator[tuple[bytes, bool]]:
+    """The decompressed data of a file of concatenated gzip members, in pieces: each
+    ``(data, False)``, and ``(b"", True)`` where a member ends. Zero bytes between members
+    are skipped (as :mod:`gzip` does). Raises :class:`_TornMember` where the file ends
+    inside a member, or a member cannot be decoded and no whole member follows it, and
+    :class:`zlib.error` where one does."""
+    offset = 0  # the file offset of ``buf[0]``
+    buf = raw.read(_CHUNK)
+    while True:
+        while not (stripped := buf.lstrip(b"\0")):
+            offset += len(buf)
+            buf = raw.read(_CHUNK)
+            if not buf:
+                return
+        offset += len(buf) - len(stripped)
+        buf, start = stripped, offset
+        member = zlib.decompressobj(wbits=31)
+        while not member.eof:
+            if not buf and not (buf := raw.read(_CHUNK)):
+                raise _TornMember("the file ends inside a gzip member", start)
+            try:
+                data = member.decompress(buf)
+            except zlib.error as exc:
+                if _whole_member_after(raw, start):
+                    raise
+                raise _TornMember(f"undecodable last gzip member: {exc}", start) from exc
+            offset += len(buf) - len(member.unused_data)
+            buf = member.unused_data
+            if data:
+                yield data, False
+        yield b"", True
+
+
+def _whole_member_after(raw: BinaryIO, start: int) -> bool:
+    """Whether a gzip member that decodes to its end begins after offset ``start``."""
+    with mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        at = view.find(_MEMBER_START, start + 1)
+        while at >= 0:
+            member = zlib.decompressobj(wbits=31)
+            pos = at
+            try:
+                while not member.eof and pos < len(view):
+                    member.decompress(view[pos:pos + _CHUNK])
+                    pos += _CHUNK
+            except zlib.error:
+                pass
+            if member.eof:
+                return True
+            at = view.find(_MEMBER_START, at + 1)
+    return False
 
 
 def _dump(obj: object) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n"
-
-
-@contextmanager
-def _open_read(file: str) -> Iterator[io.BufferedIOBase]:
-    if _is_gzip(file):
-        with gzip.open(file, "rb") as gz:
-            yield gz
-    else:
-        with open(file, "rb") as raw:
-            yield raw
 
 
 def _header_example() -> str:
@@ -243,7 +432,8 @@ def _check_header(header: Fields) -> str:
     return header.text("name")
 
 
-def _program_to_json(program: ProgramTrace) -> dict[str, object]:
+def _program_to_json(program: ProgramTrace, annotate: Annotate | None = None
+                     ) -> dict[str, object]:
     steps: list[dict[str, object]] = []
     for step in program.steps:
         item: dict[str, object] = {
@@ -263,7 +453,8 @@ def _program_to_json(program: ProgramTrace) -> dict[str, object]:
             item["block_hashes"] = list(step.block_hashes)
         if step.subagents:
             item["subagents"] = [
-                {"delay_s": spawn.delay_s, "program": _program_to_json(spawn.program)}
+                {"delay_s": spawn.delay_s,
+                 "program": _program_to_json(spawn.program, annotate)}
                 for spawn in step.subagents
             ]
         steps.append(item)
@@ -275,6 +466,8 @@ def _program_to_json(program: ProgramTrace) -> dict[str, object]:
     if program.block_size is not None:
         out["block_size"] = program.block_size
     out["steps"] = steps
+    if annotate is not None:
+        annotate(program, out, steps)
     return out
 
 

@@ -1,0 +1,229 @@
+"""The agents' APIs end to end through the gateway, with the official SDKs as clients and
+a scripted simulated engine: Anthropic's Messages (streamed and not) and token counting,
+OpenAI's Responses; programs recognised from the agents' own session marks and split by
+conversation; tool time measured on the wire; model aliases; each API's error shape;
+key namespaces; the recorded trace."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+from gateway_harness import LoopThread
+
+from mori.gateway.app import Gateway, create_app
+from mori.gateway.config import GatewaySettings
+from mori.gateway.server import ServeConfig, start_simulated_backends
+from mori.traces.jsonl import read_traceset
+from mori.traces.model import GapKind
+
+SCRIPT = {"steps": [
+    {"text": "Listing.", "tool": {"Bash": {"command": "ls", "description": "List"},
+                                  "shell": {"command": ["bash", "-lc", "ls"]}}},
+    {"text": "Done."}]}
+SID = "5b9c1f8e-0000-4000-8000-00000000c1a0"
+BASH = {"name": "Bash", "description": "Run a shell command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                         "required": ["command"]}}
+TASK = {"name": "Task", "description": "Start a subagent",
+        "input_schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}
+SHELL = {"type": "function", "name": "shell", "description": "Run a command",
+         "parameters": {"type": "object", "properties": {
+             "command": {"type": "array", "items": {"type": "string"}}}}}
+
+
+def start(lt: LoopThread, tmp: Path, **settings: Any) -> tuple[str, Gateway, str]:
+    script = tmp / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    s = GatewaySettings(**settings)
+    cfg = ServeConfig(replicas=1, preset="h200-qwen3-30b-a3b", cpu_ratio=0.5,
+                      gpu_kv_tokens=200_000, engine_script=script, settings=s)
+    adapters, handles = lt.call(start_simulated_backends(cfg))
+    lt.handles.extend(handles)
+    app = create_app(s, adapters)
+    url = lt.serve(app).url
+    keys = s.admin_keys or s.api_keys
+    auth = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+    model = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
+    return url, app.state.gateway, model
+
+
+def claude_metadata(session: str = SID) -> dict[str, str]:
+    return {"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "",
+                                   "session_id": session})}
+
+
+def programs(url: str, key: str | None = None) -> list[dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    rows: list[dict[str, Any]] = httpx.get(url + "/v1/programs", headers=headers).json()["data"]
+    return rows
+
+
+def test_claude_code_like_session_through_messages(loop_thread: LoopThread,
+                                                   tmp_path: Path) -> None:
+    record = tmp_path / "live.jsonl.gz"
+    url, gw, model = start(loop_thread, tmp_path, record=str(record))
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    system = [{"type": "text", "text": "You are Claude Code."}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
+    with c.messages.stream(model=model, max_tokens=10, messages=msgs) as s:
+        s.get_final_message()  # warm the SDK's types up (an anonymous request)
+    with c.messages.stream(model=model, max_tokens=4096, system=system, messages=msgs,
+                           tools=[BASH, TASK], metadata=claude_metadata()) as s:
+        first = s.get_final_message()
+    assert first.stop_reason == "tool_use"
+    call = next(b for b in first.content if b.type == "tool_use")
+    assert call.name == "Bash" and call.input == {"command": "ls", "description": "List"}
+    (row,) = programs(url)
+    assert (row["agent"], row["recogniser"], row["session"]) == ("claude-code", "claude-code",
+                                                                  SID)
+    assert row["in_tool"] == ["Bash"] and row["tools"] == {"Bash": 1}
+    time.sleep(0.4)  # the tool runs
+    msgs += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                           "content": "a.txt\nb.txt"}]}]
+    second = c.messages.create(model=model, max_tokens=4096, system=system, messages=msgs,
+                               tools=[BASH, TASK], metadata=claude_metadata())
+    assert second.stop_reason == "end_turn" and second.content[0].type == "text"
+    assert second.usage.cache_read_input_tokens and second.usage.cache_read_input_tokens > 0
+    (row,) = programs(url)
+    assert row["program_id"] == programs(url)[0]["program_id"]  # one program, two steps
+    assert row["steps"] == 2 and row["tool_steps"] == 1 and row["in_tool"] == []
+    assert 0.4 <= row["last_tool_s"] < 1.5
+    metrics = httpx.get(url + "/metrics").text
+    assert 'mori_tool_call_seconds_count{agent="claude-code"} 1.0' in metrics
+    # count_tokens: answered, not gated, no program made
+    n = c.messages.count_tokens(model=model, messages=msgs, system=system)
+    assert n.input_tokens > 0 and len(programs(url)) == 1
+    # the dashboard lists the program with its agent kind and tools
+    frame = httpx.get(url + "/dashboard/state").json()["frame"]
+    (p,) = frame["programs"]
+    assert p[8] == "claude-code" and "Bash" in p[9]
+    assert httpx.post(url + f"/v1/programs/{row['program_id']}/release").status_code == 200
+    loop_thread.call(gw.shutdown())
+    ts = read_traceset(record)
+    (prog,) = ts.programs
+    assert [s.gap_kind for s in prog.steps] == [GapKind.TOOL, GapKind.END]
+    assert prog.steps[0].tool_names == ("Bash",)
+    assert 0.4 <= prog.steps[0].gap_s < 1.5
+    assert prog.steps[1].reuse_tokens > 0
+
+
+def test_subagent_is_its_own_program_with_its_parent(loop_thread: LoopThread,
+                                                     tmp_path: Path) -> None:
+    url, _, model = start(loop_thread, tmp_path)
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    main = c.messages.create(model=model, max_tokens=100, tools=[BASH, TASK],
+                             system="You are Claude Code.", metadata=claude_metadata(),
+                             messages=[{"role": "user", "content": "explore"}])
+    assert main.stop_reason == "tool_use"
+    # while the main conversation is in its tool call, a subagent of the same session
+    c.messages.create(model=model, max_tokens=100, tools=[BASH],
+                      system="You are a file search specialist.",
+                      metadata=claude_metadata(),
+                      messages=[{"role": "user", "content": "find config files"}])
+    rows = {r["program_id"]: r for r in programs(url)}
+    assert len(rows) == 2 and {r["session"] for r in rows.values()} == {SID}
+    (sub,) = [r for r in rows.values() if r["parent"] is not None]
+    assert rows[sub["parent"]]["parent"] is None
+
+
+def test_codex_like_session_through_responses(loop_thread: LoopThread,
+                                              tmp_path: Path) -> None:
+    url, _, model = start(loop_thread, tmp_path,
+                          model_aliases=("gpt-*=" + "__served__",))
+    # the alias rule's target is not served: a clear 404, not an engine error
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="gpt-5-codex", input="hi")
+    # the SDK builds its response types on first use (about a second here): warm it up
+    # (an anonymous request) so that the tool time measured below is the sleep's
+    list(c.responses.create(model=model, input="warm up", tools=[SHELL], stream=True))
+    headers = {"session-id": "codex-s1", "x-codex-window-id": "codex-s1:0"}
+    inp: list[dict[str, Any]] = [{"type": "message", "role": "user",
+                                  "content": [{"type": "input_text", "text": "list files"}]}]
+    events = list(c.responses.create(model=model, input=inp, tools=[SHELL], stream=True,
+                                     instructions="You are Codex.", extra_headers=headers,
+                                     prompt_cache_key="codex-s1"))
+    done = events[-1]
+    assert done.type == "response.completed"
+    (fc,) = [o for o in done.response.output if o.type == "function_call"]
+    assert fc.name == "shell"
+    time.sleep(0.3)
+    inp += [{"type": "function_call", "call_id": fc.call_id, "name": fc.name,
+             "arguments": fc.arguments},
+            {"type": "function_call_output", "call_id": fc.call_id, "output": "a.txt"}]
+    r = c.responses.create(model=model, input=inp, tools=[SHELL], instructions="You are Codex.",
+                           extra_headers=headers, prompt_cache_key="codex-s1")
+    assert r.output_text and r.usage is not None and r.usage.input_tokens > 0
+    (row,) = programs(url)
+    assert row["program_id"] == "codex:codex-s1/codex-s1:0"
+    assert (row["agent"], row["recogniser"], row["tool_steps"]) == ("codex", "codex", 1)
+    assert 0.3 <= row["last_tool_s"] < 1.5 and row["tools"] == {"shell": 1}
+
+
+def test_aliases_and_error_shapes(loop_thread: LoopThread, tmp_path: Path) -> None:
+    url, _, model = start(loop_thread, tmp_path, model_aliases=("claude-*=not-served",))
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    for asked in ("unknown-model", "claude-opus-4"):  # unmapped; mapped to no served model
+        with pytest.raises(anthropic.NotFoundError) as e:
+            c.messages.create(model=asked, max_tokens=10,
+                              messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+        assert model in e.value.body["error"]["message"]  # type: ignore[index]
+    bad = httpx.post(url + "/v1/messages?beta=true", json={"model": model, "messages": []})
+    assert bad.status_code == 400
+    assert bad.json()["type"] == "error"
+    assert bad.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in bad.json()["error"]["message"] or \
+        "messages" in bad.json()["error"]["message"]
+    for raw in (b"{", b"[]", b'{"model": 1}', b'{"model": "m", "max_tokens": 1, '
+                b'"messages": [{"role": "user", "content": 5}]}'):
+        r = httpx.post(url + "/v1/messages", content=raw)
+        assert r.status_code == 400 and r.json()["type"] == "error", raw
+        r = httpx.post(url + "/v1/responses", content=raw)  # the last: model "m" unknown
+        assert r.status_code in (400, 404) and "type" not in r.json(), raw
+        assert r.json()["error"]["type"] == "invalid_request_error", raw
+    r = httpx.get(url + "/v1/messages")
+    assert r.status_code == 405
+
+
+def test_alias_maps_agent_models(loop_thread: LoopThread, tmp_path: Path) -> None:
+    lt = loop_thread
+    url, _, model = start(lt, tmp_path)
+    lt2 = LoopThread()
+    try:
+        url2, _, _ = start(lt2, tmp_path, model_aliases=(f"claude-*={model}",))
+        c = anthropic.Anthropic(base_url=url2, api_key="none", max_retries=0)
+        m = c.messages.create(model="claude-sonnet-4-5-20250929", max_tokens=10,
+                              messages=[{"role": "user", "content": "hi"}])
+        assert m.model == model and m.content[0].type == "text"
+    finally:
+        lt2.close()
+    assert url != url2
+
+
+def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread,
+                                                 tmp_path: Path) -> None:
+    url, _, model = start(loop_thread, tmp_path, api_keys=("ka", "kb"), admin_keys=("adm",))
+    for key in ("ka", "kb"):
+        # Claude Code sends its key as x-api-key
+        c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+        c.messages.create(model=model, max_tokens=5, metadata=claude_metadata(),
+                          system="s", messages=[{"role": "user", "content": "same"}])
+    mine_a, mine_b = programs(url, "ka"), programs(url, "kb")
+    assert len(mine_a) == len(mine_b) == 1
+    assert mine_a[0]["program_id"] == mine_b[0]["program_id"]  # as each key names it
+    assert mine_a[0]["session"] == SID
+    assert len(programs(url, "adm")) == 2  # two programs inside the gateway
+    no_key = httpx.post(url + "/v1/messages", json={"model": model, "max_tokens": 1,
+                                                     "messages": [{"role": "user",
+                                                                   "content": "x"}]})
+    assert no_key.status_code == 401 and no_key.json()["error"]["type"] == \
+        "authentication_error"
