@@ -26,6 +26,24 @@ policy process and the workers apart), and the upstream's.
         [--rounds 4] [--smg PATH] [--workers N] [--baseline-src DIR] [--cpu]
         [--json out.json]
 
+The agents' APIs: ``--api chat,messages,responses`` (any of ``chat``, ``completions``,
+``messages``, ``count_tokens``, ``responses``; default ``chat``) measures each path in the
+same rounds, the order of the paths turning round by round, against an upstream that
+answers each API with a minimal valid body (``--serve-upstream``, this script itself). The
+requests are the ones each client sends, small: chat names its program in the body's
+``program_id`` (the default run, as before) or, with more than one API, in the
+``X-Program-Id`` header; ``messages`` is Claude Code's (``/v1/messages?beta=true``, system
+and message blocks with ``cache_control``, a tool, the session in ``metadata.user_id``, a
+JSON string); ``count_tokens`` its token counting; ``responses`` Codex's (the
+``session-id`` header, ``prompt_cache_key``, ``instructions``, an input message, a
+function tool); ``completions`` a prompt with ``program_id``. Each run of ``wrk`` uses one
+path, non-streamed. It ends with each path's p50/p99 and requests/s through ``mori`` and
+``direct`` and the p50 it adds, as a multiple of the chat path's added p50 (target: at
+most 1.2x): the median over rounds. ``smg`` (``--against smg``) is measured on chat only.
+
+    python bench/bench_gateway.py --api chat,messages,responses --against none
+        [--connections 1,16] [--rounds 3] [--seconds 3]
+
 Needs ``wrk`` (Debian: ``apt-get install wrk``) and, for ``--against smg``, the ``smg``
 command (``pip install sglang-router``, best in its own virtual environment; ``--smg``
 gives its path).
@@ -34,6 +52,7 @@ gives its path).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -44,6 +63,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +71,20 @@ from benchutil import child_pids, cpu_seconds, free_port
 
 HERE = Path(__file__).resolve().parent
 
-WRK_SCRIPT = """
+_WRK_HEAD = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 local n = 0
+"""
+_WRK_CHAT = """
 request = function()
   n = n + 1
   local body = '{"model":"trivial","max_tokens":1,"program_id":"p' .. (n % PROGRAMS) ..
     '","messages":[{"role":"user","content":"hello there"}]}'
   return wrk.format(nil, nil, nil, body)
 end
+"""
+_WRK_DONE = """
 done = function(summary, latency, requests)
   local errs = summary.errors
   io.write(string.format(
@@ -71,6 +95,181 @@ done = function(summary, latency, requests)
     errs.connect + errs.read + errs.write + errs.timeout))
 end
 """
+WRK_SCRIPT = _WRK_HEAD + _WRK_CHAT + _WRK_DONE
+"""The default run's script: chat completions naming ``PROGRAMS`` program ids in turn."""
+
+# -- the agents' APIs (--api) ----------------------------------------------------------------
+# Each request function names program n % PROGRAMS the way its client does; wrk.format
+# with a headers table sends those headers only (Content-Type included).
+_WRK_CHAT_HEADER = """
+local headers = {["Content-Type"] = "application/json"}
+request = function()
+  n = n + 1
+  headers["X-Program-Id"] = "p" .. (n % PROGRAMS)
+  return wrk.format(nil, nil, headers,
+    '{"model":"trivial","max_tokens":1,"messages":[{"role":"user","content":"hello there"}]}')
+end
+"""
+_WRK_COMPLETIONS = """
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, nil, '{"model":"trivial","max_tokens":1,"program_id":"p' ..
+    (n % PROGRAMS) .. '","prompt":"hello there"}')
+end
+"""
+# Claude Code: anthropic-version, x-api-key; the session in metadata.user_id (JSON text)
+_CLAUDE_BODY = r"""
+local function claude_body(session, with_metadata)
+  local body = '{"model":"trivial",' ..
+    '"system":[{"type":"text","text":"You are Claude Code, a CLI for coding.",' ..
+    '"cache_control":{"type":"ephemeral"}}],' ..
+    '"messages":[{"role":"user","content":[{"type":"text","text":"list the files",' ..
+    '"cache_control":{"type":"ephemeral"}}]}],' ..
+    '"tools":[{"name":"Bash","description":"Run a shell command","input_schema":' ..
+    '{"type":"object","properties":{"command":{"type":"string"}},"required":["command"]}}]'
+  if with_metadata then
+    body = body .. ',"max_tokens":32000,"stream":false,"metadata":{"user_id":' ..
+      '"{\\"device_id\\":\\"d0d0d0d0\\",\\"account_uuid\\":\\"\\",' ..
+      '\\"session_id\\":\\"' .. session .. '\\"}"}'
+  end
+  return body .. '}'
+end
+local headers = {["Content-Type"] = "application/json", ["anthropic-version"] = "2023-06-01",
+                 ["x-api-key"] = "none"}
+"""
+_WRK_MESSAGES = _CLAUDE_BODY + """
+request = function()
+  n = n + 1
+  local session = string.format("5b9c1f8e-0000-4000-8000-%012d", n % PROGRAMS)
+  return wrk.format(nil, nil, headers, claude_body(session, true))
+end
+"""
+_WRK_COUNT_TOKENS = _CLAUDE_BODY + """
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, headers, claude_body("", false))
+end
+"""
+# Codex: the session-id header, prompt_cache_key the same session
+_WRK_RESPONSES = """
+local headers = {["Content-Type"] = "application/json", ["originator"] = "codex_cli_rs"}
+request = function()
+  n = n + 1
+  local session = string.format("0199a0c0-0000-7000-8000-%012d", n % PROGRAMS)
+  headers["session-id"] = session
+  local body = '{"model":"trivial","instructions":"You are Codex, a coding agent.",' ..
+    '"input":[{"type":"message","role":"user","content":[{"type":"input_text",' ..
+    '"text":"list the files"}]}],"tools":[{"type":"function","name":"shell",' ..
+    '"description":"Run a command","strict":false,"parameters":{"type":"object",' ..
+    '"properties":{"command":{"type":"array","items":{"type":"string"}}}}}],' ..
+    '"tool_choice":"auto","parallel_tool_calls":false,"store":false,"stream":false,' ..
+    '"include":[],"max_output_tokens":1,"prompt_cache_key":"' .. session .. '"}'
+  return wrk.format(nil, nil, headers, body)
+end
+"""
+
+_MESSAGE = {"id": "msg_trivial", "type": "message", "role": "assistant", "model": "trivial",
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "max_tokens",
+            "stop_sequence": None, "usage": {"input_tokens": 8, "output_tokens": 1}}
+_RESPONSE = {"id": "resp_trivial", "object": "response", "created_at": 0,
+             "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+             "model": "trivial", "output": [{
+                 "type": "message", "id": "msg_trivial", "status": "incomplete",
+                 "role": "assistant", "content": [{"type": "output_text", "text": "ok",
+                                                   "annotations": []}]}],
+             "usage": {"input_tokens": 8, "input_tokens_details": {"cached_tokens": 0},
+                       "output_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0},
+                       "total_tokens": 9}}
+_TEXT_COMPLETION = {"id": "cmpl-trivial", "object": "text_completion", "created": 0,
+                    "model": "trivial", "choices": [{"index": 0, "text": "ok",
+                                                     "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}}
+
+
+@dataclass(frozen=True)
+class ApiBench:
+    """One API as ``--api`` measures it: the ``path`` requested (query included), the
+    ``wrk`` request function (Lua), the upstream's answer to it (None: the chat
+    completion of ``trivial_upstream``)."""
+
+    path: str
+    lua: str
+    answer: dict[str, Any] | None
+
+
+APIS = {
+    "chat": ApiBench("/v1/chat/completions", _WRK_CHAT_HEADER, None),
+    "completions": ApiBench("/v1/completions", _WRK_COMPLETIONS, _TEXT_COMPLETION),
+    "messages": ApiBench("/v1/messages?beta=true", _WRK_MESSAGES, _MESSAGE),
+    "count_tokens": ApiBench("/v1/messages/count_tokens?beta=true", _WRK_COUNT_TOKENS,
+                             {"input_tokens": 8}),
+    "responses": ApiBench("/v1/responses", _WRK_RESPONSES, _RESPONSE),
+}
+
+
+def api_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in APIS]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"--api {text!r}: a comma-separated list of distinct APIs among "
+            + ", ".join(APIS))
+    return names
+
+
+def serve_upstream(port: int) -> None:
+    """``trivial_upstream``'s server, answering each API's path with its own minimal
+    body (``APIS``): what ``--api`` runs against."""
+    import trivial_upstream as tu
+
+    answers = {b"/v1/chat/completions": tu._response(b"200 OK", tu._COMPLETION)}
+    for api in APIS.values():
+        if api.answer is not None:
+            path = api.path.split("?", 1)[0].encode()
+            answers[path] = tu._response(b"200 OK", json.dumps(api.answer).encode())
+    gets = {path: tu._response(b"200 OK", body) for path, body in tu._GETS.items()}
+    missing = tu._response(b"404 Not Found", b'{"error":"not found"}')
+
+    class Conn(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.buf = b""
+            self.transport: Any = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while True:
+                end = self.buf.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head = self.buf[:end]
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                if len(self.buf) < end + 4 + length:
+                    return
+                self.buf = self.buf[end + 4 + length:]
+                method, path = head.split(b" ", 2)[:2]
+                path = path.split(b"?", 1)[0]
+                table = answers if method == b"POST" else gets
+                self.transport.write(table.get(path, missing))
+
+    async def serve() -> None:
+        server = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port,
+                                                                backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(serve())
+    else:
+        uvloop.run(serve())
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None
@@ -115,9 +314,10 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float =
     raise RuntimeError(f"{url} did not come up in {timeout} s; log: {log.read_text()[-2000:]}")
 
 
-def run_wrk(url: str, connections: int, seconds: float, script: Path) -> dict[str, Any]:
+def run_wrk(url: str, connections: int, seconds: float, script: Path,
+            path: str = "/v1/chat/completions") -> dict[str, Any]:
     cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--timeout", "10s",
-           "-s", str(script), url + "/v1/chat/completions"]
+           "-s", str(script), url + path]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     line = next((ln for ln in out.splitlines() if ln.startswith("WRKJSON ")), None)
     if line is None:
@@ -156,8 +356,16 @@ def main() -> None:
                     help="also measure a mori serve run from this src folder (target 'before')")
     ap.add_argument("--cpu", action="store_true",
                     help="report CPU time per request of each gateway and of the upstream")
+    ap.add_argument("--api", type=api_list, default=["chat"], metavar="API[,API...]",
+                    help="the client APIs to measure, each in every round: "
+                    + ", ".join(APIS) + " (default chat)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--serve-upstream", type=int, default=None, metavar="PORT",
+                    help=argparse.SUPPRESS)  # the --api upstream (run by this script)
     args = ap.parse_args()
+    if args.serve_upstream is not None:
+        serve_upstream(args.serve_upstream)
+        return
     if args.baseline_src is not None and not (Path(args.baseline_src) / "mori").is_dir():
         sys.exit(f"bench_gateway: --baseline-src {args.baseline_src}: no mori package there "
                  "(give the src folder of a checkout)")
@@ -168,15 +376,24 @@ def main() -> None:
         sys.exit("bench_gateway: smg not found; pip install sglang-router (or give --smg PATH)")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
-    script = tmp / "post.lua"
-    script.write_text(f"local PROGRAMS = {args.programs}\n" + WRK_SCRIPT)
+    apis: list[str] = args.api
+    classic = apis == ["chat"]  # the default run: as before, chat's program_id in the body
+    scripts: dict[str, Path] = {}
+    paths: dict[str, str] = {}
+    for api in apis:
+        scripts[api] = tmp / f"{api}.lua"
+        scripts[api].write_text(f"local PROGRAMS = {args.programs}\n" + (
+            WRK_SCRIPT if classic else _WRK_HEAD + APIS[api].lua + _WRK_DONE))
+        paths[api] = APIS[api].path
     uport, gport, sport, bport = free_port(), free_port(), free_port(), free_port()
     direct = f"http://127.0.0.1:{uport}"
     procs: list[subprocess.Popen[bytes]] = []
     targets = {"direct": direct, "mori": f"http://127.0.0.1:{gport}"}
     try:
-        up = start([sys.executable, str(HERE / "trivial_upstream.py"), "--port", str(uport)],
-                   tmp / "upstream.log")
+        up_cmd = ([sys.executable, str(HERE / "trivial_upstream.py"), "--port", str(uport)]
+                  if classic else
+                  [sys.executable, str(Path(__file__).resolve()), "--serve-upstream", str(uport)])
+        up = start(up_cmd, tmp / "upstream.log")
         procs.append(up)
         wait_up(direct + "/health", up, tmp / "upstream.log")
         mori_cmd = [sys.executable, "-m", "mori", "serve", "--backend",
@@ -209,52 +426,116 @@ def main() -> None:
         if args.baseline_src is not None:
             targets["before"] = f"http://127.0.0.1:{bport}"
             wait_up(targets["before"] + "/healthz", base, tmp / "before.log")
-        for url in targets.values():  # warm up every path
-            run_wrk(url, 4, 1, script)
+        def measured(api: str) -> list[str]:  # smg routes the OpenAI paths only
+            return [t for t in targets if t != "smg" or api in ("chat", "completions")]
+
+        for api in apis:  # warm up every path; each must answer 2xx
+            for name in measured(api):
+                warm = run_wrk(targets[name], 4, 1, scripts[api], paths[api])
+                if warm["non2xx"] or not warm["requests"]:
+                    sys.exit(f"bench_gateway: {name} answered {api} ({paths[api]}) with "
+                             f"{warm['non2xx']} non-2xx of {warm['requests']} requests; "
+                             f"logs in {tmp}")
         rows: list[dict[str, Any]] = []
+        turn = 0
         for rnd in range(args.rounds):
             for c in args.connections:
-                row: dict[str, Any] = {"round": rnd + 1, "connections": c}
-                order = list(targets)
-                if "before" in targets and rnd % 2:  # alternate which of the two goes first
-                    i, j = order.index("mori"), order.index("before")
-                    order[i], order[j] = order[j], order[i]
-                for name in order:
+                # the paths take turns going first: one step on for each sweep
+                order_apis = apis[turn % len(apis):] + apis[:turn % len(apis)]
+                turn += 1
+                for api in order_apis:
+                    row = measure(api, rnd, c, measured(api), targets, pids, up.pid, scripts,
+                                  paths, args)
+                    rows.append(row)
+                    names = measured(api)
+                    print(f"round {rnd + 1} c={c:<3d} " + ("" if classic else f"{api:<12s} ")
+                          + " | ".join(
+                        f"{n} p50 {row[n]['p50_us'] / 1e3:6.2f} ms p99 "
+                        f"{row[n]['p99_us'] / 1e3:6.2f} ms {row[n]['rps']:7.0f} req/s"
+                        + (f" (+{row[n + '_added_p50_ms']:.2f} ms)" if n != "direct" else "")
+                        + (f" non2xx {row[n]['non2xx']}" if row[n]["non2xx"] else "")
+                        + (f" sockerr {row[n]['socket_errors']}" if row[n]["socket_errors"]
+                           else "")
+                        for n in names), flush=True)
                     if args.cpu:
-                        look = cpu_of(pids[name]), cpu_of(up.pid)
-                    row[name] = run_wrk(targets[name], c, args.seconds, script)
-                    if args.cpu:
-                        n = row[name]["requests"]
-                        row[name]["cpu_us"] = cpu_per_request(look[0], cpu_of(pids[name]), n)
-                        row[name]["upstream_cpu_us"] = cpu_per_request(
-                            look[1], cpu_of(up.pid), n)["total"]
-                for name in targets:
-                    if name != "direct":
-                        row[f"{name}_added_p50_ms"] = (row[name]["p50_us"]
-                                                       - row["direct"]["p50_us"]) / 1e3
-                rows.append(row)
-                print(f"round {rnd + 1} c={c:<3d} " + " | ".join(
-                    f"{n} p50 {row[n]['p50_us'] / 1e3:6.2f} ms p99 {row[n]['p99_us'] / 1e3:6.2f}"
-                    f" ms {row[n]['rps']:7.0f} req/s"
-                    + (f" (+{row[n + '_added_p50_ms']:.2f} ms)" if n != "direct" else "")
-                    + (f" non2xx {row[n]['non2xx']}" if row[n]["non2xx"] else "")
-                    + (f" sockerr {row[n]['socket_errors']}" if row[n]["socket_errors"] else "")
-                    for n in targets), flush=True)
-                if args.cpu:
-                    print("         cpu per request: " + " | ".join(
-                        f"{n} {cpu_text(row[n]['cpu_us'])}" for n in targets if n != "direct")
-                        + f" | upstream {row['mori']['upstream_cpu_us']:.0f} us (during mori)",
-                        flush=True)
+                        print("         cpu per request: " + " | ".join(
+                            f"{n} {cpu_text(row[n]['cpu_us'])}" for n in names
+                            if n != "direct")
+                            + f" | upstream {row['mori']['upstream_cpu_us']:.0f} us "
+                            "(during mori)", flush=True)
         if "smg" in targets:
-            for line in against_targets(rows):
+            for line in against_targets([r for r in rows if r["api"] == "chat"]):
                 print(line)
         if "before" in targets:
-            for line in against_before(rows, args.cpu):
+            for api in apis:
+                for line in against_before([r for r in rows if r["api"] == api], args.cpu):
+                    print(line if classic else f"{api:<12s} {line}")
+        if not classic:
+            for line in per_api(rows, apis):
                 print(line)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
     finally:
         stop(procs[::-1])
+
+
+def measure(api: str, rnd: int, c: int, names: list[str], targets: dict[str, str],
+            pids: dict[str, int], upstream_pid: int, scripts: dict[str, Path],
+            paths: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    """One row: ``api`` at ``c`` connections through each target of ``names`` (mori and
+    before alternate which goes first, round by round)."""
+    row: dict[str, Any] = {"round": rnd + 1, "connections": c, "api": api}
+    order = list(names)
+    if "before" in order and rnd % 2:  # alternate which of the two goes first
+        i, j = order.index("mori"), order.index("before")
+        order[i], order[j] = order[j], order[i]
+    for name in order:
+        if args.cpu:
+            look = cpu_of(pids[name]), cpu_of(upstream_pid)
+        row[name] = run_wrk(targets[name], c, args.seconds, scripts[api], paths[api])
+        if args.cpu:
+            n = row[name]["requests"]
+            row[name]["cpu_us"] = cpu_per_request(look[0], cpu_of(pids[name]), n)
+            row[name]["upstream_cpu_us"] = cpu_per_request(
+                look[1], cpu_of(upstream_pid), n)["total"]
+    for name in names:
+        if name != "direct":
+            row[f"{name}_added_p50_ms"] = (row[name]["p50_us"]
+                                           - row["direct"]["p50_us"]) / 1e3
+    return row
+
+
+def per_api(rows: list[dict[str, Any]], apis: list[str]) -> list[str]:
+    """Each API's figures at each connection count, the median over rounds: mori's p50,
+    p99 and requests/s, direct's p50, the p50 mori adds, and that as a multiple of the
+    chat path's added p50 in the same round (target: at most 1.2x)."""
+    out = [f"{'api':<12s} {'c':>3s} {'mori p50':>9s} {'p99':>8s} {'req/s':>7s} "
+           f"{'direct p50':>10s} {'added p50':>9s} {'x chat':>7s}  (ms; median of rounds)"]
+    for c in dict.fromkeys(r["connections"] for r in rows):
+        chat = {r["round"]: r for r in rows if r["connections"] == c and r["api"] == "chat"}
+        for api in apis:
+            at = [r for r in rows if r["connections"] == c and r["api"] == api]
+            if not at:
+                continue
+
+            def med(f: Callable[[dict[str, Any]], float], at: list[dict[str, Any]] = at
+                    ) -> float:
+                return statistics.median(f(r) for r in at)
+
+            line = (f"{api:<12s} {c:>3d} {med(lambda r: r['mori']['p50_us']) / 1e3:9.3f} "
+                    f"{med(lambda r: r['mori']['p99_us']) / 1e3:8.3f} "
+                    f"{med(lambda r: r['mori']['rps']):7.0f} "
+                    f"{med(lambda r: r['direct']['p50_us']) / 1e3:10.3f} "
+                    f"{med(lambda r: r['mori_added_p50_ms']):9.3f}")
+            ratios = [r["mori_added_p50_ms"] / chat[r["round"]]["mori_added_p50_ms"]
+                      for r in at if r["round"] in chat
+                      and chat[r["round"]]["mori_added_p50_ms"] > 0]
+            if api != "chat" and ratios:
+                m = statistics.median(ratios)
+                line += (f" {m:6.2f}x  ({'met' if m <= 1.2 else 'not met'}; rounds: "
+                         + ", ".join(f"{v:.2f}" for v in ratios) + ")")
+            out.append(line)
+    return out
 
 
 def cpu_text(cpu: dict[str, float]) -> str:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
+import anthropic
 import openai
 
 from mori.core.costmodel import get_preset
@@ -46,11 +47,40 @@ async def client(srv: EngineSimServer) -> AsyncIterator[openai.AsyncOpenAI]:
         await c.close()
 
 
+@contextlib.asynccontextmanager
+async def anthropic_client(srv: EngineSimServer, headers: dict[str, str] | None = None
+                           ) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    c = anthropic.AsyncAnthropic(base_url=srv.url, api_key="unused", max_retries=0,
+                                 default_headers=headers)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def sse_events(srv: EngineSimServer, path: str, body: Any
+                     ) -> tuple[str, list[tuple[str | None, Any]]]:
+    """POST a streaming request; its raw text and its events as (event name, data)."""
+    async with aiohttp.ClientSession() as s, s.post(srv.url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+        text = await r.text()
+    events: list[tuple[str | None, Any]] = []
+    for block in text.split("\n\n"):
+        lines = [ln for ln in block.split("\n") if ln and not ln.startswith(":")]
+        if not lines:
+            continue
+        name = next((ln[7:] for ln in lines if ln.startswith("event: ")), None)
+        data = next(ln[6:] for ln in lines if ln.startswith("data: "))
+        events.append((name, data if data == "[DONE]" else json.loads(data)))
+    return text, events
+
+
 async def http(srv: EngineSimServer, method: str, path: str,
-               body: Any = None, raw: bytes | None = None) -> tuple[int, Any]:
+               body: Any = None, raw: bytes | None = None,
+               headers: dict[str, str] | None = None) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.request(
             method, srv.url + path, json=body if raw is None else None, data=raw,
-            headers={"content-type": "application/json"}) as r:
+            headers={"content-type": "application/json", **(headers or {})}) as r:
         text = await r.text()
         try:
             return r.status, json.loads(text)

@@ -90,6 +90,11 @@ def test_a_subagent_or_compacted_conversation_is_another_program_of_the_session(
         "You are Claude Code.", "This session is being continued... Summary: ...")))
     assert len({main.program_id, sub.program_id, compacted.program_id}) == 3
     assert main.session == sub.session == compacted.session == SID
+    # Claude Code 2.1 names its subagents: two with the same prompt are two programs
+    named = [recognise(DEFAULT_ORDER, MSG, seen(claude_body("sub", "same task"), {
+        b"x-claude-code-agent-id": agent})) for agent in ("a0123", "a4567")]
+    assert [r.program_id for r in named] == [f"claude-code:{SID}/a0123",
+                                             f"claude-code:{SID}/a4567"]
 
 
 def test_codex_headers_and_window() -> None:
@@ -160,8 +165,7 @@ def test_check_body_per_api() -> None:
     for broken, field in ((dict(ok, max_tokens=None), "max_tokens"),
                           (dict(ok, max_tokens=0), "max_tokens"),
                           (dict(ok, messages="hi"), "messages"),
-                          (dict(ok, messages=[{"role": "system", "content": "x"}]),
-                           "messages[0]"),
+                          (dict(ok, messages=[{"role": 3, "content": "x"}]), "messages[0]"),
                           (dict(ok, messages=[{"role": "user", "content": 5}]),
                            "messages[0].content"),
                           (dict(ok, system=3), "system"),

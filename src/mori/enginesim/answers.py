@@ -23,11 +23,12 @@ tool names a request offers (Anthropic ``tools[].name``, Responses ``tools[].nam
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, overload
 
 from mori.protocol.tokens import CHARS_PER_TOKEN, chars_to_tokens
 from mori.sim.script import Script, ScriptTool
@@ -72,34 +73,37 @@ class ToolCall:
 
     @property
     def input(self) -> dict[str, Any]:
-        return ScriptTool(self.name, self.arguments).input
+        value: dict[str, Any] = json.loads(self.arguments)
+        return value
 
 
 @dataclass(frozen=True, slots=True)
 class Answer:
     """A request's answer as it is generated: one piece per output token, the text's
-    first, then the tool call's (its name's tokens add nothing, then the arguments)."""
+    ``text_tokens`` first (``text_pieces``, read by index), then the tool call's (its
+    name's tokens add nothing, then the arguments)."""
 
-    text_pieces: tuple[str, ...]
+    text_tokens: int
+    text_pieces: Sequence[str]
     tool: ToolCall | None
     tool_pieces: tuple[str, ...]
     stop: Stop
 
     @property
     def tokens(self) -> int:
-        return len(self.text_pieces) + len(self.tool_pieces)
+        return self.text_tokens + len(self.tool_pieces)
 
     @property
     def text(self) -> str:
-        return "".join(self.text_pieces)
+        return "".join(self.text_pieces[i] for i in range(self.text_tokens))
 
     def is_text(self, i: int) -> bool:
         """Whether output token ``i`` belongs to the text (else to the tool call)."""
-        return i < len(self.text_pieces)
+        return i < self.text_tokens
 
     def piece(self, i: int) -> str:
         """What output token ``i`` adds to the text or to the tool call's arguments."""
-        n = len(self.text_pieces)
+        n = self.text_tokens
         return self.text_pieces[i] if i < n else self.tool_pieces[i - n]
 
 
@@ -108,9 +112,34 @@ def _chunks(text: str) -> tuple[str, ...]:
     return tuple(text[i:i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN))
 
 
+class _Words(Sequence[str]):
+    """``n`` placeholder words, made when read: a request asking for more tokens than the
+    engine's context holds is refused by the engine, not spelled out first (``len`` fails
+    past ``sys.maxsize``: ``Answer.text_tokens`` holds the count)."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        if isinstance(i, slice):
+            return [token_text(j) for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return token_text(i % self._n)
+
+
 def placeholder(tokens: int, stop: Stop) -> Answer:
     """``tokens`` placeholder words."""
-    return Answer(tuple(token_text(i) for i in range(tokens)), None, (), stop)
+    return Answer(tokens, _Words(tokens), None, (), stop)
 
 
 def exact_placeholder(max_tokens: int | None) -> Answer:
@@ -138,8 +167,9 @@ def text_answer(text: str, tool: ScriptTool | None, max_tokens: int | None) -> A
     total = len(text_pieces) + len(tool_pieces)
     if max_tokens is not None and total > max_tokens:
         cut = text_pieces[:max_tokens]
-        return Answer(cut + ("",) * (max_tokens - len(cut)), None, (), Stop.LENGTH)
-    return Answer(text_pieces, call, tool_pieces, Stop.END if call is None else Stop.TOOL)
+        return Answer(max_tokens, cut + ("",) * (max_tokens - len(cut)), None, (), Stop.LENGTH)
+    return Answer(len(text_pieces), text_pieces, call, tool_pieces,
+                  Stop.END if call is None else Stop.TOOL)
 
 
 # -- reading the request ------------------------------------------------------------------

@@ -58,7 +58,6 @@ class Call:
     answer: Answer
     stream: bool
     include_usage: bool = False
-    max_tokens: int | None = None
     echo: Mapping[str, Any] | None = None
 
     @property
@@ -135,4 +134,4 @@ def parse_call(api: Api, body: Any, headers: Mapping[str, str], model: str,
     include_usage = stream and isinstance(opts, dict) and opts.get("include_usage") is True
     echo = {k: body[k] for k in _ECHOED if k in body} if api is Api.RESPONSES else None
     return Call(api, model, pid, prompt, reuse, answer_for(api, body, script, limit), stream,
-                include_usage, limit, echo)
+                include_usage, echo)

@@ -81,7 +81,7 @@ class ChatStream:
         """Token ``i``'s chat delta; None when it adds nothing."""
         answer = self.call.answer
         piece = answer.piece(i)
-        opens_call = answer.tool is not None and i == len(answer.text_pieces)
+        opens_call = answer.tool is not None and i == answer.text_tokens
         delta: dict[str, Any]
         if answer.is_text(i):
             delta = {"content": piece}

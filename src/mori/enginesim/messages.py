@@ -145,7 +145,7 @@ class MessagesStream:
                 out = self._open({"type": "text", "text": ""})
             return out + (self._delta({"type": "text_delta", "text": piece}) if piece else b"")
         tool = answer.tool
-        if tool is not None and i == len(answer.text_pieces):
+        if tool is not None and i == answer.text_tokens:
             out = self._open({"type": "tool_use", "id": "toolu_" + tool.key,
                               "name": tool.name, "input": {}})
         if piece:

@@ -180,7 +180,7 @@ class ResponsesStream:
                                    item_id=self.items.message_id, output_index=0,
                                    content_index=0, delta=piece, logprobs=[])
             return out
-        if i == len(answer.text_pieces):
+        if i == answer.text_tokens:
             out = (self._close_text() if self.items.has_text else b"") + self._open_call()
         if piece:
             self.arguments += piece

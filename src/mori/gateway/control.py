@@ -208,8 +208,11 @@ class Controller:
                                                         facts.session)
         if facts.session is not None:
             members = self.sessions.setdefault(facts.session, set())
-            callers = [(p.agent.last_end or 0.0, pid) for pid in members
-                       if (p := self.programs.get(pid)) is not None and p.agent.in_tool]
+            # Claude Code starts a tool as soon as its call has streamed, before the
+            # answer ends: a parent may still be in flight
+            callers = [(max(p.agent.last_end or 0.0, p.arrived_wall), pid) for pid in members
+                       if (p := self.programs.get(pid)) is not None
+                       and (p.agent.in_tool or p.in_flight)]
             if callers:
                 track.parent = max(callers)[1]
             members.add(program_id)

@@ -12,7 +12,8 @@ recogniser         agent        reads
 ``program-id``     client       body ``program_id``, else header ``X-Program-Id``
 ``claude-code``    claude-code  header ``X-Claude-Code-Session-Id``, else the
                                 ``session_id`` of ``metadata.user_id`` (a JSON string;
-                                older CLIs: ``..._session_<id>``)
+                                older CLIs: ``..._session_<id>``); a subagent's context
+                                from ``x-claude-code-agent-id``
 ``codex``          codex        header ``session-id`` (or ``session_id``,
                                 ``conversation_id``), else ``thread-id``; the context
                                 window from ``x-codex-window-id``
@@ -22,8 +23,8 @@ recogniser         agent        reads
 
 **One session is not one program.** MORI's unit is one growing context. An explicit
 ``program_id`` is taken as the client gives it. A recognised session is split: its
-program is ``<agent>:<session>/<context>``, where ``<context>`` is the context window
-the client names (Codex's window id) or, failing that, a short hash of the text the
+program is ``<agent>:<session>/<context>``, where ``<context>`` is the context the
+client names (Codex's window id, Claude Code's subagent id) or, failing that, a short hash of the text the
 conversation starts with (``mori.protocol.apis.conversation_head``: the system prompt and
 the first user message). Every request of one conversation has the same head; a
 subagent (its own system prompt and task) or a conversation compacted into a summary
@@ -114,7 +115,10 @@ def _claude_code(seen: Seen) -> Identity | None:
             session = _json_session(user)
             if session is None and (m := _OLD_CLAUDE_USER.search(user)) is not None:
                 session = m.group(1)
-    return Identity(session, "claude-code") if session else None
+    if not session:
+        return None
+    return Identity(session, "claude-code",
+                    window=seen.headers.get(b"x-claude-code-agent-id") or None)
 
 
 def _json_session(text: str) -> str | None:
@@ -164,7 +168,8 @@ RECOGNISERS = _build()
 DEFAULT_ORDER = ("program-id", "claude-code", "codex", "prompt-cache-key", "session-header")
 """The order the recognisers are tried in unless ``--program-id-from`` says otherwise."""
 
-HEADERS_READ = frozenset((b"x-program-id", b"x-claude-code-session-id", b"session-id",
+HEADERS_READ = frozenset((b"x-program-id", b"x-claude-code-session-id",
+                          b"x-claude-code-agent-id", b"session-id",
                           b"session_id", b"conversation_id", b"thread-id",
                           b"x-codex-window-id", b"x-session-id"))
 """The request headers the recognisers read (the endpoint collects only these)."""

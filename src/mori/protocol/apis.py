@@ -99,9 +99,10 @@ def _anthropic_messages(body: Mapping[str, Any]) -> None:
         raise _bad("messages", "must be a non-empty array")
     for i, m in enumerate(msgs):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise RequestError(400, f"{where} must be an object with 'role' \"user\" or "
-                               "\"assistant\"", where)
+        # a string role: "user" and "assistant", and Claude Code 2.1 also sends "system"
+        # messages inside the conversation
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(400, f"{where} must be an object with a string 'role'", where)
         content = m.get("content")
         if not isinstance(content, (str, list)):
             raise _bad(f"{where}.content", "must be a string or an array of content blocks")

@@ -178,8 +178,9 @@ def _message_chars(message: Any, where: str, strict: bool) -> int:
     if not isinstance(message, Mapping):
         return _bad(strict, where, "must be an object")
     n = 0
-    if message.get("role") not in ("user", "assistant"):
-        n += _bad(strict, where + ".role", "must be 'user' or 'assistant'")
+    # "user" and "assistant"; Claude Code 2.1 also sends "system" messages mid-conversation
+    if not isinstance(message.get("role"), str):
+        n += _bad(strict, where + ".role", "must be a string ('user', 'assistant')")
     return n + _blocks_chars(message.get("content"), where + ".content", strict)
 
 

@@ -18,6 +18,10 @@ TOML, by its ``.toml`` suffix)::
   input (an object), in order of preference: the answer calls the first of those names
   that the request offers (agents name their shell tool differently: Claude Code
   ``Bash``, Codex ``shell`` or ``exec_command``). A step needs a text or a tool.
+  ``requires`` (optional, tool names): the step calls a tool only for requests that offer
+  every one of them, e.g. ``["ScheduleWakeup"]`` to have Claude Code's main agent, and
+  not its subagents (which are offered the ``Agent`` tool too, without that one), start a
+  subagent.
 - ``fallback`` (optional, default ``DEFAULT_FALLBACK``): the text for what the script
   does not cover.
 
@@ -85,9 +89,13 @@ class ScriptStep:
 
     text: str = ""
     tools: tuple[ScriptTool, ...] = ()
+    requires: tuple[str, ...] = ()
 
     def tool_for(self, offered: Sequence[str]) -> ScriptTool | None:
-        """The first of this step's tools that the request offers, if any."""
+        """The first of this step's tools that the request offers, if any (none unless it
+        offers every tool of ``requires``)."""
+        if any(name not in offered for name in self.requires):
+            return None
         return next((t for t in self.tools if t.name in offered), None)
 
 
@@ -138,10 +146,13 @@ def _parse_tools(raw: object, source: str, where: str) -> tuple[ScriptTool, ...]
 def _parse_step(raw: object, source: str, where: str) -> ScriptStep:
     if not isinstance(raw, Mapping):
         raise ScriptError(source, where, f"a step must be an object, not {_type_name(raw)}")
-    unknown = sorted(set(raw) - {"text", "tool"})
+    unknown = sorted(set(raw) - {"text", "tool", "requires"})
     if unknown:
-        raise ScriptError(source, where, f"unknown field {unknown[0]!r} (a step has 'text' "
-                          "and 'tool')")
+        raise ScriptError(source, where, f"unknown field {unknown[0]!r} (a step has 'text', "
+                          "'tool' and 'requires')")
+    requires = raw.get("requires", [])
+    if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
+        raise ScriptError(source, where + ".requires", "must be an array of tool names")
     text = raw.get("text", "")
     if not isinstance(text, str):
         raise ScriptError(source, where + ".text", f"must be a string, not {_type_name(text)}")
@@ -149,7 +160,7 @@ def _parse_step(raw: object, source: str, where: str) -> ScriptStep:
                                                             where + ".tool")
     if not text and not tools:
         raise ScriptError(source, where, "a step needs a 'text' or a 'tool'")
-    return ScriptStep(text, tools)
+    return ScriptStep(text, tools, tuple(requires))
 
 
 def parse_script(raw: object, source: str = "<script>") -> Script:

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Install (or reuse) the agent CLIs that MORI's tests drive against a local endpoint:
+# Claude Code (@anthropic-ai/claude-code) and Codex (@openai/codex), at the exact versions
+# pinned in tests/agents/package.json and tests/agents/package-lock.json.
+#
+#   scripts/agent_clis.sh              # prints the node_modules/.bin folder on its last line
+#
+# The install lives at ${MORI_CACHE:-$HOME/.cache/mori}/agent-clis/<KEY>, KEY being the first
+# 16 hex digits of the sha256 of package-lock.json, so that a changed lock installs afresh
+# beside the old one and an unchanged one is reused. package.json and the lock are copied
+# there and `npm ci` runs there; a stamp file written only after the CLIs answer
+# `--version` marks a complete install, so an interrupted one is redone. A lock file
+# (flock, when the machine has it) keeps two runs at once from installing over each other.
+#
+# Both packages ship their native binaries through per-platform optional dependencies
+# (@anthropic-ai/claude-code-linux-x64, @openai/codex-linux-x64, ...), so npm alone is
+# enough; about 800 MB on disk. Claude Code's postinstall copies its binary over the
+# bin/claude.exe placeholder; if npm skipped install scripts, it is run here.
+#
+# Exit status: 0 ready; 2 an install step failed for a reason outside the project (registry
+# unreachable, a package missing from it); 3 node or npm is not installed; 1 anything else.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SRC="$ROOT/tests/agents"
+CACHE="${MORI_CACHE:-$HOME/.cache/mori}"
+
+say() { echo "[agent_clis] $*" >&2; }
+fail() {
+    # fail CODE STEP MESSAGE
+    say "FAILED at step '$2': $3"
+    exit "$1"
+}
+
+command -v node >/dev/null 2>&1 \
+    || fail 3 "find node" "node is not installed (Node.js 20 or later is needed)"
+command -v npm >/dev/null 2>&1 || fail 3 "find npm" "npm is not installed"
+[ -f "$SRC/package-lock.json" ] || fail 1 "find lock" "$SRC/package-lock.json is missing"
+
+KEY="$(sha256sum "$SRC/package-lock.json" | cut -c1-16)"
+DIR="$CACHE/agent-clis/$KEY"
+BIN="$DIR/node_modules/.bin"
+STAMP="$DIR/.mori-agent-clis.ok"
+
+mkdir -p "$DIR" || fail 1 "create folder" "cannot create $DIR"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$DIR.lock" || fail 1 "lock" "cannot open $DIR.lock"
+    flock 9 || fail 1 "lock" "cannot lock $DIR.lock"
+fi
+
+# Both CLIs answer --version without touching the network or any configuration.
+check_clis() {
+    "$BIN/claude" --version >/dev/null 2>&1 && "$BIN/codex" --version >/dev/null 2>&1
+}
+
+if [ -f "$STAMP" ] && check_clis; then
+    say "reusing $DIR (installed $(cat "$STAMP"))"
+    echo "$BIN"
+    exit 0
+fi
+
+start=$(date +%s)
+rm -f "$STAMP"
+say "installing the agent CLIs into $DIR (about 800 MB)"
+
+# Step 1: the manifest and the lock, as pinned in the tree.
+cp "$SRC/package.json" "$SRC/package-lock.json" "$DIR/" \
+    || fail 1 "copy manifest" "cannot copy into $DIR"
+
+# Step 2: npm ci (removes any half-installed node_modules first). The native binaries are
+# optional dependencies, included even where npm is configured to omit those. Claude Code
+# declares node >= 22 but runs as a native binary, so npm's engine warning on Node 20 is
+# harmless.
+say "step: npm ci"
+(cd "$DIR" && npm ci --include=optional --no-audit --no-fund --loglevel=error) >&2 \
+    || fail 2 "npm ci" "npm could not install the pinned CLIs (registry unreachable, or a package \
+missing from it)"
+
+# Step 3: Claude Code's native binary. npm copies it over the placeholder in a postinstall
+# script; run that script if npm was configured to skip install scripts.
+if ! "$BIN/claude" --version >/dev/null 2>&1; then
+    say "step: node install.cjs (Claude Code's postinstall did not run)"
+    (cd "$DIR" && node node_modules/@anthropic-ai/claude-code/install.cjs) >&2 \
+        || fail 1 "claude postinstall" "cannot put Claude Code's native binary in place"
+fi
+
+# Step 4: check both answer.
+say "step: check the CLIs"
+"$BIN/claude" --version >&2 || fail 1 "check claude" "'$BIN/claude --version' fails"
+"$BIN/codex" --version >&2 || fail 1 "check codex" "'$BIN/codex --version' fails"
+
+date -u +%Y-%m-%dT%H:%M:%SZ >"$STAMP"
+say "done in $(( $(date +%s) - start )) s"
+echo "$BIN"

@@ -1,0 +1,54 @@
+"""clis.py builds an offline environment and command line for each CLI (nothing installed here)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from .clis import claude_cmd, claude_env, codex_cmd, codex_env
+
+
+def test_claude_env_is_offline_and_isolated(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ANTHROPIC_AUTH_TOKEN", "users-token")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    env = claude_env("http://127.0.0.1:9/", tmp_path / "h", context_tokens=100_000)
+    assert env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9"
+    assert env["HOME"] == str(tmp_path / "h")
+    assert env["CLAUDE_CONFIG_DIR"] == str(tmp_path / "h" / ".claude")
+    assert (tmp_path / "h" / ".claude").is_dir()
+    assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "100000"
+    assert "ANTHROPIC_AUTH_TOKEN" not in env and "HTTPS_PROXY" not in env
+
+
+def test_claude_cmd_puts_the_variadic_flag_last() -> None:
+    cmd = claude_cmd("/x/claude", "list files", model="m", session_id="s", extra=["--verbose"])
+    assert cmd[:5] == ["/x/claude", "-p", "list files", "--model", "m"]
+    assert cmd[-2:] == ["--allowedTools", "Bash"]
+    assert cmd[cmd.index("--session-id") + 1] == "s"
+
+
+def test_codex_env_writes_a_responses_provider(tmp_path: Path) -> None:
+    env = codex_env("http://127.0.0.1:9", tmp_path / "c", model='q"m', auto_compact_tokens=5000)
+    cfg = tomllib.loads((tmp_path / "c" / "config.toml").read_text())
+    assert cfg["model"] == 'q"m' and cfg["model_provider"] == "mori"
+    assert cfg["model_auto_compact_token_limit"] == 5000
+    provider = cfg["model_providers"]["mori"]
+    assert provider["base_url"] == "http://127.0.0.1:9/v1"
+    assert provider["wire_api"] == "responses"
+    assert env[provider["env_key"]] and env["CODEX_HOME"] == str(tmp_path / "c")
+    # a base URL that already ends in /v1 is kept as it is
+    codex_env("http://127.0.0.1:9/v1/", tmp_path / "d")
+    cfg = tomllib.loads((tmp_path / "d" / "config.toml").read_text())
+    assert cfg["model_providers"]["mori"]["base_url"] == "http://127.0.0.1:9/v1"
+
+
+def test_codex_cmd_runs_unattended(tmp_path: Path) -> None:
+    cmd = codex_cmd("/x/codex", "list files", tmp_path)
+    assert cmd[:2] == ["/x/codex", "exec"] and cmd[-1] == "list files"
+    assert "--skip-git-repo-check" in cmd
+    assert "--dangerously-bypass-approvals-and-sandbox" in cmd
+    assert cmd[cmd.index("--cd") + 1] == str(tmp_path)
