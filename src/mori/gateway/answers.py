@@ -100,38 +100,46 @@ def _tool_name_item(item: Any) -> str | None:
 
 
 class _Lines:
-    """Splits a byte stream into lines across chunks; notes the kv-ready comment."""
+    """Splits a byte stream into SSE lines across chunks: ``payloads`` gives the ``data:``
+    payloads of the whole lines in a chunk, and notes the kv-ready comment."""
 
-    __slots__ = ("_tail", "kv_ready")
+    __slots__ = ("_tail", "kv_ready", "events", "answer")
 
     def __init__(self) -> None:
         self._tail = b""
         self.kv_ready = False
+        self.events = 0
+        self.answer = Answer()
 
-    def lines(self, chunk: bytes) -> list[bytes]:
+    def payloads(self, chunk: bytes) -> list[bytes]:
         lines = (self._tail + chunk).split(b"\n")
         self._tail = lines.pop()
-        return lines
+        out = []
+        for line in lines:
+            if line.startswith(b"data:"):
+                out.append(line[5:])
+            elif line.rstrip(b"\r") == KV_READY_LINE:
+                self.kv_ready = True
+        return out
+
+    def output_tokens(self) -> int:
+        """The usage's output tokens, else the content events counted."""
+        c = self.answer.completion_tokens
+        return c if c is not None else self.events
 
 
 class ChatWatcher(_Lines):
     """An OpenAI chat or completions stream (``data:`` events, ``[DONE]`` at the end)."""
 
-    __slots__ = ("events", "answer", "done")
+    __slots__ = ("done",)
 
     def __init__(self) -> None:
         super().__init__()
-        self.events = 0
-        self.answer = Answer()
         self.done = False
 
     def feed(self, chunk: bytes) -> None:
-        for line in self.lines(chunk):
-            if not line.startswith(b"data:"):
-                if line.rstrip(b"\r") == KV_READY_LINE:
-                    self.kv_ready = True
-                continue
-            payload = line[5:].strip()
+        for raw in self.payloads(chunk):
+            payload = raw.strip()
             if payload == b"[DONE]":
                 self.done = True
                 continue
@@ -155,31 +163,16 @@ class ChatWatcher(_Lines):
                 if before is None and self.answer.completion_tokens is not None:
                     self.events -= 1  # the usage-only event carries no token
 
-    def output_tokens(self) -> int:
-        c = self.answer.completion_tokens
-        return c if c is not None else self.events
-
-
 class _TypedEvents(_Lines):
     """A stream of typed JSON events (``event: NAME`` then ``data: {"type": NAME, ...}``):
     the events in ``parse`` are read as JSON, those in ``count`` counted."""
 
     parse: tuple[bytes, ...] = ()
     count: bytes = b""
-    __slots__ = ("events", "answer")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events = 0
-        self.answer = Answer()
+    __slots__ = ()
 
     def feed(self, chunk: bytes) -> None:
-        for line in self.lines(chunk):
-            if not line.startswith(b"data:"):
-                if line.rstrip(b"\r") == KV_READY_LINE:
-                    self.kv_ready = True
-                continue
-            payload = line[5:]
+        for payload in self.payloads(chunk):
             if self.count in payload:
                 self.events += 1
                 continue
@@ -194,10 +187,6 @@ class _TypedEvents(_Lines):
 
     def event(self, data: dict[str, Any]) -> None:
         raise NotImplementedError
-
-    def output_tokens(self) -> int:
-        c = self.answer.completion_tokens
-        return c if c is not None else self.events
 
 
 class MessagesWatcher(_TypedEvents):
