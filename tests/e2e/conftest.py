@@ -96,33 +96,40 @@ def _install_venv() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-def _build_model(venv: Path) -> Path:
-    out = CACHE / "tiny-llama"
+def _build_model(venv: Path, max_len: int | None = None) -> Path:
+    out = CACHE / ("tiny-llama" if max_len is None else f"tiny-llama-{max_len}")
+    args = [] if max_len is None else ["--max-len", str(max_len)]
     proc = subprocess.run([str(venv / "bin" / "python"), str(SCRIPTS / "make_tiny_model.py"),
-                           str(out)], capture_output=True, text=True, timeout=600, check=False)
+                           str(out), *args], capture_output=True, text=True, timeout=600,
+                          check=False)
     if proc.returncode != 0:
         pytest.fail(f"building the tiny model failed:\n{proc.stderr[-3000:]}", pytrace=False)
     return out
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+@contextlib.contextmanager
+def running_vllm(log: Path, num_blocks: int = NUM_BLOCKS, max_len: int | None = None,
+                 env: dict[str, str] | None = None) -> Iterator[VLLMServer]:
+    """A vLLM CPU server on free ports (``scripts/start_vllm_cpu.sh``) with the tiny model
+    (built for ``max_len`` positions where given) and ``num_blocks`` KV blocks; ``env``
+    adds to its environment (``MORI_VLLM_MAX_MODEL_LEN``, ``MORI_VLLM_ARGS``, ...).
+    Stopped, with everything it spawned, on leaving. Skips under ``MORI_SKIP_VLLM=1``."""
     if os.environ.get("MORI_SKIP_VLLM") == "1":
         pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
     venv = _install_venv()
-    model = _build_model(venv)
+    model = _build_model(venv, max_len)
     port, kv_port = free_port(), free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     # the start script asks this interpreter (it has mori's dependencies) for the flags
-    env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable}
+    full_env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable,
+                **(env or {})}
     t0 = time.monotonic()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(model), str(port), str(kv_port),
-             str(NUM_BLOCKS)], stdout=fh, stderr=subprocess.STDOUT, env=env,
+             str(num_blocks)], stdout=fh, stderr=subprocess.STDOUT, env=full_env,
             start_new_session=True)
     server = VLLMServer(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{kv_port}", log,
-                        NUM_BLOCKS, BLOCK_SIZE, venv, 0.0)
+                        num_blocks, BLOCK_SIZE, venv, 0.0)
     try:
         while not http_ok(server.url + "/health"):
             if proc.poll() is not None:
@@ -132,12 +139,18 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
                 pytest.fail(f"vLLM did not answer /health within {START_TIMEOUT_S} s:\n"
                             f"{server.log_tail()}", pytrace=False)
             time.sleep(1.0)
-        server = VLLMServer(server.url, server.kv_events, log, NUM_BLOCKS, BLOCK_SIZE, venv,
+        server = VLLMServer(server.url, server.kv_events, log, num_blocks, BLOCK_SIZE, venv,
                             time.monotonic() - t0)
         print(f"vLLM up in {server.start_s:.0f} s at {server.url}", file=sys.stderr)
         yield server
     finally:
         stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    with running_vllm(tmp_path_factory.mktemp("vllm") / "vllm.log") as server:
+        yield server
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
