@@ -75,11 +75,20 @@ examples:
 """
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help lines wrapped at spaces only: names such as ``claude-code`` or
+    ``--program-idle-timeout`` are never cut at their hyphens."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False,
+                             break_long_words=False)
+
+
 def add_serve_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible, program-aware gateway",
                        description="Run MORI's gateway in front of engine replicas (or of "
                        "simulated ones), scheduling KV residency with the chosen policy.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG, formatter_class=_HelpFormatter)
     add_options(p, SERVE_OPTIONS)
     p.add_argument("--config", type=Path, metavar="FILE.toml", help="read options from a TOML "
                    "file; flags given here win")

@@ -259,6 +259,55 @@ _usage_decoder = msgspec.json.Decoder(_WithUsage)
 """Reads only ``usage`` of a chat answer (the rest is scanned, not built)."""
 
 
+class _Counts(msgspec.Struct):
+    """The token counts of a Messages or Responses usage (the fields each API has)."""
+
+    input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    output_tokens: int | None = None
+    input_tokens_details: dict[str, Any] | None = None
+
+
+class _Part(msgspec.Struct):
+    """A content block (Messages) or an output item (Responses): its type and name."""
+
+    type: str = ""
+    name: str | None = None
+
+
+class _Typed(msgspec.Struct):
+    usage: _Counts | None = None
+    content: list[_Part] = msgspec.field(default_factory=list)
+    output: list[_Part] = msgspec.field(default_factory=list)
+
+
+_typed_decoder = msgspec.json.Decoder(_Typed)
+"""Reads a Messages or Responses answer's usage and the types and names of its parts
+(the text is scanned, not built); an answer of another shape falls back to ``json``."""
+
+
+def _read_typed(spec: ApiSpec, body: bytes) -> Answer | None:
+    try:
+        t = _typed_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    ans = Answer()
+    u = t.usage
+    if spec.anthropic:
+        if u is not None:
+            _anthropic_usage(msgspec.structs.asdict(u), ans)
+        calls = [p for p in t.content if p.type in ("tool_use", "server_tool_use")]
+        ans.tool_names = [p.name if p.name is not None else "tool_use" for p in calls]
+        return ans
+    if u is not None:
+        _openai_usage({k: v for k, v in msgspec.structs.asdict(u).items() if v is not None},
+                      ans)
+    ans.tool_names = [p.name if p.name is not None else p.type for p in t.output
+                      if p.type in _RESPONSES_CALLS]
+    return ans
+
+
 def read_answer(spec: ApiSpec, body: bytes) -> Answer:
     """What a complete JSON answer of ``spec``'s API says (empty for anything else). A
     chat answer with no tool call nor cache details has only its usage read."""
@@ -272,6 +321,10 @@ def read_answer(spec: ApiSpec, body: bytes) -> Answer:
         if u is not None:
             ans.prompt_tokens, ans.completion_tokens = u.prompt_tokens, u.completion_tokens
         return ans
+    if spec.anthropic or spec.path == RESPONSES:
+        typed = _read_typed(spec, body)
+        if typed is not None:
+            return typed
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):

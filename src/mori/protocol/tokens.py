@@ -35,12 +35,15 @@ string) or one token.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import COUNT_TOKENS, MESSAGES, RESPONSES, is_chat, synthetic_sizes
+
+_encode = msgspec.json.Encoder().encode
 
 CHARS_PER_TOKEN = 4
 """Characters of text per token, the rule's one constant."""
@@ -52,8 +55,10 @@ def chars_to_tokens(chars: int) -> int:
 
 
 def compact_json(value: Any) -> str:
-    """``value`` as the rule counts JSON: no spaces, non-ASCII characters kept."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """``value`` as the rule counts JSON: no spaces, non-ASCII characters kept (what
+    ``json.dumps(value, separators=(",", ":"), ensure_ascii=False)`` writes, made by
+    msgspec: a tenth of the time for an agent's tool schemas)."""
+    return _encode(value).decode("utf-8")
 
 
 def is_messages(path: str) -> bool:
@@ -136,6 +141,9 @@ def _tools_chars(tools: Any, strict: bool) -> int:
         return 0
     if not isinstance(tools, list):
         return _bad(strict, "tools", "must be an array of tool definitions")
+    if all(isinstance(tool, Mapping) for tool in tools):
+        # one encoding of the array: its brackets and commas are not the tools'
+        return max(0, _json_chars(tools, "tools", strict) - 1 - len(tools))
     n = 0
     for i, tool in enumerate(tools):
         if isinstance(tool, Mapping):
@@ -158,10 +166,11 @@ def _block_chars(block: Any, where: str, strict: bool) -> int:
         tool_input = block.get("input")
         if not isinstance(tool_input, Mapping):
             return n + _bad(strict, where + ".input", "must be an object")
-        return n + _json_chars(tool_input, where + ".input", strict)
+        return n + _json_chars(tool_input, where + ".input" if strict else where, strict)
     if kind == "tool_result":
         content = block.get("content")
-        return 0 if content is None else _blocks_chars(content, where + ".content", strict)
+        return 0 if content is None else _blocks_chars(
+            content, where + ".content" if strict else where, strict)
     return 0
 
 
@@ -171,6 +180,8 @@ def _blocks_chars(content: Any, where: str, strict: bool) -> int:
         return len(content)
     if not isinstance(content, list):
         return _bad(strict, where, "must be a string or an array of content blocks")
+    if not strict:  # the paths name fields in errors only
+        return sum(_block_chars(b, where, strict) for b in content)
     return sum(_block_chars(b, f"{where}[{j}]", strict) for j, b in enumerate(content))
 
 
@@ -181,7 +192,8 @@ def _message_chars(message: Any, where: str, strict: bool) -> int:
     # "user" and "assistant"; Claude Code 2.1 also sends "system" messages mid-conversation
     if not isinstance(message.get("role"), str):
         n += _bad(strict, where + ".role", "must be a string ('user', 'assistant')")
-    return n + _blocks_chars(message.get("content"), where + ".content", strict)
+    return n + _blocks_chars(message.get("content"), where + ".content" if strict else where,
+                             strict)
 
 
 def messages_chars(body: Mapping[str, Any], strict: bool = True) -> int:
@@ -192,6 +204,8 @@ def messages_chars(body: Mapping[str, Any], strict: bool = True) -> int:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return n + _bad(strict, "messages", "must be a non-empty array of messages")
+    if not strict:  # the paths name fields in errors only
+        return n + sum(_message_chars(m, "messages", strict) for m in messages)
     return n + sum(_message_chars(m, f"messages[{i}]", strict) for i, m in enumerate(messages))
 
 
@@ -214,6 +228,8 @@ def _parts_chars(content: Any, where: str, strict: bool) -> int:
         return len(content)
     if not isinstance(content, list):
         return _bad(strict, where, "must be a string or an array of content parts")
+    if not strict:  # the paths name fields in errors only
+        return sum(_part_chars(p, where, strict) for p in content)
     return sum(_part_chars(p, f"{where}[{j}]", strict) for j, p in enumerate(content))
 
 
@@ -263,6 +279,8 @@ def responses_chars(body: Mapping[str, Any], strict: bool = True) -> int:
         return n + len(items)
     if not isinstance(items, list):
         return n + _bad(strict, "input", "must be a string or an array of input items")
+    if not strict:  # the paths name fields in errors only
+        return n + sum(_item_chars(x, "input", strict) for x in items)
     return n + sum(_item_chars(x, f"input[{i}]", strict) for i, x in enumerate(items))
 
 
