@@ -202,3 +202,57 @@ def test_a_killed_worker_is_started_again_and_the_port_keeps_serving() -> None:
     finally:
         stop(proc)
     assert "gateway worker 1 exited" in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_agent_sessions_and_tool_calls_reach_the_policy_through_workers(tmp_path: object
+                                                                         ) -> None:
+    """Claude-Code-like sessions on many connections (most served by the workers): each
+    session is one program whose agent kind, tool calls and tool time reach the policy
+    process, and the recorded trace holds every step."""
+    import json
+    from pathlib import Path
+
+    import anthropic
+
+    from mori.traces.jsonl import read_traceset
+
+    tmp = Path(str(tmp_path))
+    script = tmp / "script.json"
+    script.write_text(json.dumps({"steps": [{"tool": {"Bash": {"command": "ls"}}},
+                                            {"text": "Done."}]}))
+    record = tmp / "rec.jsonl"
+    proc, url = start_serve("--workers", "3", "--engine-script", str(script),
+                            "--record", str(record))
+    bash = {"name": "Bash", "input_schema": {"type": "object", "properties": {}}}
+
+    def session(i: int) -> None:
+        c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        meta = {"user_id": json.dumps({"session_id": f"s-{i}"})}
+        msgs: list[dict[str, object]] = [{"role": "user", "content": f"task {i}"}]
+        first = c.messages.create(model=model, max_tokens=50, messages=msgs,  # type: ignore[arg-type]
+                                  tools=[bash], metadata=meta)  # type: ignore[list-item]
+        call = next(b for b in first.content if b.type == "tool_use")
+        time.sleep(0.2)
+        msgs += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                               "content": "ok"}]}]
+        c.messages.create(model=model, max_tokens=50, messages=msgs,  # type: ignore[arg-type]
+                          tools=[bash], metadata=meta)  # type: ignore[list-item]
+
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(session, range(6)))
+        rows = httpx.get(url + "/v1/programs", timeout=10).json()["data"]
+        served = metric(url, "mori_worker_requests_total")
+    finally:
+        stop(proc)
+    assert len(rows) == 6 and {r["agent"] for r in rows} == {"claude-code"}
+    assert {r["session"] for r in rows} == {f"s-{i}" for i in range(6)}
+    for r in rows:
+        assert r["steps"] == 2 and r["tools"] == {"Bash": 1} and r["tool_steps"] == 1
+        assert 0.2 <= r["last_tool_s"] < 2.0
+    assert sum(served.values()) > 0  # the workers served some of them
+    progs = read_traceset(record).programs
+    assert len(progs) == 6 and all(len(p.steps) == 2 for p in progs)
+    assert all(p.steps[0].tool_names == ("Bash",) for p in progs)
