@@ -85,11 +85,12 @@ def test_layers_import_one_way(layer: str) -> None:
                 assert other in allowed, f"{path.relative_to(ROOT)} imports {name}"
 
 
-def test_protocol_needs_only_starlette_and_uvicorn() -> None:
+def test_protocol_needs_only_starlette_uvicorn_and_msgspec() -> None:
     for path in package_files("protocol"):
         for name in imports_of(path):
             top = name.split(".")[0]
-            assert top in sys.stdlib_module_names or top in {"mori", "starlette", "uvicorn"}, (
+            assert top in sys.stdlib_module_names or top in {"mori", "starlette", "uvicorn",
+                                                             "msgspec"}, (
                 f"{path.relative_to(ROOT)} imports {name}")
 
 
