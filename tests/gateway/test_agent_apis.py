@@ -227,3 +227,25 @@ def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread,
                                                                    "content": "x"}]})
     assert no_key.status_code == 401 and no_key.json()["error"]["type"] == \
         "authentication_error"
+
+
+def test_a_named_parent_wins_over_the_inferred_one(loop_thread: LoopThread,
+                                                   tmp_path: Path) -> None:
+    """A Codex child thread names its parent thread: it is recorded as that program's
+    subagent even when another program of the session is the one in a tool call."""
+    url, _, model = start(loop_thread, tmp_path)
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+    def call(thread: str, window: str, parent: str | None = None) -> None:
+        h = {"session-id": "s", "thread-id": thread, "x-codex-window-id": window}
+        if parent:
+            h["x-codex-parent-thread-id"] = parent
+        c.responses.create(model=model, input=f"work of {thread}", tools=[SHELL],
+                           extra_headers=h)
+
+    call("t1", "t1:1")   # the parent, in its second window; ends in a tool call
+    call("t9", "t9:0")   # another thread of the session, in a tool call later
+    call("t2", "t2:0", parent="t1")
+    rows = {r["program_id"]: r for r in programs(url)}
+    assert rows["codex:s/t2:0"]["parent"] == "codex:s/t1:1"
+    assert rows["codex:s/t9:0"]["parent"] == "codex:s/t1:1"  # inferred: t1 in a tool call

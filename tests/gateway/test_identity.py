@@ -217,3 +217,19 @@ def test_model_aliases() -> None:
     for bad in ("claude-*", "=x", "claude-*="):
         with pytest.raises(ValueError, match="PATTERN=SERVED"):
             ModelAliases.parse([bad])
+
+
+def test_parents_the_clients_name() -> None:
+    """Claude Code names a nested subagent's parent agent; Codex a child thread's parent
+    thread (whose window number the child does not know: a prefix)."""
+    nested = recognise(DEFAULT_ORDER, MSG, seen(claude_body("sub", "deeper"), {
+        b"x-claude-code-agent-id": "a2", b"x-claude-code-parent-agent-id": "a1"}))
+    assert nested.program_id == f"claude-code:{SID}/a2"
+    assert nested.parent == f"claude-code:{SID}/a1"
+    top = recognise(DEFAULT_ORDER, MSG, seen(claude_body("sub", "task"),
+                                             {b"x-claude-code-agent-id": "a1"}))
+    assert top.parent is None  # the main conversation: inferred by the controller
+    child = recognise(DEFAULT_ORDER, RESP, seen({"model": "m", "input": "x"}, {
+        b"session-id": "s", b"thread-id": "t2", b"x-codex-window-id": "t2:0",
+        b"x-codex-parent-thread-id": "t1"}))
+    assert (child.program_id, child.parent) == ("codex:s/t2:0", "codex:s/t1:")

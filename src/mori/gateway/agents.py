@@ -27,27 +27,29 @@ class RequestFacts:
     """What a request says of its program: the ``recogniser`` that named it, the
     ``agent`` kind, the client's ``session`` (None: none), ``tool_results`` (it returns
     the results of the previous answer's tool calls), ``text`` (the prompt's last turn,
-    only when the gateway records text)."""
+    only when the gateway records text), ``parent`` (the program that started this one,
+    or the prefix of its id, where the client names it)."""
 
     recogniser: str = "program-id"
     agent: str = "client"
     session: str | None = None
     tool_results: bool = False
     text: str | None = None
+    parent: str | None = None  # the parent's program id (or its prefix), where named
 
     def as_msg(self) -> dict[str, Any]:
         return {"rec": self.recogniser, "agent": self.agent, "session": self.session,
-                "tr": self.tool_results, "text": self.text}
+                "tr": self.tool_results, "text": self.text, "parent": self.parent}
 
     @staticmethod
     def from_msg(m: dict[str, Any] | None) -> RequestFacts:
         if not m:
             return RequestFacts()
         s = m.get("session")
-        t = m.get("text")
+        t, p = m.get("text"), m.get("parent")
         return RequestFacts(str(m.get("rec", "program-id")), str(m.get("agent", "client")),
                             None if s is None else str(s), bool(m.get("tr", False)),
-                            None if t is None else str(t))
+                            None if t is None else str(t), None if p is None else str(p))
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,19 +208,32 @@ class Controller:
                                                         facts.session)
         if facts.session is not None:
             members = self.sessions.setdefault(facts.session, set())
-            # Claude Code starts a tool as soon as its call has streamed, before the
-            # answer ends: a parent may still be in flight
-            callers = [(max(p.agent.last_end or 0.0, p.arrived_wall), pid) for pid in members
-                       if (p := self.programs.get(pid)) is not None
-                       and (p.agent.in_tool or p.in_flight)]
-            if callers:
-                track.parent = max(callers)[1]
+            track.parent = self._parent_of(members, facts.parent)
             members.add(program_id)
         if self.recorder is not None:
             self.recorder.start(program_id, recogniser=facts.recogniser, agent=facts.agent,
                                 session=facts.session, parent=track.parent,
                                 at=self.epoch(self.wall()))
         return info
+
+    def _parent_of(self, members: set[str], named: str | None) -> str | None:
+        """The parent of a program starting in a session of ``members``: the one the
+        client names (``named``: its id, or a prefix of it ending in ':'), else the
+        latest to begin of the session's programs in a tool call or still answering
+        (Claude Code starts a tool as soon as its call has streamed, before the answer
+        ends)."""
+        def latest(pids: list[str]) -> str | None:
+            times = [(max(p.agent.last_end or 0.0, p.arrived_wall), pid) for pid in pids
+                     if (p := self.programs.get(pid)) is not None]
+            return max(times)[1] if times else None
+
+        if named is not None:
+            found = latest([pid for pid in members if pid == named
+                            or (named.endswith(":") and pid.startswith(named))])
+            if found is not None:
+                return found
+        return latest([pid for pid in members if (p := self.programs.get(pid)) is not None
+                       and (p.agent.in_tool or p.in_flight)])
 
     def epoch(self, wall: float) -> float:
         """Unix time of a wall-clock reading (the recorded trace's clock)."""

@@ -131,7 +131,7 @@ class CompletionEndpoint:
                             None if session is None else internal(session),
                             carries_tool_results(req.spec, req.body),
                             last_turn_text(req.spec, req.body) if gw.settings.record_text
-                            else None)
+                            else None, None if rec.parent is None else internal(rec.parent))
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:

@@ -29,7 +29,10 @@ conversation starts with (``mori.protocol.apis.conversation_head``: the system p
 the first user message). Every request of one conversation has the same head; a
 subagent (its own system prompt and task) or a conversation compacted into a summary
 starts another program of the same session. The session is kept beside the id, so
-``/v1/programs`` and the recorded trace can group a session's programs.
+``/v1/programs`` and the recorded trace can group a session's programs. Where the client
+names a program's parent (Claude Code's ``x-claude-code-parent-agent-id`` for a subagent
+started by a subagent, Codex's ``x-codex-parent-thread-id``), ``Recognised.parent`` says
+which; otherwise the gateway infers it (``mori.gateway.control``).
 
 A session id that is no valid program id, or longer than ``MAX_SESSION_CHARS``, is
 replaced by a hash of itself (a client is never refused for its own session ids). The
@@ -68,6 +71,7 @@ class Identity:
     agent: str
     window: str | None = None
     split: bool = True
+    parent_window: str | None = None  # the parent's context, where the client names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +97,7 @@ class Recognised:
     session: str | None
     recogniser: str
     agent: str
+    parent: str | None = None  # the parent's program id, or a prefix of it (ends in ":")
 
 
 ANONYMOUS = Recognised(None, None, "anonymous", "anonymous")
@@ -117,8 +122,9 @@ def _claude_code(seen: Seen) -> Identity | None:
                 session = m.group(1)
     if not session:
         return None
-    return Identity(session, "claude-code",
-                    window=seen.headers.get(b"x-claude-code-agent-id") or None)
+    h = seen.headers
+    return Identity(session, "claude-code", window=h.get(b"x-claude-code-agent-id") or None,
+                    parent_window=h.get(b"x-claude-code-parent-agent-id") or None)
 
 
 def _json_session(text: str) -> str | None:
@@ -138,7 +144,9 @@ def _codex(seen: Seen) -> Identity | None:
                or h.get(b"thread-id"))
     if not session:
         return None
-    return Identity(session, "codex", window=h.get(b"x-codex-window-id") or None)
+    parent = h.get(b"x-codex-parent-thread-id")
+    return Identity(session, "codex", window=h.get(b"x-codex-window-id") or None,
+                    parent_window=f"{parent}:" if parent else None)
 
 
 def _prompt_cache_key(seen: Seen) -> Identity | None:
@@ -169,7 +177,8 @@ DEFAULT_ORDER = ("program-id", "claude-code", "codex", "prompt-cache-key", "sess
 """The order the recognisers are tried in unless ``--program-id-from`` says otherwise."""
 
 HEADERS_READ = frozenset((b"x-program-id", b"x-claude-code-session-id",
-                          b"x-claude-code-agent-id", b"session-id",
+                          b"x-claude-code-agent-id", b"x-claude-code-parent-agent-id",
+                          b"x-codex-parent-thread-id", b"session-id",
                           b"session_id", b"conversation_id", b"thread-id",
                           b"x-codex-window-id", b"x-session-id"))
 """The request headers the recognisers read (the endpoint collects only these)."""
@@ -216,5 +225,10 @@ def recognise(order: tuple[str, ...], spec: ApiSpec, seen: Seen) -> Recognised:
             return Recognised(ident.session, ident.session, name, ident.agent)
         session = _safe(ident.session)
         context = _safe(ident.window) if ident.window else head_hash(spec, seen.body)
-        return Recognised(f"{ident.agent}:{session}/{context}", session, name, ident.agent)
+        parent = None
+        if ident.parent_window:
+            pw = _safe(ident.parent_window)
+            parent = f"{ident.agent}:{session}/{pw}" if pw == ident.parent_window else None
+        return Recognised(f"{ident.agent}:{session}/{context}", session, name, ident.agent,
+                          parent)
     return ANONYMOUS
