@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -227,42 +228,13 @@ def serve_upstream(port: int) -> None:
         if api.answer is not None:
             path = api.path.split("?", 1)[0].encode()
             answers[path] = tu._response(b"200 OK", json.dumps(api.answer).encode())
-    gets = {path: tu._response(b"200 OK", body) for path, body in tu._GETS.items()}
-    missing = tu._response(b"404 Not Found", b'{"error":"not found"}')
 
-    class Conn(asyncio.Protocol):
-        def __init__(self) -> None:
-            self.buf = b""
-            self.transport: Any = None
+    def route(method: bytes, path: bytes) -> bytes:
+        if method == b"POST" and path in answers:
+            return answers[path]
+        return tu.default_route(method, path)
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport
-
-        def data_received(self, data: bytes) -> None:
-            self.buf += data
-            while True:
-                end = self.buf.find(b"\r\n\r\n")
-                if end < 0:
-                    return
-                head = self.buf[:end]
-                length = 0
-                for line in head.split(b"\r\n")[1:]:
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                if len(self.buf) < end + 4 + length:
-                    return
-                self.buf = self.buf[end + 4 + length:]
-                method, path = head.split(b" ", 2)[:2]
-                path = path.split(b"?", 1)[0]
-                table = answers if method == b"POST" else gets
-                self.transport.write(table.get(path, missing))
-
-    async def serve() -> None:
-        server = await asyncio.get_running_loop().create_server(Conn, "127.0.0.1", port,
-                                                                backlog=4096)
-        async with server:
-            await server.serve_forever()
+    serve = functools.partial(tu.serve, "127.0.0.1", port, route)
 
     try:
         import uvloop

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 MODEL = "trivial"
@@ -36,10 +37,23 @@ def _response(status: bytes, body: bytes) -> bytes:
             + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-class _Conn(asyncio.Protocol):
-    def __init__(self) -> None:
+def default_route(method: bytes, path: bytes) -> bytes:
+    """The answer to a request: every POST is a completion, the GETs ``_GETS``."""
+    if method == b"POST":
+        return _response(b"200 OK", _COMPLETION)
+    if path in _GETS:
+        return _response(b"200 OK", _GETS[path])
+    return _response(b"404 Not Found", b'{"error":"not found"}')
+
+
+class Conn(asyncio.Protocol):
+    """One connection: each whole request is answered by ``route(method, path)`` (the
+    query string left out)."""
+
+    def __init__(self, route: Callable[[bytes, bytes], bytes] = default_route) -> None:
         self.buf = b""
         self.transport: Any = None
+        self.route = route
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -60,19 +74,13 @@ class _Conn(asyncio.Protocol):
                 return
             self.buf = self.buf[end + 4 + length:]
             method, path = head.split(b" ", 2)[:2]
-            path = path.split(b"?", 1)[0]
-            if method == b"POST":
-                out = _response(b"200 OK", _COMPLETION)
-            elif path in _GETS:
-                out = _response(b"200 OK", _GETS[path])
-            else:
-                out = _response(b"404 Not Found", b'{"error":"not found"}')
-            self.transport.write(out)
+            self.transport.write(self.route(method, path.split(b"?", 1)[0]))
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int,
+                route: Callable[[bytes, bytes], bytes] = default_route) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Conn, host, port, backlog=4096)
+    server = await loop.create_server(lambda: Conn(route), host, port, backlog=4096)
     async with server:
         await server.serve_forever()
 
