@@ -35,7 +35,7 @@ string) or one token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -153,6 +153,25 @@ def _tools_chars(tools: Any, strict: bool) -> int:
     return n
 
 
+def _each(items: list[Any], where: str, strict: bool,
+          count: Callable[[Any, str, bool], int]) -> int:
+    """``count`` summed over ``items``, each named ``where[i]``; the names serve only the
+    errors of the strict rule, so the estimate does not build them."""
+    if not strict:
+        return sum(count(x, where, False) for x in items)
+    return sum(count(x, f"{where}[{i}]", True) for i, x in enumerate(items))
+
+
+def _text_or_each(content: Any, where: str, strict: bool,
+                  count: Callable[[Any, str, bool], int], what: str) -> int:
+    """A string's characters, or ``count`` summed over an array of ``what``."""
+    if isinstance(content, str):
+        return len(content)
+    if not isinstance(content, list):
+        return _bad(strict, where, f"must be a string or an array of {what}")
+    return _each(content, where, strict, count)
+
+
 # -- Anthropic Messages -------------------------------------------------------------------
 
 def _block_chars(block: Any, where: str, strict: bool) -> int:
@@ -176,13 +195,7 @@ def _block_chars(block: Any, where: str, strict: bool) -> int:
 
 def _blocks_chars(content: Any, where: str, strict: bool) -> int:
     """A string, or an array of content blocks."""
-    if isinstance(content, str):
-        return len(content)
-    if not isinstance(content, list):
-        return _bad(strict, where, "must be a string or an array of content blocks")
-    if not strict:  # the paths name fields in errors only
-        return sum(_block_chars(b, where, strict) for b in content)
-    return sum(_block_chars(b, f"{where}[{j}]", strict) for j, b in enumerate(content))
+    return _text_or_each(content, where, strict, _block_chars, "content blocks")
 
 
 def _message_chars(message: Any, where: str, strict: bool) -> int:
@@ -204,9 +217,7 @@ def messages_chars(body: Mapping[str, Any], strict: bool = True) -> int:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return n + _bad(strict, "messages", "must be a non-empty array of messages")
-    if not strict:  # the paths name fields in errors only
-        return n + sum(_message_chars(m, "messages", strict) for m in messages)
-    return n + sum(_message_chars(m, f"messages[{i}]", strict) for i, m in enumerate(messages))
+    return n + _each(messages, "messages", strict, _message_chars)
 
 
 # -- OpenAI Responses ---------------------------------------------------------------------
@@ -224,13 +235,7 @@ def _part_chars(part: Any, where: str, strict: bool) -> int:
 
 def _parts_chars(content: Any, where: str, strict: bool) -> int:
     """A string, or an array of content parts."""
-    if isinstance(content, str):
-        return len(content)
-    if not isinstance(content, list):
-        return _bad(strict, where, "must be a string or an array of content parts")
-    if not strict:  # the paths name fields in errors only
-        return sum(_part_chars(p, where, strict) for p in content)
-    return sum(_part_chars(p, f"{where}[{j}]", strict) for j, p in enumerate(content))
+    return _text_or_each(content, where, strict, _part_chars, "content parts")
 
 
 def _summary_chars(summary: Any, where: str, strict: bool) -> int:
@@ -279,9 +284,7 @@ def responses_chars(body: Mapping[str, Any], strict: bool = True) -> int:
         return n + len(items)
     if not isinstance(items, list):
         return n + _bad(strict, "input", "must be a string or an array of input items")
-    if not strict:  # the paths name fields in errors only
-        return n + sum(_item_chars(x, "input", strict) for x in items)
-    return n + sum(_item_chars(x, f"input[{i}]", strict) for i, x in enumerate(items))
+    return n + _each(items, "input", strict, _item_chars)
 
 
 # -- the rule -------------------------------------------------------------------------------
