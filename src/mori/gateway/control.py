@@ -197,9 +197,8 @@ class Controller:
             self.policy.observe(KVReady(program_id), self.now())
 
     def _new_program(self, program_id: str, facts: RequestFacts | None) -> ProgramInfo:
-        """A program's first request: its agent, and its parent where one of its
-        session's programs is in a tool call (a subagent starts in its parent's tool
-        call: the latest such to have begun)."""
+        """A program's first request: its agent, its session and, within the session,
+        its parent (``_parent_of``)."""
         info = ProgramInfo(program_id)
         if facts is None:
             return info
@@ -273,9 +272,8 @@ class Controller:
         self.decide()
         return True
 
-    def _record_step(self, info: ProgramInfo, step: StepFacts | None) -> None:
+    def _record_step(self, info: ProgramInfo, s: StepFacts) -> None:
         assert self.recorder is not None
-        s = step or StepFacts()
         prompt = s.prompt_tokens if s.prompt_tokens is not None else info.prompt_tokens
         output = s.output_tokens if s.output_tokens is not None else max(
             0, info.context_tokens - prompt)
