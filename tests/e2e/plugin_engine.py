@@ -24,12 +24,14 @@ import pytest
 
 from .conftest import (
     BLOCK_SIZE,
+    CPU_BUILD,
     SCRIPTS,
     START_TIMEOUT_S,
     _build_model,
     _install_venv,
     free_port,
     http_ok,
+    release_env,
     stop_group,
 )
 
@@ -48,15 +50,17 @@ class Engine:
 
 
 def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | None = None,
-                 name: str | None = None) -> tuple[Engine, subprocess.Popen[bytes]]:
-    """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier)."""
+                 name: str | None = None, release: str = CPU_BUILD
+                 ) -> tuple[Engine, subprocess.Popen[bytes]]:
+    """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier), running
+    vLLM ``release`` (``conftest.VLLM_RELEASES``)."""
     venv = _install_venv()
     model = _build_model(venv)
     port, kv_port, label_port = free_port(), free_port(), free_port()
     name = name or ("vllm-plugin" if plugin else "vllm-plain")
     log = tmp / f"{name}.log"
     env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable,
-           "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
+           "MORI_VLLM_PLUGIN": "1" if plugin else "0", **release_env(release)}
     if cpu_gib is not None:
         env["MORI_VLLM_CPU_GIB"] = repr(cpu_gib)
     with open(log, "wb") as fh:
@@ -77,21 +81,24 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
 
 
 def with_and_without_plugin(tmp: Path, scenario: Callable[[Engine], T], *, num_blocks: int,
-                            cpu_gib: float | None = None, name: str = "vllm"
-                            ) -> dict[str, T]:
-    """``scenario`` on a fresh engine with the plug-in, then on one without; the outcomes
-    by ``plugin`` / ``plain``. Each engine's log must hold no traceback."""
+                            cpu_gib: float | None = None, name: str = "vllm",
+                            release: str = CPU_BUILD) -> dict[str, T]:
+    """``scenario`` on a fresh engine with the plug-in, then on one without (both running
+    vLLM ``release``); the outcomes by ``plugin`` / ``plain``. Each engine's log must hold
+    no traceback, and name the release."""
     out: dict[str, T] = {}
     if os.environ.get("MORI_SKIP_VLLM") == "1":
         pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
     for plugin in (True, False):
         key = "plugin" if plugin else "plain"
         engine, proc = start_engine(tmp, plugin=plugin, num_blocks=num_blocks,
-                                    cpu_gib=cpu_gib, name=f"{name}-{key}")
+                                    cpu_gib=cpu_gib, name=f"{name}-{key}", release=release)
         try:
             out[key] = scenario(engine)
             log = engine.log.read_text(errors="replace")  # before the shutdown's own noise
             assert "Traceback" not in log, log[-3000:]
+            assert f"LLM engine (v{release}" in log, (
+                f"the engine's log does not name vLLM {release}:\n{log[-3000:]}")
         finally:
             stop_group(proc)
     return out

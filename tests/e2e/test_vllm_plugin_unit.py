@@ -1,4 +1,6 @@
-"""The MORI vLLM plug-in's own tests (``tests/vllm_inside``), run inside vLLM's venv.
+"""The MORI vLLM plug-in's own tests (``tests/vllm_inside``), run inside vLLM's venv, on
+every supported release (``conftest.VLLM_RELEASES``: the CPU build, and 0.33's source over
+it).
 
 They need vLLM's real classes (``BlockPool``, ``Scheduler``, ``Request``), which the
 project's venv does not have, so they run in a subprocess with the vLLM venv's python
@@ -14,29 +16,49 @@ import sys
 
 import pytest
 
-from .conftest import ROOT, _install_venv
+from mori.vllm_plugin import compat
+
+from .conftest import CPU_BUILD, ROOT, VLLM_RELEASES, _install_venv, release_env
 
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 900
 
 
-def test_plugin_tests_pass_inside_vllms_venv() -> None:
+def test_the_tested_releases_are_the_supported_ones() -> None:
+    assert sorted(compat.release(r) for r in VLLM_RELEASES) == sorted(compat.SUPPORTED)
+
+
+@pytest.mark.parametrize("release", VLLM_RELEASES)
+def test_plugin_tests_pass_inside_vllms_venv(release: str) -> None:
     if os.environ.get("MORI_SKIP_VLLM") == "1":
         pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
     venv = _install_venv()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1",
+    over = release_env(release)
+    path = ":".join(p for p in (str(ROOT / "src"), over.pop("PYTHONPATH", "")) if p)
+    env = {**os.environ, **over, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    env.pop(compat.UNVERIFIED_ENV, None)
+    python = str(venv / "bin" / "python")
+    got = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    version = (got.stdout.strip().splitlines() or ["?"])[-1]
+    assert compat.release(version) == compat.release(release), (
+        f"vLLM {release} was asked for, {version} imports:\n{got.stderr[-3000:]}")
+    if release == CPU_BUILD:
+        assert not over, over
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "--confcutdir", "tests/vllm_inside",
            "-W", "ignore::DeprecationWarning", "tests/vllm_inside"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"tests/vllm_inside took over {TIMEOUT_S} s:\n{e.stdout or ''}",
-                    pytrace=False)
+        pytest.fail(f"tests/vllm_inside on vLLM {version} took over {TIMEOUT_S} s:\n"
+                    f"{e.stdout or ''}", pytrace=False)
     out = (proc.stdout + proc.stderr)[-12000:]
     print(out, file=sys.stderr)
     assert proc.returncode == 0, (
-        f"tests/vllm_inside failed inside {venv} (exit {proc.returncode}):\n{out}")
+        f"tests/vllm_inside failed on vLLM {version} inside {venv} (exit "
+        f"{proc.returncode}):\n{out}")
+    assert " skipped" not in out.splitlines()[-1], f"tests were skipped on {version}:\n{out}"

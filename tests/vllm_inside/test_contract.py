@@ -1,8 +1,14 @@
-"""The vLLM 0.32 internals the MORI plug-in relies on, pinned.
+"""The vLLM internals the MORI plug-in relies on, pinned release by release (0.32, 0.33).
 
 The plug-in reaches into vLLM where no public API exists (docs/engines.md, "Where MORI
-plugs into vLLM 0.32 without forking"). When vLLM is upgraded, a failure here names what
-moved; fix the plug-in (``src/mori/vllm_plugin``) before updating the pins.
+plugs into vLLM 0.32 without forking"). These tests run against each supported release
+(``tests/e2e/test_vllm_plugin_unit.py``); what differs between releases is in
+:data:`RELEASES`. When a new vLLM appears, a failure here names what moved. Re-check first
+what moved last time: the host tier's ``CachePolicy`` (``v1/kv_offload/cpu/policies/base.py``
+and ``lru.py``: 0.33 changed ``insert``, added ``on_request_access`` and re-ordered the
+LRU) and ``OffloadingWorker`` (``v1/kv_offload/base.py``: 0.33 added ``expedited``). Fix the
+plug-in (``src/mori/vllm_plugin``), then add the release to :data:`RELEASES` and to
+``mori.vllm_plugin.compat.SUPPORTED``.
 """
 
 from __future__ import annotations
@@ -15,10 +21,41 @@ from pathlib import Path
 import pytest
 import vllm
 
+from mori.vllm_plugin import compat
 from mori.vllm_plugin.typed_queue import QUEUE_ATTRIBUTES, QUEUE_METHODS, TypedFreeBlockQueue
 
 VLLM_SRC = Path(vllm.__file__).parent
-PINNED_VERSION = "0.32."
+
+# What differs between the supported releases: the parameters of the CachePolicy hooks and
+# of OffloadingWorker.submit_load (the rest is pinned below, the same for every release).
+_POLICY_032: dict[str, tuple[str, ...]] = {
+    "get": ("self", "key"),
+    "insert": ("self", "key", "chunk"),
+    "remove": ("self", "key"),
+    "touch": ("self", "keys", "req_context"),
+    "on_store_miss": ("self", "keys", "req_context"),
+    "on_request_finished": ("self", "key_groups", "insertion_only_keys", "reused_keys",
+                            "req_context"),
+    "mark_evictable": ("self", "key"),
+    "mark_non_evictable": ("self", "key"),
+    "evict": ("self", "n", "protected"),
+    "clear": ("self",),
+}
+RELEASES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
+    "0.32": {
+        "CachePolicy": _POLICY_032,
+        "OffloadingWorker.submit_load": {
+            "submit_load": ("self", "job_id", "src_spec", "dst_spec")},
+    },
+    "0.33": {
+        "CachePolicy": {**_POLICY_032,
+                        "insert": ("self", "key", "chunk", "req_context"),
+                        "on_request_access": ("self", "keys", "req_context")},
+        "OffloadingWorker.submit_load": {
+            "submit_load": ("self", "job_id", "src_spec", "dst_spec", "expedited")},
+    },
+}
+RELEASE = compat.release(vllm.__version__) or vllm.__version__
 # FreeKVCacheBlockQueue's own attributes that nothing outside it uses (so the typed queue
 # does not have them)
 QUEUE_INTERNALS = {"fake_free_list_head", "fake_free_list_tail"}
@@ -28,10 +65,23 @@ def _public_methods(cls: type) -> set[str]:
     return {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
 
 
-def test_vllm_version_is_the_one_verified() -> None:
-    assert vllm.__version__.startswith(PINNED_VERSION), (
+def _pins(kind: str) -> dict[str, tuple[str, ...]]:
+    if RELEASE not in RELEASES:
+        pytest.fail(f"vLLM {vllm.__version__} is not pinned here (pinned: "
+                    f"{', '.join(RELEASES)}): re-check CachePolicy and OffloadingWorker first "
+                    "(see this module's docstring)", pytrace=False)
+    return RELEASES[RELEASE][kind]
+
+
+def test_vllm_release_is_one_verified() -> None:
+    assert set(RELEASES) == set(compat.SUPPORTED), (
+        f"the pins here ({sorted(RELEASES)}) and the releases the plug-in accepts "
+        f"(compat.SUPPORTED: {sorted(compat.SUPPORTED)}) differ")
+    assert RELEASE in RELEASES, (
         f"vLLM {vllm.__version__} is installed; the plug-in is verified against "
-        f"{PINNED_VERSION}x: re-check the internals pinned here, then update PINNED_VERSION")
+        f"{', '.join(RELEASES)}: re-check the internals pinned here (CachePolicy and "
+        "OffloadingWorker first), then add the release to RELEASES and compat.SUPPORTED")
+    assert compat.refusal(vllm.__version__, env={}) is None
 
 
 def test_free_queue_method_set() -> None:
@@ -138,8 +188,6 @@ CPU_TIER = "mori.vllm_plugin.cpu_tier"
 # method the manager calls (MoriCachePolicy overrides them all: a hook it does not override
 # would run the base's default, which touches)
 POLICY_ABSTRACT = {"get", "insert", "remove", "touch", "evict", "clear"}
-POLICY_METHODS = POLICY_ABSTRACT | {"on_store_miss", "on_request_finished", "mark_evictable",
-                                    "mark_non_evictable"}
 WORKER_ABSTRACT = {"submit_store", "submit_load", "get_finished", "wait"}
 
 
@@ -151,20 +199,28 @@ def test_cache_policy_method_set() -> None:
     from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
     from mori.vllm_plugin.cpu_tier import MoriCachePolicy
+    pins = _pins("CachePolicy")
     abstract = set(CachePolicy.__abstractmethods__)
     assert abstract == POLICY_ABSTRACT, (
         f"CachePolicy's abstract methods are now {sorted(abstract)} (were "
         f"{sorted(POLICY_ABSTRACT)}): MoriCachePolicy must implement the new ones")
     theirs = _public_methods(CachePolicy)
-    assert theirs == POLICY_METHODS, (
-        f"CachePolicy's methods changed: new {sorted(theirs - POLICY_METHODS)}, gone "
-        f"{sorted(POLICY_METHODS - theirs)}; MoriCachePolicy must follow")
-    for name in POLICY_METHODS:
-        assert name in vars(MoriCachePolicy), f"MoriCachePolicy does not override {name}"
-        ours = inspect.signature(getattr(MoriCachePolicy, name))
+    assert theirs == set(pins), (
+        f"CachePolicy's methods changed in {vllm.__version__}: new "
+        f"{sorted(theirs - set(pins))}, gone {sorted(set(pins) - theirs)}; MoriCachePolicy "
+        "must follow")
+    for name, params in pins.items():
         ref = inspect.signature(getattr(CachePolicy, name))
-        assert list(ours.parameters) == list(ref.parameters), (
-            f"CachePolicy.{name}{ref} but MoriCachePolicy.{name}{ours}")
+        assert tuple(ref.parameters) == params, (
+            f"CachePolicy.{name} is now {ref} in {vllm.__version__} (pinned {params})")
+        assert name in vars(MoriCachePolicy), f"MoriCachePolicy does not override {name}"
+    # MoriCachePolicy takes every release's arguments (later ones optional)
+    assert compat.hook_problems(CachePolicy, MoriCachePolicy, pins) == []
+    for release in RELEASES.values():
+        for name, params in release["CachePolicy"].items():
+            ours = tuple(inspect.signature(getattr(MoriCachePolicy, name)).parameters)
+            assert ours[:len(params)] == params, (
+                f"MoriCachePolicy.{name}{ours} does not take {params}")
     params = list(inspect.signature(CachePolicy.__init__).parameters)
     assert params == ["self", "cache_capacity"], f"CachePolicy.__init__ is now {params}"
     src = inspect.getsource(importlib.import_module("vllm.v1.kv_offload.cpu.manager"))
@@ -246,11 +302,16 @@ def test_offloading_spec_and_worker() -> None:
     assert abstract == WORKER_ABSTRACT, (
         f"OffloadingWorker's abstract methods are now {sorted(abstract)} (were "
         f"{sorted(WORKER_ABSTRACT)}): HostCopyOffloadingWorker must follow")
-    for name in WORKER_ABSTRACT:
-        ours = inspect.signature(getattr(HostCopyOffloadingWorker, name))
-        ref = inspect.signature(getattr(OffloadingWorker, name))
-        assert list(ours.parameters) == list(ref.parameters), (
-            f"OffloadingWorker.{name}{ref} but HostCopyOffloadingWorker.{name}{ours}")
+    pinned = _pins("OffloadingWorker.submit_load")["submit_load"]
+    ref = inspect.signature(OffloadingWorker.submit_load)
+    assert tuple(ref.parameters) == pinned, (
+        f"OffloadingWorker.submit_load is now {ref} in {vllm.__version__} (pinned {pinned})")
+    assert compat.hook_problems(OffloadingWorker, HostCopyOffloadingWorker,
+                                WORKER_ABSTRACT) == []
+    for release in RELEASES.values():
+        params = release["OffloadingWorker.submit_load"]["submit_load"]
+        ours = tuple(inspect.signature(HostCopyOffloadingWorker.submit_load).parameters)
+        assert ours[:len(params)] == params
     for cls, needed in ((CanonicalKVCaches, {"tensors", "group_data_refs"}),
                         (CanonicalKVCacheTensor, {"tensor", "page_size_bytes"}),
                         (CanonicalKVCacheRef, {"tensor_idx", "page_size_bytes"}),

@@ -4,6 +4,7 @@ copy worker's byte layout, and the host spec built by vLLM's own connector."""
 
 from __future__ import annotations
 
+import inspect
 import mmap
 import random
 from collections.abc import Iterable
@@ -35,9 +36,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from mori.vllm_plugin import connector_config, cpu_tier
+from mori.vllm_plugin import compat, connector_config, cpu_tier
 from mori.vllm_plugin.cpu_tier import MoriCachePolicy
 from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
 
@@ -75,10 +77,10 @@ def ctx(program: str | None) -> ReqContext:
 
 
 def store(mgr: CPUOffloadingManager, program: str | None, ks: list[OffloadKey], *,
-          finish: bool = True) -> list[OffloadKey]:
+          finish: bool = True, context: ReqContext | None = None) -> list[OffloadKey]:
     """One request storing ``ks`` (a prefix, head first) as the connector does; returns
     the keys evicted to make room."""
-    c = ctx(program)
+    c = ctx(program) if context is None else context
     mgr.on_new_request(c)
     out = mgr.prepare_store(ks, c)
     assert out is not None, "the tier could not make room"
@@ -153,6 +155,117 @@ def test_unbound_policy_evicts_exactly_as_vllms_lru() -> None:
                 mgr.complete_load(ready, c)
             mgr.on_request_finished(c)
         assert outs[0] == outs[1], f"step {step}: LRU {outs[0]}, MORI {outs[1]}"
+
+
+CONTEXT_AT_INSERT = "req_context" in inspect.signature(CachePolicy.insert).parameters
+CHUNK_TOKENS = 16  # the end-token positions the tests give keys: chunk i ends at 16 (i+1)
+
+
+def positioned(c: ReqContext, ks: list[OffloadKey], first: int = 0) -> None:
+    """Set ``ks``' end-token positions in ``c`` as the offloading scheduler does: the
+    chunk at prefix index ``first + i`` ends at token ``CHUNK_TOKENS * (first + i + 1)``."""
+    for i, k in enumerate(ks):
+        c.set_offload_key_position(k, CHUNK_TOKENS * (first + i + 1))
+
+
+def test_an_unfinished_requests_chunks_go_in_the_installed_lrus_order() -> None:
+    """Four chunks of a request still in progress, stored with their positions, one to
+    evict. vLLM 0.33's LRU gives them one rank, tail first: it evicts a3. 0.32's ranks them
+    by insertion: a0. The unbound MORI policy evicts what the installed LRU evicts."""
+    lru, mori = make_manager(4, "lru"), make_manager(4)
+    evicted = []
+    for mgr in (lru, mori):
+        c = ctx("A")
+        positioned(c, keys("a", 4))
+        store(mgr, "A", keys("a", 4), finish=False, context=c)
+        evicted.append(store(mgr, None, keys("x", 1)))
+    assert evicted[0] == evicted[1] == [key("a3") if CONTEXT_AT_INSERT else key("a0")]
+
+
+def test_the_store_path_fits_the_installed_managers_insert_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33's manager calls ``insert(key, chunk, req_context)``. The policy of 0.32,
+    ``insert(key, chunk)``, raised ``TypeError`` on the first store (the engine died with
+    "EngineCore encountered a fatal error"). That old policy, loaded past the start-up
+    check, still fails so; the check refuses it at construction instead; the current
+    policy stores, and takes the chunk's program from the insert's context."""
+
+    class Old032Policy(MoriCachePolicy):
+        def insert(self, key: OffloadKey, chunk: Any) -> None:  # type: ignore[override]
+            super().insert(key, chunk)
+
+    if CONTEXT_AT_INSERT:
+        with pytest.raises(compat.UnsupportedVllm, match=r"CachePolicy\.insert now takes"):
+            Old032Policy(4)
+    else:
+        Old032Policy(4)  # the 0.32 manager calls insert(key, chunk): it fits
+    mgr = make_manager(4)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_tier.compat, "check", lambda *a, **k: None)
+        mgr._policy = Old032Policy(4)
+    if CONTEXT_AT_INSERT:
+        with pytest.raises(TypeError, match="positional argument"):
+            store(mgr, "A", keys("A", 1))
+    else:
+        store(mgr, "A", keys("A", 1))
+
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    calls: list[int] = []
+    real = pol.insert
+
+    def spy(*args: Any) -> None:
+        calls.append(len(args))
+        real(*args)
+
+    monkeypatch.setattr(pol, "insert", spy)
+    monkeypatch.setattr(pol, "on_store_miss", lambda keys, req_context: None)
+    store(mgr, "A", keys("A", 2), finish=False)
+    assert calls == [3, 3] if CONTEXT_AT_INSERT else [2, 2]
+    # the owner came from insert's context (0.33), with on_store_miss silenced
+    assert pol.programs_of(key("A0")) == ({"A"} if CONTEXT_AT_INSERT else frozenset())
+
+
+def test_unbound_policy_follows_the_lru_with_requests_in_progress() -> None:
+    """Requests that store their prefix over several steps, with positions set, some
+    reusing others' chunks, loading, touching, finishing late: the unbound MORI policy and
+    the installed vLLM's LRU evict the same chunks at every step."""
+    rng = random.Random(11)
+    lru, mori = make_manager(10, "lru"), make_manager(10)
+    live: list[dict[str, Any]] = []
+    for step in range(600):
+        if len(live) < 3 and (not live or rng.random() < 0.3):
+            program = rng.choice(["p", "q", "r", None])
+            prefix = keys(rng.choice("abcdef"), rng.randint(2, 7))
+            pair = (ctx(program), ctx(program))
+            for mgr, c in zip((lru, mori), pair, strict=True):
+                positioned(c, prefix)
+                mgr.on_new_request(c)
+            live.append({"keys": prefix, "at": 0, "ctx": pair})
+            continue
+        req = rng.choice(live)
+        if req["at"] >= len(req["keys"]) or rng.random() < 0.1:
+            for mgr, c in zip((lru, mori), req["ctx"], strict=True):
+                mgr.on_request_finished(c)
+            live.remove(req)
+            continue
+        batch = req["keys"][req["at"]:req["at"] + rng.randint(1, 3)]
+        req["at"] += len(batch)
+        outs = []
+        for mgr, c in zip((lru, mori), req["ctx"], strict=True):
+            ready = [k for k in batch if mgr.lookup(k, c) == LookupResult.HIT]
+            if ready and step % 2 == 0:
+                mgr.prepare_load(ready, c)
+            if step % 7 == 0:
+                mgr.touch(batch, c)
+            out = mgr.prepare_store(batch, c)
+            outs.append(None if out is None else (out.keys_to_store, out.evicted_keys))
+            if out is not None:
+                mgr.complete_store(out.keys_to_store, c)
+            if ready and step % 2 == 0:
+                mgr.complete_load(ready, c)
+        assert outs[0] == outs[1], f"step {step}: LRU {outs[0]}, MORI {outs[1]}"
+    assert policy_of(mori).num_chunks == len(lru._policy.chunks)
 
 
 def test_relabelling_resorts_the_stored_chunks() -> None:

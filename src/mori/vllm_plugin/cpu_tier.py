@@ -1,4 +1,5 @@
-"""MORI's CPU tier for vLLM 0.32's ``OffloadingConnector``: typed eviction of host chunks.
+"""MORI's CPU tier for vLLM's ``OffloadingConnector`` (0.32, 0.33): typed eviction of host
+chunks.
 
 vLLM's ``OffloadingConnector`` (``--kv-transfer-config '{"kv_connector":
 "OffloadingConnector", ...}'``) copies KV blocks evicted from the GPU prefix cache to a host
@@ -7,15 +8,16 @@ tier and loads them back on a prefix hit. Its ``CPUOffloadingManager``
 which chunk to evict to a ``CachePolicy`` resolved by name, out of tree included
 (``eviction_policy`` + ``cache_policy_module_path`` in ``kv_connector_extra_config``;
 ``v1/kv_offload/cpu/policies/factory.py:39-82``). Paths below are relative to the
-installed ``vllm`` package (0.32), lines as of that version.
+installed ``vllm`` package, lines as of 0.32 unless a release is named.
 
 This module provides :class:`MoriCachePolicy`, that ``CachePolicy`` (the CPU build's copy
 worker and host spec are in ``host_tier``; ``connector_config.kv_transfer_config`` is the
 flag that loads them). It evicts host chunks by class, in this order: ``inactive`` first,
 then ``busy``, then ``idle`` (kept longest: an idle program's next turn is the one the host
 tier saves; a busy program's KV is on the GPU anyway), least recently used first within a
-class, recency kept exactly as vLLM's ``LRUCachePolicy`` keeps it
-(``v1/kv_offload/cpu/policies/lru.py``). A chunk's class is the most protective (``idle`` >
+class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
+(``v1/kv_offload/cpu/policies/lru.py``; see :class:`MoriCachePolicy` for what changed in
+0.33). A chunk's class is the most protective (``idle`` >
 ``busy`` > ``inactive``) label among the programs whose requests used it; a chunk no known
 program used is ``busy``, as is a program without a label. So an unbound policy, or one
 whose gateway is silent, evicts exactly as vLLM's LRU does. A chunk whose every program was
@@ -47,12 +49,14 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import vllm
 from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from . import compat
 from .connector_config import PROGRAM_KEY
 from .labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
@@ -68,6 +72,8 @@ COMPACT_MIN = 64  # heaps are rebuilt when they hold > max(this, 4 x evictable) 
 # construction and keeps it at scheduler.connector.connector_scheduler.manager._policy;
 # the registry lets the scheduler find it without walking those internals.
 _POLICIES: weakref.WeakSet[MoriCachePolicy] = weakref.WeakSet()
+
+Rank = tuple[int, int]  # (recency, -position within a request in progress); lower goes first
 
 
 def live_policies() -> list[MoriCachePolicy]:
@@ -92,6 +98,16 @@ class _Program:
     name: str | None
 
 
+@dataclass(slots=True)
+class _RequestRank:
+    """Per-request scratch kept in ``ReqContext``: the one recency rank that a request in
+    progress gives every chunk it stores or reaches (vLLM 0.33's LRU does the same)."""
+
+    owner: object
+    generation: int
+    rank: int
+
+
 def _unbound_label(_program: str) -> str:
     return DEFAULT_LABEL
 
@@ -107,26 +123,37 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     exactly ``n`` evictable chunks not in ``protected``, or changes nothing and returns
     ``None``; ``clear`` forgets everything.
 
-    Recency mirrors ``LRUCachePolicy`` (``v1/kv_offload/cpu/policies/lru.py``): a chunk's
-    rank is set at ``insert`` and renewed by ``touch`` and ``on_request_finished`` (keys
-    applied tail first, so a request's prefix head is the most recent); evictable chunks sit
-    in lazily invalidated min-heaps by rank, one heap per class here instead of one in all.
+    Recency mirrors the installed ``LRUCachePolicy`` (``v1/kv_offload/cpu/policies/lru.py``):
+    a chunk's rank is set at ``insert`` and renewed by ``touch`` and ``on_request_finished``
+    (keys applied tail first, so a request's prefix head is the most recent); evictable
+    chunks sit in lazily invalidated min-heaps by rank, one heap per class here instead of
+    one in all. Ranks are pairs ``(recency, -position)``. vLLM 0.33 passes ``insert`` the
+    storing request's context, and its LRU gives the chunks of a request in progress one
+    shared recency, ordered by their token position (``ReqContext.get_offload_key_position``),
+    tail first; its new hook ``on_request_access`` raises a chunk the request reaches to that
+    rank. This policy does the same whenever ``insert`` gets a context with the key's
+    position; under 0.32, which passes none, every insert takes a fresh recency, as 0.32's
+    LRU does. One code path serves both: what differs is what vLLM hands in.
 
     Ownership: a chunk belongs to the programs of the requests that stored, reused or
-    touched it — recorded at ``on_store_miss`` (applied when the chunk is inserted), at
-    ``touch`` and at ``on_request_finished``. More than ``MAX_PROGRAMS_PER_BLOCK`` programs
+    touched it — recorded at ``insert`` (from its context under 0.33; under 0.32 from the
+    ``on_store_miss`` that came before), at ``on_request_access`` (0.33), at ``touch`` and
+    at ``on_request_finished``. More than ``MAX_PROGRAMS_PER_BLOCK`` programs
     make it *wide*: kept as ``idle`` (once bound). A label the callable returns that is not one of
     ``CPU_PROTECTION``, or an error in it, counts as ``busy``.
     """
 
     def __init__(self, cache_capacity: int) -> None:
+        compat.check(vllm.__version__, compat.hook_problems(
+            CachePolicy, type(self), compat.public_methods(CachePolicy)))
         super().__init__(cache_capacity)
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
-        self._rank: dict[OffloadKey, int] = {}
+        self._rank: dict[OffloadKey, Rank] = {}
         self._next_rank = 0
+        self._generation = 0  # a request's shared rank is void after clear()
         self._evictable: set[OffloadKey] = set()
         self._cls: dict[OffloadKey, str] = {}  # the heap holding a key's live entry
-        self._heaps: dict[str, list[tuple[int, OffloadKey]]] = {c: [] for c in EVICT_ORDER}
+        self._heaps: dict[str, list[tuple[Rank, OffloadKey]]] = {c: [] for c in EVICT_ORDER}
         self._owners: dict[OffloadKey, set[str]] = {}
         self._keys_of: dict[str, set[OffloadKey]] = {}
         self._wide: set[OffloadKey] = set()
@@ -276,7 +303,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._maybe_compact()
         return moved
 
-    def _live(self, cls: str, entry: tuple[int, OffloadKey]) -> bool:
+    def _live(self, cls: str, entry: tuple[Rank, OffloadKey]) -> bool:
         rank, key = entry
         return (key in self._evictable and self._cls.get(key) == cls
                 and self._rank.get(key) == rank)
@@ -284,18 +311,30 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     def _maybe_compact(self) -> None:
         if sum(map(len, self._heaps.values())) <= max(COMPACT_MIN, 4 * len(self._evictable)):
             return
-        heaps: dict[str, list[tuple[int, OffloadKey]]] = {c: [] for c in EVICT_ORDER}
+        heaps: dict[str, list[tuple[Rank, OffloadKey]]] = {c: [] for c in EVICT_ORDER}
         for key in self._evictable:
             heaps[self._cls[key]].append((self._rank[key], key))
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = heaps
 
+    def _fresh_rank(self) -> Rank:
+        self._next_rank += 1
+        return (self._next_rank, 0)
+
+    def _request_rank(self, req_context: ReqContext) -> int:
+        state = req_context.get_state(_RequestRank)
+        if state is None or state.owner is not self or state.generation != self._generation:
+            self._next_rank += 1
+            state = _RequestRank(self, self._generation, self._next_rank)
+            req_context.set_state(state)
+        rank: int = state.rank
+        return rank
+
     def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
             if key in self.chunks:
-                self._next_rank += 1
-                self._rank[key] = self._next_rank
+                self._rank[key] = self._fresh_rank()
                 if key in self._evictable:
                     self._push(key)
         self._maybe_compact()
@@ -304,14 +343,22 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+    def insert(self, key: OffloadKey, chunk: ChunkStatus,
+               req_context: ReqContext | None = None) -> None:
+        # vLLM 0.33 passes the storing request's context; 0.32 does not
         self.chunks[key] = chunk
-        self._next_rank += 1
-        self._rank[key] = self._next_rank
+        position = None if req_context is None else req_context.get_offload_key_position(key)
+        if position is None or req_context is None:
+            self._rank[key] = self._fresh_rank()
+        else:
+            self._rank[key] = (self._request_rank(req_context), -position)
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
             self._push(key)
-        self._own(key, self._pending_owner.pop(key, None))
+        owner = self._pending_owner.pop(key, None)
+        if req_context is not None:
+            owner = self._program(req_context)
+        self._own(key, owner)
 
     def remove(self, key: OffloadKey) -> None:
         del self.chunks[key]
@@ -324,9 +371,32 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
             self._own(key, program)
         self._update_recency(reversed(keys))
 
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        # vLLM 0.33: the request's first access to these keys (a load or a store offer).
+        # The reached chunks become the program's, and rise to the request's shared rank,
+        # ordered by position, as 0.33's LRU orders them.
+        program = self._program(req_context)
+        request_rank = self._request_rank(req_context)
+        moved = False
+        for key in keys:
+            position = req_context.get_offload_key_position(key)
+            if position is None or key not in self.chunks:
+                continue
+            self._own(key, program)
+            rank = (request_rank, -position)
+            if self._rank[key] >= rank:
+                continue
+            self._rank[key] = rank
+            if key in self._evictable:
+                self._push(key)
+                moved = True
+        if moved:
+            self._maybe_compact()
+
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        # Not a use (LRUCachePolicy's default would touch): only remember whose chunks
-        # these will be, so that they are classed from their insertion on.
+        # Not a use (CachePolicy's default would touch). Under 0.32, whose insert gets no
+        # context, remember whose chunks these will be, so that they are classed from
+        # their insertion on.
         program = self._program(req_context)
         if program is None:
             return
@@ -359,6 +429,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self.chunks.clear()
         self._rank.clear()
         self._next_rank = 0
+        self._generation += 1
         self._evictable.clear()
         self._cls.clear()
         for heap in self._heaps.values():
@@ -373,8 +444,8 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
               ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        picked: list[tuple[str, tuple[int, OffloadKey]]] = []
-        deferred: list[tuple[str, tuple[int, OffloadKey]]] = []
+        picked: list[tuple[str, tuple[Rank, OffloadKey]]] = []
+        deferred: list[tuple[str, tuple[Rank, OffloadKey]]] = []
         seen: set[OffloadKey] = set()
         for cls in EVICT_ORDER:
             heap = self._heaps[cls]

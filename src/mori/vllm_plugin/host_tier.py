@@ -1,4 +1,4 @@
-"""A host KV tier for vLLM 0.32's CPU build: a copy worker and the offloading spec using it.
+"""A host KV tier for vLLM's CPU build (0.32): a copy worker and the offloading spec using it.
 
 vLLM's own ``CPUOffloadingWorker`` is CUDA/XPU only (``v1/kv_offload/cpu/spec.py:196-207``
 refuses the CPU platform). :class:`HostCopyOffloadingWorker` copies between the engine's
@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import vllm
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
@@ -28,6 +29,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from . import compat
 
 logger = logging.getLogger("vllm.mori_plugin.host_tier")
 
@@ -134,7 +137,10 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         return self._transfer(job_id, src_spec, dst_spec, store=True)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec) -> bool:
+                    dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        # vLLM 0.33 may ask for an expedited load (one waited on within the step); every
+        # copy here is done when its submit returns, so there is nothing to expedite.
+        del expedited
         return self._transfer(job_id, dst_spec, src_spec, store=False)
 
     def get_finished(self) -> list[TransferResult]:
@@ -159,6 +165,11 @@ class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """
 
     _host_worker: HostCopyOffloadingWorker | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        compat.check(vllm.__version__, compat.hook_problems(
+            OffloadingWorker, HostCopyOffloadingWorker, OffloadingWorker.__abstractmethods__))
+        super().__init__(*args, **kwargs)
 
     @property
     def cpu_tier_tokens(self) -> int:

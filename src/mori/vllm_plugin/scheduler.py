@@ -42,14 +42,16 @@ import logging
 import time
 from typing import Any
 
+import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from . import compat
 from .connector_config import PROGRAM_KEY, tokens_per_chunk
 from .labels import LabelTable
 from .protocol import Message
 from .server import LabelServer, label_endpoint
-from .typed_queue import TypedFreeBlockQueue
+from .typed_queue import QUEUE_METHODS, TypedFreeBlockQueue
 
 logger = logging.getLogger("vllm.mori_plugin.scheduler")
 
@@ -68,6 +70,7 @@ class MoriSchedulerMixin:
     vllm_config: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _check_vllm()  # refuse a vLLM whose internals the plug-in does not know
         before = set(_cpu_policies())
         super().__init__(*args, **kwargs)
         self.mori_labels = LabelTable()
@@ -246,6 +249,19 @@ class MoriSchedulerMixin:
             self._mori_learned = learned
         except Exception:
             logger.exception("MORI scheduler: learning the running requests' blocks failed")
+
+
+def _check_vllm() -> None:
+    """Raise :class:`~mori.vllm_plugin.compat.UnsupportedVllm` (one line) when the
+    installed vLLM is not a release the plug-in knows, or its free-block queue, which the
+    typed queue replaces, has members the typed queue lacks."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+    problems = [f"FreeKVCacheBlockQueue.{name} is new to the plug-in"
+                for name in sorted(compat.public_methods(FreeKVCacheBlockQueue)
+                                   - set(QUEUE_METHODS))]
+    problems += compat.hook_problems(FreeKVCacheBlockQueue, TypedFreeBlockQueue,
+                                     QUEUE_METHODS)
+    compat.check(vllm.__version__, problems)
 
 
 def _cpu_policies() -> list[Any]:
