@@ -126,6 +126,22 @@ def test_unlabelled_chunks_count_as_busy() -> None:
     assert hits(mgr, keys("X", 2)) == [True, True]
 
 
+def offer(mgr: CPUOffloadingManager, c: ReqContext, ks: list[OffloadKey],
+          load: list[OffloadKey], touch: bool) -> Any:
+    """One step of a request as the connector drives it: load ``load`` (hits), touch
+    ``ks`` if asked, offer ``ks`` for storing; what the store did (or ``None``)."""
+    if load:
+        mgr.prepare_load(load, c)
+    if touch:
+        mgr.touch(ks, c)
+    out = mgr.prepare_store(ks, c)
+    if out is not None:
+        mgr.complete_store(out.keys_to_store, c)
+    if load:
+        mgr.complete_load(load, c)
+    return None if out is None else (out.keys_to_store, out.evicted_keys)
+
+
 def test_unbound_policy_evicts_exactly_as_vllms_lru() -> None:
     """Same offers, loads and touches to vLLM's LRU and to the unbound MORI policy (every
     chunk busy): the same evictions at every step."""
@@ -143,16 +159,7 @@ def test_unbound_policy_evicts_exactly_as_vllms_lru() -> None:
         assert ready == [k for k in ks if mori.lookup(k, b) == LookupResult.HIT]
         outs = []
         for mgr, c in ((lru, a), (mori, b)):
-            if ready and step % 3 == 0:
-                mgr.prepare_load(ready, c)
-            if step % 5 == 0:
-                mgr.touch(ks, c)
-            out = mgr.prepare_store(ks, c)
-            outs.append(None if out is None else (out.keys_to_store, out.evicted_keys))
-            if out is not None:
-                mgr.complete_store(out.keys_to_store, c)
-            if ready and step % 3 == 0:
-                mgr.complete_load(ready, c)
+            outs.append(offer(mgr, c, ks, ready if step % 3 == 0 else [], step % 5 == 0))
             mgr.on_request_finished(c)
         assert outs[0] == outs[1], f"step {step}: LRU {outs[0]}, MORI {outs[1]}"
 
@@ -254,16 +261,7 @@ def test_unbound_policy_follows_the_lru_with_requests_in_progress() -> None:
         outs = []
         for mgr, c in zip((lru, mori), req["ctx"], strict=True):
             ready = [k for k in batch if mgr.lookup(k, c) == LookupResult.HIT]
-            if ready and step % 2 == 0:
-                mgr.prepare_load(ready, c)
-            if step % 7 == 0:
-                mgr.touch(batch, c)
-            out = mgr.prepare_store(batch, c)
-            outs.append(None if out is None else (out.keys_to_store, out.evicted_keys))
-            if out is not None:
-                mgr.complete_store(out.keys_to_store, c)
-            if ready and step % 2 == 0:
-                mgr.complete_load(ready, c)
+            outs.append(offer(mgr, c, batch, ready if step % 2 == 0 else [], step % 7 == 0))
         assert outs[0] == outs[1], f"step {step}: LRU {outs[0]}, MORI {outs[1]}"
     assert policy_of(mori).num_chunks == len(lru._policy.chunks)
 
