@@ -16,6 +16,9 @@ and that the shadow ends where the policy's ledger says, with ``check_integrity(
 ``FakeWorld`` drives a policy with closed-loop programs: each step's request arrives,
 waits for a Forward, runs for its service time (an optional KVReady part way), then the
 program acts for the tool gap and sends its next request, or ends after its last step.
+Optionally replicas fail and come back (``outages``): the steps running there fail (their
+request ends, the client sends it again), and some programs are found on the engines at
+the start (``restored``), as a restarted gateway finds them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ import heapq
 from dataclasses import dataclass, field
 
 from mori.core.decisions import Decision, Demote, Forward, Promote, Release
-from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import (
+    Event,
+    KVReady,
+    ProgramEnded,
+    ProgramRestored,
+    ReplicaDown,
+    ReplicaUp,
+    RequestArrived,
+    StepFinished,
+)
 from mori.core.policy import Policy
 from mori.core.types import Status, Tier
 
@@ -48,8 +60,13 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
            ended: dict[str, int | None], decisions: list[Decision]) -> set[str]:
     """Replay ``decisions`` on ``before``; returns the programs forwarded."""
     state = dict(before)
-    gpu_cap, cpu_cap = p.cluster.gpu_bytes, p.cluster.cpu_bytes
     forwarded: set[str] = set()
+
+    def gpu_cap(r: int) -> int | None:  # per replica: a replica that is down holds 0
+        return p.placement.gpu[r].capacity
+
+    def cpu_cap(r: int | None) -> int | None:
+        return p.placement.cpu[r].capacity if r is not None else None
 
     def used(tier: Tier, r: int | None) -> int:
         return sum(s for t, rr, s in state.values() if t is tier and rr == r)
@@ -81,7 +98,8 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
                 raise fail(i, "demoted a Reasoning program")
             if d.to is Tier.CPU:
                 state[d.program_id] = (Tier.CPU, d.replica, size)
-                if cpu_cap is not None and used(Tier.CPU, d.replica) > cpu_cap:
+                cap = cpu_cap(d.replica)
+                if cap is not None and used(Tier.CPU, d.replica) > cap:
                     raise fail(i, "CPU over capacity after the demotion")
             else:
                 state[d.program_id] = (Tier.NONE, None, size)
@@ -93,7 +111,8 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
             if not 0 <= d.replica < p.cluster.replicas:
                 raise fail(i, "bad replica")
             state[d.program_id] = (Tier.GPU, d.replica, size)
-            if gpu_cap is not None and used(Tier.GPU, d.replica) > gpu_cap:
+            cap = gpu_cap(d.replica)
+            if cap is not None and used(Tier.GPU, d.replica) > cap:
                 raise fail(i, "GPU over capacity after the promotion")
         elif isinstance(d, Forward):
             if (tier, replica) != (Tier.GPU, d.replica):
@@ -144,7 +163,8 @@ def check_no_idle_replica(p: Policy, decisions: list[Decision]) -> None:
         if q.kv_bytes > cap:
             continue
         usable = [q.replica] if q.tier is Tier.CPU else range(p.cluster.replicas)
-        idle = [r for r in usable if r is not None and not p.placement.gpu[r].members]
+        idle = [r for r in usable if r is not None and not p.placement.gpu[r].members
+                and r not in p.placement.down]
         if idle:
             raise DecisionError(f"{q.program_id} ({q.kv_bytes} bytes, {q.tier.value}) held "
                                 f"while GPU {idle} is empty; decisions {decisions!r}")
@@ -188,7 +208,9 @@ class _Run:
     reasoning: bool = False
     ended: bool = False
     forwards: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)  # per step: forwards that failed
     replica: int | None = None
+    attempt: int = 0  # the running forward's number: events of a failed one are stale
 
 
 class Liveness(AssertionError):
@@ -197,13 +219,19 @@ class Liveness(AssertionError):
 
 class FakeWorld:
     def __init__(self, policy: Policy, programs: list[ProgramSpec], time_limit: float,
-                 tick: bool = True, batch: bool = False) -> None:
+                 tick: bool = True, batch: bool = False,
+                 outages: list[tuple[float, float, int]] = (),  # type: ignore[assignment]
+                 restored: list[tuple[str, int, int, Tier]] = (),  # type: ignore[assignment]
+                 ) -> None:
         """``batch``: observe every event of one instant before deciding once (the
-        default decides after every observation)."""
+        default decides after every observation). ``outages``: (down at, up at, replica).
+        ``restored``: (program, context tokens, replica, tier) found on the engines at
+        time 0, before any request."""
         self.batch = batch
         self.p = policy
-        self.runs = {s.pid: _Run(s, s.prompts(), forwards=[0] * len(s.steps))
-                     for s in programs}
+        self.runs = {s.pid: _Run(s, s.prompts(), forwards=[0] * len(s.steps),
+                                 failed=[0] * len(s.steps)) for s in programs}
+        self.down_count = [0] * policy.cluster.replicas
         self.limit = time_limit
         self.heap: list[tuple[float, int, str, str, int]] = []
         self.seq = 0
@@ -211,8 +239,14 @@ class FakeWorld:
         self.trace: list[tuple[float, object]] = []
         self.pending_end: dict[str, int | None] = {}
         self.tick_s = policy.tick_interval if tick else None
+        for pid, tokens, replica, tier in restored:
+            self._observe(ProgramRestored(pid, tokens, replica, tier))
+            self.runs[pid].replica = policy.programs[pid].replica
         for s in programs:
             self._at(s.start, "arrive", s.pid, 0)
+        for down, up, replica in outages:
+            self._at(down, "down", "", replica)
+            self._at(up, "up", "", replica)
         if self.tick_s is not None:
             self._at(self.tick_s, "tick", "", 0)
 
@@ -243,16 +277,39 @@ class FakeWorld:
                 run.held = False
                 run.reasoning = True
                 run.forwards[run.step] += 1
+                run.replica = d.replica
+                run.attempt += 1
                 st = run.spec.steps[run.step]
                 if st.kv_frac is not None:
-                    self._at(self.now + st.kv_frac * st.service, "kv", d.program_id, run.step)
-                self._at(self.now + st.service, "finish", d.program_id, run.step)
+                    self._at(self.now + st.kv_frac * st.service, "kv", d.program_id,
+                             run.attempt)
+                self._at(self.now + st.service, "finish", d.program_id, run.attempt)
             elif isinstance(d, (Promote, Demote)):
                 run = self.runs[d.program_id]
                 run.replica = d.replica if (isinstance(d, Promote) or d.to is Tier.CPU) \
                     else None
             elif isinstance(d, Release):
                 assert self.runs[d.program_id].ended
+
+    def _replica(self, replica: int, down: bool) -> None:
+        """A replica fails (its running steps fail: each request ends with its prompt as
+        the context, and the client sends it again at once) or comes back."""
+        before = self.down_count[replica]
+        self.down_count[replica] += 1 if down else -1
+        if down and before == 0:
+            self._observe(ReplicaDown(replica))
+            for pid, run in self.runs.items():
+                if run.replica != replica:
+                    continue
+                run.replica = None  # its KV there is gone (the policy moved it)
+                if run.reasoning:
+                    run.reasoning = False
+                    run.attempt += 1  # its pending kv/finish events are stale
+                    run.failed[run.step] += 1
+                    self._observe(StepFinished(pid, run.sizes[run.step][0]))
+                    self._at(self.now, "arrive", pid, run.step)
+        elif not down and self.down_count[replica] == 0:
+            self._observe(ReplicaUp(replica))
 
     def all_ended(self) -> bool:
         return all(r.ended for r in self.runs.values())
@@ -279,15 +336,22 @@ class FakeWorld:
                 assert self.tick_s is not None
                 self._at(t + self.tick_s, "tick", "", 0)
                 continue
+            if kind in ("down", "up"):
+                self._replica(step, kind == "down")
+                self._decide()
+                continue
             run = self.runs[pid]
             if kind == "arrive":
                 run.held = True
                 self._observe(RequestArrived(pid, run.sizes[run.step][0]))
             elif kind == "kv":
-                assert run.reasoning and run.step == step
+                if step != run.attempt or not run.reasoning:
+                    continue  # that forward failed with its replica
                 self._observe(KVReady(pid))
             elif kind == "finish":
-                assert run.reasoning and run.step == step
+                if step != run.attempt or not run.reasoning:
+                    continue
+                step = run.step
                 run.reasoning = False
                 self._observe(StepFinished(pid, run.sizes[step][1]))
                 gap = run.spec.steps[step].gap
@@ -307,6 +371,7 @@ class FakeWorld:
             raise Liveness("programs never finished (a ready program never forwarded?)\n"
                            + self.describe())
         for pid, run in self.runs.items():
-            assert run.forwards == [1] * len(run.spec.steps), (pid, run.forwards)
+            assert run.forwards == [1 + f for f in run.failed], (pid, run.forwards,
+                                                                  run.failed)
         assert len(self.p.programs) == 0 and len(self.p.placement) == 0
         assert self.p.ready_programs == []

@@ -2,8 +2,11 @@
 
 After every decide: ``check_integrity()`` holds and the decision list replays on a
 shadow ledger (``driver.replay``: Forward only for a GPU-resident program that holds a
-request, Promote only into room, Demote never of a Reasoning program). At the end every
-request was forwarded exactly once and every program ended: no request lost.
+request, Promote only into room, Demote never of a Reasoning program, nothing placed on
+a replica that is down). At the end every request was forwarded exactly once (once more
+for each time it failed with its replica) and every program ended: no request lost.
+Some worlds lose replicas for a while, and some start with programs found on the
+engines (a restarted gateway).
 """
 
 from __future__ import annotations
@@ -49,10 +52,19 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
     total = sum(-(-p.peak() // page) * page * per_token for p in programs)
     gpu = draw(st.one_of(st.just(peak), st.integers(peak, max(peak, total))))
     cpu = draw(st.one_of(st.just(0), st.integers(0, 2 * total)))
+    replicas = draw(st.integers(1, 3))
+    outages = draw(st.lists(st.tuples(st.one_of(TENTHS, TENTHS.map(lambda t: 10 * t)),
+                                      st.integers(0, 600),
+                                      st.integers(0, replicas - 1)), max_size=3))
+    restored = [(p.pid, draw(st.integers(1, p.peak())), draw(st.integers(0, replicas - 1)),
+                 draw(st.sampled_from([Tier.GPU, Tier.CPU])))
+                for p in programs if draw(st.integers(0, 3)) == 0]
     return dict(
         programs=programs,
+        outages=[(at, at + span / 10, r) for at, span, r in outages],
+        restored=restored,
         batch=draw(st.booleans()),
-        replicas=draw(st.integers(1, 3)),
+        replicas=replicas,
         gpu=gpu,
         cpu=cpu,
         per_token=per_token,
@@ -82,8 +94,11 @@ def run_world(name: str, w: dict[str, object]) -> FakeWorld:
     policy = POLICIES.get(name)(
         ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"])),  # type: ignore[arg-type]
         int(w["per_token"]), config)  # type: ignore[arg-type]
-    world = FakeWorld(policy, programs, time_limit(programs, config.tick_s),
-                      batch=bool(w.get("batch", False)))
+    outages = list(w.get("outages", []))  # type: ignore[call-overload]
+    limit = time_limit(programs, config.tick_s) + sum(up - down for down, up, _ in outages)
+    world = FakeWorld(policy, programs, limit, batch=bool(w.get("batch", False)),
+                      outages=outages,
+                      restored=list(w.get("restored", [])))  # type: ignore[call-overload]
     world.run()
     return world
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mori.core.types import Tier
+
 
 @dataclass(frozen=True, slots=True)
 class RequestArrived:
@@ -42,4 +44,36 @@ class ProgramEnded:
     program_id: str
 
 
-Event = RequestArrived | KVReady | StepFinished | ProgramEnded
+@dataclass(frozen=True, slots=True)
+class ReplicaDown:
+    """A replica stopped serving (its engine died, hangs, or cannot be reached): every
+    program placed on it loses its KV there and goes to the Waiting queue (its next
+    request is a recompute elsewhere), and nothing is placed on it until ``ReplicaUp``.
+    A program whose step was running there stays Reasoning until the world reports the
+    step's end (its request failed) with ``StepFinished``."""
+
+    replica: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaUp:
+    """A replica that was down serves again, empty as far as the policy knows."""
+
+    replica: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramRestored:
+    """A program the policy does not know holds ``context_tokens`` of KV on ``replica``,
+    in ``tier`` (GPU or CPU), as the engine reports it (a restarted world reading its
+    engines): the program is taken in, Acting (between steps), in that place if it fits
+    there, else in the Waiting queue. Ignored for a program the policy already knows."""
+
+    program_id: str
+    context_tokens: int
+    replica: int
+    tier: Tier
+
+
+Event = (RequestArrived | KVReady | StepFinished | ProgramEnded | ReplicaDown | ReplicaUp
+         | ProgramRestored)

@@ -90,6 +90,14 @@ class IdlenessTracker:
         self._phase = Status.ACTING
         self._t0 = now
 
+    def restored(self) -> None:
+        """A program taken in between two steps (``ProgramRestored``): Acting, with no
+        cycle recorded yet (its idleness is 0 until its first full cycle)."""
+        if self._phase is not None:
+            raise ValueError(f"restored while {self._phase.value}")
+        self._phase = Status.ACTING
+        self._cur_reason = 0.0
+
     def _state(self) -> str:
         return "new" if self._phase is None else self._phase.value
 

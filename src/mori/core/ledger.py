@@ -62,6 +62,7 @@ class Placement:
         self.spec = spec
         self.gpu = [TierQueue(spec.gpu_bytes) for _ in range(spec.replicas)]
         self.cpu = [TierQueue(spec.cpu_bytes) for _ in range(spec.replicas)]
+        self.down: set[int] = set()  # replicas out of service: capacity 0, no members
         self.waiting: dict[str, int] = {}
         self._where: dict[str, tuple[Tier, int | None]] = {}
 
@@ -85,6 +86,21 @@ class Placement:
         return (self.gpu if tier is Tier.GPU else self.cpu)[replica]
 
     # -- changes --------------------------------------------------------------------
+    def set_down(self, replica: int, down: bool) -> None:
+        """Take a replica out of service (both its tiers' capacity becomes 0: nothing
+        fits there; it must be empty) or back in (the spec's capacities again)."""
+        if not 0 <= replica < self.spec.replicas:
+            raise ValueError(f"bad replica {replica!r}")
+        if down:
+            if self.gpu[replica].members or self.cpu[replica].members:
+                raise ValueError(f"replica {replica} still holds programs")
+            self.down.add(replica)
+            self.gpu[replica].capacity = self.cpu[replica].capacity = 0
+        else:
+            self.down.discard(replica)
+            self.gpu[replica].capacity = self.spec.gpu_bytes
+            self.cpu[replica].capacity = self.spec.cpu_bytes
+
     def add(self, program_id: str, nbytes: int) -> None:
         """A new program enters the Waiting queue."""
         if program_id in self._where:
@@ -155,3 +171,6 @@ class Placement:
                     )
         if seen != self._where:
             raise IntegrityError("membership index disagrees with the queues")
+        for r in self.down:
+            if self.gpu[r].members or self.cpu[r].members:
+                raise IntegrityError(f"replica {r} is down but holds programs")

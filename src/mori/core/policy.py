@@ -17,7 +17,16 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mori.core.decisions import Decision, Demote, Forward, Promote, Release
-from mori.core.events import Event, KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import (
+    Event,
+    KVReady,
+    ProgramEnded,
+    ProgramRestored,
+    ReplicaDown,
+    ReplicaUp,
+    RequestArrived,
+    StepFinished,
+)
 from mori.core.idleness import IdlenessTracker
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.program import Program, ProgramView, StepRecord
@@ -163,6 +172,12 @@ class Policy(ABC):
             if p is not None and p.status is Status.REASONING:
                 p.tracker.started(now)  # the interval since the forward becomes gated
             return
+        if isinstance(event, ReplicaDown | ReplicaUp):
+            self._on_replica(event.replica, isinstance(event, ReplicaDown))
+            return
+        if isinstance(event, ProgramRestored):
+            self._on_restored(event)
+            return
         pid = event.program_id
         p = self.programs.get(pid)
         was = self._unhook(p) if p is not None else None
@@ -276,6 +291,13 @@ class Policy(ABC):
     def _gone(self, program_id: str, was: int | None) -> None:  # noqa: B027 - a no-op hook
         """After ``program_id`` ended (or its first request was refused)."""
 
+    def _capacity_changed(self, replica: int) -> None:  # noqa: B027 - a no-op hook
+        """After a replica went down (its capacities 0) or came back."""
+
+    def gpu_capacity(self, replica: int) -> int | None:
+        """The GPU capacity of ``replica`` now: the cluster's, 0 while it is down."""
+        return self.placement.gpu[replica].capacity
+
     def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
         """The capacities this policy schedules against (a subclass may drop a tier)."""
         if self.uses_cpu_queue:
@@ -364,6 +386,43 @@ class Policy(ABC):
         self._resize(p, ev.context_tokens)
         if p.history:
             p.history[-1].finished = now
+
+    def _on_replica(self, replica: int, down: bool) -> None:
+        """``ReplicaDown``: every program on the replica goes to Waiting (its KV there is
+        lost: its next step recomputes), then the replica takes nothing until
+        ``ReplicaUp``. No decision is issued for the moves: the engine is gone."""
+        if not 0 <= replica < self.cluster.replicas:
+            raise ValueError(f"bad replica {replica!r}")
+        if down == (replica in self.placement.down):
+            return
+        if down:
+            for q in (self.placement.gpu[replica], self.placement.cpu[replica]):
+                for pid in list(q.members):
+                    p = self.programs[pid]
+                    self._move(p, Tier.NONE, None)
+                    p.returning = True
+        self.placement.set_down(replica, down)
+        self._capacity_changed(replica)
+
+    def _on_restored(self, ev: ProgramRestored) -> None:
+        """A program found on an engine (``ProgramRestored``): Acting, in its place if
+        that fits, else in Waiting."""
+        if ev.program_id in self.programs:
+            return
+        if not 0 <= ev.replica < self.cluster.replicas or ev.tier is Tier.NONE:
+            raise ValueError(f"bad place {ev.tier.value}[{ev.replica}]")
+        p = Program(ev.program_id, IdlenessTracker(self.config.idleness_window,
+                                                   self.config.exclude_gated))
+        p.tracker.restored()  # Acting, with no history
+        p.returning = True
+        self._seq += 1
+        p.ready_seq = self._seq  # orders it among equals, as an arrival would
+        self.programs[ev.program_id] = p
+        self.placement.add(ev.program_id, 0)
+        self._resize(p, max(0, ev.context_tokens))
+        self._hook(p, None)  # a new program, in Waiting (as a first arrival is)
+        if self.placement.tier_queue(ev.tier, ev.replica).fits(p.kv_bytes):
+            self._move(p, ev.tier, ev.replica)
 
     def _on_end(self, ev: ProgramEnded, now: float) -> None:
         p = self.programs.pop(ev.program_id)

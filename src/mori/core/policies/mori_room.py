@@ -112,7 +112,8 @@ class MoriRoom(MoriPlacement):
             if not self._ready_gpu:  # no held request on a GPU: every replica would have
                 # all of its room later, but for a reservation
                 held = self._round_reserve
-                r0 = next((q for q in range(len(gpus)) if not held.get(q)), None)
+                r0 = next((q for q in range(len(gpus))
+                           if not held.get(q) and q not in self.placement.down), None)
                 if r0 is not None:
                     return _RoomPlan(r0, 0.0, float(self._cap), None)
         now_best: tuple[float, int] | None = None  # (free beyond reservation, replica)

@@ -107,7 +107,8 @@ class MoriIndexedRound(MoriAged):
             held_back = 0
             for r, v in self._round_reserve.items():
                 held_back += min(int(gpus[r].free()), v)
-            room = float(cap * len(gpus) - self._sums.gpu_used - held_back)
+            room = float(cap * (len(gpus) - len(self.placement.down))
+                         - self._sums.gpu_used - held_back)
             head: list[Program] = []  # the batch's part among the pushed candidates
             last: Key | None = None  # the batch's last key in the Waiting index
             total = 0

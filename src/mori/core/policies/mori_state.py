@@ -106,11 +106,19 @@ class MoriState(Policy):
             self._sync(was)
         self._touched[p.program_id] = p
 
+    def _cap_of(self, r: int) -> int:
+        """Replica ``r``'s GPU capacity now (0 while it is down)."""
+        return 0 if r in self.placement.down else self._cap
+
+    def _capacity_changed(self, replica: int) -> None:
+        self._room_stale.add(replica)
+        self._sync(replica)
+
     def _sync(self, r: int) -> None:
         """Replica ``r``'s GPU queue or its programs' statuses changed."""
         if not self._incremental:
             return
-        avail = self._cap - self.placement.gpu[r].used - self._round_reserve.get(r, 0)
+        avail = self._cap_of(r) - self.placement.gpu[r].used - self._round_reserve.get(r, 0)
         if avail != self._avail[r]:
             self._avail.set(r, avail)
             self._stale.add(r)  # whether a CPU candidate of r fits may have changed
@@ -120,7 +128,7 @@ class MoriState(Policy):
         """``_room``, up to date."""
         gpus, acting = self.placement.gpu, self._sums.acting
         for r in self._room_stale:
-            self._room.set(r, self._cap - gpus[r].used + acting[r])
+            self._room.set(r, self._cap_of(r) - gpus[r].used + acting[r])
         self._room_stale.clear()
         return self._room
 
@@ -178,8 +186,8 @@ class MoriState(Policy):
             assert all(c.tier is Tier.CPU and c.replica == r and kv == c.kv_bytes
                        for _, kv, c in order)
             gq = self.placement.gpu[r]
-            assert self._avail[r] == self._cap - gq.used, f"room of replica {r}"
-            assert self._fresh_room()[r] == self._cap - gq.used + self._sums.acting[r]
+            assert self._avail[r] == self._cap_of(r) - gq.used, f"room of replica {r}"
+            assert self._fresh_room()[r] == self._cap_of(r) - gq.used + self._sums.acting[r]
             smallest = order.min_size()
             assert (r in self._open) == (smallest is not None and smallest <= self._avail[r])
         assert sorted(self._index.cpu_all) == sorted(t for o in self._index.cpu for t in o)

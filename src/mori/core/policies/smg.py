@@ -30,7 +30,12 @@ class SMGPolicy(Policy):
         return ClusterSpec(cluster.replicas, None, 0)  # the engine manages memory
 
     def _decide(self, now: float, out: list[Decision]) -> None:
-        loads = [len(q.members) for q in self.placement.gpu]
+        down = self.placement.down
+        if len(down) == len(self.placement.gpu):
+            return  # every replica is down: the requests wait
+        # a replica that is down takes nothing (it counts as infinitely loaded)
+        loads = [float("inf") if r in down else float(len(q.members))
+                 for r, q in enumerate(self.placement.gpu)]
         for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
             lightest = loads.index(min(loads))  # the fewest programs, lowest index
             r = lightest

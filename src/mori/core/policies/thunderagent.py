@@ -47,7 +47,7 @@ from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 from mori.core.decisions import Decision
-from mori.core.events import ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import ProgramEnded, ProgramRestored, RequestArrived, StepFinished
 from mori.core.ledger import ClusterSpec
 from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
@@ -157,6 +157,21 @@ class ThunderAgentPolicy(Policy):
         elif self.programs[pid].tier is not Tier.GPU:
             self._events.append(("new", pid))
 
+    def _on_restored(self, ev: ProgramRestored) -> None:
+        known = ev.program_id in self.programs
+        super()._on_restored(ev)
+        if not known:  # it ran before the restart: one request counted, as for a program
+            self.requests[ev.program_id] = 1  # between two steps
+
+    def _on_replica(self, replica: int, down: bool) -> None:
+        pl = self.placement
+        moved = [*pl.gpu[replica].members, *pl.cpu[replica].members] if down else []
+        super()._on_replica(replica, down)
+        for pid in moved:  # now in Waiting: no pause to make, a held request to admit
+            self.marked.discard(pid)
+            if self.programs[pid].status is Status.GATED and pid not in self.paused:
+                self._events.append(("new", pid))
+
     def _on_finish(self, ev: StepFinished, now: float) -> None:
         super()._on_finish(ev, now)
         self._acting_since[ev.program_id] = now
@@ -215,7 +230,10 @@ class ThunderAgentPolicy(Policy):
 
     def remaining(self, replica: int, now: float | None = None) -> float:
         """The backend's remaining capacity in tokens (negative when over); with ``now``,
-        the decayed estimate resume uses under ``acting_token_decay``."""
+        the decayed estimate resume uses under ``acting_token_decay``; none while the
+        replica is down)."""
+        if replica in self.placement.down:
+            return float("-inf")
         members = self.placement.gpu[replica].members
         if now is None:
             reasoning, acting = self._tokens(replica)
@@ -305,9 +323,12 @@ class ThunderAgentPolicy(Policy):
 
     def _force_resume(self, p: Program, now: float, out: list[Decision]) -> None:
         origin = self.paused[p.program_id].origin
-        if origin is None:  # the backend with the fewest programs, the first on a tie
-            counts = [len(q.members) for q in self.placement.gpu]
-            origin = min(range(len(counts)), key=lambda r: (counts[r], r))
+        down = self.placement.down
+        if origin is None or origin in down:  # the backend with the fewest programs, the
+            up = [r for r in range(len(self.placement.gpu)) if r not in down]  # first on
+            if not up:  # a tie (of those not down)
+                return
+            origin = min(up, key=lambda r: (len(self.placement.gpu[r].members), r))
         self._resume(p, origin, now, out)
 
     def _greedy_resume(self, now: float, out: list[Decision]) -> None:
