@@ -67,7 +67,8 @@ def test_a_new_program_goes_where_the_engine_serves_fewer(loop_thread: LoopThrea
                                load_interval_s=0.05)
     sg = serve_on_simulated(loop_thread, settings, replicas=2)
     model = openai.OpenAI(base_url=sg.url + "/v1", api_key="x").models.list().data[0].id
-    other = openai.OpenAI(base_url=sg.adapters[0].url + "/v1", api_key="x", max_retries=0)
+    other = openai.OpenAI(base_url=sg.adapters[0].url + "/v1", api_key=sg.engines[0].token,
+                          max_retries=0)  # the embedded engine takes only its token
     stream = other.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "a long answer, please"}],
         max_tokens=20_000, stream=True)

@@ -118,7 +118,9 @@ def test_engine_refusing_connections_gives_503_and_recovers(loop_thread: LoopThr
         client(gw).chat.completions.create(model="fake-model", messages=MSG,
                                            extra_body={"program_id": "p"})
     assert e.value.status_code == 503
-    assert "the engine refused the connection" in str(e.value)
+    # the forward was refused, or the health probe had already found the engine gone
+    assert "the engine refused the connection" in str(e.value) or \
+        "every engine replica is unhealthy" in str(e.value)
     assert eng.url not in str(e.value) and str(port) not in str(e.value)  # no address
     assert program(gw, "p")["status"] == "acting"  # not stuck reasoning
     health = httpx.get(gw.url + "/healthz")
@@ -126,7 +128,9 @@ def test_engine_refusing_connections_gives_503_and_recovers(loop_thread: LoopThr
     loop_thread.serve(fake.app(), port=port)  # the engine comes back
     wait_for(lambda: httpx.get(gw.url + "/healthz").status_code == 200)
     ok_request(gw, "p")
-    assert program(gw, "p")["steps"] == 3
+    # two answered steps, and the refused one if it reached the engine before the probe
+    # found it gone (then it ended as a step too)
+    assert program(gw, "p")["steps"] in (2, 3)
 
 
 def test_engine_timeout_gives_504(loop_thread: LoopThread) -> None:

@@ -36,10 +36,14 @@ def start(lt: LoopThread, settings: GatewaySettings, gpu_kv_tokens: int | None =
     return gw, adapters[0], model
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples at ``url``/metrics whose labels include ``labels``."""
+def metric(where: str | EngineAdapter, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples at ``where``'s /metrics (a URL, or an embedded engine's
+    adapter, whose token it sends) whose labels include ``labels``."""
+    url, token = ((where, None) if isinstance(where, str)
+                  else (where.url, getattr(where, "token", None)))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=headers, timeout=30).text.splitlines():
         if not (line.startswith(name + " ") or line.startswith(name + "{")):
             continue
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -73,7 +77,7 @@ def raw_request(gw: Running, body: dict[str, Any], rcvbuf: int | None = None) ->
     if rcvbuf is not None:  # a small window: the server's buffers fill sooner
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.connect((gw.host, gw.port))
-    s.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: test\r\n"
+    s.sendall(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n"
               b"content-type: application/json\r\ncontent-length: "
               + str(len(data)).encode() + b"\r\n\r\n" + data)
     return s
@@ -97,9 +101,9 @@ def test_a_stream_nobody_reads_is_cut_off_and_its_program_freed(loop_thread: Loo
                  "the stalled stream's program is Acting again")
         assert metric(gw.url, "mori_stream_timeouts_total") == 1
         assert metric(gw.url, "mori_client_disconnects_total") == 1
-        wait_for(lambda: metric(engine.url, "mori_engine_requests_aborted_total") == 1,
+        wait_for(lambda: metric(engine, "mori_engine_requests_aborted_total") == 1,
                  "the engine aborted the request")
-        assert metric(engine.url, "mori_engine_requests_finished_total") == 0
+        assert metric(engine, "mori_engine_requests_finished_total") == 0
         # a retry of the same program is accepted (no 409) and served
         r = httpx.post(gw.url + CHAT, json=chat(model, "stall", 100, 3), timeout=60)
         assert r.status_code == 200, r.text
@@ -121,7 +125,7 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
     try:
         wait_for(lambda: status(gw, "long") == ("reasoning", True), "the first request runs")
         wait_for(lambda: status(gw, "held") == ("gated", False), "the second is held")
-        assert metric(engine.url, "mori_engine_requests_total") == 1
+        assert metric(engine, "mori_engine_requests_total") == 1
         # the gauge of the longest wait counts the held request's wait as it grows
         first = metric(gw.url, "mori_gate_oldest_wait_seconds")
         time.sleep(0.3)
@@ -134,7 +138,7 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
         assert status(gw, "held") == ("gated", False)  # held for a retry, not forwarded
 
         long.close()  # the client leaves while its request runs: the engine aborts it
-        wait_for(lambda: metric(engine.url, "mori_engine_requests_aborted_total") == 1,
+        wait_for(lambda: metric(engine, "mori_engine_requests_aborted_total") == 1,
                  "the engine aborted the running request")
         wait_for(lambda: status(gw, "long") == ("acting", False), "the first program is freed")
         assert metric(gw.url, "mori_requests_total", status="499") == 2
@@ -144,12 +148,12 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
         assert httpx.post(f"{gw.url}/v1/programs/long/release").status_code == 200
         wait_for(lambda: status(gw, "held") == ("acting", False),
                  "the abandoned request ended without running")
-        assert metric(engine.url, "mori_engine_requests_total") == 1
-        assert metric(engine.url, "mori_engine_requests_finished_total") == 0
+        assert metric(engine, "mori_engine_requests_total") == 1
+        assert metric(engine, "mori_engine_requests_finished_total") == 0
 
         r = httpx.post(gw.url + CHAT, json=chat(model, "held", 20_000, 3), timeout=60)
         assert r.status_code == 200, r.text
-        assert metric(engine.url, "mori_engine_requests_total") == 2
+        assert metric(engine, "mori_engine_requests_total") == 2
         assert metric(gw.url, "mori_gate_oldest_wait_seconds") == 0  # none is held
     finally:
         long.close()

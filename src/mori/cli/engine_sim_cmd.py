@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from mori.cli.eventloop import run_loop
 from mori.core.costmodel import PRESETS
+from mori.engines.simulated import TOKEN_ENV
 from mori.sim.script import Script, ScriptError, load_script, script_from_trace
 from mori.traces.errors import TraceError
 from mori.traces.model import ProgramTrace
@@ -43,6 +45,8 @@ endpoints:
   GET  /v1/models, /health, /metrics
   POST /mori/v1/programs/PID/{label,offload,drop,release}
   GET  /mori/v1/{residency,capacity,stats}
+With --token (or MORI_ENGINE_TOKEN), every endpoint but GET /health needs
+'Authorization: Bearer TOKEN'.
 
 examples:
   mori engine-sim --preset h200-qwen3-30b-a3b --port 8001
@@ -113,6 +117,12 @@ def add_engine_sim_parser(sub: argparse._SubParsersAction[P]) -> P:
                    help="served model name (default: the preset's model name)")
     p.add_argument("--max-queue", type=int, default=0, metavar="N",
                    help="refuse requests (503) when N are waiting for admission; 0: no limit")
+    p.add_argument("--token", default=None, metavar="TOKEN",
+                   help="require 'Authorization: Bearer TOKEN' on every request but GET "
+                        "/health (401 without it); give it to the gateway as --backend "
+                        "sim=URL,token=TOKEN (default: the environment variable "
+                        "MORI_ENGINE_TOKEN, which the gateway's sim backends read too; "
+                        "unset: no token)")
     script = p.add_mutually_exclusive_group()
     script.add_argument("--script", default=None, metavar="FILE",
                         help="answer from this script (JSON, or TOML by its .toml suffix): "
@@ -157,20 +167,30 @@ def script_of(args: argparse.Namespace) -> Script | None:
     return None
 
 
-async def _serve(args: argparse.Namespace, script: Script | None) -> None:
+def token_of(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """The engine's token: ``--token``, else ``MORI_ENGINE_TOKEN`` (None: none);
+    ``ScriptOptionError`` for one with whitespace."""
+    token = args.token if args.token is not None else env.get(TOKEN_ENV) or None
+    if token is not None and (not token.strip() or any(c.isspace() for c in token)):
+        raise ScriptOptionError("--token must be non-empty and contain no whitespace")
+    return token
+
+
+async def _serve(args: argparse.Namespace, script: Script | None, token: str | None) -> None:
     from mori.enginesim import EngineSimConfig, start_engine_sim
 
     config = EngineSimConfig(
         preset=args.preset, time_scale=args.time_scale, cpu_ratio=args.cpu_ratio,
         typed_eviction=args.typed_eviction, gpu_kv_tokens=args.gpu_kv_tokens,
         model_name=args.model, max_queue=max(0, args.max_queue), script=script)
-    running = await start_engine_sim(config, args.host, args.port)
+    running = await start_engine_sim(config, args.host, args.port, token=token)
     eng = running.engine
     cap = eng.capacity()
     print(f"mori engine-sim: {eng.model_name} on {args.preset} at {running.url} "
           f"(GPU KV {cap['gpu_tokens']:,} tokens, CPU KV {cap['cpu_tokens']:,} tokens, "
           f"time scale {args.time_scale:g}"
           + (f", a script of {len(script.steps)} steps" if script is not None else "")
+          + (", token required" if token is not None else "")
           + "); Ctrl-C stops", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -188,11 +208,12 @@ def run_engine_sim(args: argparse.Namespace) -> int:
     1 when the port cannot be bound)."""
     try:
         script = script_of(args)
+        token = token_of(args, os.environ)
     except (ScriptError, TraceError, ScriptOptionError) as e:
         print(f"mori engine-sim: error: {e}", file=sys.stderr)
         return 2
     try:
-        run_loop(_serve(args, script))
+        run_loop(_serve(args, script, token))
     except OSError as e:  # the address cannot be used (the message names it)
         print(f"mori engine-sim: error: {e}", file=sys.stderr)
         return 1

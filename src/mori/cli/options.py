@@ -315,12 +315,45 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("record_text", bool, _GATEWAY.record_text,
            help="keep each step's new prompt text in the --record file (default: off)"),
     Option("max_body_bytes", int, _GATEWAY.max_body_bytes, metavar="N",
-           help="largest request body accepted; larger gets 413"),
+           help="largest request body accepted, on every route; larger gets 413 before it is "
+                "read (a Content-Length over it at once, a chunked body when it passes it)"),
+    Option("max_header_bytes", int, _GATEWAY.max_header_bytes, metavar="N",
+           help="largest request head (request line and headers) accepted; larger gets 431 "
+                "and the connection is closed"),
+    Option("header_timeout", float, _GATEWAY.header_timeout_s, metavar="S",
+           field="header_timeout_s",
+           help="seconds a request head may take to arrive (from its first byte, or from "
+                "the connection's opening); beyond, 408 and the connection is closed"),
+    Option("keep_alive_timeout", float, _GATEWAY.keep_alive_timeout_s, metavar="S",
+           field="keep_alive_timeout_s",
+           help="seconds an idle keep-alive connection stays open"),
+    Option("body_timeout", float, _GATEWAY.body_timeout_s, metavar="S",
+           field="body_timeout_s",
+           help="seconds a request body may pause between two pieces; beyond, 408 and the "
+                "connection is closed"),
+    Option("max_connections", int, _GATEWAY.max_connections, metavar="N",
+           help="open connections per gateway process (lowered to what the descriptor limit "
+                "allows); at the cap the longest-idle one is closed to make room, or, none "
+                "idle, the new one gets 503"),
     Option("max_program_id_bytes", int, _GATEWAY.max_program_id_bytes, metavar="N",
            help="longest program id accepted, in bytes of UTF-8 (1 to 1024); longer gets 400"),
     Option("health_interval", float, _GATEWAY.health_interval_s, metavar="S",
            field="health_interval_s",
-           help="seconds between health checks of an unhealthy replica"),
+           help="seconds between health probes of every replica's engine"),
+    Option("health_timeout", float, _GATEWAY.health_timeout_s, metavar="S",
+           field="health_timeout_s",
+           help="a health probe's deadline: an engine that does not answer within it "
+                "missed the probe"),
+    Option("health_failures", int, _GATEWAY.health_failures, metavar="N",
+           help="probes a healthy replica may miss in a row before it is marked "
+                "unhealthy: its programs move to the other replicas (their KV recomputed "
+                "there) and its requests in flight end with 503; it rejoins when it "
+                "answers again"),
+    Option("first_byte_timeout", float, _GATEWAY.first_byte_timeout_s, metavar="S",
+           field="first_byte_timeout_s",
+           help="seconds a forwarded request may wait for its answer to begin (a request "
+                "that is not streamed: the whole answer); beyond, 504 and the replica is "
+                "probed at once"),
     Option("spread_by_load", bool, _POLICY.spread_by_load,
            help="mori and its variants: spread admitted programs (while memory does not "
                 "bind) onto the replica whose engine serves the fewest requests of other "
@@ -355,6 +388,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="serve /metrics without an admin key when keys are set (default: off)"),
     Option("allow_unauthenticated", bool, _SERVE.allow_unauthenticated,
            help="listen on a non-loopback address without any key (default: refused)"),
+    Option("cors_origin", str, None, repeat=True, field="cors_origins", metavar="ORIGIN",
+           help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
+                "gateway from a browser: CORS preflights answered, Access-Control-Allow-"
+                "Origin sent (repeatable; default: CORS off, and without keys a request "
+                "from a non-loopback origin is refused with 403)"),
+    Option("allowed_host", str, None, repeat=True, field="allowed_hosts", metavar="NAME",
+           help="without keys, also answer requests whose Host is NAME (the gateway behind "
+                "a name; repeatable; default: only loopback names and its own address, "
+                "others get 403, a guard against DNS rebinding)"),
 )
 """Every option of ``mori serve`` except ``--config``, in help order; defaults from
 ``ServeConfig``, ``GatewaySettings`` and (the policy knobs) ``PolicyConfig``."""

@@ -27,7 +27,7 @@ from mori.cli.options import (
 from mori.core.costmodel import PRESETS
 from mori.core.policy import PolicyConfig
 from mori.core.registry import UnknownNameError
-from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend
+from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend, shown
 from mori.gateway.auth import KeyRing, check_exposure, read_key_file
 from mori.gateway.config import GatewaySettings
 from mori.gateway.record import check_record_file
@@ -244,7 +244,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _quiet_embedded_servers()
 
     def ready(url: str) -> None:
-        where = (", ".join(cfg.backends) if cfg.backends
+        where = (", ".join(map(shown, cfg.backends)) if cfg.backends
                  else f"{cfg.replicas} simulated {cfg.preset} replica(s)")
         print(f"mori serve: listening on {url} (policy {cfg.settings.policy}, {where})",
               flush=True)

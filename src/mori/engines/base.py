@@ -110,6 +110,10 @@ class EngineAdapter(ABC):
     def __init__(self, url: str, *, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.first_byte_timeout_s: float | None = None
+        """The longest wait for a forwarded request's answer to begin (its head; for a
+        request that is not streamed, the whole answer): set by the gateway
+        (``--first-byte-timeout``); None: ``timeout_s``."""
         self.capabilities: frozenset[Capability] = frozenset()
         """The controls this replica offers: set by each adapter when built, and by
         some once the engine has reported its settings."""
@@ -124,6 +128,12 @@ class EngineAdapter(ABC):
     async def close(self) -> None:
         """Close connections."""
         return None
+
+    def abort_requests(self, reason: str) -> int:
+        """The gateway gave up on this engine (it hangs or died): end every request in
+        flight there at once with an ``UpstreamError`` (503) saying ``reason``. Returns
+        how many there were. Default: nothing to abort."""
+        return 0
 
     # -- required ---------------------------------------------------------------------
     @abstractmethod

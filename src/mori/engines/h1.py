@@ -65,6 +65,11 @@ class ReadTimeout(TimeoutError):
     """The engine sent nothing for longer than the read timeout."""
 
 
+class AbortedError(BrokenError):
+    """The gateway gave up on the engine (``H1Pool.abort``): every request in flight
+    there ends with this."""
+
+
 class H1Response:
     """One answer: ``status`` and ``headers`` (lower-case names) once the head arrived;
     the body through ``read()`` or ``chunks()``. ``release()`` returns a fully read
@@ -325,11 +330,13 @@ class H1Pool:
     """Keep-alive connections to one ``http://host:port`` (or ``https://``) engine.
 
     ``connect_timeout``: seconds to open a connection; ``read_timeout``: the longest gap
-    between two reads of an answer (None: no limit); ``max_idle``: idle connections kept.
+    between two reads of an answer (None: no limit); ``head_timeout``: the longest wait
+    for an answer's head, from the request sent (None: ``read_timeout``); ``max_idle``:
+    idle connections kept.
     """
 
     def __init__(self, url: str, *, connect_timeout: float, read_timeout: float | None,
-                 max_idle: int = 1024) -> None:
+                 max_idle: int = 1024, head_timeout: float | None = None) -> None:
         u = urlsplit(url)
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"an engine URL is http:// or https:// (got {url!r})")
@@ -341,6 +348,7 @@ class H1Pool:
         self.host_header = (host if u.port is None else f"{host}:{u.port}").encode("idna")
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.head_timeout = head_timeout if head_timeout is not None else read_timeout
         self.max_idle = max_idle
         self._idle: collections.deque[_Conn] = collections.deque()
         self._all: set[_Conn] = set()
@@ -389,10 +397,10 @@ class H1Pool:
             resp = H1Response(conn, self.read_timeout)
             head_ready = conn.send(data, resp)
             try:
-                await _within(conn.loop, head_ready, self.read_timeout)
+                await _within(conn.loop, head_ready, self.head_timeout)
             except TimeoutError:
                 conn.drop()
-                raise ReadTimeout(f"no answer for {self.read_timeout:g} s") from None
+                raise ReadTimeout(f"no answer for {self.head_timeout:g} s") from None
             except BrokenError:
                 conn.drop()
                 if reused and not conn.got_bytes and attempt == 0:
@@ -408,3 +416,17 @@ class H1Pool:
         for conn in list(self._all):
             conn.drop()
         self._idle.clear()
+
+    def abort(self, reason: str) -> int:
+        """End every request in flight with ``AbortedError(reason)`` and drop every
+        connection (the pool stays usable: later requests connect again). Returns how
+        many requests were in flight."""
+        n = 0
+        for conn in list(self._all):
+            resp, conn.resp = conn.resp, None
+            if resp is not None:
+                n += 1
+                resp._fail(AbortedError(reason))
+            conn.drop()
+        self._idle.clear()
+        return n

@@ -25,7 +25,7 @@ from mori.engines.base import (
     UpstreamError,
     UpstreamResponse,
 )
-from mori.engines.h1 import BrokenError, H1Pool, ReadTimeout, RefusedError
+from mori.engines.h1 import AbortedError, BrokenError, H1Pool, ReadTimeout, RefusedError
 
 _PASS_HEADERS = ("content-type", "cache-control")
 _encode = msgspec.json.Encoder().encode
@@ -108,7 +108,11 @@ class OpenAIHTTPAdapter(EngineAdapter):
     async def start(self) -> None:
         if self._session is None:
             conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+            self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False,
+                                                  headers=self.session_headers())
+
+    def abort_requests(self, reason: str) -> int:
+        return 0 if self._h1 is None else self._h1.abort(reason)
 
     async def close(self) -> None:
         if self._h1 is not None:
@@ -132,12 +136,19 @@ class OpenAIHTTPAdapter(EngineAdapter):
     def request_headers(self, hints: RequestHints) -> dict[str, str]:
         return {}
 
+    def session_headers(self) -> dict[str, str]:
+        """Headers sent on every control-plane call (credentials the engine wants);
+        forwards send ``request_headers``."""
+        return {}
+
     # -- forwarding -------------------------------------------------------------------------
     def _pool(self) -> H1Pool:
         """The lean keep-alive client the forwards go through (``mori.engines.h1``)."""
         if self._h1 is None:
             self._h1 = H1Pool(self.url, connect_timeout=self.connect_timeout_s,
-                              read_timeout=self.timeout_s)
+                              read_timeout=self.timeout_s,
+                              head_timeout=min(self.timeout_s, self.first_byte_timeout_s
+                                               or self.timeout_s))
         return self._h1
 
     async def forward(self, path: str, body: dict[str, Any], stream: bool,
@@ -150,13 +161,23 @@ class OpenAIHTTPAdapter(EngineAdapter):
             raise UpstreamError(f"engine {self.url} refused the connection: {e}",
                                 status=503) from e
         except ReadTimeout as e:
-            raise UpstreamError(f"engine {self.url} timed out", status=504) from e
+            # no answer began in time: a hung engine, or a very long one; the gateway
+            # probes its health at once rather than giving up on it for one request
+            raise UpstreamError(f"engine {self.url} sent no answer within "
+                                f"{self._pool().head_timeout:g} s: {e}", status=504,
+                                unhealthy=False) from e
+        except AbortedError as e:
+            raise UpstreamError(f"engine {self.url} was given up: {e}", status=503,
+                                unhealthy=False) from e
         except BrokenError as e:
             raise UpstreamError(f"engine {self.url} failed: {e}", status=502) from e
         out_headers = {k: v for k, v in resp.headers.items() if k in _PASS_HEADERS}
         if not (stream and resp.status == 200 and resp.content_type == "text/event-stream"):
             try:
                 data = await resp.read()
+            except AbortedError as e:
+                raise UpstreamError(f"engine {self.url} was given up: {e}", status=503,
+                                    unhealthy=False) from e
             except (BrokenError, ReadTimeout) as e:
                 raise UpstreamError(f"engine {self.url} broke off its answer: {e}") from e
             finally:
@@ -167,6 +188,9 @@ class OpenAIHTTPAdapter(EngineAdapter):
             try:
                 async for chunk in resp.chunks():
                     yield chunk
+            except AbortedError as e:
+                raise UpstreamError(f"engine {self.url} was given up: {e}", status=503,
+                                    unhealthy=False) from e
             except (BrokenError, ReadTimeout) as e:
                 raise UpstreamError(f"engine {self.url} died mid-stream: {e}") from e
 

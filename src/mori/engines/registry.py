@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,16 @@ def _value(text: str) -> Any:
     return text
 
 
+_VERBATIM = frozenset({"token"})
+"""Options kept as the text given (a secret such as ``token=0123`` is not a number)."""
+_SECRET = re.compile(r"((?:^|,)token=)[^,]*")
+
+
+def shown(spec: str) -> str:
+    """A ``--backend`` spec as it may be printed: secrets (``token=``) hidden."""
+    return _SECRET.sub(r"\1***", spec)
+
+
 def parse_backend(spec: str) -> BackendSpec:
     """``vllm=http://host:8000,kv_events=tcp://host:5557`` -> BackendSpec."""
     kind, sep, rest = spec.partition("=")
@@ -86,5 +97,6 @@ def parse_backend(spec: str) -> BackendSpec:
         k, eq, v = o.partition("=")
         if not eq or not k.strip():
             raise BackendSpecError(f"backend {spec!r}: option {o!r} is not key=value")
-        options[k.strip()] = _value(v.strip())
+        key = k.strip()
+        options[key] = v.strip() if key in _VERBATIM else _value(v.strip())
     return BackendSpec(kind, url.rstrip("/"), options)

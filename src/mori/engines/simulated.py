@@ -6,10 +6,16 @@ synthetic prompt field travels in the body, the program id in ``X-Program-Id``
 (percent-encoded UTF-8, ``mori.protocol.fields.encode_program_id``; in KV-control paths
 percent-encoded too); prompts
 are counted by the engine-sim's own rule (``mori.protocol.tokens``), without a call.
+
+An engine-sim started with a token (the ones ``mori serve`` starts in-process always
+are: a random one only the gateway knows) answers 401 without it; the adapter's
+``token`` (``--backend sim=URL,token=TOKEN``, else the environment's
+``MORI_ENGINE_TOKEN``) is sent as ``Authorization: Bearer TOKEN`` on every call.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import quote
 
@@ -38,6 +44,11 @@ call; a request whose prefix sits in the CPU tier reloads it first, and its stre
 when that is done (``KV_READY``)."""
 
 
+TOKEN_ENV = "MORI_ENGINE_TOKEN"
+"""The environment variable holding an engine-sim's token (``mori engine-sim`` reads it
+too)."""
+
+
 class SimEngineAdapter(OpenAIHTTPAdapter):
     """A simulated engine replica served over HTTP. Priority hints are sent (as the
     ``priority`` field) and accepted by the engine, which ignores them."""
@@ -46,9 +57,16 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
     load_gauges = ("mori_engine_requests_running", "mori_engine_requests_waiting")
 
     def __init__(self, url: str, *, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, token: str | None = None) -> None:
         super().__init__(url, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)
         self.capabilities = SIM_CAPABILITIES
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        self.token = None if token is None else str(token)
+        self._auth = {} if self.token is None else {"authorization": f"Bearer {self.token}"}
+
+    def session_headers(self) -> dict[str, str]:
+        return dict(self._auth)
 
     # -- request shaping -----------------------------------------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
@@ -60,7 +78,7 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
 
     def request_headers(self, hints: RequestHints) -> dict[str, str]:
         # percent-encoded UTF-8: any id (non-ASCII included) travels as plain ASCII
-        return {PROGRAM_ID_HEADER: encode_program_id(hints.program_id)}
+        return {PROGRAM_ID_HEADER: encode_program_id(hints.program_id), **self._auth}
 
     async def count_prompt_tokens(self, path: str, body: dict[str, Any]) -> int | None:
         """The engine-sim's own rule: ``mori.prompt_tokens`` if present, else

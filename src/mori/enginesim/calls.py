@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mori.enginesim.answers import Answer, Api, answer_for
-from mori.protocol.errors import RequestError
+from mori.protocol.errors import RequestError, clip
 from mori.protocol.fields import (
     CHAT,
     COMPLETIONS,
@@ -78,7 +78,7 @@ def check_model(body: Mapping[str, Any], model: str, required: bool) -> None:
     if asked is None and required:
         raise RequestError(400, "model: field required", "model")
     if asked is not None and asked != model:
-        raise RequestError(404, f"The model `{asked}` does not exist.", "model",
+        raise RequestError(404, f"The model `{clip(str(asked))}` does not exist.", "model",
                            "model_not_found")
 
 

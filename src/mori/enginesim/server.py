@@ -38,11 +38,17 @@ Endpoints
   "page_tokens", "kv_bytes_per_token"}``; ``GET stats`` -> the replica's counters.
 - ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text, ``mori_engine_*``,
   ``mori.enginesim.metrics``).
+
+With a ``token`` (``mori engine-sim --token``; the engines ``mori serve`` starts always
+have a random one, known only to the gateway), every request but ``GET /health`` must
+carry it (``Authorization: Bearer TOKEN``, or ``x-api-key: TOKEN``): without it, 401.
+Every error is JSON in the API's shape, unknown paths (404) and methods (405) included.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -51,9 +57,11 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mori.core.types import KVLabel
 from mori.enginesim.answers import Api
@@ -63,9 +71,15 @@ from mori.enginesim.messages import MessagesStream, anthropic_error, message_bod
 from mori.enginesim.metrics import EngineCollector
 from mori.enginesim.responses import ResponsesStream, response_body
 from mori.enginesim.streams import SSE_HEADERS, Outcome, Render, stream_answer, wait_answer
-from mori.protocol.errors import RequestError
+from mori.protocol.errors import RequestError, clip
 from mori.protocol.fields import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES
-from mori.protocol.responses import EventStream, error_response
+from mori.protocol.responses import (
+    JSON_ERROR_HANDLERS,
+    EventStream,
+    api_error_response,
+    error_response,
+    spec_for_path,
+)
 from mori.protocol.serve import RunningServer, serve_app
 from mori.sim.realtime import EngineSimConfig, RealtimeReplica, Track
 
@@ -201,7 +215,7 @@ class _Api:
         pid = request.path_params["pid"]
         self.engine.sync()
         if not self.engine.known(pid):
-            return error_response(404, f"the engine holds no KV of program {pid!r}",
+            return error_response(404, f"the engine holds no KV of program {clip(pid)!r}",
                                   "program_id", "program_not_found")
         action(pid)
         return JSONResponse(self.engine.program_state(pid))
@@ -220,8 +234,46 @@ class _Api:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_engine_sim_app(config: EngineSimConfig) -> Starlette:
-    """A Starlette app serving one simulated engine replica (see the module doc).
+class TokenGate:
+    """ASGI middleware: every HTTP request but ``GET /health`` must carry ``token``
+    (``Authorization: Bearer TOKEN`` or ``x-api-key: TOKEN``, compared in constant time);
+    others are answered 401 in the API's shape."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        if not token or token != token.strip() or any(c.isspace() for c in token):
+            raise ValueError("an engine token must be non-empty and contain no whitespace")
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["path"] == "/health"
+                                       and scope["method"] in ("GET", "HEAD")) \
+                or self._allowed(scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        resp = api_error_response(
+            spec_for_path(scope["path"]), 401, "this engine takes requests only with its "
+            "token: send 'Authorization: Bearer TOKEN' (the engine's --token or "
+            "MORI_ENGINE_TOKEN)", None, "invalid_token", type_="authentication_error")
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        await resp(scope, receive, send)
+
+    def _allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        given = b""
+        for k, v in headers:
+            if k == b"authorization":
+                scheme, _, rest = v.strip().partition(b" ")
+                if scheme.lower() == b"bearer":
+                    given = rest.strip()
+            elif k == b"x-api-key" and not given:
+                given = v.strip()
+        return hmac.compare_digest(given, self._token)
+
+
+def create_engine_sim_app(config: EngineSimConfig, *, token: str | None = None
+                          ) -> Starlette:
+    """A Starlette app serving one simulated engine replica (see the module doc);
+    ``token``: the token every request but ``GET /health`` must carry (None: none).
 
     ``app.state.engine`` is its ``RealtimeReplica``; the clock starts with the app's
     lifespan (or its first request)."""
@@ -256,7 +308,9 @@ def create_engine_sim_app(config: EngineSimConfig) -> Starlette:
         Route("/mori/v1/capacity", api.capacity, methods=["GET"]),
         Route("/mori/v1/stats", api.stats, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(TokenGate, token=token)] if token is not None else None
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+                    exception_handlers=dict(JSON_ERROR_HANDLERS))
     app.state.engine = engine
     app.state.metrics_registry = registry
     return app
@@ -265,10 +319,12 @@ def create_engine_sim_app(config: EngineSimConfig) -> Starlette:
 @dataclass(eq=False)
 class EngineSimServer:
     """A simulated engine served in the current event loop: ``url`` is its base URL,
-    ``engine`` its model; ``await stop()`` ends it (idempotent)."""
+    ``engine`` its model, ``token`` the token it requires (None: none); ``await stop()``
+    ends it (idempotent)."""
 
     engine: RealtimeReplica
     server: RunningServer
+    token: str | None = None
 
     @property
     def url(self) -> str:
@@ -280,10 +336,10 @@ class EngineSimServer:
 
 
 async def start_engine_sim(config: EngineSimConfig, host: str = "127.0.0.1",
-                           port: int = 0) -> EngineSimServer:
+                           port: int = 0, *, token: str | None = None) -> EngineSimServer:
     """Serve a simulated engine replica in the current event loop (``port`` 0: any free
-    port). ``OSError`` when the address cannot be used."""
-    app = create_engine_sim_app(config)
+    port), requiring ``token`` if given. ``OSError`` when the address cannot be used."""
+    app = create_engine_sim_app(config, token=token)
     engine = app.state.engine
     assert isinstance(engine, RealtimeReplica)
-    return EngineSimServer(engine, await serve_app(app, host, port))
+    return EngineSimServer(engine, await serve_app(app, host, port), token)

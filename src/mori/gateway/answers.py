@@ -129,20 +129,24 @@ class _Lines:
 
 
 class ChatWatcher(_Lines):
-    """An OpenAI chat or completions stream (``data:`` events, ``[DONE]`` at the end)."""
+    """An OpenAI chat or completions stream (``data:`` events, ``[DONE]`` at the end).
+    ``ended``: the stream said it ends (``[DONE]``, or an error event)."""
 
-    __slots__ = ("done",)
+    __slots__ = ("done", "ended")
 
     def __init__(self) -> None:
         super().__init__()
         self.done = False
+        self.ended = False
 
     def feed(self, chunk: bytes) -> None:
         for raw in self.payloads(chunk):
             payload = raw.strip()
             if payload == b"[DONE]":
-                self.done = True
+                self.done = self.ended = True
                 continue
+            if b'"error"' in payload:
+                self.ended = True
             self.events += 1
             has_usage = (b'"usage"' in payload
                          and b'"usage":null' not in payload.replace(b" ", b""))
@@ -163,19 +167,32 @@ class ChatWatcher(_Lines):
                 if before is None and self.answer.completion_tokens is not None:
                     self.events -= 1  # the usage-only event carries no token
 
+_ERROR_EVENT = (b'"type":"error"', b'"type": "error"')
+"""An error event of a typed stream (not ``"error"`` alone: a Responses object carries
+``"error": null``)."""
+
+
 class _TypedEvents(_Lines):
     """A stream of typed JSON events (``event: NAME`` then ``data: {"type": NAME, ...}``):
-    the events in ``parse`` are read as JSON, those in ``count`` counted."""
+    the events in ``parse`` are read as JSON, those in ``count`` counted; ``ended``: one
+    of the events in ``ends`` (the stream's last, or an error) was seen."""
 
     parse: tuple[bytes, ...] = ()
     count: bytes = b""
-    __slots__ = ()
+    ends: tuple[bytes, ...] = ()
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = False
 
     def feed(self, chunk: bytes) -> None:
         for payload in self.payloads(chunk):
             if self.count in payload:
                 self.events += 1
                 continue
+            if any(e in payload for e in self.ends):
+                self.ended = True
             if not any(p in payload for p in self.parse):
                 continue
             try:
@@ -195,6 +212,7 @@ class MessagesWatcher(_TypedEvents):
 
     parse = (b'"message_start"', b'"message_delta"', b'"content_block_start"')
     count = b'"content_block_delta"'
+    ends = (b'"message_stop"', *_ERROR_EVENT)
     __slots__ = ()
 
     def event(self, data: dict[str, Any]) -> None:
@@ -220,6 +238,8 @@ class ResponsesWatcher(_TypedEvents):
     parse = (b'"response.output_item.added"', b'"response.completed"',
              b'"response.incomplete"', b'"response.failed"')
     count = b'"response.output_text.delta"'
+    ends = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"',
+            *_ERROR_EVENT)
     __slots__ = ()
 
     def event(self, data: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow, distributions
 from mori.gateway.record import TraceRecorder
 from mori.protocol.apis import API_BY_PATH
+from mori.protocol.errors import clip
 from mori.protocol.fields import anonymous_program_id
 from mori.protocol.responses import error_response
 from mori.traces.errors import TraceError
@@ -121,6 +122,7 @@ class Gateway:
                 raise RuntimeError(f"--record: {e}") from e
         self.metrics.watch(self.state)
         await self.refresh_models()
+        await self.controller.restore()  # a restart: programs back to the KV they left
 
     async def _wait_for_capacities(self) -> list[KVCapacity]:
         """Each replica's capacity; engines still starting get ``startup_wait_s``."""
@@ -204,7 +206,8 @@ class Routes:
     ``/v1/programs`` lists the caller's own programs (an admin key: every program, by the
     gateway's ids), and a program can be read or released only by its own key or an admin
     key; ``/v1/decisions``, ``/v1/residency`` and ``/metrics`` (unless ``public_metrics``)
-    need an admin key; ``/healthz`` is open but names the replicas only to an admin key.
+    need an admin key; ``/healthz`` is open but names the replicas only to an admin key
+    (each with the error that made it unhealthy, null once it is healthy again).
     """
 
     def __init__(self, gw: Gateway) -> None:
@@ -323,7 +326,7 @@ class Routes:
         if self._principal(request).access is Access.ADMIN:
             body["policy"] = self.gw.settings.policy
             body["replicas"] = [{"url": r.adapter.url, "kind": r.adapter.kind,
-                                 "healthy": r.healthy, "last_error": r.last_error,
+                                 "healthy": r.healthy, "last_error": r.last_error or None,
                                  "in_flight": r.in_flight,
                                  "engine_load": (None if r.engine_load is None else
                                                  {"running": r.engine_load.running,
@@ -352,7 +355,7 @@ def _as_seen_by(p: Principal, row: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _no_program(pid: str) -> Response:
-    return error_response(404, f"no program {pid!r} is known to the gateway", "program_id",
+    return error_response(404, f"no program {clip(pid)!r} is known to the gateway", "program_id",
                           "program_not_found")
 
 

@@ -13,6 +13,16 @@ key is compared, on SHA-256 digests) and are never logged or shown.
 
 Without any key, every endpoint is open and ids are used as sent (a loopback bind; a
 non-loopback bind refuses to start without keys unless told it may: ``check_exposure``).
+Open to local programs, it must not be open to every web page a local browser shows, so
+without keys a request is also refused (403) when its ``Host`` is not a loopback name or
+address, the gateway's own address or a name allowed by ``--allowed-host`` (a page whose
+name the attacker re-points at 127.0.0.1, DNS rebinding, sends its own name), or when it
+carries an ``Origin`` that is not a loopback one, the gateway's own (its address, a
+name it answers to, its ``Host``) or one allowed by ``--cors-origin`` (another site's
+page posting to the gateway: cross-site request forgery); ``BrowserPolicy``. Clients that are not browsers send no ``Origin``. With keys,
+a browser does not send them cross-site on its own, so neither check applies. CORS is off
+unless ``--cors-origin`` names origins: those get their preflights answered and
+``Access-Control-Allow-Origin`` on every answer.
 """
 
 from __future__ import annotations
@@ -25,9 +35,11 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from mori.protocol.errors import clip
 from mori.protocol.fields import MAX_PROGRAM_ID_BYTES_LIMIT
 
-__all__ = ["Access", "KeyRing", "Principal", "check_exposure", "read_key_file"]
+__all__ = ["Access", "BrowserPolicy", "KeyRing", "Principal", "check_exposure",
+           "normalize_origin", "read_key_file"]
 
 _TAG_HEX = 12
 _SEP = "/"
@@ -162,3 +174,126 @@ def check_exposure(host: str, keys: KeyRing, allow_unauthenticated: bool) -> Non
         "and drive every program. Give --api-key KEY (or --api-key-file FILE, or "
         "MORI_API_KEYS), or --allow-unauthenticated if the network is trusted, or "
         "--host 127.0.0.1")
+
+
+# -- browsers: Host and Origin checks, CORS ----------------------------------------------------
+_LOOPBACK_NAMES = frozenset(("localhost", "localhost.localdomain"))
+_DEFAULT_PORTS = {"http": ":80", "https": ":443"}
+
+
+def host_name(authority: str) -> str:
+    """The host of a ``Host`` value or an origin's ``host[:port]``: lower case, without
+    its port, brackets or trailing dot (``[::1]:8000`` -> ``::1``)."""
+    v = authority.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        v = v[1:end] if end > 0 else v[1:]
+    elif v.count(":") == 1:  # host:port (a bare IPv6 address has more colons)
+        v = v.partition(":")[0]
+    return v.rstrip(".")
+
+
+def is_loopback_name(name: str) -> bool:
+    """Whether ``name`` (a ``host_name``) is a loopback name or address; decided without
+    DNS, whose answers a rebinding attacker controls."""
+    if name in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _origin_authority(origin: str) -> tuple[str, str] | None:
+    """(scheme, host[:port]) of a serialised origin, lower case and without a default
+    port; None for anything else (``null``, a path, another scheme)."""
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    rest = rest.rstrip("/")
+    if not sep or scheme not in _DEFAULT_PORTS or not rest or any(c in rest for c in "/@?#"):
+        return None
+    return scheme, rest.removesuffix(_DEFAULT_PORTS[scheme])
+
+
+def normalize_origin(origin: str) -> str:
+    """A configured origin as browsers send it (``scheme://host[:port]``, lower case, no
+    default port or trailing slash), or ``*``; ``ValueError`` saying what is expected."""
+    if origin.strip() == "*":
+        return "*"
+    parts = _origin_authority(origin)
+    if parts is None:
+        raise ValueError(f"{origin!r} is not an origin: expected scheme://host[:port], e.g. "
+                         "http://localhost:3000 (no path), or *")
+    return f"{parts[0]}://{parts[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class BrowserPolicy:
+    """What the gateway lets browsers do (the module doc): ``checked``, the Host and
+    Origin checks apply (no keys are configured); ``cors``, the origins CORS is answered
+    for (normalised; ``*``: any); ``hosts``, names allowed besides the loopback ones
+    (``*``: any)."""
+
+    checked: bool
+    cors: frozenset[str] = frozenset()
+    hosts: frozenset[str] = frozenset()
+
+    @staticmethod
+    def of(keys: KeyRing, cors_origins: tuple[str, ...] = (),
+           allowed_hosts: tuple[str, ...] = ()) -> BrowserPolicy:
+        return BrowserPolicy(not keys.enabled,
+                             frozenset(normalize_origin(o) for o in cors_origins),
+                             frozenset("*" if h.strip() == "*" else host_name(h)
+                                       for h in allowed_hosts))
+
+    @property
+    def active(self) -> bool:
+        """Whether any request may be refused or given CORS headers."""
+        return self.checked or bool(self.cors)
+
+    def cors_allows(self, origin: str) -> bool:
+        """Whether ``origin`` (an ``Origin`` value) is one CORS is answered for."""
+        if not self.cors:
+            return False
+        if "*" in self.cors:
+            return True
+        parts = _origin_authority(origin)
+        return parts is not None and f"{parts[0]}://{parts[1]}" in self.cors
+
+    def refusal(self, host: str | None, origin: str | None, local: str | None
+                ) -> tuple[str, str] | None:
+        """Why a request with these ``Host`` and ``Origin`` values (None: not sent),
+        which came in on the local address ``local``, is refused: (code, message); None
+        when it may go on."""
+        if not self.checked:
+            return None
+        local = host_name(local) if local else None
+        if host is not None and not self._host_ok(host_name(host), local):
+            return "host_not_allowed", (
+                f"the Host {clip(host)!r} is not one this gateway answers to without API "
+                "keys: only localhost, 127.0.0.1, [::1] and its own address (a guard "
+                "against DNS rebinding); to serve it under that name, start it with "
+                f"--allowed-host {clip(host_name(host))}, or set API keys (--api-key)")
+        if origin is not None and not self._origin_ok(origin, host, local):
+            return "origin_not_allowed", (
+                f"a request from the web origin {clip(origin)!r} is refused: without API "
+                "keys the gateway takes browser requests only from its own pages and "
+                "loopback origins such as http://localhost:PORT (a guard against "
+                "cross-site request forgery); to let that origin in, start it with "
+                f"--cors-origin {clip(origin)}, or set API keys (--api-key)")
+        return None
+
+    def _host_ok(self, name: str, local: str | None) -> bool:
+        return (name == local or is_loopback_name(name) or name in self.hosts
+                or "*" in self.hosts)
+
+    def _origin_ok(self, origin: str, host: str | None, local: str | None) -> bool:
+        if self.cors_allows(origin):
+            return True
+        parts = _origin_authority(origin)
+        if parts is None:  # "null" (a sandboxed page, a file) and the like
+            return False
+        name = host_name(parts[1])
+        if name == local or is_loopback_name(name) or name in self.hosts:
+            return True  # loopback, the gateway's address, or a name it answers to
+        # the gateway's own page, under a Host that passed its check
+        return host is not None and parts[1] == host.strip().lower().rstrip(".")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from mori.core.policies import POLICIES
 from mori.core.policy import PolicyConfig
 from mori.gateway.aliases import ModelAliases
+from mori.gateway.auth import normalize_origin
 from mori.gateway.identity import DEFAULT_ORDER, parse_order
 from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES, MAX_PROGRAM_ID_BYTES_LIMIT
 
@@ -23,9 +24,19 @@ class GatewaySettings:
     (beyond: 503). ``retry_after_s``: the ``Retry-After`` of 429 and 503 answers.
     ``program_ttl_s``: a program idle (Acting) this long is released (0: never).
     ``max_body_bytes``: the largest request body (beyond: 413).
+    The bounds on every connection (``mori.gateway.bounds``): ``max_header_bytes``, the
+    largest request head (beyond: 431); ``header_timeout_s``, the longest a head may take
+    (beyond: 408, closed); ``keep_alive_timeout_s``, the longest an idle keep-alive
+    connection stays open; ``body_timeout_s``, the longest a body may pause (beyond: 408,
+    closed); ``max_connections``, the most connections open in each gateway process (at
+    the cap: the longest-idle is closed, or the new one refused with 503).
     ``max_program_id_bytes``: the longest program id, in bytes of UTF-8 (beyond: 400),
     1 to ``MAX_PROGRAM_ID_BYTES_LIMIT`` (1024). ``health_interval_s``:
-    how often an unhealthy replica is checked again. ``load_interval_s``: how often
+    how often every replica's engine is probed; ``health_timeout_s``, a probe's deadline;
+    ``health_failures``, the probes a healthy replica may miss in a row before it is
+    marked unhealthy (its programs then move to other replicas). ``first_byte_timeout_s``:
+    the longest a forwarded request waits for its answer to begin (504 beyond, and the
+    replica is probed at once). ``load_interval_s``: how often
     the engines' load is read (requests running and waiting, where an engine reports
     them; 0: never). ``exact_tokens``: ask an engine
     that can count prompt tokens exactly. ``decision_log``: decisions kept for
@@ -35,7 +46,10 @@ class GatewaySettings:
     aborted and the program's step ended (it is Acting again and may retry).
     ``api_keys`` and ``admin_keys``: the keys of ``mori.gateway.auth`` (none: every
     endpoint open; never shown in the repr). ``public_metrics``: ``/metrics`` without an
-    admin key when keys are set.
+    admin key when keys are set. ``cors_origins``: the web origins CORS is answered for
+    (and, without keys, let through the Origin check; ``*``: any); ``allowed_hosts``: the
+    names, besides the loopback ones and the gateway's address, that the Host check takes
+    without keys (``mori.gateway.auth.BrowserPolicy``).
     ``program_id_from``: the recognisers that name a request's program, in the order
     tried (``mori.gateway.identity``). ``model_aliases``: ``PATTERN=SERVED`` rules
     mapping the model names clients ask for onto served ones (``mori.gateway.aliases``).
@@ -51,8 +65,16 @@ class GatewaySettings:
     retry_after_s: float = 5.0
     program_ttl_s: float = 3600.0
     max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 4096
     max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES
     health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 2
+    first_byte_timeout_s: float = 300.0
     load_interval_s: float = 1.0
     exact_tokens: bool = False
     decision_log: int = 10000
@@ -61,6 +83,8 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     public_metrics: bool = False
+    cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     program_id_from: tuple[str, ...] = DEFAULT_ORDER
     model_aliases: tuple[str, ...] = ()
     record: str | None = None
@@ -71,10 +95,16 @@ class GatewaySettings:
         object.__setattr__(self, "program_id_from", parse_order(self.program_id_from))
         object.__setattr__(self, "model_aliases", tuple(self.model_aliases))
         ModelAliases.parse(self.model_aliases)
+        object.__setattr__(self, "cors_origins", tuple(normalize_origin(o)
+                                                       for o in self.cors_origins))
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))
+        if any(not h.strip() or any(c in h for c in "/@ ") for h in self.allowed_hosts):
+            raise ValueError(f"allowed_hosts must be host names (got {self.allowed_hosts})")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
         for name in ("time_scale", "gate_timeout_s", "health_interval_s",
-                     "stream_write_timeout_s"):
+                     "stream_write_timeout_s", "header_timeout_s", "keep_alive_timeout_s",
+                     "body_timeout_s", "health_timeout_s", "first_byte_timeout_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number (got {v})")
@@ -82,10 +112,16 @@ class GatewaySettings:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be >= 0 (got {v})")
+        if self.health_failures < 1:
+            raise ValueError(f"health_failures must be >= 1 (got {self.health_failures})")
         if self.max_gated < 1:
             raise ValueError(f"max_gated must be >= 1 (got {self.max_gated})")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024 (got {self.max_header_bytes})")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1 (got {self.max_connections})")
         if not 1 <= self.max_program_id_bytes <= MAX_PROGRAM_ID_BYTES_LIMIT:
             raise ValueError(f"max_program_id_bytes must be 1 to {MAX_PROGRAM_ID_BYTES_LIMIT} "
                              f"(got {self.max_program_id_bytes})")

@@ -9,6 +9,16 @@ request (see ``mori.gateway.gate``), the KV controls go to the replicas in order
 (``mori.gateway.replicas``). It decides on every event and on every tick of policy time
 (wall x ``time_scale``); a tick also releases programs idle past ``program_ttl_s``.
 
+A replica marked unhealthy (``mori.gateway.replicas``: refused, dead, or missing its
+health probes) is reported to the policy as ``ReplicaDown``: its programs go to Waiting
+and are placed again on the healthy replicas, where their next step recomputes; its
+requests in flight end at once (503, or an error event in a stream), in this process and
+in the workers (``replica_listeners``). When it answers again it rejoins
+(``ReplicaUp``), and the programs that were moved off it are labelled inactive there.
+At start, ``restore`` reads what the engines still hold (``/mori/v1/residency`` and the
+like) and gives each program found its place back (``ProgramRestored``): a restarted
+gateway routes each program to the replica that holds its KV.
+
 A request goes through ``lease()``: admission, then a ``RequestLease`` that covers the
 forward until ``finish`` (``mori.gateway.lease``).
 """
@@ -22,11 +32,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
+from mori.core.events import (
+    KVReady,
+    ProgramEnded,
+    ProgramRestored,
+    ReplicaDown,
+    ReplicaUp,
+    RequestArrived,
+    StepFinished,
+)
 from mori.core.execution import DecisionExecutor, DecisionLog
 from mori.core.explain import context_reader
 from mori.core.policy import Policy
-from mori.core.types import KVLabel, Status
+from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
@@ -52,7 +70,13 @@ class Controller:
         self.settings = settings
         self.metrics = metrics
         self.replicas = Replicas(adapters, settings.health_interval_s,
-                                 settings.load_interval_s)
+                                 settings.load_interval_s, settings.health_timeout_s,
+                                 settings.health_failures, on_change=self._replica_changed)
+        for a in adapters:
+            a.first_byte_timeout_s = settings.first_byte_timeout_s
+        self.replica_listeners: list[Callable[[int, bool, str], None]] = []
+        """Called with (replica, healthy, why) on each change (the workers' hub)."""
+        self._moved_off: dict[int, set[str]] = {}  # a down replica: the programs moved
         self._wall = clock or asyncio.get_running_loop().time
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         self._t0 = self._wall()
@@ -139,6 +163,9 @@ class Controller:
                                "an agent program sends one request at a time")
         if info is not None and info.release_pending:
             raise GateRejected(409, "this program was released")
+        if not any(r.healthy for r in self.replicas.all):
+            raise GateRejected(503, "every engine replica is unhealthy; retry later",
+                               s.retry_after_s)
         if info is None:
             info = self.programs[program_id] = self._new_program(program_id, facts)
         info.anonymous = anonymous
@@ -313,6 +340,72 @@ class Controller:
                     and pol.status is Status.ACTING):
                 log.info("program %s idle for over %g s: released", pid, ttl)
                 self._end(pid)
+
+    # -- replicas that fail and come back, and a restart --------------------------------
+    def _replica_changed(self, index: int, healthy: bool) -> None:
+        """``Replicas.on_change``: tell the policy, end the requests in flight there (down)
+        or label inactive there what was moved off it (up), decide."""
+        r = self.replicas[index]
+        why = r.last_error or "its engine stopped answering"
+        if not healthy:
+            pl = self.policy.placement
+            moved = {*pl.gpu[index].members, *pl.cpu[index].members}
+            self._moved_off.setdefault(index, set()).update(moved)
+            self.policy.observe(ReplicaDown(index), self.now())
+            aborted = r.adapter.abort_requests(f"replica {index} was marked unhealthy")
+            self.metrics.failovers.inc(len(moved))
+            log.warning("replica %d down: %d program(s) moved to the other replicas (their "
+                        "KV recomputed there), %d request(s) in flight ended", index,
+                        len(moved), aborted)
+        else:
+            self.policy.observe(ReplicaUp(index), self.now())
+            stale = self._moved_off.pop(index, set())
+            if r.adapter.supports(Capability.LABELS):
+                pl = self.policy.placement
+                for pid in stale:  # KV it may still hold of programs now elsewhere
+                    if (pl.where(pid)[1] if pid in pl else None) != index:
+                        self.replicas.set_label(pid, index, KVLabel.INACTIVE)
+            log.info("replica %d rejoined", index)
+        for listener in self.replica_listeners:
+            try:
+                listener(index, healthy, why)
+            except Exception:
+                log.exception("a replica listener failed")
+        self.decide()
+
+    async def restore(self) -> int:
+        """Give back their places to the programs whose KV the engines still hold (a
+        restarted gateway): each engine that reports residency is asked; a program
+        found on several replicas goes to the one holding most of it on a GPU (then on
+        a CPU). Returns how many programs were restored."""
+        found: dict[str, tuple[int, int, int, Tier]] = {}  # pid -> (rank, tokens, r, tier)
+        for r in self.replicas.all:
+            if not r.adapter.supports(Capability.RESIDENCY):
+                continue
+            try:
+                res = await r.adapter.residency()
+            except Exception as e:  # an engine that cannot say: nothing to restore there
+                log.warning("replica %d: residency unread at start (%s); its programs "
+                            "start afresh", r.index, e)
+                continue
+            for tier, held in ((Tier.GPU, res.gpu_tokens), (Tier.CPU, res.cpu_tokens)):
+                for pid, tokens in held.items():
+                    rank = (2 if tier is Tier.GPU else 1) * (1 << 40) + tokens
+                    if tokens > 0 and (pid not in found or found[pid][0] < rank):
+                        found[pid] = (rank, tokens, r.index, tier)
+        now, wall = self.now(), self.wall()
+        for pid, (_, tokens, index, tier) in sorted(found.items(),
+                                                    key=lambda kv: -kv[1][0]):
+            self.policy.observe(ProgramRestored(pid, tokens, index, tier), now)
+            info = self.programs.setdefault(pid, ProgramInfo(pid))
+            info.last_seen = wall
+            info.context_tokens = tokens
+        if found:
+            placed = sum(1 for pid in found if self.policy.programs[pid].tier is not Tier.NONE)
+            log.info("restored %d program(s) from the engines' residency: %d back in "
+                     "their place, %d waiting", len(found), placed, len(found) - placed)
+            self.decide()
+        return len(found)
 
     # -- deciding -------------------------------------------------------------------------
     def decide(self) -> None:

@@ -15,6 +15,7 @@ upstream: the engine's request is aborted). Streams watch their client themselve
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -23,16 +24,25 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from mori.gateway.agents import RequestFacts
-from mori.gateway.auth import Access
+from mori.gateway.auth import Access, BrowserPolicy
 from mori.gateway.identity import HEADERS_READ, Seen, recognise
 from mori.gateway.parsing import ClientRequest, parse_request
 from mori.gateway.proxy import serve_completion, serve_count_tokens
 from mori.protocol.apis import API_BY_PATH, ApiSpec, carries_tool_results, last_turn_text
 from mori.protocol.errors import RequestError
-from mori.protocol.responses import api_error_response, request_error_response
+from mori.protocol.responses import (
+    JSON_ERROR_HANDLERS,
+    api_error_response,
+    request_error_response,
+    send_server_error,
+    spec_for_path,
+    transport_of,
+)
 
 if TYPE_CHECKING:
     from mori.gateway.serving import Serving as Gateway
+
+log = logging.getLogger("mori.gateway")
 
 FAST_PATHS = frozenset(API_BY_PATH)
 WATCH_AFTER_S = 0.05
@@ -206,15 +216,92 @@ async def unless_client_leaves(receive: Receive, work: Coroutine[Any, Any, Respo
 
 class GatewayApp(Starlette):
     """The Starlette app, with ``POST`` to the completion paths served by ``endpoint``
-    before any routing or middleware (the same endpoint is also routed, for methods)."""
+    before any routing or middleware (the same endpoint is also routed, for methods).
+
+    Every request first passes the gateway's browser policy (``BrowserPolicy``, from its
+    keys and settings): refused with 403 where it applies, CORS answered for the
+    configured origins. Every error is JSON in the API's shape: Starlette's 404 and 405,
+    and a handler that fails (500) on the completion paths as on the others."""
 
     def __init__(self, endpoint: CompletionEndpoint, **kwargs: Any) -> None:
+        kwargs.setdefault("exception_handlers", dict(JSON_ERROR_HANDLERS))
         super().__init__(**kwargs)
         self.endpoint = endpoint
+        s = endpoint.gw.settings
+        policy = BrowserPolicy.of(endpoint.gw.keys, s.cors_origins, s.allowed_hosts)
+        self.browser = policy if policy.active else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" \
-                and scope["path"] in FAST_PATHS:
-            await self.endpoint(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            if self.browser is not None:
+                guarded = await self._browser(scope, receive, send)
+                if guarded is None:  # answered
+                    return
+                send = guarded
+            if scope["method"] == "POST" and scope["path"] in FAST_PATHS:
+                try:
+                    await self.endpoint(scope, receive, send)
+                except Exception:
+                    if not await send_server_error(scope, receive, send):
+                        raise  # the answer had started: the server logs it and closes
+                    log.exception("%s failed", scope["path"])
+                return
         await super().__call__(scope, receive, send)
+
+    async def _browser(self, scope: Scope, receive: Receive, send: Send) -> Send | None:
+        """Apply the browser policy: None once the request is answered (refused, or a
+        CORS preflight), else the ``send`` to go on with (adding the CORS headers for an
+        allowed origin)."""
+        policy = self.browser
+        assert policy is not None
+        host = origin = preflight = asked = None
+        for k, v in scope["headers"]:
+            if k == b"host":
+                host = v.decode("latin-1")
+            elif k == b"origin":
+                origin = v.decode("latin-1")
+            elif k == b"access-control-request-method":
+                preflight = v
+            elif k == b"access-control-request-headers":
+                asked = v
+        server = scope.get("server")
+        refused = policy.refusal(host, origin, str(server[0]) if server else None)
+        if refused is not None:
+            code, message = refused
+            await api_error_response(spec_for_path(scope["path"]), 403, message, None, code,
+                                     type_="permission_error")(scope, receive, send)
+            return None
+        if origin is None or not policy.cors_allows(origin):
+            return send
+        allow = [(b"access-control-allow-origin", origin.encode("latin-1")),
+                 (b"vary", b"Origin")]
+        if scope["method"] == "OPTIONS" and preflight is not None:
+            headers = [*allow, (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                       (b"access-control-max-age", b"600"), (b"content-length", b"0")]
+            if asked is not None:
+                headers.append((b"access-control-allow-headers", asked))
+            await send({"type": "http.response.start", "status": 204, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return None
+        return _CorsSend(send, [*allow, (b"access-control-expose-headers", _EXPOSED)])
+
+
+_EXPOSED = b"Retry-After, WWW-Authenticate"
+"""The answer headers a page allowed by CORS may read besides the plain ones."""
+
+
+class _CorsSend:
+    """A ``send`` that adds CORS headers to the answer's start (and, like uvicorn's,
+    leads to the connection's ``transport``: ``mori.protocol.responses.transport_of``)."""
+
+    __slots__ = ("_send", "_headers", "transport")
+
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        self._send = send
+        self._headers = headers
+        self.transport = transport_of(send)
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *self._headers]}
+        await self._send(message)

@@ -7,9 +7,11 @@ over a local ``SOCK_SEQPACKET`` socket pair per worker (the socket itself passes
 ``SCM_RIGHTS``; the policy process then closes its copy). A worker that is gone or
 cannot take it is skipped; with none left the policy process serves it itself.
 
-Both sides serve a socket accepted elsewhere with uvicorn's own HTTP protocol
-(``protocol_factory``), so it behaves as one uvicorn accepted: the same app, limits,
-keep-alive and shutdown.
+Both sides serve a socket accepted elsewhere with uvicorn's own HTTP protocol class
+(``protocol_factory``: ``config.http_protocol_class``, the gateway's bounded one), so it
+behaves as one uvicorn accepted: the same app, the same bounds on the connection
+(``mori.gateway.bounds``: head and body limits and timeouts, keep-alive, the cap on open
+connections, which counts it in the process that serves it) and the same shutdown.
 """
 
 from __future__ import annotations

@@ -89,9 +89,12 @@ class RequestLease:
         self._ctl.metrics.upstream_errors.labels(str(self.replica.index)).inc()
         if e.unhealthy:
             self._ctl.replicas.mark_unhealthy(self.replica.index, e.message)
-        else:  # the client hears only what happened; the details go to the log
-            log.warning("program %s on replica %d: %s", self.program_id, self.replica.index,
-                        e.message)
+            return
+        if e.status == 504 and self.replica.healthy:  # no answer in time: hung?
+            self._ctl.replicas.probe_soon(self.replica.index)
+        # the client hears only what happened; the details go to the log
+        log.warning("program %s on replica %d: %s", self.program_id, self.replica.index,
+                    e.message)
 
     def finish(self, context_tokens: int, step: StepFacts | None = None) -> None:
         """The request ended (normally, by error, or the client left): once. ``step``:

@@ -222,6 +222,9 @@ class GatewayMetrics:
             "(streaming) or whole answer", buckets=_LATENCY_BUCKETS, registry=r))
         self.upstream_errors = Counter("mori_upstream_errors", "Engine failures by replica",
                                        ["replica"], registry=r)
+        self.failovers = Counter("mori_failover_programs", "Programs moved off a replica "
+                                 "marked unhealthy (their KV recomputed elsewhere)",
+                                 registry=r)
         self.disconnects = Counter("mori_client_disconnects", "Streams the client left "
                                    "before the end", registry=r)
         self.stream_timeouts = Counter("mori_stream_timeouts", "Streams cut off because the "

@@ -27,6 +27,7 @@ from mori.gateway.answers import Answer, read_answer, watcher_for
 from mori.gateway.gate import GateRejected
 from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens
 from mori.protocol.apis import stream_error
+from mori.protocol.errors import clip
 from mori.protocol.fields import CHAT, COMPLETIONS, RESPONSES
 from mori.protocol.responses import EventStream, PassThrough, api_error_response
 
@@ -50,7 +51,7 @@ async def resolve_model(gw: Gateway, req: ClientRequest) -> Response | None:
         served = ", ".join(m["id"] for m in gw.models)
         hint = " (map it with --model-alias PATTERN=SERVED)" if req.spec.anthropic or \
             req.spec.path == RESPONSES else ""
-        return api_error_response(req.spec, 404, f"the model {req.model!r} does not exist; "
+        return api_error_response(req.spec, 404, f"the model {clip(req.model)!r} does not exist; "
                                   f"served: {served}{hint}", "model", "model_not_found")
     if target != req.model:
         req.body["model"] = req.model = target
@@ -150,12 +151,18 @@ async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[],
             if watcher.kv_ready:
                 lease.kv_ready()
             yield chunk
+        if not watcher.ended:  # cut off where the body has no framing: the client is told
+            raise UpstreamError(f"engine {lease.adapter.url} ended its stream before its "
+                                "answer's end", unhealthy=False)
     except UpstreamError as e:
         lease.failed(e)
         yield stream_error(req.spec, 502, for_client(e, lease.adapter.url))
     except (asyncio.CancelledError, GeneratorExit):
         gw.metrics.disconnects.inc()
         raise
+    except Exception:  # a fault of the gateway's own: the stream still ends in an error
+        log.exception("program %s: relaying the stream failed", req.program_id)
+        yield stream_error(req.spec, 502, "the gateway failed mid-stream")
     finally:
         with contextlib.suppress(Exception):
             await aclose()

@@ -4,8 +4,13 @@ Each replica's KV controls (labels, offload, drop, release) run as tasks in the 
 they were issued, so a ``Demote`` never overtakes the ``Promote`` before it; a request
 is sent only after the controls issued before its forward have run
 (``controls_done``). A control that fails is logged; it never stops the gateway.
-An unhealthy replica (refused or dead connections) is checked again every
-``health_interval_s`` until its engine answers. Every ``load_interval_s`` each healthy
+Every ``health_interval_s`` each replica's engine is probed, each probe with a deadline
+(``health_timeout_s``): a healthy replica that misses ``health_failures`` probes in a
+row (an engine that hangs: it accepts connections and answers nothing), or whose
+connections are refused or die, is marked unhealthy; an unhealthy one that answers is
+healthy again. Each change is reported to ``on_change(index, healthy)``: the controller
+then moves the replica's programs elsewhere (``ReplicaDown``) and ends its requests in
+flight, or takes it back (``ReplicaUp``). Every ``load_interval_s`` each healthy
 replica's engine is asked for its load (requests running and waiting, all clients'),
 where the adapter can read one; ``foreign_loads()`` is what the policy is told
 (``PolicyConfig.spread_by_load``).
@@ -16,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,7 @@ class Replica:
     in_flight: int = 0
     last_error: str = ""
     errors: int = 0
+    missed: int = 0  # health probes missed in a row
     chain: asyncio.Future[None] | None = None  # tail of this replica's ordered controls
     engine_load: EngineLoad | None = None  # the engine's latest report (None: none)
 
@@ -54,11 +60,20 @@ class Replicas:
     """The replicas of one gateway, indexed as the policy numbers them."""
 
     def __init__(self, adapters: list[EngineAdapter], health_interval_s: float,
-                 load_interval_s: float = 0.0) -> None:
-        """``load_interval_s``: seconds between readings of the engines' load (0: none)."""
+                 load_interval_s: float = 0.0, health_timeout_s: float = 5.0,
+                 health_failures: int = 2,
+                 on_change: Callable[[int, bool], None] | None = None) -> None:
+        """``load_interval_s``: seconds between readings of the engines' load (0: none).
+        ``health_timeout_s``: a probe's deadline; ``health_failures``: probes a healthy
+        replica may miss in a row before it is marked unhealthy."""
         self.all = [Replica(i, a) for i, a in enumerate(adapters)]
         self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.health_failures = health_failures
+        self.on_change = on_change
         self.load_interval_s = load_interval_s
+        self._probing: set[int] = set()
+        self._probes: set[asyncio.Task[None]] = set()
         self._tasks: dict[asyncio.Task[None], Coroutine[Any, Any, None]] = {}
         self._health: asyncio.Task[None] | None = None
         self._loads: asyncio.Task[None] | None = None
@@ -80,7 +95,8 @@ class Replicas:
 
     async def stop(self) -> None:
         pending = dict(self._tasks)
-        tasks = [t for t in (self._health, self._loads, *pending) if t is not None]
+        tasks = [t for t in (self._health, self._loads, *pending, *self._probes)
+                 if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -94,22 +110,73 @@ class Replicas:
         r = self.all[index]
         r.errors += 1
         r.last_error = why
-        if r.healthy:
-            log.warning("replica %d (%s) marked unhealthy: %s", index, r.adapter.url, why)
+        if not r.healthy:
+            return
+        log.warning("replica %d (%s) marked unhealthy: %s", index, r.adapter.url, why)
         r.healthy = False
+        self._changed(index, False)
+
+    def _mark_healthy(self, r: Replica) -> None:
+        r.missed = 0
+        if r.healthy:
+            return
+        log.info("replica %d (%s) is healthy again", r.index, r.adapter.url)
+        r.healthy, r.last_error = True, ""  # /healthz: no stale error
+        self._changed(r.index, True)
+
+    def _changed(self, index: int, healthy: bool) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(index, healthy)
+        except Exception:  # the gateway must outlive a bug in its reaction
+            log.exception("reacting to replica %d becoming %s failed", index,
+                          "healthy" if healthy else "unhealthy")
+
+    async def probe(self, r: Replica) -> bool:
+        """One health probe of ``r``'s engine, within ``health_timeout_s``; marks the
+        replica as the answer says (a healthy one only after ``health_failures`` misses
+        in a row). Returns whether the engine answered."""
+        ok = False
+        try:
+            async with asyncio.timeout(self.health_timeout_s):
+                ok = await r.adapter.health()
+        except TimeoutError:
+            why = f"no answer to its health check within {self.health_timeout_s:g} s"
+        except Exception as e:  # a probe that fails is a missed probe
+            why = f"its health check failed: {e}"
+        else:
+            why = "its health check failed"
+        if ok:
+            self._mark_healthy(r)
+            return True
+        r.missed += 1
+        if r.healthy and r.missed >= self.health_failures:
+            self.mark_unhealthy(r.index, f"{why} ({r.missed} in a row)")
+        return False
+
+    def probe_soon(self, index: int) -> None:
+        """Probe a replica now (a request to it got no answer in time), not at the next
+        round; probes already running are not doubled."""
+        if index in self._probing:
+            return
+        self._probing.add(index)
+
+        async def run() -> None:
+            try:
+                await self.probe(self.all[index])
+            finally:
+                self._probing.discard(index)
+
+        task = asyncio.create_task(run())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            for r in self.all:
-                if r.healthy:
-                    continue
-                ok = False
-                with contextlib.suppress(Exception):
-                    ok = await r.adapter.health()
-                if ok:
-                    log.info("replica %d (%s) is healthy again", r.index, r.adapter.url)
-                    r.healthy = True
+            await asyncio.gather(*(self.probe(r) for r in self.all
+                                   if r.index not in self._probing))
 
     async def read_loads(self) -> None:
         """Ask every healthy replica's engine for its load, all at once. A replica that

@@ -4,6 +4,10 @@ With no ``backends``, ``replicas`` simulated engines (``mori engine-sim``) start
 process on free ports, sized by ``preset`` and shaped like the engine the policy
 expects (a CPU tier of ``cpu_ratio`` x the GPU pool when the policy's engine has one;
 typed eviction labels when it uses them): the embedded default a newcomer runs first.
+
+Every connection is served within the bounds of ``mori.gateway.bounds`` (request head
+and body limits and timeouts, keep-alive, a cap on open connections), in this process
+and in each ``--workers`` worker.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import gc
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import tempfile
@@ -28,6 +33,7 @@ from mori.core.policies import POLICIES
 from mori.engines.base import EngineAdapter
 from mori.engines.registry import parse_backend
 from mori.gateway.app import Gateway, create_app
+from mori.gateway.bounds import ConnectionBounds, ConnectionGuard
 from mori.gateway.config import GatewaySettings
 from mori.gateway.handoff import Dealer, Served, protocol_factory
 from mori.gateway.workers import (
@@ -64,7 +70,9 @@ class ServeConfig:
 
 async def start_simulated_backends(cfg: ServeConfig) -> tuple[list[EngineAdapter], list[Any]]:
     """Start ``cfg.replicas`` simulated engines in this process; their adapters and
-    handles (``await handle.stop()``)."""
+    handles (``await handle.stop()``). Each engine requires a random token that only its
+    adapter is given (``sim_backend_spec`` passes it on to ``--workers``), so other local
+    users cannot read or drive it on its loopback port."""
     from mori.engines.simulated import SimEngineAdapter
     from mori.enginesim import EngineSimConfig, start_engine_sim
     from mori.sim.script import load_script
@@ -79,10 +87,18 @@ async def start_simulated_backends(cfg: ServeConfig) -> tuple[list[EngineAdapter
             cpu_ratio=cfg.cpu_ratio if profile.cpu_tier else 0.0,
             typed_eviction=profile.typed_eviction, gpu_kv_tokens=cfg.gpu_kv_tokens,
             script=script)
-        h = await start_engine_sim(sim_cfg, host="127.0.0.1", port=0)
+        token = secrets.token_urlsafe(32)
+        h = await start_engine_sim(sim_cfg, host="127.0.0.1", port=0, token=token)
         handles.append(h)
-        adapters.append(SimEngineAdapter(h.url))
+        adapters.append(SimEngineAdapter(h.url, token=token))
     return adapters, handles
+
+
+def sim_backend_spec(adapter: EngineAdapter) -> str:
+    """The ``--backend`` spec of an embedded engine's adapter (its token included: the
+    workers get it on their standard input, never on a command line)."""
+    token = getattr(adapter, "token", None)
+    return f"sim={adapter.url}" + (f",token={token}" if token else "")
 
 
 GC_THRESHOLDS = (50_000, 50, 100)
@@ -131,9 +147,11 @@ async def run_gateway(cfg: ServeConfig,
             raise
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+        # every connection within the bounds of mori.gateway.bounds (handed-over ones too)
+        guard = ConnectionGuard(ConnectionBounds.of(cfg.settings))
         server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, access_log=False,
                                                proxy_headers=False, lifespan="on",
-                                               timeout_keep_alive=30, backlog=2048))
+                                               backlog=2048, **guard.uvicorn_options()))
         # with workers, this process accepts on the port itself (Dealer, below) and its
         # uvicorn listens only for what the workers pass on
         serve = asyncio.create_task(server.serve(sockets=sockets[-1:]))
@@ -143,7 +161,7 @@ async def run_gateway(cfg: ServeConfig,
             await serve  # startup failed: raise its error
             raise RuntimeError("the gateway stopped during startup (see the log above)")
         if cfg.workers > 1:
-            backends = cfg.backends or [f"sim={a.url}" for a in adapters]
+            backends = cfg.backends or [sim_backend_spec(a) for a in adapters]
             counted = app.state.gateway.metrics.connections
             dealer = Dealer(sock, Served(protocol_factory(server)), on_dealt=lambda w: counted
                             .labels("policy" if w == 0 else f"worker{w}").inc())

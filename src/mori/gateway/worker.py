@@ -8,7 +8,9 @@ they arrive on a socket pair whose end the worker inherits). Completions run the
 events (KV ready, an engine failure, the step's end) are sent there as they happen. The
 worker forwards to the engines itself, through its own adapters (built from the same
 backend specs, used for forwarding only). Every other endpoint (programs, decisions,
-metrics, ...) is passed on to the policy process. The worker's metric increments are
+metrics, ...) is passed on to the policy process (``passthrough``: keys checked and the
+body bounded before anything is read). Connections are served within the same bounds as
+in the policy process (``mori.gateway.bounds``). The worker's metric increments are
 sent to the policy process twice a second, so ``/metrics`` counts every process.
 
 Run by the policy process as ``python -m mori.gateway.worker`` with a ``WorkerSpec`` as
@@ -37,20 +39,30 @@ from mori.engines.http import OpenAIHTTPAdapter
 from mori.engines.registry import parse_backend
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.aliases import ModelAliases
-from mori.gateway.auth import KeyRing
+from mori.gateway.auth import Access, KeyRing
+from mori.gateway.bounds import ConnectionBounds, ConnectionGuard
 from mori.gateway.config import GatewaySettings
-from mori.gateway.endpoint import CompletionEndpoint, GatewayApp
+from mori.gateway.endpoint import (
+    ClientGone,
+    CompletionEndpoint,
+    GatewayApp,
+    read_body,
+    unauthorized,
+)
 from mori.gateway.gate import GateRejected
 from mori.gateway.handoff import Served, protocol_factory, take_connections
 from mori.gateway.ipc import LinkClosed, WorkerLink
 from mori.gateway.lease import warm_up
 from mori.gateway.workers import WorkerSpec
+from mori.protocol.errors import RequestError
 from mori.protocol.fields import anonymous_program_id
+from mori.protocol.responses import error_response, request_error_response
 
 log = logging.getLogger("mori.gateway")
 
 FLUSH_S = 0.5
 _HOP_HEADERS = frozenset(("host", "content-length", "connection", "transfer-encoding"))
+_NO_BODY = frozenset(("GET", "HEAD", "OPTIONS"))
 
 
 class _Tally:
@@ -229,12 +241,27 @@ class WorkerGateway:
             self.models, self.model_ids = list(seen.values()), frozenset(seen)
 
 
-def passthrough(policy_url: str, session: aiohttp.ClientSession) -> Route:
-    """A route passing every other request to the policy process's listener."""
+def passthrough(policy_url: str, session: aiohttp.ClientSession, gw: WorkerGateway) -> Route:
+    """A route passing every other request to the policy process's listener.
+
+    Nothing is read before the checks: with keys set, a request other than ``GET``,
+    ``HEAD`` or ``OPTIONS`` without a valid key is answered 401 at once (every such route of the policy
+    process needs a key); a body is then read within ``max_body_bytes`` (413 beyond:
+    the connection's bounds, ``mori.gateway.bounds``, refuse a larger ``Content-Length``
+    before this runs, and count a chunked body) and passed on."""
 
     async def handle(request: Request) -> Response:
+        if request.method not in _NO_BODY and gw.keys.enabled and gw.keys.identify(
+                request.headers.get("authorization")).access is Access.NONE:
+            return unauthorized()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        body = await request.body()
+        try:
+            body = await read_body(request.receive, request.headers.get("content-length"),
+                                   gw.settings.max_body_bytes)
+        except RequestError as e:
+            return request_error_response(None, e)
+        except ClientGone:
+            return Response(status_code=499)  # nobody to answer: never sent
         url = policy_url + request.url.path + (f"?{request.url.query}" if request.url.query
                                                else "")
         try:
@@ -245,9 +272,8 @@ def passthrough(policy_url: str, session: aiohttp.ClientSession) -> Route:
                         if k.lower() in ("content-type", "www-authenticate", "retry-after")}
                 return Response(data, status_code=r.status, headers=keep)
         except aiohttp.ClientError as e:
-            return Response(f'{{"error": {{"message": "the policy process is unavailable: '
-                            f'{type(e).__name__}", "type": "api_error"}}}}',
-                            status_code=503, media_type="application/json")
+            return error_response(503, "the policy process is unavailable: "
+                                  f"{type(e).__name__}", type_="api_error")
 
     return Route("/{path:path}", handle, methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
 
@@ -273,7 +299,10 @@ async def serve_worker(spec: WorkerSpec) -> None:
         # forwarding (and model lists, tokenize) only: no KV-event subscription here
         await OpenAIHTTPAdapter.start(a)  # type: ignore[arg-type]
     gw = WorkerGateway(settings, adapters, link, int(hello["gpu_tokens"]))
-    session = aiohttp.ClientSession()
+    # its pooled connections to the policy process's listener are let go before that
+    # listener's keep-alive timeout would close them under a request
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+        keepalive_timeout=min(15.0, settings.keep_alive_timeout_s / 2)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: GatewayApp) -> AsyncIterator[None]:
@@ -289,12 +318,13 @@ async def serve_worker(spec: WorkerSpec) -> None:
             await link.close()
 
     endpoint = CompletionEndpoint(gw)
-    app = GatewayApp(endpoint, routes=[passthrough(spec.policy_url, session)],
+    app = GatewayApp(endpoint, routes=[passthrough(spec.policy_url, session, gw)],
                      lifespan=lifespan)
     line = socket.socket(fileno=spec.line_fd)
+    guard = ConnectionGuard(ConnectionBounds.of(settings))  # as in the policy process
     server = uvicorn.Server(uvicorn.Config(app, log_level=spec.log_level, access_log=False,
                                            proxy_headers=False, lifespan="on",
-                                           timeout_keep_alive=30))
+                                           **guard.uvicorn_options()))
     serve = asyncio.create_task(server.serve(sockets=[]))  # connections come on the line
     while not server.started and not serve.done():
         await asyncio.sleep(0.01)

@@ -56,7 +56,7 @@ API_BY_PATH: dict[str, ApiSpec] = {s.path: s for s in (
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                          403: "permission_error", 404: "not_found_error",
-                         409: "invalid_request_error", 413: "request_too_large",
+                         405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large",
                          422: "invalid_request_error", 429: "rate_limit_error",
                          499: "invalid_request_error", 500: "api_error", 502: "api_error",
                          503: "overloaded_error", 504: "api_error", 529: "overloaded_error"}

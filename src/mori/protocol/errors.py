@@ -1,6 +1,7 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}``.
 
-``RequestError`` is a request refused with such a body. This module imports no HTTP
+``RequestError`` is a request refused with such a body; ``clip`` cuts a client's value
+that a message quotes. This module imports no HTTP
 library (the simulator raises ``RequestError`` too); the Starlette response is built in
 ``mori.protocol.responses``.
 """
@@ -25,6 +26,20 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     """The error object; ``type_`` None: the status's type (``ERROR_TYPES``)."""
     return {"error": {"message": message, "type": type_ or ERROR_TYPES.get(status, "api_error"),
                       "param": param, "code": code}}
+
+
+ECHO_LIMIT = 256
+"""The most characters of a client's value (a model name, an id, a header) an error
+message quotes (``clip``)."""
+
+
+def clip(value: str, limit: int = ECHO_LIMIT) -> str:
+    """``value`` as an error message may quote it: whole up to ``limit`` characters, else
+    its first ``limit`` with an ellipsis and its length (a client's 1 MB model name is not
+    sent back whole)."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}… ({len(value)} characters)"
 
 
 def sse_event(data: Any) -> bytes:

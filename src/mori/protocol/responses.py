@@ -1,4 +1,6 @@
-"""The Starlette responses both MORI servers send: OpenAI-style errors, and SSE streams."""
+"""The Starlette responses both MORI servers send: errors in each API's JSON shape (for
+every route, unknown ones and failures included: ``JSON_ERROR_HANDLERS``), and SSE
+streams."""
 
 from __future__ import annotations
 
@@ -6,12 +8,16 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Any
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ExceptionHandler, Message, Receive, Scope, Send
 
-from mori.protocol.apis import ApiSpec, anthropic_error_body
-from mori.protocol.errors import RequestError, error_body
+from mori.protocol.apis import API_BY_PATH, ApiSpec, anthropic_error_body
+from mori.protocol.errors import RequestError, clip, error_body
+from mori.protocol.fields import MESSAGES
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -44,6 +50,74 @@ def api_error_response(spec: ApiSpec | None, status: int, message: str,
 def request_error_response(spec: ApiSpec | None, e: RequestError) -> Response:
     """``e`` as an answer in ``spec``'s API's shape."""
     return api_error_response(spec, e.status, e.message, e.param, e.code, type_=e.type)
+
+
+def spec_for_path(path: str) -> ApiSpec | None:
+    """The API whose error shape an answer on ``path`` takes: the path's own, Anthropic's
+    for any path under ``/v1/messages``, else None (OpenAI's)."""
+    spec = API_BY_PATH.get(path)
+    if spec is None and path.startswith(MESSAGES + "/"):
+        spec = API_BY_PATH[MESSAGES]
+    return spec
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown path: 404; a method a route does not take:
+    405, with ``Allow``) in the API's JSON shape, not as plain text."""
+    assert isinstance(exc, HTTPException)
+    status, path = exc.status_code, request.url.path
+    if status == 404:
+        message = f"no such endpoint: {request.method} {clip(path)}"
+    elif status == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {clip(path)}" + (
+            f" (allowed: {allowed})" if allowed else "")
+    else:
+        message = exc.detail
+    resp = api_error_response(spec_for_path(path), status, message, None,
+                              _HTTP_CODES.get(status),
+                              type_="invalid_request_error" if status < 500 else None)
+    for k, v in (exc.headers or {}).items():
+        resp.headers[k] = v
+    return resp
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A handler that failed: a 500 in the API's JSON shape (the server logs the
+    traceback)."""
+    return api_error_response(spec_for_path(request.url.path), 500,
+                              "the server failed to answer (an internal error: see its log)",
+                              None, "internal_error", type_="api_error")
+
+
+JSON_ERROR_HANDLERS: Mapping[Any, ExceptionHandler] = {HTTPException: _http_error,
+                                                       Exception: _server_error}
+"""Starlette ``exception_handlers`` that make every error a JSON one in the API's shape
+(``spec_for_path``): unknown paths (404), wrong methods (405), failed handlers (500)."""
+
+
+async def send_server_error(scope: Scope, receive: Receive, send: Send) -> bool:
+    """Answer 500 in the API's JSON shape for a bare ASGI handler that failed; False if
+    its answer had started already (the server closes the connection then)."""
+    resp = api_error_response(spec_for_path(scope.get("path", "")), 500,
+                              "the server failed to answer (an internal error: see its log)",
+                              None, "internal_error", type_="api_error")
+    try:
+        await resp(scope, receive, send)
+    except RuntimeError:  # the server refuses a second start
+        return False
+    return True
+
+
+def transport_of(send: Send) -> Any:
+    """The transport of the connection ``send`` writes to, where the server lets it be
+    found (uvicorn's ``send`` is a method of its request cycle, which holds it; a wrapper
+    may carry its own ``transport``); None otherwise."""
+    owner = getattr(send, "__self__", send)
+    return getattr(owner, "transport", None)
 
 
 class PassThrough(Response):
@@ -84,8 +158,9 @@ class EventStream(Response):
 
     ``write_timeout_s``: the longest one write may wait for a client that stopped
     reading (the server's flow control holds ``send`` while the socket is full); beyond
-    it the stream is cut off (the generator closed, ``on_write_timeout`` called) and the
-    server closes the connection. None: no limit.
+    it the stream is cut off (the generator closed, ``on_write_timeout`` called) and its
+    connection closed at once, so the server sees a client gone, not a response left
+    unfinished (``_cut_off``). None: no limit.
     """
 
     def __init__(self, status: int, headers: Mapping[str, str],
@@ -131,6 +206,7 @@ class EventStream(Response):
         except _WriteTimeout:
             if self.on_write_timeout is not None:
                 self.on_write_timeout()
+            await _cut_off(send)
         finally:
             await self.chunks.aclose()
 
@@ -143,6 +219,21 @@ class EventStream(Response):
                 await send(message)
         except TimeoutError:
             raise _WriteTimeout from None
+
+
+async def _cut_off(send: Send) -> None:
+    """End a response whose client stopped reading: its connection is aborted (what
+    waits in the buffers is dropped), then the response ended, which the server, having
+    seen the connection go, takes as sent to a client that left (uvicorn would otherwise
+    log that the app returned without completing its response, and close the connection
+    itself). Where the connection's transport cannot be found, the server does that."""
+    abort = getattr(transport_of(send), "abort", None)
+    if not callable(abort):
+        return
+    abort()
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):  # the server's flow control lets go once it sees
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _WriteTimeout(Exception):
