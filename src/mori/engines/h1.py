@@ -401,6 +401,8 @@ class H1Pool:
             except TimeoutError:
                 conn.drop()
                 raise ReadTimeout(f"no answer for {self.head_timeout:g} s") from None
+            except AbortedError:
+                raise  # given up on (abort): no second try
             except BrokenError:
                 conn.drop()
                 if reused and not conn.got_bytes and attempt == 0:
@@ -423,10 +425,8 @@ class H1Pool:
         many requests were in flight."""
         n = 0
         for conn in list(self._all):
-            resp, conn.resp = conn.resp, None
-            if resp is not None:
+            if conn.resp is not None and not conn.resp._done:
                 n += 1
-                resp._fail(AbortedError(reason))
-            conn.drop()
+            conn._broken(AbortedError(reason))  # the head's waiter too, then dropped
         self._idle.clear()
         return n

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -96,6 +98,8 @@ class WorkerLink:
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._pump: asyncio.Task[None] | None = None
         self.closed = False
+        self.on_message: Callable[[dict[str, Any]], None] | None = None
+        """Called with each message that answers no call (the policy process's own)."""
 
     @classmethod
     async def connect(cls, path: str) -> WorkerLink:
@@ -129,6 +133,12 @@ class WorkerLink:
                 fut = self._waiting.get(msg.get("id", -1))
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+                elif fut is None and self.on_message is not None:
+                    try:
+                        self.on_message(msg)
+                    except Exception:  # a bad message must not end the link
+                        logging.getLogger("mori.gateway").exception(
+                            "a message from the policy process failed: %r", msg)
         finally:
             self.closed = True
             for fut in self._waiting.values():

@@ -167,7 +167,8 @@ class RemoteLease:
             self._send({"op": "kv_ready"})
 
     def failed(self, e: UpstreamError) -> None:
-        self._send({"op": "failed", "message": e.message, "unhealthy": e.unhealthy})
+        self._send({"op": "failed", "message": e.message, "unhealthy": e.unhealthy,
+                    "status": e.status})
 
     def finish(self, context_tokens: int, step: StepFacts | None = None) -> None:
         if not self._done:
@@ -295,7 +296,15 @@ async def serve_worker(spec: WorkerSpec) -> None:
     link = await WorkerLink.connect(spec.ipc_path)
     hello = await link.call({"op": "hello", "worker": str(spec.worker)})
     adapters = [parse_backend(b).build() for b in spec.backends]
+
+    def on_message(msg: dict[str, Any]) -> None:
+        # the policy process gave up on a replica: end this worker's requests there too
+        if msg.get("op") == "abort" and 0 <= int(msg.get("replica", -1)) < len(adapters):
+            adapters[int(msg["replica"])].abort_requests(str(msg.get("reason", "")))
+
+    link.on_message = on_message
     for a in adapters:
+        a.first_byte_timeout_s = settings.first_byte_timeout_s
         # forwarding (and model lists, tokenize) only: no KV-event subscription here
         await OpenAIHTTPAdapter.start(a)  # type: ignore[arg-type]
     gw = WorkerGateway(settings, adapters, link, int(hello["gpu_tokens"]))

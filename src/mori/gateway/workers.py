@@ -66,6 +66,16 @@ class WorkerHub:
 
     async def start(self, path: str) -> None:
         self.server = await asyncio.start_unix_server(self._serve, path)
+        self.gw.ctl.replica_listeners.append(self._replica_changed)
+
+    def _replica_changed(self, replica: int, healthy: bool, why: str) -> None:
+        """A replica went down: the workers end their requests in flight there too."""
+        if healthy:
+            return
+        for peer in list(self._peers):
+            with contextlib.suppress(Exception):
+                peer.send({"op": "abort", "id": -1, "replica": replica,
+                           "reason": f"replica {replica} was marked unhealthy"})
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -106,6 +116,7 @@ class WorkerHub:
         elif op == "failed":
             if (lease := peer.leases.get(rid)) is not None:
                 lease.failed(UpstreamError(str(msg["message"]),
+                                           status=int(msg.get("status", 502)),
                                            unhealthy=bool(msg["unhealthy"])))
         elif op == "abandon":
             task = peer.admitting.pop(rid, None)
