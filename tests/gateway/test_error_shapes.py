@@ -91,7 +91,7 @@ def test_a_failing_handler_answers_json_500(sim: SimGateway,
     def boom(*_: Any, **__: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(Controller, "describe_all", boom)
+    monkeypatch.setattr(Controller, "describe_page", boom)
     err = openai_error(httpx.get(sim.url + "/v1/programs"), 500, "internal_error")
     assert "a bug" not in err["message"]
     # the completion paths (served before Starlette's routing) too, in their shapes

@@ -349,6 +349,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
                 "unhealthy: its programs move to the other replicas (their KV recomputed "
                 "there) and its requests in flight end with 503; it rejoins when it "
                 "answers again"),
+    Option("max_programs_per_key", int, _GATEWAY.max_programs_per_key, metavar="N",
+           help="the most live programs one API key (without keys: all clients) may hold; "
+                "a request starting another gets 429 with Retry-After; 0: no limit"),
     Option("first_byte_timeout", float, _GATEWAY.first_byte_timeout_s, metavar="S",
            field="first_byte_timeout_s",
            help="seconds a forwarded request may wait for its answer to begin (a request "

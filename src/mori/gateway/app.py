@@ -199,12 +199,17 @@ async def served_models(adapters: list[EngineAdapter]) -> dict[str, dict[str, An
     return seen
 
 
+PAGE_DEFAULT = 1000  # programs a /v1/programs page holds unless ?limit= says otherwise
+PAGE_MAX = 10_000
+
+
 class Routes:
     """The HTTP handlers of one gateway (the completions are ``CompletionEndpoint``'s).
 
     With keys configured (``mori.gateway.auth``): ``/v1/models`` needs a key;
     ``/v1/programs`` lists the caller's own programs (an admin key: every program, by the
-    gateway's ids), and a program can be read or released only by its own key or an admin
+    gateway's ids), a page at a time: ``?limit=N`` (1000 unless given, at most 10,000)
+    ``&after=ID``, with ``has_more``, ``first_id`` and ``last_id`` as OpenAI's lists; and a program can be read or released only by its own key or an admin
     key; ``/v1/decisions``, ``/v1/residency`` and ``/metrics`` (unless ``public_metrics``)
     need an admin key; ``/healthz`` is open but names the replicas only to an admin key
     (each with the error that made it unhealthy, null once it is healthy again).
@@ -262,10 +267,25 @@ class Routes:
         p = self._principal(request)
         if p.access is Access.NONE:
             return unauthorized()
-        rows = self.gw.ctl.describe_all()
-        if p.access is not Access.ADMIN:
+        q = request.query_params
+        try:
+            limit = int(q.get("limit", str(PAGE_DEFAULT)))
+            if not 1 <= limit <= PAGE_MAX:
+                raise ValueError
+        except ValueError:
+            return error_response(400, f"'limit' must be an integer from 1 to {PAGE_MAX}",
+                                  "limit")
+        after = q.get("after")
+        admin = p.access is Access.ADMIN
+        if after is not None and not admin:
+            after = p.internal(after)
+        owner = None if admin else self.gw.ctl.owner_of(p.internal(""))
+        rows, more = self.gw.ctl.describe_page(owner, after, limit)
+        if not admin:
             rows = [mine for row in rows if (mine := _as_seen_by(p, row)) is not None]
-        return JSONResponse({"object": "list", "data": rows})
+        return JSONResponse({"object": "list", "data": rows, "has_more": more,
+                             "first_id": rows[0]["program_id"] if rows else None,
+                             "last_id": rows[-1]["program_id"] if rows else None})
 
     async def program(self, request: Request) -> Response:
         p = self._principal(request)

@@ -36,7 +36,8 @@ class GatewaySettings:
     ``health_failures``, the probes a healthy replica may miss in a row before it is
     marked unhealthy (its programs then move to other replicas). ``first_byte_timeout_s``:
     the longest a forwarded request waits for its answer to begin (504 beyond, and the
-    replica is probed at once). ``load_interval_s``: how often
+    replica is probed at once). ``max_programs_per_key``: the most live programs one key
+    (or, without keys, the gateway) may hold; a new one beyond gets 429 (0: no limit). ``load_interval_s``: how often
     the engines' load is read (requests running and waiting, where an engine reports
     them; 0: never). ``exact_tokens``: ask an engine
     that can count prompt tokens exactly. ``decision_log``: decisions kept for
@@ -75,6 +76,7 @@ class GatewaySettings:
     health_timeout_s: float = 5.0
     health_failures: int = 2
     first_byte_timeout_s: float = 300.0
+    max_programs_per_key: int = 0
     load_interval_s: float = 1.0
     exact_tokens: bool = False
     decision_log: int = 10000
@@ -112,6 +114,9 @@ class GatewaySettings:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be >= 0 (got {v})")
+        if self.max_programs_per_key < 0:
+            raise ValueError("max_programs_per_key must be >= 0 (0: no limit; got "
+                             f"{self.max_programs_per_key})")
         if self.health_failures < 1:
             raise ValueError(f"health_failures must be >= 1 (got {self.health_failures})")
         if self.max_gated < 1:

@@ -77,6 +77,8 @@ class Controller:
         self.replica_listeners: list[Callable[[int, bool, str], None]] = []
         """Called with (replica, healthy, why) on each change (the workers' hub)."""
         self._moved_off: dict[int, set[str]] = {}  # a down replica: the programs moved
+        self._keyed = bool(settings.api_keys or settings.admin_keys)
+        self.owned: dict[str, set[str]] = {}  # a key's namespace -> its live programs
         self._wall = clock or asyncio.get_running_loop().time
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         self._t0 = self._wall()
@@ -167,6 +169,13 @@ class Controller:
             raise GateRejected(503, "every engine replica is unhealthy; retry later",
                                s.retry_after_s)
         if info is None:
+            limit = s.max_programs_per_key
+            owner = self.owner_of(program_id)
+            if limit and len(self.owned.get(owner, ())) >= limit:
+                raise GateRejected(429, f"this key already has {limit} programs, the most "
+                                   "allowed (--max-programs-per-key); release finished ones "
+                                   "(POST /v1/programs/ID/release) or let idle ones expire",
+                                   s.retry_after_s)
             info = self.programs[program_id] = self._new_program(program_id, facts)
         info.anonymous = anonymous
         info.last_seen = self.wall()
@@ -227,6 +236,7 @@ class Controller:
         """A program's first request: its agent, its session and, within the session,
         its parent (``_parent_of``)."""
         info = ProgramInfo(program_id)
+        self.owned.setdefault(self.owner_of(program_id), set()).add(program_id)
         if facts is None:
             return info
         track = info.agent
@@ -317,6 +327,13 @@ class Controller:
         if program_id in self.policy.programs:
             self.policy.observe(ProgramEnded(program_id), self.now())
         info = self.programs.pop(program_id, None)
+        if info is not None:
+            owner = self.owner_of(program_id)
+            mine = self.owned.get(owner)
+            if mine is not None:
+                mine.discard(program_id)
+                if not mine:
+                    del self.owned[owner]
         if info is not None and info.agent.session is not None:
             members = self.sessions.get(info.agent.session)
             if members is not None:
@@ -397,7 +414,8 @@ class Controller:
         for pid, (_, tokens, index, tier) in sorted(found.items(),
                                                     key=lambda kv: -kv[1][0]):
             self.policy.observe(ProgramRestored(pid, tokens, index, tier), now)
-            info = self.programs.setdefault(pid, ProgramInfo(pid))
+            info = self.programs.get(pid) or self._new_program(pid, None)
+            self.programs[pid] = info
             info.last_seen = wall
             info.context_tokens = tokens
         if found:
@@ -455,6 +473,24 @@ class Controller:
             "anonymous": bool(info and info.anonymous),
             **(info.agent.as_dict() if info is not None else {}),
         }
+
+    def owner_of(self, program_id: str) -> str:
+        """The key namespace a program belongs to ("" without keys): the prefix the
+        gateway gives the ids of each key's programs (``mori.gateway.auth``)."""
+        if not self._keyed:
+            return ""
+        owner, sep, _ = program_id.partition("/")
+        return owner if sep else ""
+
+    def describe_page(self, owner: str | None, after: str | None, limit: int
+                      ) -> tuple[list[dict[str, Any]], bool]:
+        """One page of program descriptions, by id: those of the key namespace ``owner``
+        (None: every program), with ids after ``after``, at most ``limit``; and whether
+        more follow. A key's page costs what its own programs do, not every program's."""
+        ids = self.policy.programs.keys() if owner is None else self.owned.get(owner, ())
+        chosen = sorted(pid for pid in ids if after is None or pid > after)
+        rows = [d for pid in chosen[:limit] if (d := self.describe(pid)) is not None]
+        return rows, len(chosen) > limit
 
     def describe_all(self) -> list[dict[str, Any]]:
         return [d for pid in sorted(self.policy.programs)
