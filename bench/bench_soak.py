@@ -27,6 +27,33 @@ exercises gating, at a far lower request rate).
     python bench/bench_soak.py [--programs 1000] [--seconds 300] [--steps-per-program 10]
         [--tool-time 3] [--never-release-share 0.2] [--stream 0.5] [--time-scale 20]
         [--program-ttl 30] [--serve-arg=--replicas=2 ...] [--seed 0] [--json out.json]
+
+Fault injection (``--engines N``): N ``mori engine-sim`` processes (free ports; the preset,
+time scale, CPU ratio and typed eviction the in-process engines would have) are started
+and given to ``mori serve`` as ``--backend sim=URL``, with faster health checks
+(``--health-interval 0.5 --health-timeout 1``, overridable with ``--serve-arg``). Then
+``--kill-engine-at S`` SIGKILLs engine ``--kill-engine`` (default 1, the gateway's replica
+1) and starts it again on its port (empty) ``--engine-down-s`` later; the programs it held
+are read from ``/v1/programs`` first, and the time from the kill to each one's first 200
+is measured, with the time until the gateway marked the replica unhealthy and healthy
+again (``/healthz``) and ``mori_failover_programs_total``. ``--restart-gateway-at S``
+reads every program's replica, stops ``mori serve`` (SIGTERM, wait), starts it again on
+the same port with the same flags, reads the engines' residency and the programs again
+(before the clients held by the restart are let through) and counts the programs whose KV an engine still
+holds that came back at the same replica (kept), at another replica that holds their KV,
+or elsewhere / not at all (placement lost). Clients ride through the restart: connection
+failures from SIGTERM until ``--restart-grace`` s after the new gateway answers are
+retried once it is back (counted apart, not as errors).
+
+Every answer that is not a 200 ending well is classified: clean (a 5xx or 429 with
+``Retry-After``, retried after that long; a stream ended by an error event, retried after
+``--stream-retry-s``) or unclean (a status without ``Retry-After``, a stream cut without an
+error event, a bad body, a connection failure outside the restart window, a timeout: the
+step is given up). The run exits 1 on any unclean answer, any placement lost, or a dead
+``mori serve``; without faults also on any step given up (as before).
+
+    python bench/bench_soak.py --programs 1000 --seconds 300 --engines 2 \\
+        --kill-engine-at 60 --engine-down-s 30 --restart-gateway-at 180
 """
 
 from __future__ import annotations
@@ -35,6 +62,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -42,14 +70,84 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any
+from typing import Any
 
 import aiohttp
 from benchutil import free_port, pct, raise_nofile, rss_mb, tail
-from soak_report import Sample, Stats, metric_sum, report, serve_flag
+from soak_report import Sample, Stats, metric_sum, placement, report, serve_flag
 from tqdm import tqdm
 
-RETRY_STATUSES = (429, 503)
+# the children run without these, so the bench can read the engines and the gateway
+CHILD_ENV_DROP = ("MORI_ENGINE_TOKEN", "MORI_API_KEYS", "MORI_ADMIN_KEYS")
+FAULT_SERVE_DEFAULTS = ["--health-interval", "0.5", "--health-timeout", "1"]
+LIST_PAGE = 10_000  # programs a /v1/programs page is asked for (the gateway's most)
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_ENV_DROP}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def note(msg: str) -> None:
+    tqdm.write(msg, file=sys.stderr)
+
+
+class Child:
+    """A child process (``mori serve``, ``mori engine-sim``) writing to a log file; it can
+    be stopped and started again with the same command (the log is appended to)."""
+
+    def __init__(self, name: str, cmd: list[str], log_path: str) -> None:
+        self.name, self.cmd, self.log_path = name, cmd, log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log_f:
+            if self.starts:
+                log_f.write(f"---- {self.name} started again ----\n".encode())
+                log_f.flush()
+            self.proc = subprocess.Popen(self.cmd, stdout=log_f, stderr=subprocess.STDOUT,
+                                         env=child_env())
+        self.starts += 1
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    async def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after ``timeout`` s); the exit status."""
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.terminate()
+            try:
+                await asyncio.to_thread(p.wait, timeout)
+            except subprocess.TimeoutExpired:
+                note(f"{self.name} did not stop within {timeout:g} s: SIGKILL")
+                p.kill()
+                await asyncio.to_thread(p.wait)
+        return p.returncode
+
+    def stop_now(self, timeout: float = 15.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.terminate()
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 class Soak:
@@ -58,8 +156,23 @@ class Soak:
         self.args, self.base, self.model, self.s = args, base, model, session
         self.stats = Stats()
         self.rng = random.Random(args.seed)
+        self.t0 = time.monotonic()
         self.deadline = 0.0
         self.stop = asyncio.Event()
+        # the gateway's restart: down from SIGTERM until the new one answers
+        self.gw_up = asyncio.Event()
+        self.gw_up.set()
+        self.gw_down = False
+        self.gw_up_at = -math.inf
+        # the engine kill: the programs the killed replica held, each one's first 200
+        self.kill_t: float | None = None
+        self.on_killed: set[str] = set()
+        self.first_ok: dict[str, float] = {}
+        self.released_ids: set[str] = set()  # programs this client released
+
+    def rt(self) -> float:
+        """Seconds since the run began."""
+        return time.monotonic() - self.t0
 
     def tool_gap(self) -> float:
         mean = self.args.tool_time
@@ -71,56 +184,110 @@ class Soak:
             await asyncio.wait_for(self.stop.wait(), seconds)
         return self.stop.is_set()
 
-    async def one_request(self, body: dict[str, Any], stream: bool) -> bool:
-        """One step's request, retried on 429/503 + Retry-After; True if it completed."""
+    def in_restart(self) -> bool:
+        """Whether the gateway is restarting (or came back under ``--restart-grace`` ago)."""
+        return self.gw_down or time.monotonic() - self.gw_up_at < self.args.restart_grace
+
+    async def wait_gateway(self) -> bool:
+        """Wait until the restarted gateway is back, then a short jitter; True if the run
+        ended first."""
+        if not self.gw_up.is_set():
+            up = asyncio.ensure_future(self.gw_up.wait())
+            end = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait({up, end}, return_when=asyncio.FIRST_COMPLETED)
+            for t in (up, end):
+                t.cancel()
+        return await self.sleep_until_stop(self.rng.uniform(0.0, 0.5))
+
+    def note_ok(self, pid: str, started: float) -> None:
+        if (self.kill_t is not None and started >= self.kill_t and pid in self.on_killed
+                and pid not in self.first_ok):
+            self.first_ok[pid] = time.monotonic() - self.kill_t
+
+    async def one_request(self, pid: str, body: dict[str, Any], stream: bool) -> bool:
+        """One step's request; True if it completed. Clean failures (a 5xx or 429 with
+        Retry-After, a stream ended by an error event) are retried, and so are connection
+        failures while the gateway restarts; anything else gives the step up."""
         st = self.stats
         while True:
             st.sent += 1
             t0 = time.perf_counter()
-            retry_after: float | None = None
-            status = 0
+            started = time.monotonic()
+            delay = 0.0
             try:
                 async with self.s.post(self.base + "/v1/chat/completions", json=body) as r:
-                    status = r.status
                     if r.status == 200:
-                        ok, why = await (self._read_stream(r) if stream else self._read_json(r))
+                        ok, why, event = await (self._read_stream(r) if stream
+                                                else self._read_json(r))
                         if ok:
                             st.completed += 1
                             st.latencies.append(time.perf_counter() - t0)
+                            self.note_ok(pid, started)
                             return True
-                        st.error("bad body" if not stream else "stream error", why)
-                        return False
-                    text = await r.text()
-                    ra = r.headers.get("Retry-After")
-                    if r.status in RETRY_STATUSES and ra is not None:
+                        if event:  # the stream ended with an error event: clean
+                            st.answer("stream error event", True, why, self.rt())
+                            st.retries["stream error event"] += 1
+                            delay = self.args.stream_retry_s
+                        elif stream and self.in_restart():
+                            st.restart_retries["stream cut"] += 1
+                            if await self.wait_gateway():
+                                st.gave_up_at_end += 1
+                                return False
+                            continue
+                        else:
+                            kind = "stream cut without error event" if stream else "bad body"
+                            st.answer(kind, False, why, self.rt())
+                            st.error(kind, why)
+                            return False
+                    else:
+                        text = await r.text()
+                        ra = r.headers.get("Retry-After")
                         try:
-                            retry_after = float(ra)
+                            retry_after = float(ra) if ra is not None else None
                         except ValueError:
                             retry_after = None
-                    if retry_after is None:
-                        st.error(f"http {r.status}", text)
+                        if retry_after is not None and (r.status >= 500 or r.status == 429):
+                            st.answer(f"http {r.status} + Retry-After", True, text, self.rt())
+                            st.retries[str(r.status)] += 1
+                            delay = retry_after
+                        else:
+                            kind = f"http {r.status}" + (" without Retry-After" if ra is None
+                                                         else f" Retry-After {ra!r}")
+                            st.answer(kind, False, text, self.rt())
+                            st.error(f"http {r.status}", text)
+                            return False
+            except aiohttp.ClientError as e:
+                if self.in_restart():
+                    st.restart_retries[type(e).__name__] += 1
+                    if await self.wait_gateway():
+                        st.gave_up_at_end += 1
                         return False
-            except (aiohttp.ClientError, TimeoutError) as e:
+                    continue
+                st.answer(type(e).__name__, False, repr(e), self.rt())
                 st.error(type(e).__name__, repr(e))
                 return False
-            st.retries[status] += 1
-            if await self.sleep_until_stop(retry_after * self.rng.uniform(1.0, 1.5)):
+            except TimeoutError as e:
+                st.answer("timeout", False, repr(e), self.rt())
+                st.error("TimeoutError", repr(e))
+                return False
+            if await self.sleep_until_stop(delay * self.rng.uniform(1.0, 1.5)):
                 st.gave_up_at_end += 1
                 return False
 
     @staticmethod
-    async def _read_json(r: aiohttp.ClientResponse) -> tuple[bool, str]:
+    async def _read_json(r: aiohttp.ClientResponse) -> tuple[bool, str, bool]:
         raw = await r.read()
         try:
             data = json.loads(raw)
         except ValueError:
-            return False, raw[:300].decode(errors="replace")
+            return False, raw[:300].decode(errors="replace"), False
         if isinstance(data, dict) and data.get("choices"):
-            return True, ""
-        return False, raw[:300].decode(errors="replace")
+            return True, "", False
+        return False, raw[:300].decode(errors="replace"), False
 
     @staticmethod
-    async def _read_stream(r: aiohttp.ClientResponse) -> tuple[bool, str]:
+    async def _read_stream(r: aiohttp.ClientResponse) -> tuple[bool, str, bool]:
+        """(ended well, why not, ended by an error event)."""
         done, chunks = False, 0
         async for line in r.content:
             s = line.strip()
@@ -131,22 +298,33 @@ class Soak:
                 done = True
                 continue
             if payload.startswith(b'{"error"'):
-                return False, payload[:300].decode(errors="replace")
+                return False, payload[:300].decode(errors="replace"), True
             chunks += 1
         if not done:
-            return False, f"stream ended without [DONE] after {chunks} chunks"
-        return True, ""
+            return False, f"stream ended without [DONE] after {chunks} chunks", False
+        return True, "", False
 
     async def release(self, pid: str) -> None:
-        try:
-            async with self.s.post(f"{self.base}/v1/programs/{pid}/release") as r:
-                await r.read()
-                if r.status == 200:
-                    self.stats.released += 1
-                else:
-                    self.stats.release_errors[f"http {r.status}"] += 1
-        except (aiohttp.ClientError, TimeoutError) as e:
-            self.stats.release_errors[type(e).__name__] += 1
+        while True:
+            try:
+                async with self.s.post(f"{self.base}/v1/programs/{pid}/release") as r:
+                    await r.read()
+                    if r.status == 200:
+                        self.stats.released += 1
+                        self.released_ids.add(pid)
+                    else:
+                        self.stats.release_errors[f"http {r.status}"] += 1
+                    return
+            except aiohttp.ClientError as e:
+                if self.in_restart():
+                    self.stats.restart_retries["release " + type(e).__name__] += 1
+                    if not await self.wait_gateway():
+                        continue
+                self.stats.release_errors[type(e).__name__] += 1
+                return
+            except TimeoutError as e:
+                self.stats.release_errors[type(e).__name__] += 1
+                return
 
     async def slot(self, i: int) -> None:
         a, st = self.args, self.stats
@@ -173,7 +351,7 @@ class Soak:
                         "max_tokens": a.max_tokens,
                         "messages": [{"role": "user", "content": f"step {step} of {pid}"}],
                         "mori": {"prompt_tokens": prompt, "reuse_tokens": reuse}}
-                await self.one_request(body, stream)
+                await self.one_request(pid, body, stream)
                 if self.stop.is_set():
                     finished = step == a.steps_per_program - 1
                     break
@@ -188,30 +366,181 @@ class Soak:
 
     async def listed(self) -> int | None:
         try:
-            async with self.s.get(self.base + "/v1/programs") as r:
-                if r.status != 200:
-                    return None
-                return len((await r.json())["data"])
+            return len(await list_programs(self.s, self.base))
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
             return None
 
 
-async def wait_up(url: str, proc: subprocess.Popen[bytes], log_path: str,
-                  timeout: float = 120.0) -> None:
+async def list_programs(s: aiohttp.ClientSession, base: str,
+                        timeout: float = 30.0) -> list[dict[str, Any]]:
+    """Every program the gateway lists (``/v1/programs``, page after page)."""
+    rows: list[dict[str, Any]] = []
+    after: str | None = None
+    while True:
+        params = {"limit": str(LIST_PAGE)} | ({"after": after} if after else {})
+        async with s.get(base + "/v1/programs", params=params,
+                         timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            r.raise_for_status()
+            d = await r.json()
+        rows += d["data"]
+        after = d.get("last_id")
+        if not d.get("has_more") or not after:
+            return rows
+
+
+async def wait_up(url: str, child: Child, timeout: float = 120.0) -> None:
     t0 = time.monotonic()
     async with aiohttp.ClientSession() as s:
         while time.monotonic() - t0 < timeout:
-            if proc.poll() is not None:
-                raise RuntimeError(f"mori serve exited ({proc.returncode}): "
-                                   f"{tail(log_path, 30)}")
-            try:
-                async with s.get(url) as r:
+            if child.proc is None or child.proc.poll() is not None:
+                rc = child.proc.returncode if child.proc is not None else None
+                raise RuntimeError(f"{child.name} exited ({rc}): "
+                                   f"{tail(child.log_path, 30)}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
                         return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
     raise RuntimeError(f"{url} did not come up in {timeout} s")
+
+
+class Faults:
+    """The injected faults (``--kill-engine-at``, ``--restart-gateway-at``) and what they
+    showed."""
+
+    def __init__(self, args: argparse.Namespace, soak: Soak, gw: Child,
+                 engines: list[Child], engine_urls: list[str]) -> None:
+        self.args, self.soak, self.gw = args, soak, gw
+        self.engines, self.engine_urls = engines, engine_urls
+        self.s = soak.s
+        self.events: list[dict[str, Any]] = []
+        self.kill: dict[str, Any] | None = None
+        self.restart: dict[str, Any] | None = None
+        self.metrics_before_restart: str | None = None
+
+    def event(self, what: str, **kw: Any) -> None:
+        t = self.soak.rt()
+        self.events.append({"t": round(t, 2), "event": what, **kw})
+        extra = " ".join(f"{k}={v}" for k, v in kw.items())
+        note(f"[t={t:6.1f} s] {what} {extra}".rstrip())
+
+    async def get_json(self, url: str, timeout: float = 10.0) -> Any:
+        async with self.s.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            r.raise_for_status()
+            return await r.json()
+
+    async def programs(self) -> dict[str, int | None]:
+        """Every program the gateway lists, with its replica."""
+        rows = await list_programs(self.s, self.soak.base)
+        return {row["program_id"]: row.get("replica") for row in rows}
+
+    async def metrics(self) -> str:
+        async with self.s.get(self.soak.base + "/metrics",
+                              timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return await r.text()
+
+    async def residency(self) -> list[dict[str, dict[str, int]]]:
+        """Each engine's ``/mori/v1/residency`` ({} for one that does not answer)."""
+        out = []
+        for url in self.engine_urls:
+            try:
+                out.append(await self.get_json(url + "/mori/v1/residency"))
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                note(f"residency of {url} unread: {e!r}")
+                out.append({})
+        return out
+
+    async def replica_healthy(self, index: int) -> bool | None:
+        try:
+            d = await self.get_json(self.soak.base + "/healthz", 2.0)
+            return bool(d["replicas"][index]["healthy"])
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError):
+            return None
+
+    async def wait_replica(self, index: int, healthy: bool, since: float,
+                           timeout: float) -> float | None:
+        """Seconds from ``since`` until the gateway shows the replica as ``healthy``."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not self.soak.stop.is_set():
+            if await self.replica_healthy(index) is healthy:
+                return time.monotonic() - since
+            await asyncio.sleep(0.05)
+        return None
+
+    async def at(self, t: float) -> bool:
+        """Sleep until run second ``t``; False if the run ends first."""
+        return not await self.soak.sleep_until_stop(self.soak.t0 + t - time.monotonic())
+
+    async def kill_engine(self) -> None:
+        a, soak = self.args, self.soak
+        i = a.kill_engine
+        if not await self.at(a.kill_engine_at):
+            return
+        try:
+            progs = await self.programs()
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+            note(f"programs unread before the kill: {e!r}")
+            progs = {}
+        soak.on_killed = {pid for pid, r in progs.items() if r == i}
+        eng = self.engines[i]
+        soak.kill_t = kill_t = time.monotonic()
+        eng.kill()
+        self.event("engine killed", engine=i, programs_on_it=len(soak.on_killed))
+        detect = asyncio.create_task(self.wait_replica(i, False, kill_t, a.engine_down_s + 60))
+        await soak.sleep_until_stop(a.engine_down_s)
+        eng.start()
+        await wait_up(self.engine_urls[i] + "/health", eng)
+        back_t = time.monotonic()
+        self.event("engine started again", engine=i, pid=eng.pid)
+        detect_s = await detect
+        rejoin_s = await self.wait_replica(i, True, back_t, 60)
+        self.event("replica healthy again", engine=i,
+                   after_s=None if rejoin_s is None else round(rejoin_s, 2))
+        up_from_kill = None if rejoin_s is None else back_t + rejoin_s - kill_t
+        failover: float | None = None
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            text = await self.metrics()
+            failover = sum(metric_sum(text, "mori_failover_programs_total").values())
+        self.kill = {"engine": i, "at_s": round(kill_t - soak.t0, 2),
+                     "programs_on_it": len(soak.on_killed), "down_s": a.engine_down_s,
+                     "marked_unhealthy_after_s": detect_s,
+                     "healthy_again_after_restart_s": rejoin_s,
+                     "healthy_again_after_kill_s": up_from_kill,
+                     "failover_programs_total": failover}
+
+    async def restart_gateway(self) -> None:
+        a, soak, gw = self.args, self.soak, self.gw
+        if not await self.at(a.restart_gateway_at):
+            return
+        before = await self.programs()
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            self.metrics_before_restart = await self.metrics()
+        soak.gw_down = True
+        soak.gw_up.clear()
+        t_stop = time.monotonic()
+        self.event("gateway SIGTERM", pid=gw.pid, programs=len(before))
+        try:
+            rc = await gw.stop(60.0)
+            stopped_s = time.monotonic() - t_stop
+            self.event("gateway stopped", rc=rc, after_s=round(stopped_s, 2))
+            gw.start()
+            await wait_up(soak.base + "/healthz", gw)
+            up_s = time.monotonic() - t_stop
+            self.event("gateway up again", pid=gw.pid, after_s=round(up_s, 2))
+            res = await self.residency()
+            after = await self.programs()
+        finally:
+            soak.gw_down = False
+            soak.gw_up_at = time.monotonic()
+            soak.gw_up.set()
+        pl = placement(before, after, res)
+        new = [pid for pid in after if pid not in before]
+        pl["restored_released_by_client"] = sum(pid in soak.released_ids for pid in new)
+        self.event("placement at restart", kept=pl["kept"], lost=pl["lost"],
+                   moved_to_kv=pl["moved_to_replica_with_kv"])
+        self.restart = {"at_s": round(t_stop - soak.t0, 2), "stop_rc": rc,
+                        "stopped_after_s": stopped_s, "up_after_s": up_s,
+                        "programs_before": len(before), "programs_after": len(after), **pl}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,20 +553,38 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     scale_s = serve_flag(serve_args, "--time-scale")
     scale = float(scale_s) if scale_s is not None else args.time_scale
     port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    engines: list[Child] = []
+    engine_urls: list[str] = []
+    backend_args: list[str] = []
+    if args.engines:
+        for i, ecmd in enumerate(engine_cmds(args, serve_args, scale)):
+            log = tempfile.mkstemp(prefix=f"mori-soak-engine{i}-", suffix=".log")[1]
+            engines.append(Child(f"engine {i}", ecmd, log))
+            url = f"http://127.0.0.1:{ecmd[ecmd.index('--port') + 1]}"
+            engine_urls.append(url)
+            backend_args += ["--backend", f"sim={url}"]
+        backend_args += FAULT_SERVE_DEFAULTS
     cmd = [sys.executable, "-m", "mori", "serve", "--port", str(port),
            "--time-scale", str(args.time_scale), "--program-idle-timeout", str(args.program_ttl),
-           "--log-level", args.log_level, *serve_args]
+           "--log-level", args.log_level, *backend_args, *serve_args]
     log_path = args.serve_log or tempfile.mkstemp(prefix="mori-soak-", suffix=".log")[1]
-    log_f: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 (closed in finally)
-    proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
-    print(f"serve: {' '.join(cmd[1:])} (pid {proc.pid}, log {log_path}, nofile {nofile})",
-          file=sys.stderr, flush=True)
+    if args.serve_log:
+        open(log_path, "wb").close()  # a fresh log (the child appends)
+    gw = Child("mori serve", cmd, log_path)
     samples: list[Sample] = []
     result: dict[str, Any] = {}
     try:
-        await wait_up(base + "/healthz", proc, log_path)
+        for e in engines:
+            e.start()
+        for e, url in zip(engines, engine_urls, strict=True):
+            await wait_up(url + "/health", e)
+            print(f"{e.name}: {' '.join(e.cmd[1:])} (pid {e.pid}, log {e.log_path})",
+                  file=sys.stderr, flush=True)
+        gw.start()
+        print(f"serve: {' '.join(cmd[1:])} (pid {gw.pid}, log {log_path}, nofile {nofile})",
+              file=sys.stderr, flush=True)
+        await wait_up(base + "/healthz", gw)
         conn = aiohttp.TCPConnector(limit=args.programs + 100, limit_per_host=0,
                                     force_close=False)
         timeout = aiohttp.ClientTimeout(total=args.request_timeout)
@@ -245,14 +592,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             async with s.get(base + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
             soak = Soak(args, base, model, s)
+            faults = Faults(args, soak, gw, engines, engine_urls)
             st = soak.stats
-            t0 = time.monotonic()
+            t0 = soak.t0 = time.monotonic()
             soak.deadline = t0 + args.seconds
             tasks = [asyncio.create_task(soak.slot(i)) for i in range(args.programs)]
+            fault_tasks = []
+            if args.kill_engine_at is not None:
+                fault_tasks.append(asyncio.create_task(faults.kill_engine()))
+            if args.restart_gateway_at is not None:
+                fault_tasks.append(asyncio.create_task(faults.restart_gateway()))
 
             async def sampler() -> None:
                 while True:
-                    samples.append(Sample(time.monotonic() - t0, rss_mb(proc.pid),
+                    pid = gw.pid if not soak.gw_down else None
+                    samples.append(Sample(time.monotonic() - t0,
+                                          rss_mb(pid) if pid is not None else None,
                                           await soak.listed(), st.completed))
                     await asyncio.sleep(args.rss_interval)
 
@@ -260,11 +615,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             bar = tqdm(total=int(args.seconds), unit="s", file=sys.stderr, dynamic_ncols=True,
                        disable=args.no_progress)
             last_done, last_t = 0, t0
+            died = False
             while (now := time.monotonic()) < soak.deadline:
                 await asyncio.sleep(min(1.0, soak.deadline - now))
-                if proc.poll() is not None:
-                    print(f"\nmori serve exited ({proc.returncode}) mid-run:\n"
-                          f"{tail(log_path, 30)}", file=sys.stderr)
+                if not soak.gw_down and not gw.alive():
+                    note(f"\nmori serve exited mid-run:\n{tail(log_path, 30)}")
+                    died = True
+                    break
+                if any(t.done() and not t.cancelled() and t.exception() is not None
+                       for t in fault_tasks):
+                    note("a fault task failed (see the report)")
+                    died = True
                     break
                 now = time.monotonic()
                 bar.n = min(int(now - t0), int(args.seconds))
@@ -272,12 +633,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 last_done, last_t = st.completed, now
                 rss = samples[-1].rss_mb if samples else None
                 bar.set_postfix(sent=st.sent, done=st.completed, rps=f"{rate:.0f}",
-                                err=sum(st.errors.values()), retry=sum(st.retries.values()),
+                                clean=sum(st.clean.values()),
+                                unclean=sum(st.unclean.values()),
+                                rr=sum(st.restart_retries.values()),
                                 rss=f"{rss:.0f}M" if rss else "?", refresh=False)
                 bar.refresh()
             bar.close()
             soak.stop.set()
             wall = time.monotonic() - t0
+            fault_errors = []
+            for t in fault_tasks:
+                try:
+                    await asyncio.wait_for(t, 120)
+                except Exception as exc:  # reported, and the run fails
+                    fault_errors.append(repr(exc))
             # let in-flight requests end (and programs release) before counting
             _, pending = await asyncio.wait(tasks, timeout=args.request_timeout + 10)
             for t in pending:
@@ -286,19 +655,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             samp.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await samp
-            samples.append(Sample(time.monotonic() - t0, rss_mb(proc.pid),
+            samples.append(Sample(time.monotonic() - t0, rss_mb(gw.pid) if gw.pid else None,
                                   await soak.listed(), st.completed))
             listed_end = samples[-1].listed
             listed_after_ttl = None
             tick_wall = 5.0 / scale  # the default --tick, in wall seconds
             wait_ttl = (ttl + 2 * tick_wall + 2) if args.wait_ttl and ttl > 0 else 0.0
-            if wait_ttl:
+            if wait_ttl and not died:
                 print(f"waiting {wait_ttl:.0f} s for the program TTL ({ttl:g} s) ...",
                       file=sys.stderr, flush=True)
                 await asyncio.sleep(wait_ttl)
                 listed_after_ttl = await soak.listed()
-            async with s.get(base + "/metrics") as r:
-                metrics = await r.text()
+            metrics = ""
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with s.get(base + "/metrics") as r:
+                    metrics = await r.text()
         lat = sorted(st.latencies)
         rss_vals = [x.rss_mb for x in samples if x.rss_mb is not None]
         n = len(rss_vals)
@@ -311,6 +682,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ttl_released = sum("idle for over" in ln for ln in log_lines)
         bad_lines = [ln.rstrip() for ln in log_lines
                      if any(w in ln for w in ("WARNING", "ERROR", "Traceback", "CRITICAL"))]
+        metric_names = ("mori_requests_total", "mori_gated_requests_total",
+                        "mori_upstream_errors_total", "mori_client_disconnects_total",
+                        "mori_promotions_total", "mori_demotions_total", "mori_programs",
+                        "mori_failover_programs_total")
         result = {
             "config": dict(vars(args)),
             "serve_cmd": cmd[1:], "nofile": nofile, "wall_s": wall, "drain_s": drain_s,
@@ -318,7 +693,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "completed_per_s": st.completed / wall if wall else float("nan"),
             "errors": dict(st.errors), "error_samples": st.error_samples,
             "errors_total": sum(st.errors.values()),
-            "retries": {str(k): v for k, v in st.retries.items()},
+            "clean": dict(st.clean), "clean_total": sum(st.clean.values()),
+            "unclean": dict(st.unclean), "unclean_total": sum(st.unclean.values()),
+            "unclean_samples": st.unclean_samples,
+            "retries": dict(st.retries),
+            "restart_retries": dict(st.restart_retries),
             "gave_up_at_end": st.gave_up_at_end,
             "latency_s": {"p50": pct(lat, 50), "p90": pct(lat, 90), "p99": pct(lat, 99),
                           "max": lat[-1] if lat else float("nan"),
@@ -335,23 +714,63 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "rss_growth_pct": growth,
             "rss_levels_off": bool(growth < args.rss_growth_limit),
             "serve_warnings": bad_lines[:50], "serve_warning_count": len(bad_lines),
-            "serve_alive": proc.poll() is None,
-            "gateway_metrics": {
-                name: metric_sum(metrics, name) for name in (
-                    "mori_requests_total", "mori_gated_requests_total",
-                    "mori_upstream_errors_total", "mori_client_disconnects_total",
-                    "mori_promotions_total", "mori_demotions_total", "mori_programs")},
+            "serve_log": log_path,
+            "serve_alive": gw.alive(),
+            "gateway_metrics": {name: metric_sum(metrics, name) for name in metric_names},
         }
+        if engines or fault_tasks:
+            first = sorted(soak.first_ok.values())
+            kill = faults.kill
+            if kill is not None:
+                kill["programs_with_a_200_after"] = len(first)
+                kill["first_200_after_s"] = first[0] if first else None
+                kill["p50_first_200_after_s"] = pct(first, 50) if first else None
+                kill["max_first_200_after_s"] = first[-1] if first else None
+            restored = [ln.rstrip() for ln in log_lines if "restored" in ln
+                        and "residency" in ln]
+            before = faults.metrics_before_restart
+            result["faults"] = {
+                "engines": [{"url": u, "log": e.log_path, "starts": e.starts}
+                            for u, e in zip(engine_urls, engines, strict=True)],
+                "events": faults.events, "engine_kill": kill,
+                "gateway_restart": faults.restart, "restore_log": restored,
+                "fault_task_errors": fault_errors,
+                "gateway_metrics_before_restart": (
+                    {name: metric_sum(before, name) for name in metric_names}
+                    if before is not None else None),
+            }
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log_f.close()
+        gw.stop_now()
+        for e in engines:
+            e.stop_now()
     return result
+
+
+def engine_cmds(args: argparse.Namespace, serve_args: list[str], scale: float
+                ) -> list[list[str]]:
+    """``mori engine-sim`` commands shaped as ``mori serve`` would shape its in-process
+    engines (preset, CPU tier, typed eviction by the policy's engine; free ports)."""
+    from mori.core.policies import POLICIES
+    from mori.gateway.config import GatewaySettings
+    from mori.gateway.server import ServeConfig
+
+    dflt = ServeConfig()
+    policy = serve_flag(serve_args, "--policy") or GatewaySettings().policy
+    profile = POLICIES.get(policy).engine_profile
+    preset = serve_flag(serve_args, "--preset") or dflt.preset
+    cpu = float(serve_flag(serve_args, "--cpu-ratio") or dflt.cpu_ratio)
+    gpu = serve_flag(serve_args, "--gpu-kv-tokens")
+    cmds = []
+    for _ in range(args.engines):
+        c = [sys.executable, "-m", "mori", "engine-sim", "--preset", preset,
+             "--port", str(free_port()), "--time-scale", f"{scale:g}",
+             "--cpu-ratio", f"{cpu if profile.cpu_tier else 0.0:g}"]
+        if profile.typed_eviction:
+            c.append("--typed-eviction")
+        if gpu is not None:
+            c += ["--gpu-kv-tokens", gpu]
+        cmds.append(c)
+    return cmds
 
 
 def main() -> None:
@@ -385,13 +804,36 @@ def main() -> None:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
+    f = ap.add_argument_group("fault injection")
+    f.add_argument("--engines", type=int, default=0,
+                   help="start N `mori engine-sim` processes and serve them as --backend "
+                        "(0: the engines run in serve's process)")
+    f.add_argument("--kill-engine-at", type=float, default=None, metavar="S",
+                   help="SIGKILL an engine S seconds in (needs --engines)")
+    f.add_argument("--kill-engine", type=int, default=1, metavar="I",
+                   help="which engine (the gateway's replica index) to kill")
+    f.add_argument("--engine-down-s", type=float, default=10.0, metavar="D",
+                   help="start the killed engine again (empty) D seconds after the kill")
+    f.add_argument("--restart-gateway-at", type=float, default=None, metavar="S",
+                   help="stop mori serve (SIGTERM) S seconds in and start it again")
+    f.add_argument("--restart-grace", type=float, default=2.0, metavar="S",
+                   help="connection failures up to S seconds after the restarted gateway "
+                        "answers still count as the restart's (retried)")
+    f.add_argument("--stream-retry-s", type=float, default=1.0, metavar="S",
+                   help="retry a step whose stream ended with an error event after S s")
     args = ap.parse_args()
+    if args.kill_engine_at is not None and not 0 <= args.kill_engine < args.engines:
+        ap.error("--kill-engine-at needs --engines N with --kill-engine below N")
     res = asyncio.run(run(args))
     report(res, args.table_rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    ok = res["errors_total"] == 0 and res["serve_alive"]
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=2)
+    faulted = "faults" in res
+    lost = (res["faults"]["gateway_restart"] or {}).get("lost", 0) if faulted else 0
+    ok = (res["unclean_total"] == 0 and res["serve_alive"] and not lost
+          and (faulted or res["errors_total"] == 0)
+          and not (faulted and res["faults"]["fault_task_errors"]))
     sys.exit(0 if ok else 1)
 
 
