@@ -53,7 +53,7 @@ def test_kv_controls_change_residency() -> None:
         status, state = await http(srv, "POST", "/mori/v1/programs/p/drop")
         assert status == 200 and (state["gpu_tokens"], state["cpu_tokens"]) == (0, 0)
         _, res = await http(srv, "GET", "/mori/v1/residency")
-        assert res == {"gpu_tokens": {}, "cpu_tokens": {}}
+        assert res == {"gpu_tokens": {}, "cpu_tokens": {}, "ended": []}
         status, err = await http(srv, "POST", "/mori/v1/programs/nobody/offload")
         assert status == 404 and err["error"]["code"] == "program_not_found"
         status, _ = await http(srv, "POST", "/mori/v1/programs/p/release")

@@ -176,10 +176,16 @@ def test_a_restarted_gateway_sends_every_program_back_to_its_kv(
         urls = [u for u, _ in procs]
         url, first = gateway(loop_thread, urls)
         where = spread(url)
+        released, live = PROGRAMS[:2], PROGRAMS[2:]
+        for pid in released:  # ended by their clients: their KV stays, inactive
+            assert httpx.post(f"{url}/v1/programs/{pid}/release").status_code == 200
         loop_thread.call(first.stop())  # the gateway goes away; the engines keep the KV
         url, _ = gateway(loop_thread, urls)
-        back = {pid: replica_of(url, pid) for pid in PROGRAMS}
-        assert back == where  # known again before any request, each where its KV is
+        back = {pid: replica_of(url, pid) for pid in live}
+        # known again before any request, each where its KV is; the released ones not
+        assert back == {pid: where[pid] for pid in live}
+        for pid in released:
+            assert httpx.get(f"{url}/v1/programs/{pid}").status_code == 404
         for pid in PROGRAMS:
             assert ask(url, pid).status_code == 200
             assert replica_of(url, pid) == where[pid]

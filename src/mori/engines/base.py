@@ -54,6 +54,9 @@ class Residency:
 
     gpu_tokens: Mapping[str, int] = field(default_factory=dict)
     cpu_tokens: Mapping[str, int] = field(default_factory=dict)
+    ended: frozenset[str] = frozenset()
+    """Programs released whose KV the engine still holds (where it can tell): not to be
+    taken back as live ones by a restarted gateway."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -103,7 +103,8 @@ class SimEngineAdapter(OpenAIHTTPAdapter):
         try:
             return Residency(
                 gpu_tokens={str(k): int(v) for k, v in d["gpu_tokens"].items()},
-                cpu_tokens={str(k): int(v) for k, v in d["cpu_tokens"].items()})
+                cpu_tokens={str(k): int(v) for k, v in d["cpu_tokens"].items()},
+                ended=frozenset(str(k) for k in d.get("ended", ())))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UpstreamError(f"engine {self.url} sent a bad residency: {d!r}") from e
 

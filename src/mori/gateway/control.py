@@ -407,6 +407,8 @@ class Controller:
                 continue
             for tier, held in ((Tier.GPU, res.gpu_tokens), (Tier.CPU, res.cpu_tokens)):
                 for pid, tokens in held.items():
+                    if pid in res.ended:  # released before the restart: not live
+                        continue
                     rank = (2 if tier is Tier.GPU else 1) * (1 << 40) + tokens
                     if tokens > 0 and (pid not in found or found[pid][0] < rank):
                         found[pid] = (rank, tokens, r.index, tier)

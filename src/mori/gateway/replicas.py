@@ -206,8 +206,9 @@ class Replicas:
         self._control(replica, self.all[replica].adapter.drop(program_id))
 
     def release(self, program_id: str) -> None:
-        for r in self.all:
-            self._control(r.index, r.adapter.release(program_id))
+        for r in self.all:  # a replica that is down is told when it rejoins (inactive)
+            if r.healthy:
+                self._control(r.index, r.adapter.release(program_id))
 
     def _control(self, replica: int, coro: Coroutine[Any, Any, None]) -> None:
         """Run a KV control on a replica, after the ones issued before it."""

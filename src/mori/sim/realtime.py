@@ -366,11 +366,14 @@ class RealtimeReplica:
                 "cpu_tokens": e.cpu * self.page, "label": e.label.value, "pinned": e.pinned}
 
     # -- reports --------------------------------------------------------------------------
-    def residency(self) -> dict[str, dict[str, int]]:
+    def residency(self) -> dict[str, Any]:
         self.sync()
         entries = self.pools.entries.values()
         return {"gpu_tokens": {e.program_id: e.gpu * self.page for e in entries if e.gpu},
-                "cpu_tokens": {e.program_id: e.cpu * self.page for e in entries if e.cpu}}
+                "cpu_tokens": {e.program_id: e.cpu * self.page for e in entries if e.cpu},
+                # released programs whose KV is still held (inactive, evicted first)
+                "ended": sorted(e.program_id for e in entries if e.ended
+                                and (e.gpu or e.cpu))}
 
     def capacity(self) -> dict[str, int]:
         return {"gpu_tokens": self.gpu_pages * self.page, "cpu_tokens": self.cpu_pages * self.page,
