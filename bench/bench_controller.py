@@ -1,4 +1,5 @@
-"""The live gateway's controller: CPU cost per event at 1,000 and 10,000 programs.
+"""The live gateway's controller: CPU cost per event at 1,000 and 10,000 programs, or
+with up to 100,000 idle programs beside a fixed active set (``--idle``).
 
 The real ``Controller`` (``mori.gateway.control``) with the real policy and decision
 executor, a fake clock and in-memory engine adapters that accept every KV control (no
@@ -12,8 +13,16 @@ it queues. The garbage collector is set as ``mori serve`` sets it once started
 pending tasks are kept, as a server holds them. Reports per-event p50 / p99 / mean in
 microseconds, and the mean against the smallest size measured in the same run.
 
+``--idle 1000,10000,100000`` keeps the replicas and the active loop fixed (``--active``
+programs, 80 per replica) and adds that many idle programs first: each sends one
+request, runs its step and never returns (a client that went away; the gateway's idle
+timeout is off). The events are timed once every idle program has made its step; the
+mean is compared against the first count. This is how the gateway's per-event cost is
+checked to stay flat as programs accumulate.
+
     python bench/bench_controller.py [--sizes 1000,10000] [--events 20000] [--policy mori]
                                      [--python-gc]
+    python bench/bench_controller.py --idle 1000,10000,100000 [--active 1000]
 """
 
 from __future__ import annotations
@@ -70,11 +79,14 @@ class Clock:
 
 
 async def measure(policy: str, programs: int, events: int, seed: int = 0,
-                  serve_gc: bool = True) -> list[float]:
+                  serve_gc: bool = True, idle: int = 0) -> list[float]:
+    """Per-event times of ``programs`` programs in a closed loop; with ``idle``, that
+    many more programs make one step each before the timed events and never return."""
     rng = random.Random(seed)
     replicas = max(1, programs // PER_REPLICA)
     adapters: list[EngineAdapter] = [NullAdapter() for _ in range(replicas)]
-    settings = GatewaySettings(policy=policy, max_gated=10 * programs, program_ttl_s=0.0)
+    settings = GatewaySettings(policy=policy, max_gated=10 * (programs + idle),
+                               program_ttl_s=0.0)
     clock = Clock()
     caps = [KVCapacity(GPU_TOKENS, CPU_TOKENS, 16, 1)] * replicas
     ctl = Controller(policy_for(settings, caps), adapters, GatewayMetrics(), settings,
@@ -96,8 +108,15 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0,
         if not task.cancelled() and task.exception() is None:
             at(clock.t + rng.uniform(1.0, 8.0), "finish", pid)
 
+    start = 0.0
+    if idle:  # they arrive first, each runs one step and goes away
+        start = 60.0
+        for i in range(idle):
+            tokens[f"idle{i}"] = rng.randint(20_000, 60_000)
+            at(rng.uniform(0.0, 30.0), "arrive", f"idle{i}")
     for pid in tokens:
-        at(rng.uniform(0.0, 60.0), "arrive", pid)
+        if not pid.startswith("idle"):
+            at(start + rng.uniform(0.0, 60.0), "arrive", pid)
     times: list[float] = []
     tasks: set[asyncio.Task[Any]] = set()
     try:
@@ -112,9 +131,11 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0,
             else:
                 tokens[pid] += rng.randint(200, 2_000)
                 ctl.finished(pid, tokens[pid])
-                at(t + rng.expovariate(1 / 20.0), "arrive", pid)
+                if not pid.startswith("idle"):
+                    at(t + rng.expovariate(1 / 20.0), "arrive", pid)
             await asyncio.sleep(0)  # the tasks this event woke run, and queue their work
-            times.append(time.perf_counter() - t0)
+            if t >= start:
+                times.append(time.perf_counter() - t0)
         ctl.policy.check_integrity()
     finally:
         await ctl.stop()  # held requests are rejected: collect their tasks quietly
@@ -132,7 +153,29 @@ def main() -> None:
     ap.add_argument("--policy", default="mori")
     ap.add_argument("--python-gc", action="store_true",
                     help="keep Python's collector defaults instead of mori serve's")
+    ap.add_argument("--idle", default="",
+                    help="idle program counts (e.g. 1000,10000,100000) beside a fixed "
+                         "active loop; --sizes is then not used")
+    ap.add_argument("--active", type=int, default=1000,
+                    help="programs in the closed loop with --idle (80 per replica)")
     args = ap.parse_args()
+    if args.idle:
+        n = args.active
+        print(f"policy {args.policy}: controller cost per event, {n} active programs on "
+              f"{max(1, n // PER_REPLICA)} replicas beside idle ones (fake clock, "
+              "in-memory adapters)")
+        print(f"{'idle':>9} {'events':>7} {'p50 us':>8} {'p99 us':>8} {'mean us':>8} "
+              f"{'vs first':>9}")
+        first = None
+        for k in (int(x) for x in args.idle.split(",")):
+            ts = sorted(asyncio.run(measure(args.policy, n, args.events + 2 * n,
+                                            serve_gc=not args.python_gc, idle=k)))
+            mean = statistics.fmean(ts)
+            first = first or mean
+            print(f"{k:>9} {len(ts):>7} {statistics.median(ts) * 1e6:>8.1f} "
+                  f"{ts[int(0.99 * (len(ts) - 1))] * 1e6:>8.1f} {mean * 1e6:>8.1f} "
+                  f"{mean / first:>9.2f}")
+        return
     print(f"policy {args.policy}: controller cost per event ({PER_REPLICA} programs per "
           "replica, fake clock, in-memory adapters)")
     print(f"{'programs':>9} {'replicas':>9} {'events':>7} {'p50 us':>8} {'p99 us':>8} "

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from driver import FakeWorld, ProgramSpec, StepSpec
 from scenario_steps import CPU, GPU, NONE, arrive, fin, make, step, where
 
 from mori.core.decisions import Demote, Forward, Promote
 from mori.core.events import ProgramEnded
-from mori.core.policy import Policy
+from mori.core.ledger import ClusterSpec
+from mori.core.policies import MoriPolicy
+from mori.core.policy import Policy, PolicyConfig
+from mori.core.types import Tier
 
 
 def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
@@ -174,3 +178,51 @@ def test_replica_loads_are_checked() -> None:
         except ValueError:
             continue
         raise AssertionError(f"accepted {bad}")
+
+
+def test_room_is_made_where_the_demoted_program_keeps_its_kv_in_dram() -> None:
+    """Every GPU tier full: the room for a new program is made on the replica whose CPU
+    tier can take the program demoted for it, not on the lowest index, which would push
+    a program out of its full CPU tier to no tier while the other CPU tier sits empty."""
+    p = make("mori", gpu=100, cpu=100, replicas=2)
+    step(p, 0.0, arrive("X", 90), arrive("Y", 90))
+    assert (where(p, "X"), where(p, "Y")) == ((GPU, 0), (GPU, 1))
+    step(p, 1.0, fin("X", 90), ProgramEnded("Y"))
+    step(p, 2.0, arrive("A", 90))  # replica 1 is empty
+    step(p, 2.0, arrive("C", 90))  # replica 0's X (acting) makes room: X to its DRAM
+    assert (where(p, "A"), where(p, "C"), where(p, "X")) == ((GPU, 1), (GPU, 0), (CPU, 0))
+    step(p, 3.0, fin("C", 90), fin("A", 90))
+    # D needs room: both replicas have 10 free and one acting program. Replica 0's CPU
+    # tier is full (X), replica 1's is empty: A moves to replica 1's DRAM and nobody
+    # loses its KV
+    assert step(p, 4.0, arrive("D", 80)) == [Demote("A", 1, GPU, CPU), Promote("D", 1, NONE),
+                                             Forward("D", 1)]
+    assert [where(p, x) for x in "ACDX"] == [(CPU, 1), (GPU, 0), (GPU, 1), (CPU, 0)]
+
+
+def test_every_tier_full_both_replicas_take_new_programs_and_keep_dram_full() -> None:
+    """200 programs of 100 tokens arrive one every 0.5 s, each makes one step and then
+    sits in a long tool call; two replicas hold 10 such programs on each GPU and 10 in
+    each CPU tier. Room for each newcomer is made on the replica whose most idle program
+    is the most idle, so both replicas take new programs, and the demoted fill both CPU
+    tiers before anyone is dropped: exactly the 160 that fit in no tier lose their KV.
+    (Making room where the fewest must leave chose replica 0 for 190 of the 200, and
+    dropped 170 while replica 1's CPU tier stayed empty.)"""
+    progs = [ProgramSpec(f"p{i:03d}", i * 0.5, (StepSpec(growth=100, output=0, service=1.0,
+                                                         gap=500.0, kv_frac=None),))
+             for i in range(200)]
+    policy = MoriPolicy(ClusterSpec(2, 1000, 1000), 1, PolicyConfig(page_tokens=1))
+    world = FakeWorld(policy, progs, 10_000.0)
+    world.run()
+    admitted, to_cpu, dropped = [0, 0], [0, 0], 0
+    for _, x in world.trace:
+        for d in x if isinstance(x, list) else ():
+            if isinstance(d, Promote) and d.source is Tier.NONE:
+                admitted[d.replica] += 1
+            elif isinstance(d, Demote) and d.source is Tier.GPU and d.to is Tier.CPU:
+                to_cpu[d.replica] += 1
+            elif isinstance(d, Demote) and d.to is Tier.NONE:
+                dropped += 1
+    assert min(admitted) >= 80, admitted
+    assert min(to_cpu) >= 10, to_cpu
+    assert dropped == 200 - 2 * 10 - 2 * 10

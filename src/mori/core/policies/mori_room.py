@@ -8,6 +8,7 @@ these; the round that calls them is ``mori.MoriPolicy``.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from mori.core.decisions import Decision
@@ -96,7 +97,7 @@ class MoriRoom(MoriPlacement):
         held = sorted((p for p in self._ready_gpu.values() if p.replica == r), key=iota.desc)
         return order + held
 
-    def _room_plan_fast(self, c: Program, reserve: list[int]) -> _RoomPlan:
+    def _room_plan_fast(self, c: Program, reserve: list[int], iota: _Iota) -> _RoomPlan:
         """``_room_plan`` when every Acting and Reasoning program may make room (MORI's
         own rules), from the per-replica sums and orders instead of the members."""
         gpus, sums = self.placement.gpu, self._sums
@@ -104,39 +105,57 @@ class MoriRoom(MoriPlacement):
             # room is made once a round; a replica may be reserved already for a request
             # past the bound (its _avail counts the reservation, its _room does not)
             kv = c.kv_bytes
-            if self._fresh_room().most() >= kv:  # some replica can make room now: the one with
-                for avail, rr in self._avail:  # the most free space (then lowest index)
+            if self._fresh_room().most() >= kv:  # some replica can make room now
+                best: tuple[bool, float, int, int] | None = None
+                for avail, rr in self._avail:  # (the most free space, then lowest index)
                     if avail + sums.acting[rr] >= kv:
-                        return _RoomPlan(rr, 0.0, float(avail + sums.acting[rr]
-                                                        + sums.reasoning[rr]), None)
+                        key = (self._cpu_takes(rr, kv - avail),
+                               self._first_victim_iota(rr, kv - avail, iota), avail, -rr)
+                        if best is None or key > best:
+                            best = key
+                if best is not None:
+                    r = -best[3]
+                    return _RoomPlan(r, 0.0, float(self._avail[r] + sums.acting[r]
+                                                   + sums.reasoning[r]), None)
             if not self._ready_gpu:  # no held request on a GPU: every replica would have
-                # all of its room later, but for a reservation
+                # all of its room later, but for a reservation: the first unreserved one
+                # where the demoted keep their KV in DRAM, else the first unreserved
                 held = self._round_reserve
-                r0 = next((q for q in range(len(gpus))
-                           if not held.get(q) and q not in self.placement.down), None)
-                if r0 is not None:
+                up = [q for q in range(len(gpus))
+                      if not held.get(q) and q not in self.placement.down]
+                if up:
+                    r0 = next((q for q in up if self._cpu_takes(q, kv - gpus[q].free())),
+                              up[0])
                     return _RoomPlan(r0, 0.0, float(self._cap), None)
-        now_best: tuple[float, int] | None = None  # (free beyond reservation, replica)
-        later_best: tuple[float, int] | None = None  # (room later, replica)
+        # (lands in DRAM, the first victim's iota, free beyond reservation, -replica),
+        # (room later, lands, -replica)
+        now_best: tuple[bool, float, float, int] | None = None
+        later_best: tuple[float, bool, int] | None = None
         for r in self._replicas_for(c):
             free = gpus[r].free() - reserve[r]
             room = free + sums.acting[r]
             later = room + sums.reasoning[r]
-            if room >= c.kv_bytes and (now_best is None or free > now_best[0]):
-                now_best = (free, r)
-            if later_best is None or later > later_best[0]:
-                later_best = (later, r)
+            lands = self._cpu_takes(r, c.kv_bytes - free)
+            if room >= c.kv_bytes:
+                key = (lands, self._first_victim_iota(r, c.kv_bytes - free, iota), free, -r)
+                if now_best is None or key > now_best:
+                    now_best = key
+            if later_best is None or (later, lands, -r) > later_best:
+                later_best = (later, lands, -r)
         assert later_best is not None
         if now_best is not None:
-            r = now_best[1]
+            r = -now_best[3]
             later = gpus[r].free() - reserve[r] + sums.acting[r] + sums.reasoning[r]
             return _RoomPlan(r, 0.0, later, None)
-        return _RoomPlan(later_best[1], 0.0, later_best[0], None)
+        return _RoomPlan(-later_best[2], 0.0, later_best[0], None)
 
     def _room_plan(self, c: Program, now: float, iota: _Iota, reserve: list[int]) -> _RoomPlan:
-        """Where room for ``c`` is made: the replica needing the fewest demotions among
-        those where it can be made now, else the one with the most room once its running
-        steps end."""
+        """Where room for ``c`` is made. Among the replicas where it can be made now: one
+        whose CPU tier takes what is demoted (``_cpu_takes``), then the one whose first
+        program to leave is the most idle (``_first_victim_iota``), then the one with
+        the most free space (the fewest demotions), then the lowest index. Else the one
+        with the most room once its running steps end (then whose CPU tier takes what
+        is demoted, then the lowest index)."""
         mine = iota(c)
         plans = []
         for r in self._replicas_for(c):
@@ -149,18 +168,61 @@ class MoriRoom(MoriPlacement):
                             and self._victim_ok(iota(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
             plans.append(_RoomPlan(r, room, room + reasoning, acting))
+        def free(t: _RoomPlan) -> float:
+            return self.placement.gpu[t.replica].free() - reserve[t.replica]
+
+        def lands(t: _RoomPlan) -> bool:
+            return self._cpu_takes(t.replica, c.kv_bytes - free(t))
+
+        def first_iota(t: _RoomPlan) -> float:
+            assert t.acting is not None
+            if c.kv_bytes - free(t) <= 0:
+                return math.inf
+            return iota(t.acting[0]) if t.acting else -math.inf
+
         now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
-        if now_ok:  # placeable now: the replica needing the fewest demotions
-            return max(now_ok, key=lambda t: (self.placement.gpu[t.replica].free()
-                                              - reserve[t.replica], -t.replica))
+        if now_ok:  # placeable now: where the demoted keep their KV in DRAM, then where
+            # the first to leave is the most idle, then the fewest demotions
+            return max(now_ok, key=lambda t: (lands(t), first_iota(t), free(t), -t.replica))
         # only after running steps end: the replica with the most room then
-        return max(plans, key=lambda t: (t.room_later, -t.replica))
+        return max(plans, key=lambda t: (t.room_later, lands(t), -t.replica))
+
+    def _first_victim_iota(self, r: int, need: float, iota: _Iota) -> float:
+        """The iota of the first program demoted to make ``need`` bytes of room on
+        replica ``r``'s GPU: its most idle Acting program (inf when none must leave,
+        -inf when it has none).
+
+        Across replicas, room is made where that program is the most idle: the ranking
+        that decides who leaves a replica also decides which replica. (Making room
+        where the fewest must leave, as before, chose the lowest index whenever every
+        GPU tier was full, and with it every new program: one replica served all the
+        work while the other kept its idle programs.)"""
+        if need <= 0:
+            return math.inf
+        acting = self._gpu_acting[r]
+        if not len(acting):
+            return -math.inf
+        return iota(next(acting.descending(iota, iota.now)))
+
+    def _cpu_takes(self, r: int, need: float) -> bool:
+        """Whether replica ``r``'s CPU tier has ``need`` bytes free: what making that
+        much room on its GPU demotes keeps its KV in DRAM, nobody dropped for it.
+
+        Ours, not the paper's (which makes room where the fewest programs must leave):
+        with every GPU tier full, that chose the lowest index each time, whose full CPU
+        tier then pushed program after program to no tier while another replica's CPU
+        tier held nothing. A demoted program cannot move to another replica's DRAM (its
+        KV is on this replica's GPU), so the choice is made here, where room is made.
+        An estimate: demotions go by whole programs, so they may free more than ``need``.
+        """
+        cq = self.placement.cpu[r]
+        return bool(cq.capacity) and cq.free() >= need
 
     def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
                    reserve: list[int]) -> None:
         if (self._frozen and type(self)._victim_ok is MoriRoom._victim_ok
                 and type(self)._displaceable is MoriRoom._displaceable):
-            plan = self._room_plan_fast(c, reserve)
+            plan = self._room_plan_fast(c, reserve, iota)
         else:
             plan = self._room_plan(c, now, iota, reserve)
         if plan.room_later < c.kv_bytes:
