@@ -16,7 +16,9 @@ microseconds, and the mean against the smallest size measured in the same run.
 ``--idle 1000,10000,100000`` keeps the replicas and the active loop fixed (``--active``
 programs, 80 per replica) and adds that many idle programs first: each sends one
 request, runs its step and never returns (a client that went away; the gateway's idle
-timeout is off). The events are timed once every idle program has made its step; the
+timeout is off). The active loop starts once every idle program has made its step,
+and its events are timed from 240 s of fake time later, once it has pushed the idle programs
+out of the GPU and CPU tiers (the steady state, the same whatever their number); the
 mean is compared against the first count. This is how the gateway's per-event cost is
 checked to stay flat as programs accumulate.
 
@@ -29,8 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import heapq
+import math
+import pstats
 import random
 import statistics
 import time
@@ -79,7 +84,8 @@ class Clock:
 
 
 async def measure(policy: str, programs: int, events: int, seed: int = 0,
-                  serve_gc: bool = True, idle: int = 0) -> list[float]:
+                  serve_gc: bool = True, idle: int = 0,
+                  profiler: cProfile.Profile | None = None) -> list[float]:
     """Per-event times of ``programs`` programs in a closed loop; with ``idle``, that
     many more programs make one step each before the timed events and never return."""
     rng = random.Random(seed)
@@ -108,15 +114,19 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0,
         if not task.cancelled() and task.exception() is None:
             at(clock.t + rng.uniform(1.0, 8.0), "finish", pid)
 
-    start = 0.0
-    if idle:  # they arrive first, each runs one step and goes away
-        start = 60.0
-        for i in range(idle):
-            tokens[f"idle{i}"] = rng.randint(20_000, 60_000)
-            at(rng.uniform(0.0, 30.0), "arrive", f"idle{i}")
-    for pid in tokens:
-        if not pid.startswith("idle"):
-            at(start + rng.uniform(0.0, 60.0), "arrive", pid)
+    start = 0.0 if not idle else math.inf  # events are timed from then on
+    idle_left = idle
+    for i in range(idle):  # they arrive first, each runs one step and goes away
+        tokens[f"idle{i}"] = rng.randint(20_000, 60_000)
+        at(rng.uniform(0.0, 30.0), "arrive", f"idle{i}")
+
+    def start_active(t0: float) -> None:
+        for pid in tokens:
+            if not pid.startswith("idle"):
+                at(t0 + rng.uniform(0.0, 60.0), "arrive", pid)
+
+    if not idle:
+        start_active(0.0)
     times: list[float] = []
     tasks: set[asyncio.Task[Any]] = set()
     try:
@@ -133,9 +143,19 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0,
                 ctl.finished(pid, tokens[pid])
                 if not pid.startswith("idle"):
                     at(t + rng.expovariate(1 / 20.0), "arrive", pid)
+                else:
+                    idle_left -= 1
+                    if not idle_left:  # the active loop starts, and is timed once it
+                        # has pushed the idle programs out of the tiers
+                        start_active(t)
+                        start = t + 240.0
             await asyncio.sleep(0)  # the tasks this event woke run, and queue their work
             if t >= start:
                 times.append(time.perf_counter() - t0)
+                if profiler is not None and len(times) == 1:
+                    profiler.enable()  # from the second timed event on
+        if profiler is not None:
+            profiler.disable()
         ctl.policy.check_integrity()
     finally:
         await ctl.stop()  # held requests are rejected: collect their tasks quietly
@@ -156,6 +176,10 @@ def main() -> None:
     ap.add_argument("--idle", default="",
                     help="idle program counts (e.g. 1000,10000,100000) beside a fixed "
                          "active loop; --sizes is then not used")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --idle: print the functions taking the most time in the "
+                         "timed events of each count (cProfile; the times it prints are "
+                         "inflated by the profiler)")
     ap.add_argument("--active", type=int, default=1000,
                     help="programs in the closed loop with --idle (80 per replica)")
     args = ap.parse_args()
@@ -168,8 +192,12 @@ def main() -> None:
               f"{'vs first':>9}")
         first = None
         for k in (int(x) for x in args.idle.split(",")):
+            prof = cProfile.Profile() if args.profile else None
             ts = sorted(asyncio.run(measure(args.policy, n, args.events + 2 * n,
-                                            serve_gc=not args.python_gc, idle=k)))
+                                            serve_gc=not args.python_gc, idle=k,
+                                            profiler=prof)))
+            if prof is not None:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
             mean = statistics.fmean(ts)
             first = first or mean
             print(f"{k:>9} {len(ts):>7} {statistics.median(ts) * 1e6:>8.1f} "

@@ -31,9 +31,9 @@ Every rule of section 4, and where a detail is ours:
   ones are demoted lazily: when their step ends, a later round finds them Acting and
   demotes them then. Otherwise nobody is demoted and it waits. With several replicas,
   room is made (ours: the paper does not say where) on a replica whose CPU tier can take
-  what is demoted, then where the first program to leave is the most idle, then where
-  the fewest must leave (``mori_room._room_plan``): making room where the fewest must
-  leave alone sent every newcomer to replica 0 once all GPU tiers were full, and pushed
+  what is demoted, then where the fewest must leave, then where the first program to
+  leave is the most idle (``mori_room._room_plan``): the lowest index among equals
+  alone sent every newcomer to replica 0 once all GPU tiers were full, and pushed
   programs from its full CPU tier to no tier while replica 1's stayed empty.
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
   the promotions above, requests held ``max_wait_s`` or longer are served oldest first

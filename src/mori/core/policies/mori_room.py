@@ -106,15 +106,21 @@ class MoriRoom(MoriPlacement):
             # past the bound (its _avail counts the reservation, its _room does not)
             kv = c.kv_bytes
             if self._fresh_room().most() >= kv:  # some replica can make room now
-                best: tuple[bool, float, int, int] | None = None
+                best: tuple[bool, int] | None = None  # (lands in DRAM, free space)
+                ties: list[int] = []
                 for avail, rr in self._avail:  # (the most free space, then lowest index)
+                    if best is not None and best[0] and avail < best[1]:
+                        break  # nothing later beats it
                     if avail + sums.acting[rr] >= kv:
-                        key = (self._cpu_takes(rr, kv - avail),
-                               self._first_victim_iota(rr, kv - avail, iota), avail, -rr)
+                        key = (self._cpu_takes(rr, kv - avail), avail)
                         if best is None or key > best:
-                            best = key
+                            best, ties = key, [rr]
+                        elif key == best:
+                            ties.append(rr)
                 if best is not None:
-                    r = -best[3]
+                    r = ties[0] if len(ties) == 1 else max(
+                        ties, key=lambda q: (self._first_victim_iota(q, kv - best[1], iota),
+                                             -q))
                     return _RoomPlan(r, 0.0, float(self._avail[r] + sums.acting[r]
                                                    + sums.reasoning[r]), None)
             if not self._ready_gpu:  # no held request on a GPU: every replica would have
@@ -127,7 +133,7 @@ class MoriRoom(MoriPlacement):
                     r0 = next((q for q in up if self._cpu_takes(q, kv - gpus[q].free())),
                               up[0])
                     return _RoomPlan(r0, 0.0, float(self._cap), None)
-        # (lands in DRAM, the first victim's iota, free beyond reservation, -replica),
+        # (lands in DRAM, free beyond reservation, the first victim's iota, -replica),
         # (room later, lands, -replica)
         now_best: tuple[bool, float, float, int] | None = None
         later_best: tuple[float, bool, int] | None = None
@@ -137,9 +143,9 @@ class MoriRoom(MoriPlacement):
             later = room + sums.reasoning[r]
             lands = self._cpu_takes(r, c.kv_bytes - free)
             if room >= c.kv_bytes:
-                key = (lands, self._first_victim_iota(r, c.kv_bytes - free, iota), free, -r)
-                if now_best is None or key > now_best:
-                    now_best = key
+                plan = (lands, free, self._first_victim_iota(r, c.kv_bytes - free, iota), -r)
+                if now_best is None or plan > now_best:
+                    now_best = plan
             if later_best is None or (later, lands, -r) > later_best:
                 later_best = (later, lands, -r)
         assert later_best is not None
@@ -151,9 +157,9 @@ class MoriRoom(MoriPlacement):
 
     def _room_plan(self, c: Program, now: float, iota: _Iota, reserve: list[int]) -> _RoomPlan:
         """Where room for ``c`` is made. Among the replicas where it can be made now: one
-        whose CPU tier takes what is demoted (``_cpu_takes``), then the one whose first
-        program to leave is the most idle (``_first_victim_iota``), then the one with
-        the most free space (the fewest demotions), then the lowest index. Else the one
+        whose CPU tier takes what is demoted (``_cpu_takes``), then the one with the most
+        free space (the fewest demotions), then the one whose first program to leave is
+        the most idle (``_first_victim_iota``), then the lowest index. Else the one
         with the most room once its running steps end (then whose CPU tier takes what
         is demoted, then the lowest index)."""
         mine = iota(c)
@@ -181,9 +187,9 @@ class MoriRoom(MoriPlacement):
             return iota(t.acting[0]) if t.acting else -math.inf
 
         now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
-        if now_ok:  # placeable now: where the demoted keep their KV in DRAM, then where
-            # the first to leave is the most idle, then the fewest demotions
-            return max(now_ok, key=lambda t: (lands(t), first_iota(t), free(t), -t.replica))
+        if now_ok:  # placeable now: where the demoted keep their KV in DRAM, then the
+            # fewest demotions, then where the first to leave is the most idle
+            return max(now_ok, key=lambda t: (lands(t), free(t), first_iota(t), -t.replica))
         # only after running steps end: the replica with the most room then
         return max(plans, key=lambda t: (t.room_later, lands(t), -t.replica))
 
@@ -192,11 +198,11 @@ class MoriRoom(MoriPlacement):
         replica ``r``'s GPU: its most idle Acting program (inf when none must leave,
         -inf when it has none).
 
-        Across replicas, room is made where that program is the most idle: the ranking
-        that decides who leaves a replica also decides which replica. (Making room
-        where the fewest must leave, as before, chose the lowest index whenever every
-        GPU tier was full, and with it every new program: one replica served all the
-        work while the other kept its idle programs.)"""
+        Among replicas with equal free space (every GPU tier filled exactly), room is
+        made where that program is the most idle: the ranking that decides who leaves
+        a replica also decides which replica. (The lowest index, as before, took every
+        new program once the tiers were full: one replica served all the work while the
+        other kept its idle programs.)"""
         if need <= 0:
             return math.inf
         acting = self._gpu_acting[r]
