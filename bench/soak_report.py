@@ -87,18 +87,28 @@ def placement(before: dict[str, int | None], after: dict[str, int | None],
     back (``after``), judged against the engines' residency (one ``/mori/v1/residency``
     per replica, in order): of the programs that had a replica and whose KV some engine
     still holds, ``kept`` came back at the same replica, ``moved_to_replica_with_kv`` at
-    another one that holds their KV, and ``lost`` elsewhere or not at all."""
+    another one that holds their KV, and ``lost`` elsewhere or not at all. Programs an
+    engine reports as ended (released before the restart, by a client or by the
+    gateway's idle timeout) and not listed after it are counted apart
+    (``released_before``): they are not to be taken back."""
     holders: dict[str, set[int]] = {}
+    ended: set[str] = set()  # released before the restart (by a client or the idle
+    # timeout): the engine may still cache their KV, but they are not taken back
+    for res in residency:
+        ended.update(str(pid) for pid in res.get("ended") or ())
     for i, res in enumerate(residency):
         for tier in ("gpu_tokens", "cpu_tokens"):
             for pid, n in (res.get(tier) or {}).items():
                 if n > 0:
                     holders.setdefault(pid, set()).add(i)
-    kept = moved = not_held = no_replica = 0
+    kept = moved = not_held = no_replica = released = 0
     lost: list[dict[str, Any]] = []
     for pid, r in before.items():
         if r is None:
             no_replica += 1
+            continue
+        if pid in ended and pid not in after:
+            released += 1
             continue
         held = holders.get(pid)
         if not held:
@@ -114,7 +124,7 @@ def placement(before: dict[str, int | None], after: dict[str, int | None],
                          "listed_after": pid in after, "kv_on": sorted(held)})
     return {"kept": kept, "moved_to_replica_with_kv": moved, "lost": len(lost),
             "lost_samples": lost[:20], "kv_on_no_engine": not_held,
-            "no_replica_before": no_replica,
+            "no_replica_before": no_replica, "released_before": released,
             "engine_programs": [len(set(res.get("gpu_tokens") or {})
                                     | set(res.get("cpu_tokens") or {}))
                                 for res in residency],
@@ -150,7 +160,8 @@ def report_faults(res: dict[str, Any]) -> None:
               f"(engines hold KV of {r['engine_programs']})")
         print(f"  placement: kept {r['kept']}, moved to a replica holding their KV "
               f"{r['moved_to_replica_with_kv']}, LOST {r['lost']}; not judged: KV on no "
-              f"engine {r['kv_on_no_engine']}, no replica before {r['no_replica_before']}; "
+              f"engine {r['kv_on_no_engine']}, no replica before {r['no_replica_before']}, released "
+              f"before {r.get('released_before', 0)}; "
               f"listed after but not before {r['restored_not_listed_before']} (of them released "
               f"by this client before the restart: {r['restored_released_by_client']})")
         for x in r["lost_samples"][:5]:
