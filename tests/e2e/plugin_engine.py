@@ -149,6 +149,11 @@ def metric(url: str, name: str) -> float:
 
 def label(endpoint: str, labels: dict[str, str]) -> dict[str, Any]:
     """Handshake with the plug-in, then set ``labels``; the two replies by op."""
+    return ask_plugin(endpoint, [("hello", {}), ("set", {"labels": labels})])
+
+
+def ask_plugin(endpoint: str, messages: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Send the plug-in each ``(op, fields)`` in turn; the replies by op."""
     import zmq
 
     from mori.vllm_plugin import protocol
@@ -159,7 +164,7 @@ def label(endpoint: str, labels: dict[str, str]) -> dict[str, Any]:
     sock.connect(endpoint)
     try:
         replies = {}
-        for op, fields in (("hello", {}), ("set", {"labels": labels})):
+        for op, fields in messages:
             sock.send(protocol.encode(op, **fields))
             if not sock.poll(10_000):
                 pytest.fail(f"the plug-in did not answer {op!r} at {endpoint}", pytrace=False)

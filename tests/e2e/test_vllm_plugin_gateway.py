@@ -14,6 +14,10 @@ fits. Then, with the plug-in:
 
 Without the plug-in (plain LRU) neither can be promised: the earlier end-to-end test
 had to weaken both checks.
+
+Then one agent is released and the gateway is restarted: the new one reads the plug-in's
+residency (its KV events start empty) and knows every other agent again, on the engine,
+before any request; the released one it does not take back.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,7 @@ import pytest
 
 from .agent_turns import text, turn_of
 from .conftest import BLOCK_SIZE, NUM_BLOCKS, free_port, http_ok, stop_group
-from .plugin_engine import Engine, start_engine
+from .plugin_engine import Engine, ask_plugin, start_engine
 
 pytestmark = pytest.mark.e2e
 
@@ -64,6 +69,10 @@ class PluginRun:
     checkpoints: list[Checkpoint]
     decisions: list[dict[str, Any]]
     gateway_log: str
+    released: str = ""
+    held: dict[str, Any] = field(default_factory=dict)  # the plug-in's residency then
+    after_restart: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    restart_log: str = ""
 
 
 def _agents_in_rounds(client: Any, gw: str) -> tuple[list[dict[str, Any]], list[str],
@@ -101,30 +110,60 @@ def _agents_in_rounds(client: Any, gw: str) -> tuple[list[dict[str, Any]], list[
     return turns, errors, checkpoints
 
 
-def _run(engine: Engine, kv_events: str, log: Path) -> PluginRun:
-    openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+def _serve(backend: str, log: Path) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     gw = f"http://127.0.0.1:{port}"
-    backend = (f"vllm={engine.url},kv_events={kv_events},labels={engine.labels},"
-               f"kv_tokens={POLICY_TOKENS}")
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "mori", "serve", "--backend", backend,
                                  "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    t0 = time.monotonic()
+    while not http_ok(gw + "/v1/programs"):
+        if proc.poll() is not None or time.monotonic() - t0 > 60:
+            stop_group(proc, grace_s=10)
+            pytest.fail(f"mori serve did not start:\n{log.read_text()[-3000:]}",
+                        pytrace=False)
+        time.sleep(0.3)
+    return gw, proc
+
+
+def _program(gw: str, pid: str) -> dict[str, Any] | None:
     try:
-        t0 = time.monotonic()
-        while not http_ok(gw + "/v1/programs"):
-            if proc.poll() is not None or time.monotonic() - t0 > 60:
-                pytest.fail(f"mori serve did not start:\n{log.read_text()[-3000:]}",
-                            pytrace=False)
-            time.sleep(0.3)
+        return dict(_get(f"{gw}/v1/programs/{pid}"))
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def _run(engine: Engine, kv_events: str, log: Path) -> PluginRun:
+    openai = pytest.importorskip("openai", reason="the openai client is a test dependency")
+    backend = (f"vllm={engine.url},kv_events={kv_events},labels={engine.labels},"
+               f"kv_tokens={POLICY_TOKENS}")
+    gw, proc = _serve(backend, log)
+    released = "agent-0"
+    try:
         client = openai.OpenAI(base_url=gw + "/v1", api_key="none", timeout=300,
                                max_retries=0)
         turns, errors, checkpoints = _agents_in_rounds(client, gw)
         decisions = _get(gw + "/v1/decisions")["data"]
+        req = urllib.request.Request(f"{gw}/v1/programs/{released}/release", b"",
+                                     method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
     finally:
         stop_group(proc, grace_s=10)
-    return PluginRun(turns, errors, checkpoints, decisions, log.read_text(errors="replace"))
+    assert engine.labels is not None
+    run = PluginRun(turns, errors, checkpoints, decisions, log.read_text(errors="replace"),
+                    released, ask_plugin(engine.labels, [("residency", {})])["residency"])
+    restart_log = log.with_name("gateway-restarted.log")
+    gw, proc = _serve(backend, restart_log)
+    try:
+        run.after_restart = {f"agent-{i}": _program(gw, f"agent-{i}") for i in range(AGENTS)}
+    finally:
+        stop_group(proc, grace_s=10)
+    run.restart_log = restart_log.read_text(errors="replace")
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +233,17 @@ def test_resident_programs_next_turn_hits_its_whole_previous_prompt(
             misses.append((pid, k, r["cached"], need))
     assert checked >= 3, f"only {checked} turns stayed resident: nothing much to check"
     assert not misses, f"(program, turn, cached, previous prompt's full blocks): {misses}"
+
+
+def test_a_restarted_gateway_finds_the_agents_on_the_engine(plugin_run: PluginRun) -> None:
+    """The new gateway's KV events start empty: what it knows comes from the plug-in,
+    which held the KV of every agent it knows again, and of no other."""
+    held, after = plugin_run.held, plugin_run.after_restart
+    assert plugin_run.released in held["inactive"], held  # the release reached the engine
+    on_engine = (set(held["gpu"]) | set(held["cpu"])) - set(held["inactive"])
+    known = {pid for pid, p in after.items() if p is not None}
+    assert known == on_engine & set(after), (held, after, plugin_run.restart_log[-3000:])
+    assert known, f"the engine held no agent's KV at the restart: {held}"
+    assert all(after[pid]["replica"] in (0, None) for pid in known), after
+    assert any(after[pid]["tier"] == "gpu" for pid in known), after
+    assert f"restored {len(on_engine & set(after))} program(s)" in plugin_run.restart_log

@@ -250,6 +250,56 @@ def test_non_ascii_ids_cross_the_channel_intact() -> None:
     run(go)
 
 
+HELD = {"gpu": {"a": 64, "b": 32}, "cpu": {"b": 96}, "inactive": ["b"]}
+
+
+def test_residency_comes_from_the_plugin_while_it_answers() -> None:
+    async def go(eng: FakeEngine) -> None:
+        async with plugged(eng, plugin=dict(residency=HELD), **FAST) as (a, plug):
+            assert not a.supports(Capability.RESIDENCY)  # no KV events, no handshake yet
+            await a.start()
+            assert a.supports(Capability.RESIDENCY)
+            res = await a.residency()
+            assert (dict(res.gpu_tokens), dict(res.cpu_tokens), res.ended) == (
+                {"a": 64, "b": 32}, {"b": 96}, frozenset({"b"}))
+            assert plug.ops == ["hello", "residency"]
+            plug.silent = True  # the engine goes quiet: a clean error, the capability goes
+            with pytest.raises(UpstreamError, match="did not tell its residency"):
+                await a.residency()
+            assert not a.supports(Capability.RESIDENCY) and not a.labels_up
+            plug.silent = False
+            assert await a.check_labels() and a.supports(Capability.RESIDENCY)
+    run(go)
+
+
+def test_an_older_plugin_without_the_op_leaves_residency_to_kv_events() -> None:
+    async def go(eng: FakeEngine) -> None:
+        async with plugged(eng, kv_events="tcp://127.0.0.1:9") as (a, plug):
+            await a.start()
+            assert a.labels_up and a.supports(Capability.RESIDENCY)  # from the events
+            res = await a.residency()  # the (empty) event index, not the plug-in
+            assert not res.gpu_tokens and "residency" not in plug.ops
+        async with plugged(eng) as (a, plug):
+            await a.start()
+            assert a.labels_up and not a.supports(Capability.RESIDENCY)
+    run(go)
+
+
+def test_a_malformed_residency_falls_back_with_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def go(eng: FakeEngine) -> None:
+        bad = {"gpu": {"a": -1}, "cpu": {}, "inactive": []}
+        async with plugged(eng, plugin=dict(residency=bad), **FAST) as (a, _):
+            await a.start()
+            with pytest.raises(UpstreamError, match="residency"):
+                await a.residency()
+            assert a.labels_up  # a bad answer is not a dead channel
+    with caplog.at_level(logging.WARNING, logger="mori.engines.vllm"):
+        run(go)
+    assert any("'gpu' is not an object of program -> tokens" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_without_plugin_the_adapter_works_as_before(caplog: pytest.LogCaptureFixture) -> None:
     async def go(eng: FakeEngine) -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"

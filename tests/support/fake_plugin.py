@@ -2,7 +2,8 @@
 
 A ZMQ ROUTER in the caller's event loop that answers every message as
 ``mori.vllm_plugin.protocol`` says, keeps the label table it is sent, and records every
-message; it can go silent, answer late, or restart as another instance.
+message; it can go silent, answer late, or restart as another instance. ``residency`` is
+what it answers the op of that name (None: an older plug-in, which does not list the op).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class FakePlugin:
     """The plug-in's end: binds a ROUTER at ``endpoint``, answers every message as the
     protocol says (``silent``: receives and answers nothing), keeps the label table."""
 
-    def __init__(self, port: int | None = None, cpu_tier_tokens: int = 0) -> None:
+    def __init__(self, port: int | None = None, cpu_tier_tokens: int = 0,
+                 residency: dict[str, Any] | None = None) -> None:
         self.instance = uuid.uuid4().hex
         self.port = port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.cpu_tier_tokens = cpu_tier_tokens
+        self.residency = residency
         self.received: list[dict[str, Any]] = []
         self.labels: dict[str, str] = {}
         self.silent = False
@@ -99,10 +102,15 @@ class FakePlugin:
         except protocol.ProtocolError as e:
             return protocol.reply("error", ok=False, error=str(e))
         if m.op == "hello":
+            ops = [op for op in protocol.OPS if op != "residency" or self.residency is not None]
             return protocol.reply("hello", plugin_version=protocol.PLUGIN_VERSION,
                                   instance=self.instance, block_size=32, gpu_blocks=64,
                                   cpu_tier_tokens=self.cpu_tier_tokens,
-                                  programs=len(self.labels))
+                                  programs=len(self.labels), ops=ops)
+        if m.op == "residency":
+            if self.residency is None:
+                return protocol.reply("residency", ok=False, error="unknown op")
+            return protocol.reply("residency", **self.residency)
         if m.op == "set":
             self.labels.update(m.labels or {})
         elif m.op == "replace":

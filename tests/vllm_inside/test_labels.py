@@ -71,3 +71,46 @@ def test_drop() -> None:
     assert evict == {1} and affected == {1, 2, 3, 4}
     assert t.label_of_block(3) == "inactive" and t.labels() == {"b": "inactive"}
     assert t.blocks_of("a") == frozenset()
+
+
+def test_held_counts_cached_blocks_and_labelled_lists_a_label() -> None:
+    t = LabelTable()
+    t.learn("a", [1, 2, 3])
+    t.learn("b", [3, 4])
+    t.set_labels({"a": "idle", "b": "inactive", "c": "inactive"})
+    assert t.held(lambda b: b != 2) == {"a": 2, "b": 2}
+    assert t.held(lambda b: b > 3) == {"b": 1}  # a program with nothing cached is left out
+    assert sorted(t.labelled("inactive")) == ["b", "c"] and t.labelled("busy") == []
+
+
+def test_held_is_safe_while_another_thread_changes_the_table() -> None:
+    """The label server reads ``held`` on its thread while the scheduler learns blocks."""
+    import threading
+
+    t = LabelTable()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            t.learn(f"p{i % 500}", range(i % 97, i % 97 + 5))
+            t.forget_block(i % 101)
+            t.set_labels({f"p{i % 500}": "idle"})
+            i += 1
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        for _ in range(300):
+            try:
+                held = t.held(lambda b: True)
+                t.labelled("idle")
+            except BaseException as e:  # what the server's thread must never see
+                errors.append(e)
+                break
+            assert all(n > 0 for n in held.values())
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors

@@ -111,6 +111,9 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         hello = dealer("hello")
         assert hello["ok"] and hello["block_size"] == BLOCK
         assert hello["gpu_blocks"] == NUM_BLOCKS and hello["cpu_tier_tokens"] == 0
+        assert "residency" in hello["ops"]
+        assert dealer("residency") == {"v": 1, "op": "residency", "ok": True, "gpu": {},
+                                       "cpu": {}, "inactive": []}
 
         for rid, prog, base in (("ra", "a", 1000), ("rb", "b", 2000), ("rn", None, 3000)):
             s.add_request(request(rid, prog, 3, base))
@@ -118,6 +121,10 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         a, b = s.mori_labels.blocks_of("a"), s.mori_labels.blocks_of("b")
         assert len(a) == len(b) == 3 and not a & b
         assert q.sizes() == {"unhashed": 7, "inactive": 0, "idle": 0, "busy": 9}
+        # what a restarted gateway reads: each program's cached blocks, in tokens
+        res = dealer("residency")
+        assert (res["gpu"], res["cpu"], res["inactive"]) == (
+            {"a": 3 * BLOCK, "b": 3 * BLOCK}, {}, [])
 
         assert dealer("set", labels={"a": "inactive", "b": "idle"})["ok"]
         assert q.sizes()["busy"] == 9  # applied at the next step, not before
@@ -126,6 +133,7 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         sizes = q.sizes()
         assert (sizes["inactive"], sizes["idle"]) == (3, 3), sizes
         assert hello["programs"] == 0 and dealer("hello")["programs"] == 2
+        assert dealer("residency")["inactive"] == ["a"]  # released: not to be taken back
         assert any("MORI labels applied" in r.getMessage() for r in caplog.records)
 
         # under memory pressure, after the blocks never cached: a's, then b's, then the rest
@@ -138,6 +146,7 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         s.schedule()
         assert all(pool.blocks[x].block_hash is None for x in b)
         assert q.sizes()["idle"] == 0 and "b" not in s.mori_labels.labels()
+        assert set(dealer("residency")["gpu"]) == {"a", "c"}  # b's KV is gone
 
         # a bad message changes nothing and the engine goes on
         assert dealer("set", labels={"a": "sleepy"})["ok"] is False
@@ -146,6 +155,7 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         # reset: every hash is gone, the queue is re-sorted
         assert s.reset_prefix_cache()
         assert q.sizes() == {"unhashed": NUM_BLOCKS - 1, "inactive": 0, "idle": 0, "busy": 0}
+        assert dealer("residency")["gpu"] == {}
     finally:
         s.shutdown()
     assert not s.mori_server.running
@@ -188,6 +198,7 @@ def test_the_scheduler_drives_moris_cpu_tier(configs: Any, endpoint: str, dealer
         assert s.connector.connector_scheduler.manager._policy is pol  # vLLM's own one
         hello = dealer("hello")
         assert hello["cpu_tier_tokens"] == pol.cache_capacity * 2 * BLOCK > 0
+        assert s.mori_chunk_tokens == 2 * BLOCK
 
         req = request("ra", "a", 3, 1000)
         req.kv_transfer_params = {"other": 1}

@@ -24,13 +24,35 @@ def test_hello_and_accepted_ops() -> None:
     s = server()
     r = json.loads(s.handle(encode("hello")))
     assert r == {"v": 1, "op": "hello", "ok": True, "instance": s.instance,
-                 "plugin_version": protocol.PLUGIN_VERSION, **INFO}
+                 "plugin_version": protocol.PLUGIN_VERSION,
+                 "ops": ["hello", "set", "replace", "drop", "clear"], **INFO}
     assert len(s.instance) == 32 and server().instance != s.instance  # new at every start
     assert json.loads(s.handle(encode("set", labels={"a": "idle"}))) == {
         "v": 1, "op": "set", "ok": True}
     assert json.loads(s.handle(encode("drop", program="a")))["ok"] is True
     assert [m.op for m in s.drain()] == ["set", "drop"]
     assert s.drain() == []
+
+
+def test_residency_is_answered_at_once_from_the_callback() -> None:
+    held = {"gpu": {"a": 64}, "cpu": {"a": 128, "b": 32}, "inactive": ["b"]}
+    s = LabelServer("inproc://unused", lambda: dict(INFO), residency=lambda: held)
+    assert "residency" in json.loads(s.handle(encode("hello")))["ops"]
+    assert json.loads(s.handle(encode("residency"))) == {"v": 1, "op": "residency",
+                                                          "ok": True, **held}
+    assert s.drain() == []  # nothing for the scheduler to apply
+    # operations the scheduler has not applied yet (an idle engine does not step) count
+    s.handle(encode("set", labels={"a": "inactive", "b": "busy"}))
+    s.handle(encode("drop", program="c"))
+    held["gpu"]["c"] = 16
+    r = json.loads(s.handle(encode("residency")))
+    assert (r["gpu"], r["inactive"]) == ({"a": 64}, ["a"])
+    s.handle(encode("clear"))
+    assert json.loads(s.handle(encode("residency")))["inactive"] == []
+    bare = server()  # an engine built without the callback refuses it, and says so
+    r = json.loads(bare.handle(encode("residency")))
+    assert r["ok"] is False and "does not report residency" in r["error"]
+    assert bare.rejected == 1
 
 
 def test_bad_messages_are_refused_not_raised() -> None:

@@ -61,6 +61,11 @@ class LabelChannel:
         ``cpu_tier_tokens``, ``programs``, ``plugin_version``)."""
         return await self._request("hello")
 
+    async def residency(self) -> dict[str, Any]:
+        """What the engine holds of each program (``gpu`` and ``cpu``: program -> tokens;
+        ``inactive``: programs released), as the plug-in answers ``residency``."""
+        return await self._request("residency")
+
     def record(self, program_id: str, label: str) -> None:
         """Put a label in the table without sending it (``LabelRefused`` if the protocol
         would refuse it)."""

@@ -54,7 +54,11 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
   come back. The first handshake of a new adapter does not clear the engine's labels (a
   restarted gateway leaves them be; labels recorded before it are sent with ``set``).
   A handshake from another plug-in instance (the engine restarted
-  between two checks) is answered with ``replace`` too.
+  between two checks) is answered with ``replace`` too. A plug-in that answers
+  ``residency`` (its handshake lists the op) is where the adapter reads residency while it
+  answers: the plug-in's own tables, which a restarted gateway finds full (the KV events
+  tell only what happened since the adapter started); ``ended`` are the programs labelled
+  ``inactive``. Otherwise residency comes from the KV events, as without the plug-in.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ from mori.engines.base import (
     KVCapacity,
     NotSupportedError,
     RequestHints,
+    Residency,
     UpstreamError,
 )
 from mori.engines.engine_common import KVEventsAdapter
@@ -124,6 +129,23 @@ def program_salt(program_id: str) -> str:
     return "mori-" + hashlib.sha256(program_id.encode()).hexdigest()[:24]
 
 
+def plugin_residency(reply: dict[str, Any]) -> Residency:
+    """A ``residency`` reply of the plug-in (``mori.vllm_plugin.protocol``) as a
+    ``Residency``; ``ValueError`` when it is not one."""
+    def tokens(field: str) -> dict[str, int]:
+        held = reply.get(field)
+        if not isinstance(held, dict) or not all(
+                isinstance(p, str) and isinstance(n, int) and not isinstance(n, bool)
+                and n >= 0 for p, n in held.items()):
+            raise ValueError(f"'{field}' is not an object of program -> tokens")
+        return dict(held)
+    inactive = reply.get("inactive")
+    if not isinstance(inactive, list) or not all(isinstance(p, str) for p in inactive):
+        raise ValueError("'inactive' is not a list of program ids")
+    return Residency(gpu_tokens=tokens("gpu"), cpu_tokens=tokens("cpu"),
+                     ended=frozenset(inactive))
+
+
 def beyond_mirror(host_tokens: int, gpu_tokens: int) -> int:
     """The CPU tier a write-through host tier of ``host_tokens`` gives the policy: what it
     holds beyond a mirror of the GPU pool's ``gpu_tokens``."""
@@ -163,6 +185,7 @@ class VLLMAdapter(KVEventsAdapter):
         if prefetch or (prefetch is None and cpu_tokens > 0):
             caps.add(Capability.PREFETCH)
         self.capabilities = self.capabilities | caps
+        self._events_residency = Capability.RESIDENCY in self.capabilities
         self.label_channel = LabelChannel(labels, labels_timeout_s) if labels else None
         self.labels_check_s = labels_check_s
         self.plugin: dict[str, Any] | None = None
@@ -225,13 +248,23 @@ class VLLMAdapter(KVEventsAdapter):
         self.plugin_connections += 1
         self._take_cpu_tier(hello)
         self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
+        if self._plugin_residency:
+            self.capabilities = self.capabilities | {Capability.RESIDENCY}
         return True
+
+    @property
+    def _plugin_residency(self) -> bool:
+        """Whether the plug-in answers and answers ``residency``."""
+        ops = (self.plugin or {}).get("ops")
+        return self._labels_up and isinstance(ops, list) and "residency" in ops
 
     def _labels_lost(self, why: str) -> None:
         self._label_error = why
         if self._labels_up:
             self._labels_up = False
             self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
+            if not self._events_residency:
+                self.capabilities = self.capabilities - {Capability.RESIDENCY}
             log.warning("vLLM %s: the MORI plug-in stopped answering (%s): eviction falls "
                         "back to plain LRU until it answers again", self.url, why)
 
@@ -319,6 +352,25 @@ class VLLMAdapter(KVEventsAdapter):
             ch.forget(program_id)  # nothing to evict through: the engine's LRU decides
             return
         await self._send(ch.drop(program_id))
+
+    async def residency(self) -> Residency:
+        """From the plug-in while it answers ``residency``; else from the KV events."""
+        ch = self.label_channel
+        if ch is not None and self._plugin_residency:
+            try:
+                return plugin_residency(await ch.residency())
+            except LabelChannelDown as e:
+                why = str(e)
+                self._labels_lost(why)
+            except (LabelRefused, ValueError) as e:
+                why = str(e)
+                log.warning("vLLM %s: the MORI plug-in's residency is unusable (%s)%s",
+                            self.url, why, "; reading the KV events instead"
+                            if self._events_residency else "")
+            if not self._events_residency:
+                raise UpstreamError(f"vLLM {self.url}: the MORI plug-in did not tell its "
+                                    f"residency ({why})", unhealthy=False)
+        return await super().residency()
 
     async def release(self, program_id: str) -> None:
         await super().release(program_id)

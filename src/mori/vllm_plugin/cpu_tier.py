@@ -210,6 +210,17 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     def num_chunks(self) -> int:
         return len(self.chunks)
 
+    def chunks_held(self) -> dict[str, int]:
+        """program -> how many chunks of the tier it owns. Safe to call from another
+        thread while the tier changes (copies taken in single C-level calls, taken again
+        if a table changed meanwhile)."""
+        for _ in range(5):
+            try:
+                return {p: len(keys) for p, keys in list(self._keys_of.items()) if keys}
+            except RuntimeError:
+                continue
+        return {}
+
     def programs_of(self, key: OffloadKey) -> frozenset[str]:
         return frozenset(self._owners.get(key, ()))
 

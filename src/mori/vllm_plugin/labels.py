@@ -25,13 +25,14 @@ only what MORI positively knows to be idle or inactive goes first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 PROTECTION = {"inactive": 0, "idle": 1, "busy": 2}
 DEFAULT_LABEL = "busy"
 MAX_PROGRAMS = 65536
 MAX_PROGRAMS_PER_BLOCK = 64
+SNAPSHOT_TRIES = 5
 
 
 class LabelTable:
@@ -68,6 +69,37 @@ class LabelTable:
 
     def blocks_of(self, program: str) -> frozenset[int]:
         return frozenset(self._program_blocks.get(program, ()))
+
+    def held(self, cached: Callable[[int], bool]) -> dict[str, int]:
+        """program -> how many of its blocks ``cached(block_id)`` says still hold content,
+        for the programs holding at least one.
+
+        Safe to call from another thread while the scheduler's thread changes the table
+        (the label server answers ``residency`` this way): it reads copies, taken in
+        single C-level calls, and takes them again if a table changed while it read."""
+        for _ in range(SNAPSHOT_TRIES):
+            try:
+                owned = [(p, list(blocks)) for p, blocks in list(self._program_blocks.items())]
+                break
+            except RuntimeError:  # changed size while copied: take it again
+                continue
+        else:
+            return {}
+        out: dict[str, int] = {}
+        for program, blocks in owned:
+            n = sum(1 for b in blocks if cached(b))
+            if n:
+                out[program] = n
+        return out
+
+    def labelled(self, label: str) -> list[str]:
+        """The programs with this label (safe from another thread, as ``held``)."""
+        for _ in range(SNAPSHOT_TRIES):
+            try:
+                return [p for p, lab in list(self._labels.items()) if lab == label]
+            except RuntimeError:
+                continue
+        return []
 
     def label_of_block(self, block_id: int) -> str:
         """The most protective label among the block's programs (the default without)."""

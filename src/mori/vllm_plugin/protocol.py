@@ -10,7 +10,9 @@ Messages (gateway -> plug-in):
 
 - ``{"v": 1, "op": "hello"}`` -> ``{"v": 1, "op": "hello", "ok": true, "plugin_version":
   str, "instance": str, "block_size": int, "gpu_blocks": int, "cpu_tier_tokens": int,
-  "programs": int}``: the handshake; ``cpu_tier_tokens`` is 0 without a CPU tier;
+  "programs": int, "ops": [str]}``: the handshake; ``cpu_tier_tokens`` is 0 without a CPU
+  tier; ``ops`` lists the operations this plug-in answers (a gateway asks ``residency``
+  only of a plug-in that lists it);
   ``instance`` is new at every engine start, so a gateway sees a restart (and re-sends its
   table) even when it missed the moment the engine was down.
 - ``{"v": 1, "op": "set", "labels": {program_id: label}}``: set labels (``busy``,
@@ -22,6 +24,13 @@ Messages (gateway -> plug-in):
   its cached blocks that no running request holds are evicted now, and its label is
   forgotten.
 - ``{"v": 1, "op": "clear"}``: forget every label (blocks fall back to the default).
+- ``{"v": 1, "op": "residency"}`` -> ``{"v": 1, "op": "residency", "ok": true, "gpu":
+  {program_id: tokens}, "cpu": {program_id: tokens}, "inactive": [program_id]}``: what
+  the engine holds of each program it knows (answered at once, from the plug-in's tables):
+  on the GPU, its blocks that still hold cached content, times the block size; on the CPU
+  tier, its chunks there, times the chunk's tokens; ``inactive``, the programs labelled
+  ``inactive`` (released), whose KV is not wanted. A restarted gateway reads it to put
+  programs back where their KV is.
 
 A malformed message or an unknown op is answered ``ok: false`` with an ``error`` and
 otherwise ignored: it never stops the engine.
@@ -37,7 +46,7 @@ PROTOCOL_VERSION = 1
 PLUGIN_VERSION = "0.1.0"
 DEFAULT_LABEL_ENDPOINT = "tcp://127.0.0.1:5558"
 LABELS = ("busy", "idle", "inactive")
-OPS = ("hello", "set", "replace", "drop", "clear")
+OPS = ("hello", "set", "replace", "drop", "clear", "residency")
 MAX_PROGRAM_ID = 1024  # characters; longer ids are refused
 
 

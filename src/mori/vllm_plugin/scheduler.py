@@ -91,7 +91,7 @@ class MoriSchedulerMixin:
         extra = getattr(self.vllm_config, "additional_config", None)
         configured = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
         self.mori_server = LabelServer(label_endpoint(rank, configured=configured),
-                                       self._mori_info)
+                                       self._mori_info, residency=self._mori_residency)
         self.mori_server.start()
         logger.info("MORI scheduler: typed free queue over %d blocks (%d free); labels "
                     "from %s; CPU tier: %s", pool.num_gpu_blocks,
@@ -144,8 +144,21 @@ class MoriSchedulerMixin:
                 "cpu_tier_tokens": int(self.mori_cpu_tier_tokens),
                 "programs": len(self.mori_labels)}
 
+    def _mori_residency(self) -> dict[str, Any]:
+        """The ``residency`` reply (on the label server's thread: reads copies only)."""
+        blocks = self.kv_cache_manager.block_pool.blocks
+        size = int(self.block_size)
+        gpu = {p: n * size for p, n in
+               self.mori_labels.held(lambda b: blocks[b].block_hash is not None).items()}
+        cpu: dict[str, int] = {}
+        for policy in self.mori_cpu_policies:
+            for p, n in policy.chunks_held().items():
+                cpu[p] = cpu.get(p, 0) + n * self.mori_chunk_tokens
+        return {"gpu": gpu, "cpu": cpu, "inactive": self.mori_labels.labelled("inactive")}
+
     def _mori_cpu_tier_tokens(self) -> int:
         """The CPU tier's size in tokens (0 without one)."""
+        self.mori_chunk_tokens = 0
         if not self.mori_cpu_policies:
             return 0
         try:
@@ -153,6 +166,7 @@ class MoriSchedulerMixin:
             extra = getattr(kvt, "kv_connector_extra_config", None)
             chunk = tokens_per_chunk(extra if isinstance(extra, dict) else None,
                                      int(self.block_size))
+            self.mori_chunk_tokens = chunk
             return sum(int(p.cache_capacity) for p in self.mori_cpu_policies) * chunk
         except Exception:
             logger.exception("MORI scheduler: sizing the CPU tier failed; reporting 0")

@@ -1,7 +1,9 @@
 """The engine's end of the label channel (``mori.vllm_plugin.protocol``).
 
 A background thread owns a ZMQ ``ROUTER`` socket bound at the label endpoint and answers
-every message at once: ``hello`` with what the engine is (``info()``), and the label
+every message at once: ``hello`` with what the engine is (``info()``), ``residency`` with
+what it holds of each program (``residency()``, read from the scheduler's tables while the
+scheduler runs: it must copy what it reads and tolerate a table changing under it), and the label
 operations (``set``, ``replace``, ``drop``, ``clear``) with ``ok: true`` meaning *accepted*:
 they are queued here and applied by the scheduler thread at its next step
 (:meth:`LabelServer.drain`), because only that thread may touch vLLM's block pool. A
@@ -34,6 +36,7 @@ import zmq
 
 from .protocol import (
     DEFAULT_LABEL_ENDPOINT,
+    OPS,
     PLUGIN_VERSION,
     Message,
     ProtocolError,
@@ -76,9 +79,11 @@ class LabelServer:
     """
 
     def __init__(self, endpoint: str, info: Callable[[], dict[str, Any]], *,
+                 residency: Callable[[], dict[str, Any]] | None = None,
                  max_pending: int = MAX_PENDING, poll_ms: int = POLL_MS) -> None:
         self.endpoint = endpoint
         self._info = info
+        self._residency = residency
         self._max_pending = max_pending
         self._poll_ms = poll_ms
         self._lock = threading.Lock()
@@ -164,6 +169,34 @@ class LabelServer:
                 logger.warning("MORI label channel: %d pending operations discarded "
                                "(the engine has not stepped)", n)
 
+    def residency(self) -> dict[str, Any]:
+        """The ``residency`` reply: the scheduler's tables as the callback reads them, with
+        the operations still pending laid over (an idle engine does not step, so a release
+        sent just before a gateway restart may not be applied yet): a pending ``inactive``
+        label counts, a pending ``drop`` removes the program."""
+        assert self._residency is not None
+        res = self._residency()
+        with self._lock:
+            pending = list(self._pending)
+        if not pending:
+            return res
+        gpu, cpu = dict(res.get("gpu", {})), dict(res.get("cpu", {}))
+        inactive = set(res.get("inactive", []))
+        for m in pending:
+            if m.op in ("replace", "clear"):
+                inactive.clear()
+            if m.op in ("set", "replace"):
+                for pid, label in (m.labels or {}).items():
+                    if label == "inactive":
+                        inactive.add(pid)
+                    else:
+                        inactive.discard(pid)
+            elif m.op == "drop" and m.program is not None:
+                inactive.discard(m.program)
+                gpu.pop(m.program, None)
+                cpu.pop(m.program, None)
+        return {**res, "gpu": gpu, "cpu": cpu, "inactive": sorted(inactive)}
+
     # -- the server thread --------------------------------------------------------------
     def handle(self, frame: bytes) -> bytes:
         """The reply to one message frame (queues label operations)."""
@@ -176,8 +209,15 @@ class LabelServer:
         if msg.op == "hello":
             fields = dict(self._info())
             fields.setdefault("cpu_tier_tokens", 0)
+            ops = [op for op in OPS if op != "residency" or self._residency is not None]
             return reply("hello", ok=True, plugin_version=PLUGIN_VERSION,
-                         instance=self.instance, **fields)
+                         instance=self.instance, ops=ops, **fields)
+        if msg.op == "residency":
+            if self._residency is None:
+                self.rejected += 1
+                return reply("residency", ok=False,
+                             error="this engine does not report residency")
+            return reply("residency", ok=True, **self.residency())
         self.enqueue(msg)
         return reply(msg.op, ok=True)
 
