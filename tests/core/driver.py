@@ -37,6 +37,7 @@ from mori.core.events import (
     RequestArrived,
     StepFinished,
 )
+from mori.core.idleness import IdlenessHistory
 from mori.core.policy import Policy
 from mori.core.types import Status, Tier
 
@@ -221,12 +222,13 @@ class FakeWorld:
     def __init__(self, policy: Policy, programs: list[ProgramSpec], time_limit: float,
                  tick: bool = True, batch: bool = False,
                  outages: list[tuple[float, float, int]] = (),  # type: ignore[assignment]
-                 restored: list[tuple[str, int, int, Tier]] = (),  # type: ignore[assignment]
+                 restored: list[tuple[str, int, int, Tier, IdlenessHistory | None]
+                 ] = (),  # type: ignore[assignment]
                  ) -> None:
         """``batch``: observe every event of one instant before deciding once (the
         default decides after every observation). ``outages``: (down at, up at, replica).
-        ``restored``: (program, context tokens, replica, tier) found on the engines at
-        time 0, before any request."""
+        ``restored``: (program, context tokens, replica, tier, idleness history or None)
+        found on the engines at time 0, before any request."""
         self.batch = batch
         self.p = policy
         self.runs = {s.pid: _Run(s, s.prompts(), forwards=[0] * len(s.steps),
@@ -239,8 +241,8 @@ class FakeWorld:
         self.trace: list[tuple[float, object]] = []
         self.pending_end: dict[str, int | None] = {}
         self.tick_s = policy.tick_interval if tick else None
-        for pid, tokens, replica, tier in restored:
-            self._observe(ProgramRestored(pid, tokens, replica, tier))
+        for pid, tokens, replica, tier, history in restored:
+            self._observe(ProgramRestored(pid, tokens, replica, tier, history))
             self.runs[pid].replica = policy.programs[pid].replica
         for s in programs:
             self._at(s.start, "arrive", s.pid, 0)

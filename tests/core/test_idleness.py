@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mori.core.idleness import IdlenessTracker
+from mori.core.idleness import IdlenessHistory, IdlenessTracker
 from mori.core.policy import PolicyConfig
 
 
@@ -231,3 +233,59 @@ def test_time_going_backwards_is_refused() -> None:
     t.arrived(5.0)
     with pytest.raises(ValueError, match="backwards"):
         t.started(4.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 50), st.integers(1, 50), st.integers(0, 50)),
+                min_size=1, max_size=9),
+       st.integers(1, 5), st.integers(0, 30), st.integers(0, 1000))
+def test_a_history_taken_back_gives_the_same_idleness(
+        steps: list[tuple[int, int, int]], k: int, tail: int, offset: int) -> None:
+    """``restored(now, history(then))`` on a fresh tracker, at another clock's ``now``,
+    gives the idleness the old tracker gives at ``then``, now and as time goes on."""
+    old = IdlenessTracker(k)
+    t = 0.0
+    for gated, reason, act in steps:
+        old.arrived(t)
+        old.started(t + gated)
+        old.finished(t + gated + reason)
+        t += gated + reason + act
+    then = t + tail
+    h = old.history(then)
+    assert len(h.cycles) <= k and h.acting_s == then - (t - steps[-1][2])
+    new = IdlenessTracker(k)
+    new.restored(float(offset), h)  # another gateway's clock
+    for later in (0.0, 1.0, 7.5):
+        assert new.iota(offset + later) == pytest.approx(old.iota(then + later))
+    assert new.acting_line() is not None
+
+
+def test_a_history_later_adds_the_downtime_to_the_tool_call() -> None:
+    t = IdlenessTracker(3)
+    t.arrived(0.0)
+    t.started(0.0)
+    t.finished(2.0)  # 2 s reasoning, then acting
+    h = t.history(4.0)  # 2 s into the tool call
+    assert h == IdlenessHistory((), 2.0, 2.0)
+    assert h.later(6.0) == IdlenessHistory((), 2.0, 8.0)
+    fresh = IdlenessTracker(3)
+    fresh.restored(100.0, h.later(6.0))
+    assert fresh.iota(100.0) == pytest.approx(8.0 / 10.0)
+    # a step cut off mid-way keeps only the completed cycles, and no downtime
+    t.arrived(5.0)
+    t.started(5.0)
+    cut = t.history(6.0)
+    assert cut == IdlenessHistory(((2.0, 3.0),)) and cut.later(60.0) == cut
+
+
+def test_a_restored_program_without_history_acts_from_the_restore() -> None:
+    t = IdlenessTracker(3)
+    t.restored(50.0)
+    assert t.iota(50.0) == 0.0 and t.iota(51.0) == 1.0
+
+
+@pytest.mark.parametrize("bad", [dict(cycles=((1.0, -1.0),)), dict(acting_s=float("nan")),
+                                 dict(reasoning_s=float("inf")), dict(cycles=((1.0,),))])
+def test_a_bad_history_is_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="idleness history"):
+        IdlenessHistory(**bad)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mori.core.decisions import Decision
+from mori.core.idleness import IdlenessHistory
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, MoriPolicy, SMGPolicy
 from mori.core.policies.thunderagent import FORCE_RESUME_S
@@ -35,6 +36,15 @@ def steps(draw: st.DrawFn) -> StepSpec:
         gap=draw(st.one_of(st.just(0.0), TENTHS, st.integers(10, 600).map(float))),
         kv_frac=draw(st.one_of(st.none(), st.floats(0.0, 0.9))),
     )
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> IdlenessHistory:
+    """An idleness history kept across a restart (``--state``)."""
+    cycles = draw(st.lists(st.tuples(TENTHS, TENTHS), max_size=6))
+    acting = draw(st.booleans())
+    return IdlenessHistory(tuple(cycles), draw(TENTHS) if acting else 0.0,
+                           draw(TENTHS) if acting else 0.0)
 
 
 @st.composite
@@ -57,7 +67,7 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
                                       st.integers(0, 600),
                                       st.integers(0, replicas - 1)), max_size=3))
     restored = [(p.pid, draw(st.integers(1, p.peak())), draw(st.integers(0, replicas - 1)),
-                 draw(st.sampled_from([Tier.GPU, Tier.CPU])))
+                 draw(st.sampled_from([Tier.GPU, Tier.CPU])), draw(st.none() | histories()))
                 for p in programs if draw(st.integers(0, 3)) == 0]
     return dict(
         programs=programs,

@@ -314,6 +314,13 @@ SERVE_OPTIONS: tuple[Option, ...] = (
                 "unless --record-text"),
     Option("record_text", bool, _GATEWAY.record_text,
            help="keep each step's new prompt text in the --record file (default: off)"),
+    Option("state", str, None, metavar="FILE.json",
+           help="keep the programs' idleness histories in this file across a restart: "
+                "written atomically every --state-interval and at shutdown, read at "
+                "start (a torn or foreign file is ignored with a warning); programs the "
+                "engines still hold keep their rank"),
+    Option("state_interval", float, _GATEWAY.state_interval_s, metavar="S",
+           field="state_interval_s", help="seconds between --state snapshots"),
     Option("max_body_bytes", int, _GATEWAY.max_body_bytes, metavar="N",
            help="largest request body accepted, on every route; larger gets 413 before it is "
                 "read (a Content-Length over it at once, a chunked body when it passes it)"),

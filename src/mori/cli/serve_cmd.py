@@ -32,6 +32,7 @@ from mori.gateway.auth import KeyRing, check_exposure, read_key_file
 from mori.gateway.config import GatewaySettings
 from mori.gateway.record import check_record_file
 from mori.gateway.server import ServeConfig, run_gateway
+from mori.gateway.state import StateError, check_state_path
 from mori.protocol.serve import bind_socket
 from mori.sim.script import ScriptError, load_script
 from mori.traces.errors import TraceError
@@ -176,6 +177,11 @@ def check_files(cfg: ServeConfig) -> None:
             check_record_file(cfg.settings.record)
         except TraceError as e:
             raise ServeUsageError(f"--record: {e}") from None
+    if cfg.settings.state is not None:
+        try:
+            check_state_path(cfg.settings.state)
+        except StateError as e:
+            raise ServeUsageError(f"--state: {e}") from None
 
 
 def with_keys(cfg: ServeConfig, env: Mapping[str, str]) -> GatewaySettings:

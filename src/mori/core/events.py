@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mori.core.idleness import IdlenessHistory
 from mori.core.types import Tier
 
 
@@ -67,12 +68,15 @@ class ProgramRestored:
     """A program the policy does not know holds ``context_tokens`` of KV on ``replica``,
     in ``tier`` (GPU or CPU), as the engine reports it (a restarted world reading its
     engines): the program is taken in, Acting (between steps), in that place if it fits
-    there, else in the Waiting queue. Ignored for a program the policy already knows."""
+    there, else in the Waiting queue. Ignored for a program the policy already knows.
+    ``history``: its idleness history, where one was kept (``--state``); without one
+    it starts with none."""
 
     program_id: str
     context_tokens: int
     replica: int
     tier: Tier
+    history: IdlenessHistory | None = None
 
 
 Event = (RequestArrived | KVReady | StepFinished | ProgramEnded | ReplicaDown | ReplicaUp

@@ -15,9 +15,38 @@ is dropped). A program with no history has iota = 0 (busy): it is about to run.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from dataclasses import dataclass
 
 from mori.core.types import Status
+
+
+@dataclass(frozen=True, slots=True)
+class IdlenessHistory:
+    """What a tracker knew at one moment, to carry a program's rank across a restart:
+    its completed cycles in the window (oldest first, ``(reasoning, acting)`` seconds)
+    and, for a program in a tool call, the cycle in progress: its reasoning time and how
+    long the tool call had lasted. A step cut off mid-way (a request in flight) leaves
+    only the completed cycles."""
+
+    cycles: tuple[tuple[float, float], ...] = ()
+    reasoning_s: float = 0.0
+    acting_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = [self.reasoning_s, self.acting_s, *(x for c in self.cycles for x in c)]
+        if any(len(c) != 2 for c in self.cycles) or not all(
+                math.isfinite(v) and v >= 0.0 for v in values):
+            raise ValueError(f"an idleness history holds pairs of finite seconds >= 0: "
+                             f"{self!r}")
+
+    def later(self, seconds: float) -> IdlenessHistory:
+        """The same, ``seconds`` later: a tool call in progress went on meanwhile."""
+        if self.acting_s <= 0.0 and self.reasoning_s <= 0.0:
+            return self
+        return IdlenessHistory(self.cycles, self.reasoning_s,
+                               self.acting_s + max(0.0, seconds))
 
 
 class IdlenessTracker:
@@ -90,13 +119,31 @@ class IdlenessTracker:
         self._phase = Status.ACTING
         self._t0 = now
 
-    def restored(self) -> None:
-        """A program taken in between two steps (``ProgramRestored``): Acting, with no
-        cycle recorded yet (its idleness is 0 until its first full cycle)."""
+    def restored(self, now: float = 0.0, history: IdlenessHistory | None = None) -> None:
+        """A program taken in between two steps (``ProgramRestored``): Acting since
+        ``now``, with no cycle recorded (its idleness is 1 as soon as time passes, until
+        its next step), or, given its ``history``, where that history left it: its
+        completed cycles, and a tool call that began ``history.acting_s`` before ``now``
+        after ``history.reasoning_s`` of reasoning."""
         if self._phase is not None:
             raise ValueError(f"restored while {self._phase.value}")
         self._phase = Status.ACTING
         self._cur_reason = 0.0
+        self._t0 = now
+        if history is None:
+            return
+        for reason, act in history.cycles[-self._k:]:
+            self._cycles.append((reason, act))
+        self._resum()
+        self._cur_reason = history.reasoning_s
+        self._t0 = now - history.acting_s
+
+    def history(self, now: float) -> IdlenessHistory:
+        """What this tracker knows at ``now`` (``restored`` takes it back)."""
+        if self._phase is Status.ACTING:
+            return IdlenessHistory(tuple(self._cycles), self._cur_reason,
+                                   max(0.0, now - self._t0))
+        return IdlenessHistory(tuple(self._cycles))
 
     def _state(self) -> str:
         return "new" if self._phase is None else self._phase.value

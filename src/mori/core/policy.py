@@ -27,7 +27,7 @@ from mori.core.events import (
     RequestArrived,
     StepFinished,
 )
-from mori.core.idleness import IdlenessTracker
+from mori.core.idleness import IdlenessHistory, IdlenessTracker
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.program import Program, ProgramView, StepRecord
 from mori.core.types import Status, Tier
@@ -176,7 +176,7 @@ class Policy(ABC):
             self._on_replica(event.replica, isinstance(event, ReplicaDown))
             return
         if isinstance(event, ProgramRestored):
-            self._on_restored(event)
+            self._on_restored(event, now)
             return
         pid = event.program_id
         p = self.programs.get(pid)
@@ -294,6 +294,12 @@ class Policy(ABC):
     def _capacity_changed(self, replica: int) -> None:  # noqa: B027 - a no-op hook
         """After a replica went down (its capacities 0) or came back."""
 
+    def histories(self, now: float) -> Iterator[tuple[str, IdlenessHistory]]:
+        """Each program's idleness history at ``now`` (what ``ProgramRestored`` takes
+        back after a restart)."""
+        for pid, p in self.programs.items():
+            yield pid, p.tracker.history(now)
+
     def gpu_capacity(self, replica: int) -> int | None:
         """The GPU capacity of ``replica`` now: the cluster's, 0 while it is down."""
         return self.placement.gpu[replica].capacity
@@ -404,16 +410,16 @@ class Policy(ABC):
         self.placement.set_down(replica, down)
         self._capacity_changed(replica)
 
-    def _on_restored(self, ev: ProgramRestored) -> None:
-        """A program found on an engine (``ProgramRestored``): Acting, in its place if
-        that fits, else in Waiting."""
+    def _on_restored(self, ev: ProgramRestored, now: float) -> None:
+        """A program found on an engine (``ProgramRestored``): Acting (with its history,
+        if the event brings one), in its place if that fits, else in Waiting."""
         if ev.program_id in self.programs:
             return
         if not 0 <= ev.replica < self.cluster.replicas or ev.tier is Tier.NONE:
             raise ValueError(f"bad place {ev.tier.value}[{ev.replica}]")
         p = Program(ev.program_id, IdlenessTracker(self.config.idleness_window,
                                                    self.config.exclude_gated))
-        p.tracker.restored()  # Acting, with no history
+        p.tracker.restored(now, ev.history)
         p.returning = True
         self._seq += 1
         p.ready_seq = self._seq  # orders it among equals, as an arrival would

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -36,6 +37,7 @@ from mori.gateway.dashboard import STATE_PATH, LiveDashboard
 from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow, distributions
 from mori.gateway.record import TraceRecorder
+from mori.gateway.state import StateKeeper, load_state
 from mori.protocol.apis import API_BY_PATH
 from mori.protocol.errors import clip
 from mori.protocol.fields import anonymous_program_id
@@ -77,6 +79,7 @@ class Gateway:
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
         self.aliases = ModelAliases.parse(settings.model_aliases)
         self.dashboard = LiveDashboard(self)
+        self.state_keeper: StateKeeper | None = None  # --state
 
     @property
     def ctl(self) -> Controller:
@@ -102,6 +105,8 @@ class Gateway:
         await self.prepare()
         self.ctl.start()
         self.dashboard.start()
+        if self.state_keeper is not None:
+            self.state_keeper.start()
         log.info("gateway up: policy %s, %d replica(s), GPU KV %d tokens each",
                  self.settings.policy, len(self.adapters), self.gpu_tokens())
 
@@ -122,7 +127,17 @@ class Gateway:
                 raise RuntimeError(f"--record: {e}") from e
         self.metrics.watch(self.state)
         await self.refresh_models()
-        await self.controller.restore()  # a restart: programs back to the KV they left
+        histories = {}
+        if self.settings.state is not None:
+            saved = load_state(self.settings.state)
+            if saved is not None:
+                histories = saved.aged(time.time(), self.settings.time_scale)
+            ctl = self.controller
+            self.state_keeper = StateKeeper(
+                self.settings.state, self.settings.state_interval_s,
+                lambda: list(ctl.policy.histories(ctl.now())))
+        # a restart: programs back to the KV they left (with their histories, if kept)
+        await self.controller.restore(histories)
 
     async def _wait_for_capacities(self) -> list[KVCapacity]:
         """Each replica's capacity; engines still starting get ``startup_wait_s``."""
@@ -144,6 +159,9 @@ class Gateway:
 
     async def shutdown(self) -> None:
         await self.dashboard.stop()
+        if self.state_keeper is not None:
+            await self.state_keeper.stop()  # the last snapshot, before anything closes
+            self.state_keeper = None
         if self.controller is not None:
             await self.controller.stop()
         for a in self.adapters:

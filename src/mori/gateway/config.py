@@ -55,7 +55,9 @@ class GatewaySettings:
     tried (``mori.gateway.identity``). ``model_aliases``: ``PATTERN=SERVED`` rules
     mapping the model names clients ask for onto served ones (``mori.gateway.aliases``).
     ``record``: a trace file every program's steps are appended to (None: none);
-    ``record_text``: keep the prompts' text in it.
+    ``record_text``: keep the prompts' text in it. ``state``: a file the programs'
+    idleness histories are kept in across a restart (``mori.gateway.state``; None:
+    none), written every ``state_interval_s`` and at shutdown.
     """
 
     policy: str = "mori"
@@ -91,6 +93,8 @@ class GatewaySettings:
     model_aliases: tuple[str, ...] = ()
     record: str | None = None
     record_text: bool = False
+    state: str | None = None
+    state_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         # lists (a config file, a worker's JSON) become tuples; names and rules checked
@@ -106,7 +110,8 @@ class GatewaySettings:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
         for name in ("time_scale", "gate_timeout_s", "health_interval_s",
                      "stream_write_timeout_s", "header_timeout_s", "keep_alive_timeout_s",
-                     "body_timeout_s", "health_timeout_s", "first_byte_timeout_s"):
+                     "body_timeout_s", "health_timeout_s", "first_byte_timeout_s",
+                     "state_interval_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number (got {v})")

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mori.core.events import (
@@ -43,6 +43,7 @@ from mori.core.events import (
 )
 from mori.core.execution import DecisionExecutor, DecisionLog
 from mori.core.explain import context_reader
+from mori.core.idleness import IdlenessHistory
 from mori.core.policy import Policy
 from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter
@@ -390,11 +391,14 @@ class Controller:
                 log.exception("a replica listener failed")
         self.decide()
 
-    async def restore(self) -> int:
+    async def restore(self, histories: Mapping[str, IdlenessHistory] | None = None) -> int:
         """Give back their places to the programs whose KV the engines still hold (a
         restarted gateway): each engine that reports residency is asked; a program
         found on several replicas goes to the one holding most of it on a GPU (then on
-        a CPU). Returns how many programs were restored."""
+        a CPU). ``histories``: idleness histories kept across the restart (``--state``);
+        a restored program found there keeps its rank. Returns how many programs were
+        restored."""
+        histories = histories or {}
         found: dict[str, tuple[int, int, int, Tier]] = {}  # pid -> (rank, tokens, r, tier)
         for r in self.replicas.all:
             if not r.adapter.supports(Capability.RESIDENCY):
@@ -415,15 +419,18 @@ class Controller:
         now, wall = self.now(), self.wall()
         for pid, (_, tokens, index, tier) in sorted(found.items(),
                                                     key=lambda kv: -kv[1][0]):
-            self.policy.observe(ProgramRestored(pid, tokens, index, tier), now)
+            self.policy.observe(ProgramRestored(pid, tokens, index, tier,
+                                                histories.get(pid)), now)
             info = self.programs.get(pid) or self._new_program(pid, None)
             self.programs[pid] = info
             info.last_seen = wall
             info.context_tokens = tokens
         if found:
             placed = sum(1 for pid in found if self.policy.programs[pid].tier is not Tier.NONE)
+            kept = sum(1 for pid in found if pid in histories)
             log.info("restored %d program(s) from the engines' residency: %d back in "
-                     "their place, %d waiting", len(found), placed, len(found) - placed)
+                     "their place, %d waiting; %d with their idleness history", len(found),
+                     placed, len(found) - placed, kept)
             self.decide()
         return len(found)
 

@@ -157,9 +157,9 @@ class ThunderAgentPolicy(Policy):
         elif self.programs[pid].tier is not Tier.GPU:
             self._events.append(("new", pid))
 
-    def _on_restored(self, ev: ProgramRestored) -> None:
+    def _on_restored(self, ev: ProgramRestored, now: float) -> None:
         known = ev.program_id in self.programs
-        super()._on_restored(ev)
+        super()._on_restored(ev, now)
         if not known:  # it ran before the restart: one request counted, as for a program
             self.requests[ev.program_id] = 1  # between two steps
 
