@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--bounds", default=",".join(f"{b:g}" for b in BOUNDS),
                     help="bounds in seconds, comma-separated; 0: none (default: %(default)s)")
     ap.add_argument("--settings", default=None,
-                    help="PRESET:CPU:PROGRAMS,... (default: the README's five)")
+                    help="PRESET:CPU:PROGRAMS,... (default: the five of docs/results.md)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--seed", type=int, default=0)

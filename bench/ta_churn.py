@@ -3,7 +3,7 @@
 Runs ``thunderagent`` or ``thunderagent+offload`` in the simulator on several replicas
 and counts, from the policy's own calls, every pause and every resume, split by where
 the resumed program goes: the backend it was paused from, another one, or (a new
-program) wherever it is first placed. The figures in the README's "Three replicas"
+program) wherever it is first placed. The figures in docs/results.md's "Three replicas"
 section come from
 
     python bench/ta_churn.py --programs 20,80 --cpu-ratio 1
@@ -25,7 +25,7 @@ from mori.traces import default_traces, load_traces
 
 
 def count(sim: Simulation) -> Counter[str]:
-    """Wrap the policy's pause and resume to count them (kinds as the README names them)."""
+    """Wrap the policy's pause and resume to count them (kinds as docs/results.md names them)."""
     policy = sim.policy
     assert isinstance(policy, ThunderAgentPolicy), "a thunderagent policy is needed"
     seen: Counter[str] = Counter()

@@ -1,4 +1,4 @@
-"""Take the README's dashboard screenshots (docs/dashboard-live.png, -timeline.png).
+"""Take the dashboard screenshots (docs/dashboard-live.png, -timeline.png).
 
 Live: ``mori serve`` (2 simulated replicas, an admin key) driven by ``mori replay`` for
 ``--warmup`` wall seconds, then ``/dashboard`` in headless Chromium. Timeline:

@@ -1,4 +1,4 @@
-"""Render one-replica runs as Markdown tables (one per preset), as in the README.
+"""Render one-replica runs as Markdown tables (one per preset), as in docs/results.md.
 
 Reads a `mori simulate --json` file (a list of runs) or a `mori sweep` output
 `sweep.json` (an object whose `runs` it takes; runs at several replicas are skipped).

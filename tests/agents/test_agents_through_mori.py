@@ -29,6 +29,8 @@ from support.serve_process import stop, wait_listening
 
 from .clis import agent_clis, claude_cmd, claude_env, codex_cmd, codex_env, run_cli
 
+pytestmark = pytest.mark.e2e
+
 SLEEP_S = 2.0
 PRESET = "h200-qwen3-30b-a3b"
 SERVED = PRESETS.get(PRESET).model.name

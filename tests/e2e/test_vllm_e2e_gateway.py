@@ -342,7 +342,7 @@ def test_engine_residency_fits_the_pool(gateway_run: GatewayRun) -> None:
 def test_policy_gpu_programs_are_resident_on_the_engine(gateway_run: GatewayRun) -> None:
     # (some of) the programs the policy holds on the GPU have blocks there. Not all: vLLM
     # evicts by LRU, not by MORI's tiers, so a resident program idle in a tool call can lose
-    # its blocks to a demoted program's more recent ones (see the README).
+    # its blocks to a demoted program's more recent ones (see docs/vllm-sglang.md).
     assert gateway_run.resident, \
         f"no program of the policy's GPU tier holds blocks per the KV events: " \
         f"{gateway_run.residency}"

@@ -21,11 +21,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import pytest
 
 from mori.engines.simulated import SimEngineAdapter
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
 from support.loop_thread import LoopThread
+
+pytestmark = pytest.mark.slow
 
 PROGRAMS = [f"agent-{i}" for i in range(12)]
 FAST_HEALTH = dict(health_interval_s=0.2, health_timeout_s=0.3, health_failures=2)

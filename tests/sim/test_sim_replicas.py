@@ -24,7 +24,7 @@ def test_churn_counter_on_a_scripted_sequence() -> None:
 @pytest.mark.parametrize("policy", ["thunderagent", "thunderagent+offload", "mori", "smg"])
 def test_replicas_share_the_work(policy: str) -> None:
     # 20 programs per replica: enough demand that every replica's GPU fills (at lower
-    # load Best-Fit packing leaves a replica nearly idle under MORI; see the README)
+    # load Best-Fit packing leaves a replica nearly idle under MORI; see docs/results.md)
     r = simulate(SimConfig(policy=policy, programs=60, replicas=3, duration_s=900),
                  default_traces())
     assert len(r.gpu_busy_frac_per_replica) == 3

@@ -34,7 +34,7 @@ from mori.core.types import Status, Tier
 
 DEFAULT_MAX_WAIT_S = 3600.0
 """``PolicyConfig.max_wait_s`` unless set: an hour. Bounds that fire within the
-paper's one-hour runs cost MORI throughput there (README, "Bounded waiting")."""
+paper's one-hour runs cost MORI throughput there (docs/results.md, "Bounded waiting")."""
 
 DEFAULT_RELOAD_GBPS = 25.0
 """GB/s assumed for a KV reload when the world gives none (PCIe 4/5 x16, pinned)."""

@@ -1,6 +1,6 @@
 """Preparing traces for closed-loop replay: context window, human time, refusals.
 
-Rules (documented in the README):
+Rules (documented in docs/simulate.md):
 - Context window: a program's steps are kept while prompt + output fit the model's
   context window (``max_context``); the rest is cut (a real session would have compacted
   there). A program whose first step does not fit is left out.

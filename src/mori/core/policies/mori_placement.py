@@ -6,7 +6,7 @@ where it fits most tightly, which leaves the largest holes for the rest.
 ``MoriPlacement`` holds these choices; the round that calls them is ``mori.MoriPolicy``.
 
 The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it). Measured
-(README, "Placement across replicas"): with three replicas and a handful of programs
+(docs/results.md, "Placement across replicas"): with three replicas and a handful of programs
 it put every program on one replica while the others sat idle, and near capacity it
 packed new programs onto the fullest replica, which then overflowed as their contexts
 grew (910 demotions to the CPU tier in an hour, against 15 now). With one

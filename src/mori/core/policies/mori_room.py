@@ -31,7 +31,7 @@ class MoriRoom(MoriPlacement):
         other sits idle in a tool call); the ranking decides *which* Acting program
         goes: the most idle first. (Requiring ``victim_iota > cand_iota`` instead leaves
         the GPU idle while a ready program waits for a busy one's phase to change; we
-        measured it: -20% throughput at 20 programs, see the README.)
+        measured it: -20% throughput at 20 programs, see docs/results.md.)
         """
         return True
 
