@@ -324,7 +324,7 @@ class FakeWorld:
             lines.append(f"  {pid}: step {r.step}/{len(r.spec.steps)} held={r.held} "
                          f"reasoning={r.reasoning} ended={r.ended} at {where} "
                          f"kv={q.kv_bytes if q else '-'} "
-                         f"iota={q.iota(self.now) if q else '-'}")
+                         f"idleness={q.idleness(self.now) if q else '-'}")
         return "\n".join(lines)
 
     def run(self) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies import POLICIES, MoriPolicy
-from mori.core.policies.mori import _Iota
+from mori.core.policies.mori import IdlenessAt
 from mori.core.policies.thunderagent import BUFFER_PER_PROGRAM, ThunderAgentPolicy
 from mori.core.policy import Policy
 from mori.core.program import Program
@@ -25,41 +25,41 @@ class StraightMori(MoriPolicy):
     """MORI's decision round as first written."""
 
     def _decide(self, now: float, out: list[Decision]) -> None:
-        iota = _Iota(now)
-        self._rebalance(now, out, iota)
-        self._fix_overflow(out, iota)
-        held_for = self._serve_aged(now, out, iota) if self.config.max_wait_s else None
+        idleness = IdlenessAt(now)
+        self._rebalance(now, out, idleness)
+        self._fix_overflow(out, idleness)
+        held_for = self._serve_aged(now, out, idleness) if self.config.max_wait_s else None
         for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
             if p.tier is Tier.GPU:
                 self._forward(p, now, out)
-        self._promote_ready(now, out, iota, held_for)
+        self._promote_ready(now, out, idleness, held_for)
 
-    def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
+    def _fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
         pl = self.placement
         for r, gq in enumerate(pl.gpu):
             if gq.over():
                 members = [self.programs[pid] for pid in gq.members]
                 acting = [p for p in members if p.status is Status.ACTING]
                 held = [p for p in members if p.status is Status.GATED]
-                order = sorted(acting, key=iota.desc) + sorted(held, key=iota.desc)
+                order = sorted(acting, key=idleness.desc) + sorted(held, key=idleness.desc)
                 for p in order:
                     if not gq.over():
                         break
-                    self._offload(p, r, out, iota)
+                    self._offload(p, r, out, idleness)
                 assert not gq.over(), "reasoning programs alone exceed the GPU tier"
         for cq in pl.cpu:
             if cq.over():
-                for p in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
+                for p in sorted((self.programs[pid] for pid in cq.members), key=idleness.desc):
                     if not cq.over():
                         break
                     self._demote_to(p, Tier.NONE, None, out)
 
-    def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
+    def _make_room(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
                    reserve: list[int]) -> None:
         # the plan from every member of every replica (``_room_plan``), never from the
         # kept sums (``_room_plan_fast``, which the optimized round uses under MORI's
         # own ranking)
-        plan = self._room_plan(c, now, iota, reserve)
+        plan = self._room_plan(c, now, idleness, reserve)
         if plan.room_later < c.kv_bytes:
             return
         r = plan.replica
@@ -68,7 +68,7 @@ class StraightMori(MoriPolicy):
         for p in plan.acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break
-            self._offload(p, r, out, iota, keep=c)
+            self._offload(p, r, out, idleness, keep=c)
         if gq.free() - reserve[r] >= c.kv_bytes:
             self._promote(c, r, out)
             self._forward(c, now, out)
@@ -80,7 +80,7 @@ class StraightMori(MoriPolicy):
             return 0
         return 1 if p.returning else 2
 
-    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota,
+    def _promote_ready(self, now: float, out: list[Decision], idleness: IdlenessAt,
                        held_for: int | None = None) -> None:
         pl = self.placement
         cap = self.cluster.gpu_bytes
@@ -88,7 +88,7 @@ class StraightMori(MoriPolicy):
         if not cands:
             return
         cands.sort(key=lambda p: (self._level(p), p.tokens if self._level(p) == 2 else 0,
-                                  iota(p), p.ready_seq))
+                                  idleness(p), p.ready_seq))
         reserve = [0] * len(pl.gpu)
         if held_for is not None:
             reserve[held_for] = int(pl.gpu[held_for].free())
@@ -108,7 +108,7 @@ class StraightMori(MoriPolicy):
                 place(c, r)
             elif not blocked:
                 blocked = True
-                self._make_room(c, now, out, iota, reserve)
+                self._make_room(c, now, out, idleness, reserve)
 
         for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
             place_or_make_room(c)

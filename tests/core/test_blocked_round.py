@@ -21,7 +21,7 @@ from mori.core import ordered
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, MoriPolicy
-from mori.core.policies.mori import _Iota
+from mori.core.policies.mori import IdlenessAt
 from mori.core.policy import PolicyConfig
 
 NAMES = ["mori", "mori-ski", "mori-pack", "mori-yield"]
@@ -40,7 +40,7 @@ def checked(name: str) -> type[MoriPolicy]:
                     list(self._sums.acting), list(self._sums.reasoning),
                     self._sums.gpu_used, [gq.used for gq in self.placement.gpu])
 
-        def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota,
+        def _promote_indexed(self, now: float, out: list[Decision], idleness: IdlenessAt,
                              held_for: int | None = None) -> None:
             self._flush()
             first = self._index.cpu_all.first()
@@ -49,7 +49,7 @@ def checked(name: str) -> type[MoriPolicy]:
             before, n = self._state(), len(out)
             self._blocked_round = lambda kv, c: False  # type: ignore[method-assign]
             try:
-                super()._promote_indexed(now, out, iota, held_for)
+                super()._promote_indexed(now, out, idleness, held_for)
             finally:
                 del self._blocked_round
             type(self).rounds += 1

@@ -30,24 +30,24 @@ def run_cycles(t: IdlenessTracker, cycles: list[tuple[float, float]], start: flo
 # -- a new program ------------------------------------------------------------------
 def test_new_program_is_busy() -> None:
     t = IdlenessTracker()
-    assert t.iota(0.0) == 0.0
-    assert t.iota(100.0) == 0.0
+    assert t.idleness(0.0) == 0.0
+    assert t.idleness(100.0) == 0.0
     t.arrived(1.0)
-    assert t.iota(50.0) == 0.0  # gated, no history
+    assert t.idleness(50.0) == 0.0  # gated, no history
     t.started(2.0)
-    assert t.iota(3.0) == 0.0  # reasoning only
+    assert t.idleness(3.0) == 0.0  # reasoning only
     assert t.cycles == ()
 
 
 def test_no_exclusion_first_gated_interval_is_dropped() -> None:
     t = IdlenessTracker(exclude_gated=False)
     t.arrived(0.0)
-    assert t.iota(1.5) == 0.0  # no previous cycle to charge the gated time to
+    assert t.idleness(1.5) == 0.0  # no previous cycle to charge the gated time to
     t.started(2.0)
     assert t.gated_time == 2.0
     t.finished(3.0)
-    assert t.iota(3.0) == 0.0
-    assert t.iota(5.0) == pytest.approx(2.0 / 3.0)  # 1 s reasoning, 2 s acting
+    assert t.idleness(3.0) == 0.0
+    assert t.idleness(5.0) == pytest.approx(2.0 / 3.0)  # 1 s reasoning, 2 s acting
 
 
 # -- one cycle ----------------------------------------------------------------------
@@ -56,11 +56,11 @@ def test_one_cycle_one_second_reasoning_three_acting() -> None:
     t.arrived(0.0)
     t.started(0.0)
     t.finished(1.0)
-    assert t.iota(4.0) == pytest.approx(0.75)
+    assert t.idleness(4.0) == pytest.approx(0.75)
     t.arrived(4.0)
     assert t.cycles == ((1.0, 3.0),)
-    assert t.iota(4.0) == pytest.approx(0.75)
-    assert t.iota(9.0) == pytest.approx(0.75)  # gated time does not count
+    assert t.idleness(4.0) == pytest.approx(0.75)
+    assert t.idleness(9.0) == pytest.approx(0.75)  # gated time does not count
 
 
 def test_in_progress_gap_counts() -> None:
@@ -68,12 +68,12 @@ def test_in_progress_gap_counts() -> None:
     t.arrived(0.0)
     t.started(0.0)
     t.finished(1.0)
-    assert t.iota(1.0) == 0.0
-    assert t.iota(2.0) == pytest.approx(0.5)
-    assert t.iota(3.0) == pytest.approx(2.0 / 3.0)
-    assert t.iota(4.0) == pytest.approx(0.75)
-    assert t.iota(11.0) == pytest.approx(10.0 / 11.0)
-    values = [t.iota(1.0 + 0.5 * i) for i in range(40)]
+    assert t.idleness(1.0) == 0.0
+    assert t.idleness(2.0) == pytest.approx(0.5)
+    assert t.idleness(3.0) == pytest.approx(2.0 / 3.0)
+    assert t.idleness(4.0) == pytest.approx(0.75)
+    assert t.idleness(11.0) == pytest.approx(10.0 / 11.0)
+    values = [t.idleness(1.0 + 0.5 * i) for i in range(40)]
     assert values == sorted(values)
     assert len(set(values)) == len(values)  # strictly rising
 
@@ -82,8 +82,8 @@ def test_reasoning_in_progress_counts() -> None:
     t = IdlenessTracker()
     run_cycles(t, [(1.0, 3.0)])  # ends gated at 4
     t.started(4.0)
-    assert t.iota(4.0) == pytest.approx(3.0 / 4.0)
-    assert t.iota(6.0) == pytest.approx(3.0 / 6.0)  # reasoning 1 + 2, acting 3
+    assert t.idleness(4.0) == pytest.approx(3.0 / 4.0)
+    assert t.idleness(6.0) == pytest.approx(3.0 / 6.0)  # reasoning 1 + 2, acting 3
 
 
 # -- the window ---------------------------------------------------------------------
@@ -96,9 +96,9 @@ def test_k5_window_drops_the_oldest_cycle() -> None:
     assert end == 27.0
     # gated: the last five completed cycles: acting 2+3+4+5+6 = 20, reasoning 5
     assert t.cycles == tuple(SIX[1:])
-    assert t.iota(end) == pytest.approx(20.0 / 25.0)
+    assert t.idleness(end) == pytest.approx(20.0 / 25.0)
     # all six would give 21/27
-    assert t.iota(end) != pytest.approx(21.0 / 27.0)
+    assert t.idleness(end) != pytest.approx(21.0 / 27.0)
 
 
 def test_while_acting_the_in_progress_cycle_is_one_of_k() -> None:
@@ -107,32 +107,32 @@ def test_while_acting_the_in_progress_cycle_is_one_of_k() -> None:
     assert end == 20.0
     t.started(20.0)
     # reasoning: window = cycles 2..5 (acting 2+3+4+5 = 14, reasoning 4) + current
-    assert t.iota(20.5) == pytest.approx(14.0 / (4.0 + 0.5 + 14.0))
+    assert t.idleness(20.5) == pytest.approx(14.0 / (4.0 + 0.5 + 14.0))
     t.finished(21.0)
     # acting x seconds: (14 + x) / (4 + 1 + 14 + x)
     for x in (0.0, 1.0, 3.5, 6.0):
-        assert t.iota(21.0 + x) == pytest.approx((14.0 + x) / (19.0 + x))
+        assert t.idleness(21.0 + x) == pytest.approx((14.0 + x) / (19.0 + x))
     t.arrived(27.0)
-    assert t.iota(27.0) == pytest.approx(20.0 / 25.0)
+    assert t.idleness(27.0) == pytest.approx(20.0 / 25.0)
 
 
 def test_window_smaller_than_k() -> None:
     t = IdlenessTracker(k=5)
     run_cycles(t, [(2.0, 2.0), (1.0, 5.0)])  # gated at 10
-    assert t.iota(10.0) == pytest.approx(7.0 / 10.0)
+    assert t.idleness(10.0) == pytest.approx(7.0 / 10.0)
     t.started(10.0)
     t.finished(13.0)  # reasoning 3
-    assert t.iota(14.0) == pytest.approx((7.0 + 1.0) / (10.0 + 3.0 + 1.0))
+    assert t.idleness(14.0) == pytest.approx((7.0 + 1.0) / (10.0 + 3.0 + 1.0))
 
 
 def test_k1_only_the_current_cycle() -> None:
     t = IdlenessTracker(k=1)
     run_cycles(t, [(1.0, 9.0)])  # gated at 10: window = last completed cycle
-    assert t.iota(10.0) == pytest.approx(0.9)
+    assert t.idleness(10.0) == pytest.approx(0.9)
     t.started(10.0)
-    assert t.iota(12.0) == 0.0  # the in-progress cycle is the whole window
+    assert t.idleness(12.0) == 0.0  # the in-progress cycle is the whole window
     t.finished(12.0)
-    assert t.iota(14.0) == pytest.approx(0.5)
+    assert t.idleness(14.0) == pytest.approx(0.5)
 
 
 # -- gated time ---------------------------------------------------------------------
@@ -151,12 +151,12 @@ def test_gated_time_is_excluded() -> None:
     t.started(0.0)
     t.finished(1.0)
     t.arrived(4.0)
-    assert t.iota(8.0) == pytest.approx(0.75)  # while gated: unchanged
+    assert t.idleness(8.0) == pytest.approx(0.75)  # while gated: unchanged
     t.started(10.0)
     assert t.gated_time == 6.0
-    assert t.iota(10.0) == pytest.approx(0.75)
+    assert t.idleness(10.0) == pytest.approx(0.75)
     t.finished(11.0)
-    assert t.iota(11.0) == pytest.approx(3.0 / 5.0)
+    assert t.idleness(11.0) == pytest.approx(3.0 / 5.0)
     assert t.cycles == ((1.0, 3.0),)
 
 
@@ -167,12 +167,12 @@ def test_gated_time_added_to_previous_acting_without_exclusion() -> None:
     t.finished(1.0)
     t.arrived(4.0)
     # while gated the gap in progress counts as acting of the previous cycle
-    assert t.iota(8.0) == pytest.approx(7.0 / 8.0)
+    assert t.idleness(8.0) == pytest.approx(7.0 / 8.0)
     t.started(10.0)
     assert t.cycles == ((1.0, 9.0),)
     assert t.gated_time == 6.0
     t.finished(11.0)
-    assert t.iota(11.0) == pytest.approx(9.0 / 11.0)
+    assert t.idleness(11.0) == pytest.approx(9.0 / 11.0)
 
 
 def test_kv_ready_after_forward_moves_start_and_counts_as_gated() -> None:
@@ -184,12 +184,12 @@ def test_kv_ready_after_forward_moves_start_and_counts_as_gated() -> None:
         t.finished(1.0)
         t.arrived(4.0)
         t.started(4.0)  # forwarded
-        assert t.iota(5.0) == pytest.approx(3.0 / 5.0)  # provisional: reasoning since 4
+        assert t.idleness(5.0) == pytest.approx(3.0 / 5.0)  # provisional: reasoning since 4
         t.started(6.0)  # KV ready: 4..6 was gated
         assert t.gated_time == 2.0
         assert t.cycles == (cycle,)
         t.finished(7.0)  # reasoning 6..7
-        assert t.iota(7.0) == pytest.approx(expected)
+        assert t.idleness(7.0) == pytest.approx(expected)
 
 
 def test_kv_ready_on_first_step() -> None:
@@ -199,7 +199,7 @@ def test_kv_ready_on_first_step() -> None:
     t.started(3.0)
     assert t.gated_time == 3.0
     t.finished(4.0)
-    assert t.iota(5.0) == pytest.approx(0.5)  # reasoning 1 (3..4), acting 1
+    assert t.idleness(5.0) == pytest.approx(0.5)  # reasoning 1 (3..4), acting 1
 
 
 # -- misuse -------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_a_history_taken_back_gives_the_same_idleness(
     new = IdlenessTracker(k)
     new.restored(float(offset), h)  # another gateway's clock
     for later in (0.0, 1.0, 7.5):
-        assert new.iota(offset + later) == pytest.approx(old.iota(then + later))
+        assert new.idleness(offset + later) == pytest.approx(old.idleness(then + later))
     assert new.acting_line() is not None
 
 
@@ -270,7 +270,7 @@ def test_a_history_later_adds_the_downtime_to_the_tool_call() -> None:
     assert h.later(6.0) == IdlenessHistory((), 2.0, 8.0)
     fresh = IdlenessTracker(3)
     fresh.restored(100.0, h.later(6.0))
-    assert fresh.iota(100.0) == pytest.approx(8.0 / 10.0)
+    assert fresh.idleness(100.0) == pytest.approx(8.0 / 10.0)
     # a step cut off mid-way keeps only the completed cycles, and no downtime
     t.arrived(5.0)
     t.started(5.0)
@@ -281,7 +281,7 @@ def test_a_history_later_adds_the_downtime_to_the_tool_call() -> None:
 def test_a_restored_program_without_history_acts_from_the_restore() -> None:
     t = IdlenessTracker(3)
     t.restored(50.0)
-    assert t.iota(50.0) == 0.0 and t.iota(51.0) == 1.0
+    assert t.idleness(50.0) == 0.0 and t.idleness(51.0) == 1.0
 
 
 @pytest.mark.parametrize("bad", [dict(cycles=((1.0, -1.0),)), dict(acting_s=float("nan")),

@@ -1,4 +1,4 @@
-"""``IotaOrder`` walks programs in exactly the order a full sort by iota gives."""
+"""``IdlenessOrder`` walks programs in exactly the order a full sort by idleness gives."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mori.core.idleness import IdlenessTracker
-from mori.core.policies.mori import _Iota
-from mori.core.policies.mori_index import IotaOrder
+from mori.core.policies.mori import IdlenessAt
+from mori.core.policies.mori_index import IdlenessOrder
 from mori.core.program import Program
 from mori.core.types import Status
 
@@ -40,9 +40,9 @@ def program(draw: st.DrawFn, i: int) -> tuple[Program, bool]:
 def test_descending_is_the_sorted_order(data: st.DataObject, n: int,
                                         later: list[float]) -> None:
     progs = [data.draw(program(i)) for i in range(n)]
-    order = IotaOrder()
+    order = IdlenessOrder()
     for p, held in progs:
-        order.add(p, p.tracker.iota(0.0) if held else None)
+        order.add(p, p.tracker.idleness(0.0) if held else None)
     # drop some, as programs leave the queue
     for p, _ in progs[::3]:
         order.discard(p.program_id)
@@ -51,12 +51,12 @@ def test_descending_is_the_sorted_order(data: st.DataObject, n: int,
     start = max([0.0] + [p.tracker._t0 for p in kept])  # no earlier than any phase start
     for dt in later:
         now = start + dt
-        iota = _Iota(now)
-        want = sorted(kept, key=iota.desc)
-        got = list(order.descending(iota, now))
+        idleness = IdlenessAt(now)
+        want = sorted(kept, key=idleness.desc)
+        got = list(order.descending(idleness, now))
         assert [p.program_id for p in got] == [p.program_id for p in want]
         # a fresh walk stopped after one program gives the most idle
-        first = next(iter(order.descending(_Iota(now), now)), None)
+        first = next(iter(order.descending(IdlenessAt(now), now)), None)
         assert first is (want[0] if want else None)
 
 
@@ -66,7 +66,7 @@ def test_only_acting_and_held_programs() -> None:
     tr.started(0.0)  # reasoning: neither acting nor held
     p = Program("r", tr)
     assert p.status is Status.REASONING
-    order = IotaOrder()
+    order = IdlenessOrder()
     try:
         order.add(p, None)
     except AssertionError:

@@ -130,7 +130,7 @@ FIXED = {
     # every program needs the whole GPU: strictly one at a time
     "serial": dict(programs=[_prog(f"p{i}", 0.0, (50, 50, 1.0, 3.0), (0, 0, 1.0, 0.0))
                              for i in range(4)], replicas=1, gpu=100, cpu=0),
-    # zero service and zero gaps: iota 1.0 and 0.0 on the same instant
+    # zero service and zero gaps: idleness 1.0 and 0.0 on the same instant
     "instant": dict(programs=[_prog(f"p{i}", 0.0, (30, 10, 0.0, 0.0), (10, 10, 0.0, 0.0),
                                     (10, 10, 0.0, 0.0)) for i in range(5)],
                     replicas=2, gpu=100, cpu=100),

@@ -47,8 +47,8 @@ def test_a_new_arrivals_admitted_smallest_first_placed_largest_first(name: str) 
 
 # -- (b) a third program needs room ---------------------------------------------------------
 def _setup_b(name: str) -> Policy:
-    """A (40): 1 s reasoning then acting since t=1 (iota 0.9 at t=10).
-    B (30): 9 s reasoning then acting since t=9 (iota 0.1 at t=10)."""
+    """A (40): 1 s reasoning then acting since t=1 (idleness 0.9 at t=10).
+    B (30): 9 s reasoning then acting since t=9 (idleness 0.1 at t=10)."""
     p = make(name)
     step(p, 0.0, arrive("A", 40))
     step(p, 0.0, arrive("B", 30))
@@ -68,9 +68,9 @@ B_EXPECTED = {
 @pytest.mark.parametrize("name", sorted(B_EXPECTED))
 def test_b_third_program_makes_room(name: str) -> None:
     p = _setup_b(name)
-    iota_a, iota_b = p.programs["A"].iota(10.0), p.programs["B"].iota(10.0)
-    assert iota_a == pytest.approx(0.9)
-    assert iota_b == pytest.approx(0.1)
+    idleness_a, idleness_b = p.programs["A"].idleness(10.0), p.programs["B"].idleness(10.0)
+    assert idleness_a == pytest.approx(0.9)
+    assert idleness_b == pytest.approx(0.1)
     out = step(p, 10.0, arrive("C", 40))
     assert out == B_EXPECTED[name]
     if name == "smg":
@@ -84,7 +84,7 @@ def test_b_third_program_makes_room(name: str) -> None:
 
 
 def test_b_mori_binary_offloaded_early() -> None:
-    # mori-binary offloads A as soon as it is idle (iota >= 0.5), here at B's finish
+    # mori-binary offloads A as soon as it is idle (idleness >= 0.5), here at B's finish
     p = make("mori-binary")
     step(p, 0.0, arrive("A", 40))
     step(p, 0.0, arrive("B", 30))
@@ -100,7 +100,7 @@ def test_c_priority_levels() -> None:
     step(p, 0.0, arrive("B", 40))
     step(p, 1.0, fin("A", 40))
     step(p, 2.0, fin("B", 40))
-    # C (100) needs the whole GPU: A (iota 0.9) goes first, to CPU; then B (0.8) does not
+    # C (100) needs the whole GPU: A (idleness 0.9) goes first, to CPU; then B (0.8) does not
     # fit the CPU, A is more idle than B so A is pushed on to Waiting and B takes the CPU
     assert step(p, 10.0, arrive("C", 100)) == [
         Demote("A", 0, GPU, CPU), Demote("A", 0, CPU, NONE), Demote("B", 0, GPU, CPU),
@@ -133,11 +133,11 @@ def _setup_c_cpu(name: str) -> Policy:
 
 def test_c_strict_cpu_program_first_waits_for_someone_more_idle() -> None:
     p = _setup_c_cpu("mori-strict")
-    # B returns (cycle (1, 2): iota 2/3) to its CPU queue; W (new, 10) arrives too.
+    # B returns (cycle (1, 2): idleness 2/3) to its CPU queue; W (new, 10) arrives too.
     assert step(p, 3.0, arrive("B", 60)) == []
     assert step(p, 3.0, arrive("W", 10)) == []
-    assert p.programs["B"].iota(3.0) == pytest.approx(2.0 / 3.0)
-    # X's iota is (t - 3) / (t - 2): not above B's 2/3 until t > 5; B (level 0) is the
+    assert p.programs["B"].idleness(3.0) == pytest.approx(2.0 / 3.0)
+    # X's idleness is (t - 3) / (t - 2): not above B's 2/3 until t > 5; B (level 0) is the
     # candidate that may make room, W may only take free space
     assert step(p, 4.0) == []
     assert step(p, 5.0) == []
@@ -211,7 +211,7 @@ def test_d_lazy_demotion_waits_for_the_step() -> None:
     step(p, 0.0, arrive("A", 60))
     step(p, 1.0, fin("A", 60))
     assert step(p, 10.0, arrive("A", 60)) == [Forward("A", 0)]
-    # A reasons with iota 9/11 at t = 11: more idle than the new B, but Reasoning
+    # A reasons with idleness 9/11 at t = 11: more idle than the new B, but Reasoning
     assert step(p, 11.0, arrive("B", 50)) == []  # A will be demoted when its step ends
     assert p.programs["B"].ready and where(p, "B") == (NONE, None)
     assert step(p, 11.5) == []
@@ -222,8 +222,8 @@ def test_d_lazy_demotion_waits_for_the_step() -> None:
 def test_d_strict_new_reasoning_program_not_marked_then_demoted_on_tick() -> None:
     p = make("mori-strict")
     step(p, 0.0, arrive("A", 60))
-    assert step(p, 1.0, arrive("B", 50)) == []  # iota 0 is not above B's 0: no room made
-    assert step(p, 2.0, fin("A", 60)) == []  # acting for 0 s: iota still 0
+    assert step(p, 1.0, arrive("B", 50)) == []  # idleness 0 is not above B's 0: no room made
+    assert step(p, 2.0, fin("A", 60)) == []  # acting for 0 s: idleness still 0
     assert step(p, 3.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)]
 
 
@@ -295,7 +295,7 @@ def test_h_release_from_each_tier() -> None:
     p = make("mori", gpu=100, cpu=100)
     step(p, 0.0, arrive("A", 60), arrive("B", 30))
     step(p, 1.0, fin("A", 60), fin("B", 30))
-    # C (40): B and A both at iota 0.8; the latest request (B) goes first; that suffices
+    # C (40): B and A both at idleness 0.8; the latest request (B) goes first; that suffices
     assert step(p, 5.0, arrive("C", 40)) == [
         Demote("B", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)]
     # D (90): A (acting) to CPU now, C (reasoning) when its step ends; D waits

@@ -79,8 +79,8 @@ def test_the_live_page_shows_the_running_programs_and_updates(live: Live, page: 
                        timeout=10).json()["data"]
     known = {p["program_id"] for p in listed}
     assert shown and {r[1] for r in shown} & known
-    iotas = [float(r[2]) for r in shown]
-    assert iotas == sorted(iotas)
+    idleness_values = [float(r[2]) for r in shown]
+    assert idleness_values == sorted(idleness_values)
     assert page.inner_text("#summary").count("programs") == 1
     assert page.query_selector_all("#spectrum svg path")
     assert page.query_selector("#chart-gpu-box svg") is not None

@@ -66,8 +66,8 @@ def test_snapshot_ranks_by_idleness_and_reads_the_ledger() -> None:
         log.append(8.0, d)
     snap = take_snapshot(pol, 10.0, log.latest(10))
     assert [p.program_id for p in snap.programs] == ["p2", "p1", "p0"]  # busiest first
-    iotas = [p.iota for p in snap.programs]
-    assert iotas == sorted(iotas) and iotas[0] == 0.0 and iotas[-1] > iotas[1] > 0.0
+    idleness_values = [p.idleness for p in snap.programs]
+    assert idleness_values == sorted(idleness_values) and idleness_values[0] == 0.0 and idleness_values[-1] > idleness_values[1] > 0.0
     assert {p.program_id: p.status for p in snap.programs} == {
         "p0": Status.ACTING, "p1": Status.ACTING, "p2": Status.REASONING}
     assert snap.programs[2].since_request_s == 10.0

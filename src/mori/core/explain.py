@@ -30,7 +30,7 @@ class DecisionContext:
     """
 
     status: Status
-    iota: float
+    idleness: float
     context_tokens: int
     waited_s: float
 
@@ -47,7 +47,7 @@ def context_reader(programs: Mapping[str, Program]) -> ContextReader:
         if p is None:
             return None
         arrived = p.history[-1].arrived if p.history else now
-        return DecisionContext(p.status, p.iota(now), p.tokens, max(0.0, now - arrived))
+        return DecisionContext(p.status, p.idleness(now), p.tokens, max(0.0, now - arrived))
 
     return read
 
@@ -63,7 +63,7 @@ def reason(d: Decision, ctx: DecisionContext | None) -> str:
         return "the program ended; its KV is inactive everywhere"
     if ctx is None:
         return "the program had already left"
-    state = f"idleness {ctx.iota:.2f}, {ctx.context_tokens:,} tokens"
+    state = f"idleness {ctx.idleness:.2f}, {ctx.context_tokens:,} tokens"
     if isinstance(d, Forward):
         return (f"its KV is on replica {d.replica}'s GPU tier: the held request goes on "
                 f"after {ctx.waited_s:.1f} s ({state})")

@@ -1,6 +1,6 @@
 """Windowed idleness (docs/system.md, "Idleness").
 
-    iota = T_acting(k) / (T_reasoning(k) + T_acting(k))
+    idleness = T_acting(k) / (T_reasoning(k) + T_acting(k))
 
 over the last ``k`` reasoning-acting cycles. The window is the cycle in progress (if one
 has started: the program is reasoning or acting) plus the last completed cycles, ``k``
@@ -10,7 +10,7 @@ keeps growing. Time spent gated (queued by the scheduler, or waiting for its KV 
 reload) is excluded from both terms unless ``exclude_gated`` is False (the
 ``mori-no-exclusion`` ablation), in which case it is added to the acting term of the
 cycle that preceded it (for a program's very first request there is no such cycle and it
-is dropped). A program with no history has iota = 0 (busy): it is about to run.
+is dropped). A program with no history has idleness = 0 (busy): it is about to run.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class IdlenessHistory:
 
 
 class IdlenessTracker:
-    """Feeds on three timestamps per step and answers ``iota(now)``.
+    """Feeds on three timestamps per step and answers ``idleness(now)``.
 
     Observations must come in order: ``arrived`` -> ``started`` -> ``finished`` ->
     ``arrived`` ... with non-decreasing times. ``started`` marks the start of reasoning
@@ -154,7 +154,7 @@ class IdlenessTracker:
         """The phase: GATED, REASONING or ACTING; None before the first request."""
         return self._phase
 
-    def iota(self, now: float) -> float:
+    def idleness(self, now: float) -> float:
         phase = self._phase
         if phase is Status.REASONING or phase is Status.ACTING:
             r, a = self._tail  # the cycle in progress is one of the k
@@ -171,10 +171,10 @@ class IdlenessTracker:
         return a / total if total > 0.0 else 0.0
 
     def acting_line(self) -> tuple[float, float] | None:
-        """While acting: ``(w, b)`` with ``iota(now) = 1 - w / (now - b)`` (up to
+        """While acting: ``(w, b)`` with ``idleness(now) = 1 - w / (now - b)`` (up to
         rounding): ``w`` the reasoning time in the window, ``b`` when the window would
         have begun had it been spent without a break. Both are fixed until the next
-        request, so an ordering structure can bound iota at any ``now`` without
+        request, so an ordering structure can bound idleness at any ``now`` without
         computing it. None in other phases."""
         if self._phase is not Status.ACTING:
             return None
@@ -194,7 +194,7 @@ class IdlenessTracker:
 
     # -- internals -----------------------------------------------------------------
     def _push(self, reason: float, act: float) -> None:
-        # keep k completed cycles; iota() uses k - 1 of them while a cycle is in progress
+        # keep k completed cycles; idleness() uses k - 1 of them while a cycle is in progress
         self._cycles.append((reason, act))
         if len(self._cycles) > self._k:
             self._cycles.popleft()

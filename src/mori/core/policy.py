@@ -51,7 +51,7 @@ class PolicyConfig:
     ``tick_s``: period of the control loop (docs/system.md, "Placement: rank, then fill each tier to capacity": 5 s).
     ``idleness_window``: k, cycles in the idleness window (docs/system.md, "Idleness": 5).
     ``exclude_gated``: leave scheduler-imposed time out of idleness.
-    ``binary_threshold``: iota at or above which ``mori-binary`` calls a program idle.
+    ``binary_threshold``: idleness at or above which ``mori-binary`` calls a program idle.
     ``page_tokens``: KV is accounted in whole pages of this many tokens.
     ``acting_token_weight``: the weight of an Acting program's tokens in ThunderAgent's
     capacity (its ``--acting-token-weight``, 1.0).

@@ -54,8 +54,8 @@ class Program:
         """A request is held (not yet forwarded)."""
         return self.tracker.status is Status.GATED
 
-    def iota(self, now: float) -> float:
-        return self.tracker.iota(now)
+    def idleness(self, now: float) -> float:
+        return self.tracker.idleness(now)
 
     def record(self, rec: StepRecord) -> None:
         self.history.append(rec)
@@ -81,6 +81,6 @@ class ProgramView:
     @classmethod
     def of(cls, p: Program, now: float) -> ProgramView:
         last = p.history[-1] if p.history else None
-        return cls(p.program_id, p.status, p.tier, p.replica, p.iota(now), p.tokens,
+        return cls(p.program_id, p.status, p.tier, p.replica, p.idleness(now), p.tokens,
                    p.kv_bytes, p.tracker.gated_time, p.steps_done,
                    StepRecord(last.arrived, last.forwarded, last.finished) if last else None)

@@ -35,7 +35,7 @@ def frame(snap: Snapshot, sample: Sample | None) -> dict[str, Any]:
     return {
         "t": round(snap.time, 3),
         "summary": summary,
-        "programs": [[p.program_id, round(p.iota, 4), p.status.value, p.tier.value, p.replica,
+        "programs": [[p.program_id, round(p.idleness, 4), p.status.value, p.tier.value, p.replica,
                       p.context_tokens,
                       None if p.since_request_s is None else round(p.since_request_s, 1),
                       p.steps, p.agent, p.tools] for p in snap.programs],
@@ -45,7 +45,7 @@ def frame(snap: Snapshot, sample: Sample | None) -> dict[str, Any]:
                    g.context_tokens] for g in snap.gated],
         "decisions": [[round(d.time, 3), d.kind, d.program_id, d.replica, d.move, d.reason]
                       for d in snap.decisions],
-        "spectrum": spectrum([(p.iota, p.status, p.tier) for p in snap.programs]),
+        "spectrum": spectrum([(p.idleness, p.status, p.tier) for p in snap.programs]),
     }
 
 

@@ -23,7 +23,7 @@ class ProgramRow:
     gateway knows them from the wire; empty in the simulator)."""
 
     program_id: str
-    iota: float
+    idleness: float
     status: Status
     tier: Tier
     replica: int | None
@@ -108,9 +108,9 @@ def take_snapshot(policy: Policy, now: float, decisions: Sequence[DecisionRecord
         last = p.history[-1].arrived if p.history else None
         since = (now - last) / time_scale if last is not None else None
         agent, tools = known.get(p.program_id, ("", ""))
-        rows.append(ProgramRow(p.program_id, p.iota(now), p.status, p.tier, p.replica,
+        rows.append(ProgramRow(p.program_id, p.idleness(now), p.status, p.tier, p.replica,
                                p.tokens, since, p.steps_done, agent, tools))
-    rows.sort(key=lambda r: (r.iota, r.program_id))
+    rows.sort(key=lambda r: (r.idleness, r.program_id))
     held = sorted(policy.ready_programs, key=lambda p: p.ready_seq)
     gated = tuple(
         GatedRow(p.program_id,

@@ -130,9 +130,9 @@ def spectrum(points: Sequence[tuple[float, Status, Tier]], width: int = 940) -> 
     pw = width - ml - mr
     height = 24 + lane * len(TIER_LANES) + 20
     paths: dict[tuple[int, Status], list[str]] = {}
-    for iota, status, tier in points:
+    for idleness, status, tier in points:
         i = TIER_LANES.index(tier)
-        x = ml + min(max(iota, 0.0), 1.0) * pw
+        x = ml + min(max(idleness, 0.0), 1.0) * pw
         y = 24 + i * lane
         paths.setdefault((i, status), []).append(f"M{x:.1f} {y + 3}v{lane - 6}")
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart spectrum" viewBox="0 0 '
@@ -157,5 +157,5 @@ def spectrum(points: Sequence[tuple[float, Status, Tier]], width: int = 940) -> 
         parts.append(f'<text x="{x:.1f}" y="{height - 6}" class="tk" text-anchor="middle">'
                      f'{v:g}</text>')
     parts.append(f'<text x="{ml + pw}" y="{height - 6}" class="tk" text-anchor="end" '
-                 'dy="-12">idleness ι: busy → idle</text></svg>')
+                 'dy="-12">idleness: busy → idle</text></svg>')
     return "".join(parts)

@@ -192,7 +192,7 @@ class Gateway:
         counts = ctl.executor.counts
         now = ctl.now()
         idleness, context = distributions(
-            (p.tier.value, p.iota(now), p.tokens) for p in ctl.policy.programs.values())
+            (p.tier.value, p.idleness(now), p.tokens) for p in ctl.policy.programs.values())
         oldest = next(ctl.policy.held_since(now), None)
         return GatewayState(
             programs={(t.value, s.value): n for (t, s), n in ctl.policy.status_counts().items()},

@@ -66,7 +66,7 @@ class RequestLease:
         """MORI's rank of the program now: 0 = busiest (see ``RequestHints``)."""
         p = self._ctl.policy.programs.get(self.program_id)
         return 0 if p is None else min(PRIORITY_LEVELS,
-                                       int(p.iota(self._ctl.now()) * PRIORITY_LEVELS))
+                                       int(p.idleness(self._ctl.now()) * PRIORITY_LEVELS))
 
     async def prepare(self, path: str, body: dict[str, Any], stream: bool) -> None:
         """Wait for the replica's earlier KV controls and, after a promotion from the

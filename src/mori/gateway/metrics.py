@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-#: upper bounds of the idleness histogram (iota is a share, 0..1)
+#: upper bounds of the idleness histogram (idleness is a share, 0..1)
 IDLENESS_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 #: upper bounds of the context histogram, in tokens
 CONTEXT_BUCKETS = (1_024, 4_096, 16_384, 32_768, 65_536, 131_072, 262_144, 524_288,
@@ -65,17 +65,17 @@ def _le(b: float) -> str:
 
 def distributions(rows: Iterable[tuple[str, float, int]]
                   ) -> tuple[dict[str, Distribution], dict[str, Distribution]]:
-    """The idleness and the context distributions by tier of ``rows`` (tier, iota,
+    """The idleness and the context distributions by tier of ``rows`` (tier, idleness,
     context tokens), one per tier that has a program."""
-    iota: dict[str, Distribution] = {}
+    idleness: dict[str, Distribution] = {}
     ctx: dict[str, Distribution] = {}
     for tier, i, tokens in rows:
-        if tier not in iota:
-            iota[tier] = Distribution(IDLENESS_BUCKETS)
+        if tier not in idleness:
+            idleness[tier] = Distribution(IDLENESS_BUCKETS)
             ctx[tier] = Distribution(CONTEXT_BUCKETS)
-        iota[tier].add(i)
+        idleness[tier].add(i)
         ctx[tier].add(tokens)
-    return iota, ctx
+    return idleness, ctx
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +158,8 @@ class _StateCollector(Collector):
         for tier, n in sorted(s.demotions.items()):
             demo.add_metric([tier], n)
         yield demo
-        yield _gauge_histogram("mori_program_idleness_ratio", "Programs by idleness (iota, "
-                               "the recent share of time in tool calls), by tier",
+        yield _gauge_histogram("mori_program_idleness_ratio", "Programs by idleness (the recent "
+                               "share of time in tool calls), by tier",
                                s.idleness)
         yield _gauge_histogram("mori_program_context_tokens", "Programs by context length "
                                "(tokens of KV the policy accounts for), by tier", s.context)

@@ -1,7 +1,7 @@
 """Ablations of MORI (docs/system.md, "The workload" and "Idleness").
 
-- ``mori-binary``: a fixed busy/idle threshold on iota instead of a ranking. A program
-  is idle when iota >= ``binary_threshold``; idle Acting programs are offloaded to the
+- ``mori-binary``: a fixed busy/idle threshold on idleness instead of a ranking. A program
+  is idle when idleness >= ``binary_threshold``; idle Acting programs are offloaded to the
   CPU tier on every round whether or not the GPU needs the room (label decides tier),
   any idle Acting program may be demoted for any ready one, and a program demoted to a
   full CPU tier goes to Waiting (no ranking to decide who deserves the CPU).
@@ -21,7 +21,7 @@ import dataclasses
 
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
-from mori.core.policies.mori import MoriPolicy, _Iota
+from mori.core.policies.mori import IdlenessAt, MoriPolicy
 from mori.core.policy import PolicyConfig
 from mori.core.program import Program
 from mori.core.types import Status, Tier
@@ -32,20 +32,20 @@ class MoriBinaryPolicy(MoriPolicy):
     description = "ablation: fixed busy/idle threshold instead of ranking"
     rebalances = True
 
-    def _idle(self, iota: float) -> bool:
-        return iota >= self.config.binary_threshold
+    def _idle(self, idleness: float) -> bool:
+        return idleness >= self.config.binary_threshold
 
-    def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
-        return self._idle(victim_iota)
+    def _victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
+        return self._idle(victim_idleness)
 
-    def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
+    def _rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
         for r, gq in enumerate(self.placement.gpu):
             for pid in list(gq.members):
                 p = self.programs[pid]
-                if p.status is Status.ACTING and self._idle(iota(p)):
-                    self._offload(p, r, out, iota)
+                if p.status is Status.ACTING and self._idle(idleness(p)):
+                    self._offload(p, r, out, idleness)
 
-    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
+    def _offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
                  keep: Program | None = None) -> None:
         cq = self.placement.cpu[replica]
         to = Tier.CPU if cq.capacity and cq.fits(p.kv_bytes) else Tier.NONE
@@ -67,8 +67,8 @@ class MoriStrictPolicy(MoriPolicy):
     name = "mori-strict"
     description = "ablation: demote only programs more idle than the ready one"
 
-    def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
-        return victim_iota > cand_iota
+    def _victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
+        return victim_idleness > cand_idleness
 
 
 class MoriPackPolicy(MoriPolicy):

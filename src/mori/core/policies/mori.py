@@ -5,14 +5,14 @@ Every rule of section 4, and where a detail is ours:
 - Sticky placement: nothing moves unless a tier is over capacity or a ready program
   needs room; the control loop runs on every tick and on every event.
 - GPU over capacity (contexts grew): demote Acting programs before held (not yet
-  forwarded) ones, highest iota first. Reasoning programs never grow in the ledger (it
+  forwarded) ones, highest idleness first. Reasoning programs never grow in the ledger (it
   accounts a step's output when the step finishes), so they are never needed here.
 - A demoted program goes to its replica's CPU queue if it fits; if not, CPU programs
   more idle than it are pushed to Waiting to make room (the CPU tier holds the next-best
-  ranked); failing that it goes to Waiting itself. CPU over capacity: highest iota to
+  ranked); failing that it goes to Waiting itself. CPU over capacity: highest idleness to
   Waiting first.
 - Promotion order: (0) CPU-queue programs with a held request, (1) Waiting programs that
-  are returning, (2) new programs, smallest context first; lowest iota first within a
+  are returning, (2) new programs, smallest context first; lowest idleness first within a
   level; then arrival order.
 - A candidate that fits is promoted and forwarded at once. A CPU-queue program goes back
   to its own replica (affinity: it reloads locally). Cacheless (Waiting) programs are
@@ -24,7 +24,7 @@ Every rule of section 4, and where a detail is ours:
   idle at low load, and overfilled the fullest replica near capacity
   (``mori_placement``; ``mori-pack`` keeps the paper's rule).
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
-  GPU are demoted, highest iota first (a ready program outranks an idle one: ours, see
+  GPU are demoted, highest idleness first (a ready program outranks an idle one: ours, see
   ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
   the Acting ones are demoted now and the replica's free space is reserved for the
   candidate (later candidates may only use space beyond the reservation); the Reasoning
@@ -45,12 +45,12 @@ from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies.mori_round import MoriIndexedRound
-from mori.core.policies.mori_state import _Iota
+from mori.core.policies.mori_state import IdlenessAt
 from mori.core.policy import EngineProfile
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["MoriPolicy", "_Iota"]
+__all__ = ["MoriPolicy", "IdlenessAt"]
 
 class MoriPolicy(MoriIndexedRound):
     name = "mori"
@@ -60,7 +60,7 @@ class MoriPolicy(MoriIndexedRound):
     rebalances = False
     """Whether ``_rebalance`` moves programs (a variant that overrides it says True)."""
 
-    def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
+    def _rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
         """Moves made on every decision round regardless of demand (none for MORI)."""
 
     # -- the decision round ------------------------------------------------------------
@@ -72,19 +72,19 @@ class MoriPolicy(MoriIndexedRound):
             if self._incremental:
                 self._flush()
             return
-        iota = _Iota(now)
-        self._rebalance(now, out, iota)
-        self._fix_overflow(out, iota)
-        held_for = self._serve_aged(now, out, iota) if self.config.max_wait_s else None
+        idleness = IdlenessAt(now)
+        self._rebalance(now, out, idleness)
+        self._fix_overflow(out, idleness)
+        held_for = self._serve_aged(now, out, idleness) if self.config.max_wait_s else None
         if self._ready_gpu:
             for p in self.ready_on_gpu():
                 self._forward(p, now, out)
         if self._incremental:
-            self._promote_indexed(now, out, iota, held_for)
+            self._promote_indexed(now, out, idleness, held_for)
         else:
-            self._promote_ready(now, out, iota, held_for)
+            self._promote_ready(now, out, idleness, held_for)
 
-    def _fix_overflow(self, out: list[Decision], iota: _Iota) -> None:
+    def _fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
         # only a queue where a program grew since the last round can be over capacity
         if not self._grown:
             return
@@ -102,22 +102,22 @@ class MoriPolicy(MoriIndexedRound):
         for r in grown:
             gq = pl.gpu[r]
             if gq.over():
-                order = (self._overflow_order(r, iota) if self._incremental
-                         else self._overflow_order_scan(r, iota))
+                order = (self._overflow_order(r, idleness) if self._incremental
+                         else self._overflow_order_scan(r, idleness))
                 for p in order:
                     if not gq.over():
                         break
-                    self._offload(p, r, out, iota)
+                    self._offload(p, r, out, idleness)
                 assert not gq.over(), "reasoning programs alone exceed the GPU tier"
         for r in grown_cpu:
             cq = pl.cpu[r]
             if cq.over():
-                for p in sorted((self.programs[pid] for pid in cq.members), key=iota.desc):
+                for p in sorted((self.programs[pid] for pid in cq.members), key=idleness.desc):
                     if not cq.over():
                         break
                     self._demote_to(p, Tier.NONE, None, out)
 
-    def _promote_ready(self, now: float, out: list[Decision], iota: _Iota,
+    def _promote_ready(self, now: float, out: list[Decision], idleness: IdlenessAt,
                        held_for: int | None = None) -> None:
         pl = self.placement
         cap = self.cluster.gpu_bytes
@@ -127,7 +127,7 @@ class MoriPolicy(MoriIndexedRound):
 
         def priority(p: Program) -> tuple[int, int, float, int]:
             level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
-            return (level, p.tokens if level == 2 else 0, iota(p), p.ready_seq)
+            return (level, p.tokens if level == 2 else 0, idleness(p), p.ready_seq)
 
         cands.sort(key=priority)
         gpus = pl.gpu
@@ -162,7 +162,7 @@ class MoriPolicy(MoriIndexedRound):
                 place(c, r)
             elif not blocked:
                 blocked = True
-                self._make_room(c, now, out, iota, reserve)
+                self._make_room(c, now, out, idleness, reserve)
                 most = None
 
         # (0) CPU-queue programs: their own replica (affinity), in priority order

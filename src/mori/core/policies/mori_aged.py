@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies.mori_room import MoriRoom
-from mori.core.policies.mori_state import _Iota
+from mori.core.policies.mori_state import IdlenessAt
 from mori.core.program import Program
 from mori.core.types import Tier
 
@@ -18,7 +18,7 @@ __all__ = ["MoriAged"]
 class MoriAged(MoriRoom):
     """MORI's bookkeeping, placement and room making plus the bound on waiting."""
 
-    def _serve_aged(self, now: float, out: list[Decision], iota: _Iota) -> int | None:
+    def _serve_aged(self, now: float, out: list[Decision], idleness: IdlenessAt) -> int | None:
         """Bounded waiting (ours, not the paper's): requests held ``max_wait_s`` or
         longer go first, oldest first, each onto the replica that can hold it soonest;
         for it, that replica's Acting programs are demoted, most idle first. When one
@@ -33,8 +33,8 @@ class MoriAged(MoriRoom):
             if r is None:
                 continue  # larger than a whole GPU tier: it can never be placed
             gq = self.placement.gpu[r]
-            for p in self._most_idle_acting(r, c.kv_bytes - gq.free(), iota):
-                self._offload(p, r, out, iota, keep=c)
+            for p in self._most_idle_acting(r, c.kv_bytes - gq.free(), idleness):
+                self._offload(p, r, out, idleness, keep=c)
             if not gq.fits(c.kv_bytes):
                 self._aged_wait = (c.program_id, r)
                 return r

@@ -4,8 +4,8 @@ all of it is the differential test's reference).
 
 - ``CandidateIndex``: the held programs not on a GPU, in promotion order, per replica
   for those in a CPU queue and one order for those in Waiting. A held program's
-  priority (its level, its context for a new one, its iota, its arrival) does not
-  change while it is held: idleness excludes gated time, so iota is frozen from the
+  priority (its level, its context for a new one, its idleness, its arrival) does not
+  change while it is held: idleness excludes gated time, so idleness is frozen from the
   arrival to the forward. ``mori-no-exclusion`` counts gated time, so it cannot use the
   index and scans instead.
 - ``ReplicaSums``: per replica, the KV bytes of its Acting and of its Reasoning GPU
@@ -28,11 +28,11 @@ from mori.core.types import Status, Tier
 _TOP = (3,)  # sorts after every priority key (levels are 0, 1, 2)
 
 
-def priority(p: Program, iota: float) -> Key:
+def priority(p: Program, idleness: float) -> Key:
     """The promotion order (``mori`` module docstring): (0) CPU queue, (1) returning,
-    (2) new programs smallest context first; lowest iota first; then arrival."""
+    (2) new programs smallest context first; lowest idleness first; then arrival."""
     level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
-    return (level, p.tokens if level == 2 else 0, iota, p.ready_seq)
+    return (level, p.tokens if level == 2 else 0, idleness, p.ready_seq)
 
 
 class CandidateIndex:
@@ -226,20 +226,20 @@ _W0 = 1e-3  # the reasoning time (s) where the first geometric bucket starts
 _PER_OCTAVE = 4  # buckets per doubling of w
 
 
-class IotaOrder:
+class IdlenessOrder:
     """Programs of one queue, walked most idle first at any ``now`` without computing
-    every program's iota (``descending``): the exact order ``sorted(key=_Iota.desc)``
-    gives, i.e. iota descending, then the later request first.
+    every program's idleness (``descending``): the exact order ``sorted(key=IdlenessAt.desc)``
+    gives, i.e. idleness descending, then the later request first.
 
-    An Acting program's iota is ``1 - w / (now - b)`` for its fixed ``(w, b)``
+    An Acting program's idleness is ``1 - w / (now - b)`` for its fixed ``(w, b)``
     (``IdlenessTracker.acting_line``): it grows with ``now``, and two programs can swap
     places over time. Acting programs are kept in buckets of ``w`` (four per doubling;
     a bucket's bound is exact whatever its span, the span only sets how tight it is)
     ordered by ``b``; within a bucket, ``1 - w_min / (now - b)`` (``w_min`` the
-    bucket's least ``w``) bounds every later program from above. A held program's iota does not change while it is held:
+    bucket's least ``w``) bounds every later program from above. A held program's idleness does not change while it is held:
     those are kept in one list, most idle first. ``descending`` expands the bucket
     whose bound is highest until the best exact value found beats every bound left,
-    so it computes the iota of the programs it yields and of a few per bucket beside.
+    so it computes the idleness of the programs it yields and of a few per bucket beside.
     """
 
     __slots__ = ("_acting", "_ws", "_held", "_entry")
@@ -247,7 +247,7 @@ class IotaOrder:
     def __init__(self) -> None:
         self._acting: dict[int, list[tuple[float, int, Program]]] = {}  # bucket -> (b, -seq, p)
         self._ws: dict[int, list[float]] = {}  # bucket -> its programs' w, ascending
-        self._held: list[tuple[float, int, Program]] = []  # (-iota, -seq, p)
+        self._held: list[tuple[float, int, Program]] = []  # (-idleness, -seq, p)
         self._entry: dict[str, tuple[int | None, tuple[float, int, Program]]] = {}
 
     def __len__(self) -> int:
@@ -256,12 +256,12 @@ class IotaOrder:
     def ids(self) -> set[str]:
         return set(self._entry)
 
-    def add(self, p: Program, held_iota: float | None) -> None:
-        """Index ``p``: Acting (its line), or held with iota ``held_iota``."""
+    def add(self, p: Program, held_idleness: float | None) -> None:
+        """Index ``p``: Acting (its line), or held with idleness ``held_idleness``."""
         line = p.tracker.acting_line()
         if line is None:
-            assert held_iota is not None, f"{p.program_id}: neither acting nor held"
-            item = (-held_iota, -p.ready_seq, p)
+            assert held_idleness is not None, f"{p.program_id}: neither acting nor held"
+            item = (-held_idleness, -p.ready_seq, p)
             insort(self._held, item)
             self._entry[p.program_id] = (None, item)
             return
@@ -287,16 +287,16 @@ class IotaOrder:
             if not lst:
                 del self._acting[bucket], self._ws[bucket]
 
-    def descending(self, iota: Callable[[Program], float], now: float) -> Iterator[Program]:
+    def descending(self, idleness: Callable[[Program], float], now: float) -> Iterator[Program]:
         """The programs, most idle first (ties: the later request first), with their
-        exact iota from ``iota`` (the round's values). The set must not change while
+        exact idleness from ``idleness`` (the round's values). The set must not change while
         walking."""
         frontier: list[tuple[float, int, int]] = []  # (-bound, bucket, position)
         for bucket, lst in self._acting.items():
             heapq.heappush(frontier, (-self._bound(self._ws[bucket][0], lst[0][0], now),
                                       bucket, 0))
         held, hp = self._held, 0
-        found: list[tuple[float, int, int, Program]] = []  # (-iota, -seq, n, p)
+        found: list[tuple[float, int, int, Program]] = []  # (-idleness, -seq, n, p)
         n = 0
         while True:
             best = -found[0][0] if found else -math.inf
@@ -316,7 +316,7 @@ class IotaOrder:
                     if pos + 1 < len(lst):
                         heapq.heappush(frontier, (-self._bound(
                             self._ws[bucket][0], lst[pos + 1][0], now), bucket, pos + 1))
-                heapq.heappush(found, (-iota(p), negseq, n, p))
+                heapq.heappush(found, (-idleness(p), negseq, n, p))
                 best = -found[0][0]
             if not found:
                 return
@@ -324,7 +324,7 @@ class IotaOrder:
 
     @staticmethod
     def _bound(w_low: float, b: float, now: float) -> float:
-        """An upper bound of iota at ``now`` for programs with ``w >= w_low`` and a
+        """An upper bound of idleness at ``now`` for programs with ``w >= w_low`` and a
         ``b`` no earlier than this one (a bucket's from this position on)."""
         span = now - b
         if w_low <= 0.0 or span <= 0.0:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from mori.core.decisions import Decision
 from mori.core.policies.mori_placement import MoriPlacement
-from mori.core.policies.mori_state import _Iota
+from mori.core.policies.mori_state import IdlenessAt
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
@@ -24,12 +24,12 @@ class MoriRoom(MoriPlacement):
     """MORI's bookkeeping and placement plus where room is made and who leaves."""
 
     # -- ranking hooks (the ablations override these) --------------------------------
-    def _victim_ok(self, victim_iota: float, cand_iota: float) -> bool:
-        """May a program with ``victim_iota`` make room for one with ``cand_iota``?
+    def _victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
+        """May a program with ``victim_idleness`` make room for one with ``cand_idleness``?
 
         In MORI a ready program outranks every Acting one (it is about to reason, the
         other sits idle in a tool call); the ranking decides *which* Acting program
-        goes: the most idle first. (Requiring ``victim_iota > cand_iota`` instead leaves
+        goes: the most idle first. (Requiring ``victim_idleness > cand_idleness`` instead leaves
         the GPU idle while a ready program waits for a busy one's phase to change; we
         measured it: -20% throughput at 20 programs, see docs/results.md.)
         """
@@ -40,7 +40,7 @@ class MoriRoom(MoriPlacement):
         (Always in MORI; ``mori-ski`` waits until it has acted as long as a reload.)"""
         return True
 
-    def _offload(self, p: Program, replica: int, out: list[Decision], iota: _Iota,
+    def _offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
                  keep: Program | None = None) -> None:
         """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit.
 
@@ -49,12 +49,12 @@ class MoriRoom(MoriPlacement):
         cq = self.placement.cpu[replica]
         if not cq.fits(p.kv_bytes) and cq.capacity:
             need = p.kv_bytes - int(cq.free())
-            mine = iota(p)
+            mine = idleness(p)
             victims = []
-            ranked = (self._cpu_idle[replica].descending(iota, iota.now) if self._incremental
-                      else sorted((self.programs[pid] for pid in cq.members), key=iota.desc))
+            ranked = (self._cpu_idle[replica].descending(idleness, idleness.now) if self._incremental
+                      else sorted((self.programs[pid] for pid in cq.members), key=idleness.desc))
             for q in ranked:
-                if need <= 0 or iota(q) <= mine:
+                if need <= 0 or idleness(q) <= mine:
                     break
                 if q is keep:
                     continue
@@ -66,38 +66,38 @@ class MoriRoom(MoriPlacement):
         to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
         self._demote_to(p, to, replica, out)
 
-    def _most_idle_acting(self, r: int, need: float, iota: _Iota) -> list[Program]:
+    def _most_idle_acting(self, r: int, need: float, idleness: IdlenessAt) -> list[Program]:
         """Replica ``r``'s Acting GPU programs, most idle first, until their KV covers
         ``need`` bytes (all of them if it never does; none if ``need`` <= 0)."""
         chosen: list[Program] = []
         acting = self._gpu_acting[r]
-        for p in acting.descending(iota, iota.now) if need > 0 and len(acting) else ():
+        for p in acting.descending(idleness, idleness.now) if need > 0 and len(acting) else ():
             if need <= 0:
                 break
             chosen.append(p)
             need -= p.kv_bytes
         return chosen
 
-    def _overflow_order_scan(self, r: int, iota: _Iota) -> list[Program]:
+    def _overflow_order_scan(self, r: int, idleness: IdlenessAt) -> list[Program]:
         """Who leaves an overfull GPU queue first: its Acting programs, then its held
         ones, the most idle first (ties: the later request first)."""
         members = [self.programs[pid] for pid in self.placement.gpu[r].members]
         acting = [p for p in members if p.status is Status.ACTING]
         held = [p for p in members if p.status is Status.GATED]
-        return sorted(acting, key=iota.desc) + sorted(held, key=iota.desc)
+        return sorted(acting, key=idleness.desc) + sorted(held, key=idleness.desc)
 
-    def _overflow_order(self, r: int, iota: _Iota) -> list[Program]:
+    def _overflow_order(self, r: int, idleness: IdlenessAt) -> list[Program]:
         """``_overflow_order_scan`` cut to the programs that must leave, the Acting ones
-        taken from the replica's ``IotaOrder`` instead of sorting every member. The
-        held ones' iota is computed as the scan computes it: they are forwarded later
-        in the round, and a later look at their iota must find the value the scan left."""
+        taken from the replica's ``IdlenessOrder`` instead of sorting every member. The
+        held ones' idleness is computed as the scan computes it: they are forwarded later
+        in the round, and a later look at their idleness must find the value the scan left."""
         gq = self.placement.gpu[r]
         assert gq.capacity is not None
-        order = self._most_idle_acting(r, gq.used - gq.capacity, iota)
-        held = sorted((p for p in self._ready_gpu.values() if p.replica == r), key=iota.desc)
+        order = self._most_idle_acting(r, gq.used - gq.capacity, idleness)
+        held = sorted((p for p in self._ready_gpu.values() if p.replica == r), key=idleness.desc)
         return order + held
 
-    def _room_plan_fast(self, c: Program, reserve: list[int], iota: _Iota) -> _RoomPlan:
+    def _room_plan_fast(self, c: Program, reserve: list[int], idleness: IdlenessAt) -> _RoomPlan:
         """``_room_plan`` when every Acting and Reasoning program may make room (MORI's
         own rules), from the per-replica sums and orders instead of the members."""
         gpus, sums = self.placement.gpu, self._sums
@@ -119,7 +119,7 @@ class MoriRoom(MoriPlacement):
                             ties.append(rr)
                 if best is not None:
                     r = ties[0] if len(ties) == 1 else max(
-                        ties, key=lambda q: (self._first_victim_iota(q, kv - best[1], iota),
+                        ties, key=lambda q: (self._first_victim_idleness(q, kv - best[1], idleness),
                                              -q))
                     return _RoomPlan(r, 0.0, float(self._avail[r] + sums.acting[r]
                                                    + sums.reasoning[r]), None)
@@ -133,7 +133,7 @@ class MoriRoom(MoriPlacement):
                     r0 = next((q for q in up if self._cpu_takes(q, kv - gpus[q].free())),
                               up[0])
                     return _RoomPlan(r0, 0.0, float(self._cap), None)
-        # (lands in DRAM, free beyond reservation, the first victim's iota, -replica),
+        # (lands in DRAM, free beyond reservation, the first victim's idleness, -replica),
         # (room later, lands, -replica)
         now_best: tuple[bool, float, float, int] | None = None
         later_best: tuple[float, bool, int] | None = None
@@ -143,7 +143,7 @@ class MoriRoom(MoriPlacement):
             later = room + sums.reasoning[r]
             lands = self._cpu_takes(r, c.kv_bytes - free)
             if room >= c.kv_bytes:
-                plan = (lands, free, self._first_victim_iota(r, c.kv_bytes - free, iota), -r)
+                plan = (lands, free, self._first_victim_idleness(r, c.kv_bytes - free, idleness), -r)
                 if now_best is None or plan > now_best:
                     now_best = plan
             if later_best is None or (later, lands, -r) > later_best:
@@ -155,23 +155,23 @@ class MoriRoom(MoriPlacement):
             return _RoomPlan(r, 0.0, later, None)
         return _RoomPlan(-later_best[2], 0.0, later_best[0], None)
 
-    def _room_plan(self, c: Program, now: float, iota: _Iota, reserve: list[int]) -> _RoomPlan:
+    def _room_plan(self, c: Program, now: float, idleness: IdlenessAt, reserve: list[int]) -> _RoomPlan:
         """Where room for ``c`` is made. Among the replicas where it can be made now: one
         whose CPU tier takes what is demoted (``_cpu_takes``), then the one with the most
         free space (the fewest demotions), then the one whose first program to leave is
-        the most idle (``_first_victim_iota``), then the lowest index. Else the one
+        the most idle (``_first_victim_idleness``), then the lowest index. Else the one
         with the most room once its running steps end (then whose CPU tier takes what
         is demoted, then the lowest index)."""
-        mine = iota(c)
+        mine = idleness(c)
         plans = []
         for r in self._replicas_for(c):
             gq = self.placement.gpu[r]
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING
-                             and self._victim_ok(iota(p), mine)
-                             and self._displaceable(p, now)), key=iota.desc)
+                             and self._victim_ok(idleness(p), mine)
+                             and self._displaceable(p, now)), key=idleness.desc)
             reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
-                            and self._victim_ok(iota(p), mine))
+                            and self._victim_ok(idleness(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
             plans.append(_RoomPlan(r, room, room + reasoning, acting))
         def free(t: _RoomPlan) -> float:
@@ -180,21 +180,21 @@ class MoriRoom(MoriPlacement):
         def lands(t: _RoomPlan) -> bool:
             return self._cpu_takes(t.replica, c.kv_bytes - free(t))
 
-        def first_iota(t: _RoomPlan) -> float:
+        def first_idleness(t: _RoomPlan) -> float:
             assert t.acting is not None
             if c.kv_bytes - free(t) <= 0:
                 return math.inf
-            return iota(t.acting[0]) if t.acting else -math.inf
+            return idleness(t.acting[0]) if t.acting else -math.inf
 
         now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
         if now_ok:  # placeable now: where the demoted keep their KV in DRAM, then the
             # fewest demotions, then where the first to leave is the most idle
-            return max(now_ok, key=lambda t: (lands(t), free(t), first_iota(t), -t.replica))
+            return max(now_ok, key=lambda t: (lands(t), free(t), first_idleness(t), -t.replica))
         # only after running steps end: the replica with the most room then
         return max(plans, key=lambda t: (t.room_later, lands(t), -t.replica))
 
-    def _first_victim_iota(self, r: int, need: float, iota: _Iota) -> float:
-        """The iota of the first program demoted to make ``need`` bytes of room on
+    def _first_victim_idleness(self, r: int, need: float, idleness: IdlenessAt) -> float:
+        """The idleness of the first program demoted to make ``need`` bytes of room on
         replica ``r``'s GPU: its most idle Acting program (inf when none must leave,
         -inf when it has none).
 
@@ -208,7 +208,7 @@ class MoriRoom(MoriPlacement):
         acting = self._gpu_acting[r]
         if not len(acting):
             return -math.inf
-        return iota(next(acting.descending(iota, iota.now)))
+        return idleness(next(acting.descending(idleness, idleness.now)))
 
     def _cpu_takes(self, r: int, need: float) -> bool:
         """Whether replica ``r``'s CPU tier has ``need`` bytes free: what making that
@@ -224,13 +224,13 @@ class MoriRoom(MoriPlacement):
         cq = self.placement.cpu[r]
         return bool(cq.capacity) and cq.free() >= need
 
-    def _make_room(self, c: Program, now: float, out: list[Decision], iota: _Iota,
+    def _make_room(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
                    reserve: list[int]) -> None:
         if (self._frozen and type(self)._victim_ok is MoriRoom._victim_ok
                 and type(self)._displaceable is MoriRoom._displaceable):
-            plan = self._room_plan_fast(c, reserve, iota)
+            plan = self._room_plan_fast(c, reserve, idleness)
         else:
-            plan = self._room_plan(c, now, iota, reserve)
+            plan = self._room_plan(c, now, idleness, reserve)
         if plan.room_later < c.kv_bytes:
             return  # cannot be made to fit yet: demote nobody, wait
         r = plan.replica
@@ -238,11 +238,11 @@ class MoriRoom(MoriPlacement):
         acting = plan.acting
         if acting is None:  # every Acting program of the replica may go, most idle first:
             # as many as it takes
-            acting = self._most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), iota)
+            acting = self._most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), idleness)
         for p in acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break
-            self._offload(p, r, out, iota, keep=c)
+            self._offload(p, r, out, idleness, keep=c)
         if gq.free() - reserve[r] >= c.kv_bytes:
             self._promote(c, r, out)
             self._forward(c, now, out)

@@ -15,7 +15,7 @@ from mori.core.decisions import Decision, Demote
 from mori.core.ordered import Key
 from mori.core.policies.mori_aged import MoriAged
 from mori.core.policies.mori_room import MoriRoom
-from mori.core.policies.mori_state import _Iota
+from mori.core.policies.mori_state import IdlenessAt
 from mori.core.program import Program
 from mori.core.types import Tier
 
@@ -26,7 +26,7 @@ class MoriIndexedRound(MoriAged):
     """MORI's bookkeeping, placement, room making and bound on waiting, plus the
     indexed promotions."""
 
-    def _promote_indexed(self, now: float, out: list[Decision], iota: _Iota,
+    def _promote_indexed(self, now: float, out: list[Decision], idleness: IdlenessAt,
                          held_for: int | None = None) -> None:
         """``_promote_ready`` from the kept-up-to-date index: the same decisions in the
         same order, looking only at candidates that can move and at replicas in O(log R).
@@ -56,7 +56,7 @@ class MoriIndexedRound(MoriAged):
             return
         chunks: list[tuple[Key, list[Decision]]] = []
         self._frozen = True
-        self._round_iota = iota
+        self._round_idleness = idleness
         try:
             def place(c: Program, r: int, into: list[Decision]) -> None:
                 self._promote(c, r, into)
@@ -83,7 +83,7 @@ class MoriIndexedRound(MoriAged):
             if fail is not None:
                 fkey, fc, fr = fail
                 room_made: list[Decision] = []
-                self._make_room(fc, now, room_made, iota, reserve)
+                self._make_room(fc, now, room_made, idleness, reserve)
                 chunks.append((fkey, room_made))
                 # what still fits behind the first miss, on the replicas where some can
                 for rc in sorted(self._open | {fr}):
@@ -186,7 +186,7 @@ class MoriIndexedRound(MoriAged):
                         place(c, r2, out)
                         continue
                     blocked = True
-                    self._make_room(c, now, out, iota, reserve)
+                    self._make_room(c, now, out, idleness, reserve)
                     if i >= 0:
                         rest = pushed[i + 1:]
                     else:
@@ -217,7 +217,7 @@ class MoriIndexedRound(MoriAged):
                     place(c, r2, out)
         finally:
             self._frozen = False
-            self._round_iota = None
+            self._round_idleness = None
             self._unreserve()
             self._flush()
 

@@ -13,7 +13,7 @@ from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_index import (
     CandidateIndex,
-    IotaOrder,
+    IdlenessOrder,
     ReplicaOrder,
     ReplicaSums,
     priority,
@@ -32,7 +32,7 @@ class MoriState(Policy):
         n = self.cluster.replicas
         cap = self.cluster.gpu_bytes
         # kept up to date as events arrive (mori_index); the index needs a held
-        # program's priority to stay fixed, so gated time must be excluded from iota,
+        # program's priority to stay fixed, so gated time must be excluded from idleness,
         # and it needs managed GPU capacities
         self._incremental = self.config.exclude_gated and cap is not None
         self._cap = cap or 0
@@ -46,22 +46,22 @@ class MoriState(Policy):
         self._stale: set[int] = set()  # replicas whose membership of _open is to check
         # per replica, most idle first at any time: its Acting GPU programs, and all of
         # its CPU queue (Acting and held)
-        self._gpu_acting = [IotaOrder() for _ in range(n)]
-        self._cpu_idle = [IotaOrder() for _ in range(n)]
+        self._gpu_acting = [IdlenessOrder() for _ in range(n)]
+        self._cpu_idle = [IdlenessOrder() for _ in range(n)]
         self._touched: dict[str, Program] = {}  # to re-index before the next round
         self._grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
         self._frozen = False  # inside a round's promotions: the index is being walked
-        self._round_iota: _Iota | None = None  # the round's iota while frozen
+        self._round_idleness: IdlenessAt | None = None  # the round's idleness while frozen
         self._aged_wait: tuple[str, int] = ("", -1)  # the request past the bound that
         # waits for its replica's steps to end, and that replica (``_serve_aged``)
 
     # -- bookkeeping around every change of a program (Policy._unhook / _hook) ----------
     def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
-        if self._round_iota is not None:
-            # a candidate's iota as the round ranked it (held), before its step starts
+        if self._round_idleness is not None:
+            # a candidate's idleness as the round ranked it (held), before its step starts
             key = self._index.key_of(p.program_id)
             if key is not None:
-                self._round_iota.hold(p, key[2])
+                self._round_idleness.hold(p, key[2])
         super()._forward(p, now, out)
 
     def _resize(self, p: Program, tokens: int) -> None:
@@ -94,7 +94,7 @@ class MoriState(Policy):
         if p.tier is Tier.CPU:
             assert p.replica is not None
             self._cpu_idle[p.replica].add(
-                p, None if status is Status.ACTING else p.tracker.iota(0.0))
+                p, None if status is Status.ACTING else p.tracker.idleness(0.0))
         if p.tier is Tier.GPU:
             if status is Status.ACTING:
                 assert p.replica is not None
@@ -149,7 +149,7 @@ class MoriState(Policy):
                 self._unindex(pid)
             if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self._cap
                     and self.programs.get(pid) is p):
-                idx.put(p, priority(p, p.tracker.iota(0.0)))
+                idx.put(p, priority(p, p.tracker.idleness(0.0)))
                 if p.replica is not None:
                     self._stale.add(p.replica)
         self._touched.clear()
@@ -177,7 +177,7 @@ class MoriState(Policy):
         if not self._incremental:
             return
         self._flush()
-        want = {pid: (priority(p, p.tracker.iota(0.0)),
+        want = {pid: (priority(p, p.tracker.idleness(0.0)),
                       p.replica if p.tier is Tier.CPU else None)
                 for pid, p in self._ready.items()
                 if p.tier is not Tier.GPU and p.kv_bytes <= self._cap}
@@ -197,7 +197,7 @@ class MoriState(Policy):
         self._room.check()
 
 
-class _Iota:
+class IdlenessAt:
     """Idleness of each program, computed once per decision round."""
 
     __slots__ = ("now", "_memo")
@@ -209,14 +209,14 @@ class _Iota:
     def __call__(self, p: Program) -> float:
         v = self._memo.get(p.program_id)
         if v is None:
-            v = p.tracker.iota(self.now)
+            v = p.tracker.idleness(self.now)
             self._memo[p.program_id] = v
         return v
 
     def hold(self, p: Program, value: float) -> None:
-        """Take ``value`` as ``p``'s iota this round unless one was computed already."""
+        """Take ``value`` as ``p``'s idleness this round unless one was computed already."""
         self._memo.setdefault(p.program_id, value)
 
     def desc(self, p: Program) -> tuple[float, int]:
-        """Sort key: highest iota first, then the most recent request last in."""
+        """Sort key: highest idleness first, then the most recent request last in."""
         return (-self(p), -p.ready_seq)

@@ -27,7 +27,7 @@ context grows.
 from __future__ import annotations
 
 from mori.core.decisions import Decision
-from mori.core.policies.mori import MoriPolicy, _Iota
+from mori.core.policies.mori import IdlenessAt, MoriPolicy
 from mori.core.program import Program
 from mori.core.types import Tier
 
@@ -41,7 +41,7 @@ class MoriYieldPolicy(MoriPolicy):
         """How long ``p``'s request waits at home before it may move."""
         return max(0.0, self.recompute_s(p) - self.reload_s(p))
 
-    def _rebalance(self, now: float, out: list[Decision], iota: _Iota) -> None:
+    def _rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
         cap = self.cluster.gpu_bytes
         gpus = self.placement.gpu
         if cap is None or len(gpus) < 2:
