@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--cpu-ratio", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=3600.0)
-    ap.add_argument("--hardware", default="h200-qwen3-30b-a3b")
+    ap.add_argument("--preset", default="h200-qwen3-30b-a3b")
     ap.add_argument("--policies", default="smg,thunderagent,thunderagent+offload,mori")
     args = ap.parse_args()
     t0 = time.perf_counter()

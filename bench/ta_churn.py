@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--programs", default="20,80", help="programs per replica, comma-separated")
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--cpu-ratio", type=float, default=1.0)
-    ap.add_argument("--hardware", default="h200-qwen3-30b-a3b")
+    ap.add_argument("--preset", default="h200-qwen3-30b-a3b")
     ap.add_argument("--traces", default=None, help="a trace file (default: the shipped set)")
     args = ap.parse_args()
     traces = load_traces(args.traces) if args.traces else default_traces()

@@ -70,7 +70,7 @@ def test_plot_writes_png(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("flag", "bad", "registry"),
-                         [("--policy", "mori,nope", POLICIES), ("--hardware", "tpu-v9", PRESETS)])
+                         [("--policy", "mori,nope", POLICIES), ("--preset", "tpu-v9", PRESETS)])
 def test_unknown_name_lists_valid_names(flag: str, bad: str, registry: Any,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, flag, bad]) == 2
@@ -86,8 +86,8 @@ def test_bad_values_exit_2_before_running(capsys: pytest.CaptureFixture[str]) ->
     assert "programs must be >= 1" in capsys.readouterr().err
     assert main([*SMALL, "--tick", "0"]) == 2
     assert "--tick: tick_s must be" in capsys.readouterr().err
-    assert main([*SMALL, "--window", "0"]) == 2
-    assert "--window: idleness_window must be >= 1" in capsys.readouterr().err
+    assert main([*SMALL, "--idleness-window", "0"]) == 2
+    assert "--idleness-window: idleness_window must be >= 1" in capsys.readouterr().err
     assert main([*SMALL, "--programs", "two"]) == 2  # argparse's own error
     assert "--programs" in capsys.readouterr().err
     assert main([*SMALL, "--max-context", "1000"]) == 2  # SettingsError: nothing fits
@@ -123,8 +123,8 @@ def test_toml_config_and_cli_override(tmp_path: Path) -> None:
 
 def test_policy_knobs_reach_the_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "run.toml"
-    cfg.write_text("tick = 2\nwindow = 3\n")
-    rows = run_json(tmp_path, "--config", str(cfg), "--window", "4")
+    cfg.write_text("tick = 2\nidleness-window = 3\n")
+    rows = run_json(tmp_path, "--config", str(cfg), "--idleness-window", "4")
     assert {(r["tick_s"], r["idleness_window"], r["binary_threshold"]) for r in rows} == {
         (2.0, 4, 0.5)}
     cfg.write_text("tick = 0\n")
@@ -184,7 +184,7 @@ def test_python_dash_m_mori() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == f"mori {__version__}"
 
 
-TINY_RUN = ["simulate", "--quiet", "--hardware", "cpu-tiny-llama", "--policy", "smg,mori",
+TINY_RUN = ["simulate", "--quiet", "--preset", "cpu-tiny-llama", "--policy", "smg,mori",
             "--programs", "2", "--duration", "60", "--token-scale", "0.01"]
 
 
@@ -200,7 +200,7 @@ def test_engine_model_options_reach_the_runs(tmp_path: Path) -> None:
     cfg = tmp_path / "tiny.toml"
     cfg.write_text('gpu-kv-tokens = 4064\ncpu_kv_tokens = 0\ntime-scale = 2\n'
                    'token_scale = 0.01\njson = "cfg.json"\n')
-    assert main(["simulate", "--quiet", "--config", str(cfg), "--hardware", "cpu-tiny-llama",
+    assert main(["simulate", "--quiet", "--config", str(cfg), "--preset", "cpu-tiny-llama",
                  "--policy", "mori", "--programs", "2", "--duration", "30"]) == 0
     row = json.loads((tmp_path / "cfg.json").read_text())[0]
     assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"], row["time_scale"],
@@ -314,3 +314,28 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(argv: list[str]) -> 
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 141, err
     assert "Broken pipe" not in err and "Traceback" not in err, err
+
+
+def test_former_spellings_still_work_and_warn(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--hardware, --window and --pcie-gbps (and their config keys) became --preset,
+    --idleness-window and --reload-gbps: the old ones give the same runs, with a warning."""
+    new = run_json(tmp_path, "--preset", "h200-80g-qwen2.5-7b", "--idleness-window", "3",
+                   "--reload-gbps", "7")
+    assert "deprecated" not in capsys.readouterr().err
+    old = run_json(tmp_path, "--hardware", "h200-80g-qwen2.5-7b", "--window", "3",
+                   "--pcie-gbps", "7")
+    err = capsys.readouterr().err
+    for flag, instead in (("--hardware", "--preset"), ("--window", "--idleness-window"),
+                          ("--pcie-gbps", "--reload-gbps")):
+        assert f"mori: {flag} is deprecated and will be removed; use {instead}" in err
+    assert [(r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in old] == [
+        (r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in new] == [
+        ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(new)
+    cfg = tmp_path / "old.toml"
+    cfg.write_text('hardware = "h200-80g-qwen2.5-7b"\nwindow = 3\npcie-gbps = 7\n')
+    rows = run_json(tmp_path, "--config", str(cfg))
+    err = capsys.readouterr().err
+    assert "config key 'hardware'" in err and "use 'preset'" in err
+    assert [(r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in rows] == [
+        ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(rows)

@@ -201,7 +201,7 @@ def test_list_and_bad_input(tmp_path: Path, counter: Counter,
     assert main(["sweep", "--out", out, "--programs", "3,0", "--duration", "30"]) == 2
     assert "programs must be >= 1" in capsys.readouterr().err
     bad = ["sweep", "--out", out, "--programs", "2", "--duration", "30",
-           "--hardware", "h200-qwen3-30b-a3b,b200-llama3.1-70b-tp2", "--max-context", "9000000"]
+           "--preset", "h200-qwen3-30b-a3b,b200-llama3.1-70b-tp2", "--max-context", "9000000"]
     assert main(bad) == 2  # impossible on the second preset: refused before any run
     assert "GPU tier holds" in capsys.readouterr().err
     assert counter.configs == []
@@ -245,7 +245,7 @@ def test_config_dict_nests_the_policy_knobs_with_floats_as_floats() -> None:
 
 
 def test_sweep_policy_knobs_reach_every_run(tmp_path: Path, counter: Counter) -> None:
-    assert smoke(tmp_path / "out", "--jobs", "1", "--tick", "2", "--window", "3") == 0
+    assert smoke(tmp_path / "out", "--jobs", "1", "--tick", "2", "--idleness-window", "3") == 0
     assert {c.policy_config for c in counter.configs} == {
         PolicyConfig(tick_s=2.0, idleness_window=3)}
     rows = read(tmp_path / "out" / f"{SMOKE_STEM}.json")

@@ -18,11 +18,12 @@ Any problem is a :class:`ConfigError` naming the file and the key.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mori.cli.options import BY_KEY, Option, OptionError
+from mori.cli.options import BY_KEY, Option, OptionError, deprecation
 from mori.traces import SHIPPED_TRACES
 
 
@@ -53,9 +54,15 @@ def load_config(path: Path, by_key: Mapping[str, Option] = BY_KEY) -> dict[str, 
         raise ConfigError(f"config file {str(path)!r}: not valid TOML: {e}") from None
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}
+    former = {old: opt for opt in by_key.values() for old in opt.old}
     for name, value in raw.items():
         key = name.replace("-", "_")
         opt = by_key.get(key)
+        if opt is None and key in former:
+            opt = former[key]
+            key = opt.key
+            print(deprecation(f"config key {name!r} ({str(path)!r})",
+                              repr(opt.key.replace("_", "-"))), file=sys.stderr)
         if opt is None:
             raise ConfigError(f"config file {str(path)!r}: unknown key {name!r}; valid keys: "
                               f"{', '.join(valid_keys(by_key))}")

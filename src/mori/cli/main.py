@@ -67,7 +67,7 @@ config file (--config FILE.toml):
 examples:
   mori simulate
   mori simulate --policy mori,smg --programs 20,50 --duration 600 --json out.json
-  mori simulate --hardware h200-qwen3-30b-a3b,b200-llama3.1-70b-tp2 --cpu-ratio 0.5,1,2 \\
+  mori simulate --preset h200-qwen3-30b-a3b,b200-llama3.1-70b-tp2 --cpu-ratio 0.5,1,2 \\
       --jobs 8 --plot grid.png
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +68,17 @@ class Option:
     choices: tuple[str, ...] | None = None
     field: str | None = None
     repeat: bool = False
+    old: tuple[str, ...] = ()
+    """Former spellings (keys), still taken as flags and config keys with a warning."""
 
     @property
     def flag(self) -> str:
         """The long command-line flag."""
         return "--" + self.key.replace("_", "-")
+
+    @property
+    def old_flags(self) -> tuple[str, ...]:
+        return tuple("--" + k.replace("_", "-") for k in self.old)
 
     @property
     def target(self) -> str:
@@ -159,9 +166,8 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
            help="thunderagent: resume counts an Acting program's tokens as tokens / 2^t, "
                 "t the seconds since its step ended (default: off)"),
     Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
-           help="mori-ski: the KV reload bandwidth its guard assumes, GB/s per GPU "
-                "(default: in mori simulate the simulated link, --pcie-gbps or the "
-                "preset's; in mori serve 25)"),
+           help="the engines' KV reload bandwidth from the CPU tier, GB/s per GPU, as "
+                "mori-ski and mori-yield estimate reload times with (default: 25)"),
     Option("recompute_tok_s", float, _POLICY.recompute_tok_s, metavar="TOK/S",
            help="mori-yield: the recompute rate its yield rule assumes, tokens/s per "
                 "replica (default: in mori simulate the cost model's; in mori serve "
@@ -181,7 +187,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("programs", int, (20, 50, 80), metavar="N,N,...", multi=True,
            help="numbers of concurrent agentic programs (closed-loop slots) PER REPLICA: "
                 "a run simulates this x --replicas programs in all"),
-    Option("hardware", str, (_SIM.hardware,), metavar="PRESET,...", multi=True,
+    Option("preset", str, (_SIM.hardware,), metavar="PRESET,...", multi=True,
+           old=("hardware",),
            help="hardware presets, one replica each (see `mori presets`); "
                 f"valid: {', '.join(PRESETS.names())}"),
     Option("cpu_ratio", float, (_SIM.cpu_ratio,), metavar="R,...", multi=True,
@@ -229,14 +236,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("time_scale", float, _SIM.time_scale, metavar="T",
            help="engine slowdown: every engine duration (steps, KV reloads) is multiplied "
                 "by T, as when a trace is replayed at `--time-scale T` against a real engine"),
-    Option("pcie_gbps", float, _SIM.pcie_gbps, metavar="GB/S",
-           help="host-to-GPU bandwidth of KV reloads from the CPU tier, GB/s per GPU "
+    Option("reload_gbps", float, _SIM.pcie_gbps, metavar="GB/S", field="pcie_gbps",
+           old=("pcie_gbps",),
+           help="KV reload bandwidth from the CPU tier, GB/s per GPU: the simulated "
+                "host-to-GPU link, which mori-ski and mori-yield also estimate with "
                 "(default: the preset's, see `mori presets`)"),
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="period of the policy's control loop, seconds"),
-    Option("window", int, _POLICY.idleness_window, metavar="K", field="idleness_window",
+    Option("idleness_window", int, _POLICY.idleness_window, metavar="K",
+           old=("window",),
            help="idleness window: the number of recent cycles a program's idleness ranks by"),
-    *_VARIANT_KNOBS,
+    *(o for o in _VARIANT_KNOBS if o.key != "reload_gbps"),  # the simulated link's
     Option("jobs", int, 1, metavar="N",
            help="runs in parallel processes (0: one per CPU); results keep the grid order "
                 "either way"),
@@ -276,7 +286,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="policy tick in seconds of policy time"),
     Option("idleness_window", int, _POLICY.idleness_window, metavar="K",
-           help="idleness window k in cycles"),
+           help="idleness window: the number of recent cycles a program's idleness ranks by"),
     Option("binary_threshold", float, _POLICY.binary_threshold, metavar="X",
            help="idleness threshold of mori-binary"),
     *_VARIANT_KNOBS,
@@ -456,6 +466,28 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[Option],
         else:
             parser.add_argument(opt.flag, type=_arg_type(opt), default=None,
                                 metavar=opt.metavar, help=text)
+        for flag in opt.old_flags:  # former spellings: taken, with a warning, not listed
+            parser.add_argument(flag, dest=opt.key, type=_arg_type(opt), default=None,
+                                action=_Deprecated, new=opt.flag, help=argparse.SUPPRESS)
+
+
+def deprecation(old: str, new: str) -> str:
+    """The warning for a former spelling of an option."""
+    return f"mori: {old} is deprecated and will be removed; use {new}"
+
+
+class _Deprecated(argparse.Action):
+    """Stores the value like the option's own flag, and warns on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(deprecation(option_string or self.option_strings[0], self.new),
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _arg_type(opt: Option) -> Callable[[str], Any]:

@@ -42,7 +42,7 @@ class Settings:
 
     policy: tuple[str, ...]
     programs: tuple[int, ...]
-    hardware: tuple[str, ...]
+    preset: tuple[str, ...]
     cpu_ratio: tuple[float, ...]
     replicas: int
     duration: float
@@ -60,12 +60,11 @@ class Settings:
     cpu_kv_tokens: int | None
     token_scale: float
     time_scale: float
-    pcie_gbps: float | None
+    reload_gbps: float | None
     tick: float
-    window: int
+    idleness_window: int
     acting_token_weight: float
     acting_token_decay: bool
-    reload_gbps: float | None
     recompute_tok_s: float | None
     max_wait: float | None
     jobs: int
@@ -85,9 +84,9 @@ def build_grid(s: Settings) -> list[SimConfig]:
     ``programs`` is ``--programs`` (per replica) x ``--replicas``."""
     for name in s.policy:
         POLICIES.get(name)  # UnknownNameError lists the valid names
-    for name in s.hardware:
+    for name in s.preset:
         get_preset(name)
-    try:  # PolicyConfig checks the knobs (--tick, --window); the error names the flag
+    try:  # PolicyConfig checks the knobs (--tick, --idleness-window); the error names the flag
         knobs = policy_config({o.key: getattr(s, o.key) for o in OPTIONS}, BY_KEY)
     except OptionError as e:
         raise UsageError(str(e)) from None
@@ -104,9 +103,9 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   human_gap=s.human_gap, human_gap_cap_s=s.human_gap_cap,
                   max_context=s.max_context, share_prefix=s.share_prefix,
                   gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
-                  token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.pcie_gbps,
+                  token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.reload_gbps,
                   policy_config=knobs)
-        for hw in s.hardware for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
+        for hw in s.preset for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
     ]
 
 
@@ -222,7 +221,7 @@ def write_json(results: list[RunResult], path: Path) -> None:
 def table_text(results: list[RunResult], replicas: int, pcie_gbps: float | None = None) -> str:
     """The results table; its programs column counts programs per replica, like
     ``--programs``. A title line above it says so with more than one replica, and names
-    a ``--pcie-gbps`` other than the presets'."""
+    a ``--reload-gbps`` other than the presets'."""
     table = results_table(results, per_replica=True)
     title = []
     if replicas > 1:
@@ -243,7 +242,7 @@ def run_simulate(s: Settings) -> int:
     except SettingsError as e:
         raise UsageError(str(e)) from None
     results = [r for r, _ in outcomes]
-    print(table_text(results, s.replicas, s.pcie_gbps), flush=True)
+    print(table_text(results, s.replicas, s.reload_gbps), flush=True)
     cuts = {r.max_context for r in results}  # trace tokens, the token scale applied
     cut = s.max_context or (cuts.pop() if len(cuts) == 1 else None)
     note = left_out_note(results, traces.name, len(traces.programs), cut)

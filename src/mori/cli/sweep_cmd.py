@@ -31,15 +31,15 @@ from mori.sweep.run import execute, partition, validate
 from mori.sweep.store import RunStore, result_row, write_setting, write_sweep
 from mori.traces import TraceError, default_traces, load_traces
 
-GRID_KEYS = ("policy", "programs", "hardware", "cpu_ratio", "replicas")
+GRID_KEYS = ("policy", "programs", "preset", "cpu_ratio", "replicas")
 """Options that define a custom grid (not allowed with a named sweep)."""
 SHARED_KEYS = ("duration", "seed", "human_gap", "human_gap_cap", "max_context",
-               "share_prefix", "tick", "window")
+               "share_prefix", "tick", "idleness_window")
 """The options every run of a sweep shares (SimConfig fields and policy knobs)."""
 
 SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.replace(
     " (see below)", "")) for o in (
-    BY_KEY["policy"], BY_KEY["programs"], BY_KEY["hardware"], BY_KEY["cpu_ratio"],
+    BY_KEY["policy"], BY_KEY["programs"], BY_KEY["preset"], BY_KEY["cpu_ratio"],
     dataclasses.replace(BY_KEY["replicas"], multi=True, default=(1,), metavar="N,...",
                         help="engine replica counts (DP), one setting each"),
     *(BY_KEY[k] for k in SHARED_KEYS), BY_KEY["traces"], BY_KEY["quiet"],
@@ -58,7 +58,7 @@ examples:
   mori sweep --list
   mori sweep paper --out out/paper --jobs 8
   mori sweep paper --out out/paper --ray --ray-address auto
-  mori sweep --out out/dp --hardware h200-qwen3-30b-a3b --replicas 1,2,4 --programs 20,50
+  mori sweep --out out/dp --preset h200-qwen3-30b-a3b --replicas 1,2,4 --programs 20,50
 """
 
 
@@ -113,7 +113,7 @@ def build_sweep(args: argparse.Namespace) -> SweepDef:
         return dataclasses.replace(named, base=with_shared(named.base, shared),
                                    traces=traces if traces is not None else named.traces)
     v = {o.key: given.get(o.key, o.default) for o in SWEEP_OPTIONS}
-    block = Block(v["hardware"], v["cpu_ratio"], v["replicas"], v["programs"], v["policy"])
+    block = Block(v["preset"], v["cpu_ratio"], v["replicas"], v["programs"], v["policy"])
     base = with_shared(SimConfig(), {k: v[k] for k in SHARED_KEYS})
     return SweepDef(None, "custom sweep", (block,), base, traces)
 

@@ -12,7 +12,7 @@ no tool duration is predicted. Overflow (a program grew past the GPU tier) is fi
 as in MORI, unguarded. Every other rule is MORI's.
 
 The bandwidth is ``PolicyConfig.reload_gbps``: the simulator gives its modelled link
-(``--pcie-gbps`` or the preset's, divided by ``--time-scale``); elsewhere it defaults
+(``--reload-gbps`` or the preset's, divided by ``--time-scale``); elsewhere it defaults
 to ``DEFAULT_RELOAD_GBPS`` (``Policy.reload_s``).
 """
 
