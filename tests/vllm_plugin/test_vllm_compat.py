@@ -11,7 +11,7 @@ import pytest
 from mori.cli.main import main
 from mori.vllm_plugin import compat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("version, release", [

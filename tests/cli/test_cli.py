@@ -21,7 +21,7 @@ SMALL = ["simulate", "--duration", "120", "--programs", "2,3", "--policy", "mori
 REQUIRED_KEYS = {"policy", "programs", "hardware", "cpu_ratio", "replicas", "duration_s",
                  "output_tokens_per_s", "steps_per_s", "ttft_mean_s", "ttft_p90_s",
                  "gpu_busy_frac", "recomputed_tokens", "reloaded_tokens"}
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def run_json(tmp_path: Path, *extra: str, name: str = "out.json") -> list[dict[str, Any]]:
@@ -305,7 +305,7 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(argv: list[str]) -> 
     import subprocess
     import sys
 
-    src = Path(__file__).resolve().parents[1] / "src"
+    src = Path(__file__).resolve().parents[2] / "src"
     proc = subprocess.Popen([sys.executable, "-m", "mori", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": str(src)})

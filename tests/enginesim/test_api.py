@@ -18,7 +18,7 @@ from mori.engines.http import metric_sum, parse_prometheus
 from mori.enginesim import EngineSimServer
 from mori.protocol.tokens import prompt_tokens
 
-from .engine_sim_harness import MODEL, PRESET, client, http, run, synthetic
+from .harness import MODEL, PRESET, client, http, run, synthetic
 
 # -- the OpenAI API ------------------------------------------------------------------------
 

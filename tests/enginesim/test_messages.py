@@ -16,7 +16,7 @@ from mori.enginesim import EngineSimServer
 from mori.protocol.fields import COUNT_TOKENS, KV_READY_LINE, MESSAGES
 from mori.protocol.tokens import compact_json, text_prompt_tokens
 
-from .engine_sim_harness import MODEL, anthropic_client, http, run, sse_events
+from .harness import MODEL, anthropic_client, http, run, sse_events
 
 SYSTEM = "You are a careful assistant. " * 10
 TOOLS: list[Any] = [{"name": "Read", "description": "Read a file",

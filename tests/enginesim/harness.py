@@ -1,4 +1,4 @@
-"""Shared by the engine-sim tests (``test_engine_sim_*``): a fresh simulated engine served
+"""Shared by the engine-sim tests (``tests/enginesim``): a fresh simulated engine served
 in-process on a free port, time-scaled so that each test takes well under a second of
 wall time, and the clients that talk to it."""
 

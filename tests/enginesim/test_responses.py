@@ -13,7 +13,7 @@ from mori.enginesim import EngineSimServer
 from mori.protocol.fields import KV_READY_LINE, RESPONSES
 from mori.protocol.tokens import compact_json
 
-from .engine_sim_harness import MODEL, client, http, run, sse_events
+from .harness import MODEL, client, http, run, sse_events
 
 TOOLS: list[Any] = [{"type": "function", "name": "read", "description": "Read a file",
                      "parameters": {"type": "object",

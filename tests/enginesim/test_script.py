@@ -17,7 +17,7 @@ from mori.sim.script import script_from_trace
 from mori.traces.jsonl import write_traceset
 from mori.traces.model import GapKind, ProgramTrace, Step, TraceSet
 
-from .engine_sim_harness import MODEL, PRESET, anthropic_client, client, run
+from .harness import MODEL, PRESET, anthropic_client, client, run
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent-script.json"
 LS = {"command": "sleep 0 && ls", "description": "List files"}

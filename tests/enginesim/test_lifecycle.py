@@ -23,7 +23,7 @@ from mori.sim.clock import EventLoop
 from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
 
-from .engine_sim_harness import MODEL, PAGE, PRESET, client, run, synthetic, wait_until
+from .harness import MODEL, PAGE, PRESET, client, run, synthetic, wait_until
 
 # -- aborts ---------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from mori.core.costmodel import get_preset
 from mori.core.types import KVLabel
 from mori.enginesim import EngineSimServer
 
-from .engine_sim_harness import MODEL, PAGE, PRESET, client, http, run, synthetic
+from .harness import MODEL, PAGE, PRESET, client, http, run, synthetic
 
 # -- KV controls ---------------------------------------------------------------------------
 
