@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,15 +72,7 @@ def _prefix(items: list[tuple[tuple[int], int]], budget: int) -> tuple[tuple[int
 def test_rejects_duplicates_and_missing_keys() -> None:
     order: SizedOrder[str] = SizedOrder()
     order.add((1,), 5, "a")
-    try:
+    with pytest.raises(KeyError):  # a duplicate key
         order.add((1,), 5, "b")
-    except KeyError:
-        pass
-    else:
-        raise AssertionError("duplicate key accepted")
-    try:
+    with pytest.raises(KeyError):  # a missing key
         order.remove((2,))
-    except KeyError:
-        pass
-    else:
-        raise AssertionError("missing key removed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -67,9 +68,5 @@ def test_only_acting_and_held_programs() -> None:
     p = Program("r", tr)
     assert p.status is Status.REASONING
     order = IdlenessOrder()
-    try:
+    with pytest.raises(AssertionError):  # a Reasoning program is not indexed
         order.add(p, None)
-    except AssertionError:
-        pass
-    else:
-        raise AssertionError("a Reasoning program was indexed")
