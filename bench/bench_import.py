@@ -35,7 +35,7 @@ if trace:
     tracemalloc.start()
 t0 = time.perf_counter()
 from mori.traces.importers import IMPORTERS
-from mori.traces.importing import ImportOptions
+from mori.traces.import_common import ImportOptions
 from mori.traces.jsonl import TraceWriter
 options = ImportOptions()
 with TraceWriter(sys.argv[2], "bench") as writer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from reference_policies import reference
 
-from mori.core.execution import DecisionLog
+from mori.core.decision_log import DecisionLog
 from mori.core.ledger import ClusterSpec
 from mori.sim.config import SimConfig
 from mori.sim.runner import Simulation

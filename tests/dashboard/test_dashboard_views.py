@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mori.cli.main import main
+from mori.core.decision_log import DecisionLog, DecisionRecord
 from mori.core.decisions import Demote, Forward, Promote, Release
 from mori.core.events import RequestArrived, StepFinished
-from mori.core.execution import DecisionLog, DecisionRecord
 from mori.core.explain import DecisionContext, context_reader, reason
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import build_policy

@@ -20,8 +20,8 @@ import pytest
 from mori.core.costmodel import CostModel, get_preset
 from mori.enginesim import EngineSimConfig, EngineSimServer, start_engine_sim
 from mori.sim.clock import EventLoop
-from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
+from mori.sim.replica_model import EngineReplica, SimRequest
 
 from .harness import MODEL, PAGE, PRESET, client, run, synthetic, wait_until
 

@@ -14,7 +14,7 @@ from mori.engines.base import EngineAdapter, KVCapacity, RequestHints, UpstreamR
 from mori.gateway.app import policy_for
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
-from mori.gateway.gate import GateRejected
+from mori.gateway.held import GateRejected
 from mori.gateway.metrics import GatewayMetrics
 
 PAGE = 16

@@ -20,7 +20,7 @@ from typing import Any
 
 from gateway_harness import LoopThread
 
-from mori.core.execution import DecisionLog, DecisionRecord
+from mori.core.decision_log import DecisionLog, DecisionRecord
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, start_simulated_backends, tune_gc

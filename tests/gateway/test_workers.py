@@ -26,7 +26,7 @@ from mori.core.types import Status
 from mori.engines.http import parse_prometheus
 from mori.gateway.config import GatewaySettings
 from mori.gateway.ipc import WorkerLink
-from mori.gateway.workers import WorkerHub
+from mori.gateway.worker_pool import WorkerHub
 from support.serve_process import stop, wait_listening
 
 KEY = "sk-worker-test-key"

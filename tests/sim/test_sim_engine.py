@@ -7,8 +7,8 @@ import pytest
 from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx
 from mori.core.types import KVLabel
 from mori.sim.clock import EventLoop
-from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
+from mori.sim.replica_model import EngineReplica, SimRequest
 
 
 class Recorder:

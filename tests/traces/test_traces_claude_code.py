@@ -13,8 +13,8 @@ from claude_code_newer import NEWER_COUNTS, NEWER_SUMMARY, SESSION_ID, newer_tra
 
 from mori.traces import GapKind, ProgramTrace, TraceError, TraceSet, read_traceset, write_traceset
 from mori.traces.claude_code import iter_programs, looks_like_claude_code, read_session
+from mori.traces.import_common import ImportOptions
 from mori.traces.importers import detect_format
-from mori.traces.importing import ImportOptions
 from mori.traces.loading import load_traces
 from mori.traces.stats import wait_s
 

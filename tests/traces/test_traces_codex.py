@@ -10,7 +10,7 @@ import pytest
 
 from mori.traces import GapKind, TraceError, TraceSet, read_traceset, write_traceset
 from mori.traces.codex import iter_programs, read_rollout
-from mori.traces.importing import ImportOptions
+from mori.traces.import_common import ImportOptions
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "codex"
 FILE = next(DATA.glob("rollout-*.jsonl"))

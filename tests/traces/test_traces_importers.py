@@ -9,8 +9,8 @@ import pytest
 
 from mori.core.registry import UnknownNameError
 from mori.traces import TraceSet, load_traces, read_traceset, write_traceset
+from mori.traces.import_common import ImportOptions
 from mori.traces.importers import IMPORTERS, detect_format
-from mori.traces.importing import ImportOptions
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CC, CODEX, KV = DATA / "claude-code", DATA / "codex", DATA / "kv-cache-tester"

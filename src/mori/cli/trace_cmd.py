@@ -22,8 +22,8 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from mori.traces.errors import TraceError
+from mori.traces.import_common import ImportOptions
 from mori.traces.importers import IMPORTERS
-from mori.traces.importing import ImportOptions
 from mori.traces.jsonl import TraceWriter, write_traceset
 from mori.traces.loading import load_traces
 from mori.traces.stats import DEFAULT_THRESHOLD_S, analyze, format_stats, to_json

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from mori.core.decision_log import DecisionRecord
 from mori.core.decisions import Demote, Promote
-from mori.core.execution import DecisionRecord
 from mori.core.policy import Policy
 from mori.core.types import Status, Tier
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mori.core.execution import DecisionLog
+from mori.core.decision_log import DecisionLog
 from mori.core.explain import context_reader
 from mori.dashboard.history import History
 from mori.dashboard.page import timeline_page

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP transport every adapter builds on.
 
 ``OpenAIHTTPAdapter`` forwards requests through a lean keep-alive HTTP/1.1 client
-(``mori.engines.h1``: the per-request path) and makes control calls (health, metrics, KV
+(``mori.engines.http1_client``: the per-request path) and makes control calls (health, metrics, KV
 controls, tokenize) with aiohttp. It passes SSE streams through chunk by chunk and
 turns transport failures into ``UpstreamError`` with the status the client should see:
 503 when the engine refuses connections, 504 when it times out, 502 when it breaks the
@@ -25,7 +25,7 @@ from mori.engines.base import (
     UpstreamError,
     UpstreamResponse,
 )
-from mori.engines.h1 import AbortedError, BrokenError, H1Pool, ReadTimeout, RefusedError
+from mori.engines.http1_client import AbortedError, BrokenError, H1Pool, ReadTimeout, RefusedError
 
 _PASS_HEADERS = ("content-type", "cache-control")
 _encode = msgspec.json.Encoder().encode
@@ -143,7 +143,7 @@ class OpenAIHTTPAdapter(EngineAdapter):
 
     # -- forwarding -------------------------------------------------------------------------
     def _pool(self) -> H1Pool:
-        """The lean keep-alive client the forwards go through (``mori.engines.h1``)."""
+        """The lean keep-alive client the forwards go through (``mori.engines.http1_client``)."""
         if self._h1 is None:
             self._h1 = H1Pool(self.url, connect_timeout=self.connect_timeout_s,
                               read_timeout=self.timeout_s,

@@ -1,6 +1,6 @@
 """SGLang (0.5.x) as a MORI engine: capacity from ``/get_server_info``, priorities in
 SGLang's convention, KV events, warm-up prefetch with HiCache
-(``mori.engines.engine_common``).
+(``mori.engines.kv_events_adapter``).
 
 A deployment for MORI starts SGLang with (``hicache_flags()`` returns them)::
 
@@ -38,7 +38,7 @@ import logging
 from typing import Any
 
 from mori.engines.base import Capability, KVCapacity, RequestHints, UpstreamError
-from mori.engines.engine_common import KVEventsAdapter
+from mori.engines.kv_events_adapter import KVEventsAdapter
 
 log = logging.getLogger(__name__)
 

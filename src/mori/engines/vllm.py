@@ -1,6 +1,6 @@
 """vLLM (0.32) as a MORI engine: priorities, capacity and prefix-cache counters from
 ``/metrics``, exact prompt sizes from ``/tokenize``, per-program residency from KV events,
-warm-up prefetch (``mori.engines.engine_common``).
+warm-up prefetch (``mori.engines.kv_events_adapter``).
 
 What the engine must run with (``mori vllm-args`` prints it, with the MORI plug-in's
 flags; ``scripts/start_vllm_cpu.sh`` uses it)::
@@ -81,8 +81,8 @@ from mori.engines.base import (
     Residency,
     UpstreamError,
 )
-from mori.engines.engine_common import KVEventsAdapter
 from mori.engines.http import metric_sum, parse_prometheus
+from mori.engines.kv_events_adapter import KVEventsAdapter
 from mori.engines.label_channel import (
     LabelChannel,
     LabelChannelDown,

@@ -5,7 +5,7 @@ around it changes. The controller reports what happens (a request arrived, its K
 ready, a response ended, a program was released) with a timestamp from its clock, asks
 the policy for decisions and hands them to the shared ``DecisionExecutor``
 (``mori.core.execution``), whose engine actions land here: ``submit`` releases a held
-request (see ``mori.gateway.gate``), the KV controls go to the replicas in order
+request (see ``mori.gateway.held``), the KV controls go to the replicas in order
 (``mori.gateway.replicas``). It decides on every event and on every tick of policy time
 (wall x ``time_scale``); a tick also releases programs idle past ``program_ttl_s``.
 
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mori.core.decision_log import DecisionLog
 from mori.core.events import (
     KVReady,
     ProgramEnded,
@@ -41,7 +42,7 @@ from mori.core.events import (
     RequestArrived,
     StepFinished,
 )
-from mori.core.execution import DecisionExecutor, DecisionLog
+from mori.core.execution import DecisionExecutor
 from mori.core.explain import context_reader
 from mori.core.idleness import IdlenessHistory
 from mori.core.policy import Policy
@@ -49,7 +50,7 @@ from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
-from mori.gateway.gate import Admission, GateRejected, HeldRequest, ProgramInfo
+from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
 from mori.gateway.record import StepRecord, TraceRecorder
@@ -188,7 +189,7 @@ class Controller:
                 self.metrics.tool_time.labels(info.agent.agent).observe(took)
         pol = self.policy.programs.get(program_id)
         loop = self._loop
-        if loop is None:  # kept: get_running_loop makes a system call (mori.engines.h1)
+        if loop is None:  # kept: get_running_loop makes a system call (mori.engines.http1_client)
             loop = self._loop = asyncio.get_running_loop()
         if pol is not None and pol.status is Status.GATED and info.held is not None:
             # a retry of a request still held by the policy: take its place

@@ -40,7 +40,7 @@ from mori.protocol.responses import (
 )
 
 if TYPE_CHECKING:
-    from mori.gateway.serving import Serving as Gateway
+    from mori.gateway.interfaces import Serving as Gateway
 
 log = logging.getLogger("mori.gateway")
 
@@ -113,7 +113,7 @@ class CompletionEndpoint:
             self._count(path, 499)
             return
         loop = self._loop
-        if loop is None:  # kept: get_running_loop makes a system call (mori.engines.h1)
+        if loop is None:  # kept: get_running_loop makes a system call (mori.engines.http1_client)
             loop = self._loop = asyncio.get_running_loop()
         if not spec.generates:
             work = serve_count_tokens(gw, req)

@@ -3,7 +3,7 @@ over a local stream socket.
 
 A frame is a 4-byte big-endian length and a msgpack map with an ``op`` key. The worker
 side (``WorkerLink``) sends requests with an ``id`` and awaits the answer with the same
-id; the policy process answers on the same connection (``mori.gateway.workers``).
+id; the policy process answers on the same connection (``mori.gateway.worker_pool``).
 
 The messages (``W>`` from a worker, ``P>`` from the policy process):
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from mori.core.types import Capability
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import StepFacts
-from mori.gateway.gate import Admission
+from mori.gateway.held import Admission
 from mori.gateway.replicas import Replica
 
 if TYPE_CHECKING:

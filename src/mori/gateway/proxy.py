@@ -24,7 +24,7 @@ from mori.core.types import Capability
 from mori.engines.base import RequestHints, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.answers import Answer, read_answer, watcher_for
-from mori.gateway.gate import GateRejected
+from mori.gateway.held import GateRejected
 from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens
 from mori.protocol.apis import stream_error
 from mori.protocol.errors import clip
@@ -32,8 +32,8 @@ from mori.protocol.fields import CHAT, COMPLETIONS, RESPONSES
 from mori.protocol.responses import EventStream, PassThrough, api_error_response
 
 if TYPE_CHECKING:
-    from mori.gateway.serving import LeaseLike
-    from mori.gateway.serving import Serving as Gateway
+    from mori.gateway.interfaces import LeaseLike
+    from mori.gateway.interfaces import Serving as Gateway
 
 log = logging.getLogger("mori.gateway")
 

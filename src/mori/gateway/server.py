@@ -36,7 +36,7 @@ from mori.gateway.app import Gateway, create_app
 from mori.gateway.bounds import ConnectionBounds, ConnectionGuard
 from mori.gateway.config import GatewaySettings
 from mori.gateway.handoff import Dealer, Served, protocol_factory
-from mori.gateway.workers import (
+from mori.gateway.worker_pool import (
     WorkerHub,
     WorkerSpec,
     keep_workers,

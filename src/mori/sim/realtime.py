@@ -1,6 +1,6 @@
 """The simulator's engine replica run against the real clock (no HTTP library here).
 
-``RealtimeReplica`` owns one ``EngineReplica`` (``mori.sim.engine``, unchanged), its
+``RealtimeReplica`` owns one ``EngineReplica`` (``mori.sim.replica_model``, unchanged), its
 ``KVPools`` and an ``EventLoop``, and maps wall time onto simulated time:
 
     simulated now = (monotonic now - t0) * time_scale
@@ -40,8 +40,8 @@ from mori.core.costmodel import CostModel, get_preset
 from mori.core.types import KVLabel
 from mori.protocol.errors import RequestError
 from mori.sim.clock import EventLoop
-from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
+from mori.sim.replica_model import EngineReplica, SimRequest
 from mori.sim.script import Script
 
 

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mori.core.costmodel import CostModel, get_preset
+from mori.core.decision_log import DecisionLog
 from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
-from mori.core.execution import DecisionExecutor, DecisionLog
+from mori.core.execution import DecisionExecutor
 from mori.core.hardware import HardwarePreset
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, build_policy
@@ -25,10 +26,10 @@ from mori.core.policy import Policy
 from mori.core.types import Capability, KVLabel, Tier
 from mori.sim.clock import PRIO_TICK, PRIO_WORKLOAD, EventLoop
 from mori.sim.config import SimConfig
-from mori.sim.engine import EngineReplica, SimRequest
 from mori.sim.kvcache import KVPools
 from mori.sim.metrics import Counters, RunResult, percentile
 from mori.sim.plan import ProgramRun, ReplayPlan
+from mori.sim.replica_model import EngineReplica, SimRequest
 from mori.sim.workload import scale_program
 from mori.traces.model import ProgramTrace, TraceSet
 

@@ -10,8 +10,8 @@ file and the line or field at fault.
 """
 
 from mori.traces.errors import TraceError
+from mori.traces.import_common import ImportOptions, ImportReport
 from mori.traces.importers import IMPORTERS, Importer, detect_format
-from mori.traces.importing import ImportOptions, ImportReport
 from mori.traces.jsonl import TraceWriter, iter_programs, read_traceset, write_traceset
 from mori.traces.kvcache_tester import load_kvcache_tester_dir, load_kvcache_tester_file
 from mori.traces.loading import (

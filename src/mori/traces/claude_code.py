@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mori.traces.errors import Fields, TraceError
-from mori.traces.importing import (
+from mori.traces.import_common import (
     SKIP_HINT,
     ImportOptions,
     first_objects,

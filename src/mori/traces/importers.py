@@ -17,7 +17,7 @@ from pathlib import Path
 from mori.core.registry import Registry
 from mori.traces import claude_code, codex
 from mori.traces.errors import TraceError
-from mori.traces.importing import ImportOptions, first_object, walk_files
+from mori.traces.import_common import ImportOptions, first_object, walk_files
 from mori.traces.jsonl import FORMAT as CANONICAL_FORMAT
 from mori.traces.jsonl import iter_programs as iter_canonical
 from mori.traces.kvcache_tester import load_kvcache_tester_file

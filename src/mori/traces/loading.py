@@ -18,8 +18,8 @@ from pathlib import Path
 
 from mori.core.registry import Registry
 from mori.traces.errors import TraceError
+from mori.traces.import_common import ImportOptions
 from mori.traces.importers import IMPORTERS, detect_format
-from mori.traces.importing import ImportOptions
 from mori.traces.jsonl import read_traceset
 from mori.traces.kvcache_tester import load_kvcache_tester_dir, load_kvcache_tester_file
 from mori.traces.model import TraceSet

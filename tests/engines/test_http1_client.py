@@ -1,5 +1,5 @@
-"""The lean HTTP/1.1 client (``mori.engines.h1``): answers and keep-alive, against raw
-asyncio servers (``h1_server``), so every byte the "engine" sends is under the test's
+"""The lean HTTP/1.1 client (``mori.engines.http1_client``): answers and keep-alive, against raw
+asyncio servers (``http1_server``), so every byte the "engine" sends is under the test's
 control."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from mori.engines.h1 import BrokenError
+from mori.engines.http1_client import BrokenError
 
-from .h1_server import Server, answer, keep_alive, pool, run
+from .http1_server import Server, answer, keep_alive, pool, run
 
 # -- answers --------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import re
 import socket
 from collections.abc import Awaitable, Callable
 
-from mori.engines.h1 import H1Pool
+from mori.engines.http1_client import H1Pool
 
 Handler = Callable[["Server", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -1,5 +1,5 @@
 """A gateway worker process (``mori serve --workers N``): completions served here, the
-policy consulted in the policy process (``mori.gateway.workers``).
+policy consulted in the policy process (``mori.gateway.worker_pool``).
 
 The worker serves the connections the policy process hands it (``mori.gateway.handoff``:
 they arrive on a socket pair whose end the worker inherits). Completions run the same path as in the policy process
@@ -49,11 +49,11 @@ from mori.gateway.endpoint import (
     read_body,
     unauthorized,
 )
-from mori.gateway.gate import GateRejected
 from mori.gateway.handoff import Served, protocol_factory, take_connections
+from mori.gateway.held import GateRejected
 from mori.gateway.ipc import LinkClosed, WorkerLink
 from mori.gateway.lease import warm_up
-from mori.gateway.workers import WorkerSpec
+from mori.gateway.worker_pool import WorkerSpec
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import anonymous_program_id
 from mori.protocol.responses import error_response, request_error_response
@@ -210,7 +210,7 @@ class RemoteAdmitter:
 
 
 class WorkerGateway:
-    """A worker's gateway state (``mori.gateway.serving.Serving``)."""
+    """A worker's gateway state (``mori.gateway.interfaces.Serving``)."""
 
     def __init__(self, settings: GatewaySettings, adapters: list[EngineAdapter],
                  link: WorkerLink, gpu_tokens: int) -> None:

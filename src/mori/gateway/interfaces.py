@@ -1,5 +1,5 @@
 """What the completion path needs of a gateway process, whether it holds the policy
-(``mori.gateway.app.Gateway``) or asks the process that does (``mori.gateway.worker``).
+(``mori.gateway.app.Gateway``) or asks the process that does (``mori.gateway.worker_process``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client (``mori.engines.h1``): refused, silent, dying and oversized
+"""The lean HTTP/1.1 client (``mori.engines.http1_client``): refused, silent, dying and oversized
 engines, the client leaving, and how the adapter maps each failure to a status."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 import pytest
 
 from mori.engines.base import RequestHints, UpstreamError
-from mori.engines.h1 import BrokenError, ReadTimeout, RefusedError
 from mori.engines.http import OpenAIHTTPAdapter
+from mori.engines.http1_client import BrokenError, ReadTimeout, RefusedError
 
-from .h1_server import Server, free_port, pool, run
+from .http1_server import Server, free_port, pool, run
 
 # -- failures ---------------------------------------------------------------------------------
 

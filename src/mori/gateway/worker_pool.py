@@ -3,7 +3,7 @@
 With ``mori serve --workers N``, the policy process (the controller, the engines' KV
 controls, the inspection endpoints) accepts the connections on the gateway's port,
 serves the first itself and hands the others to ``N - 1`` worker processes
-(``mori.gateway.worker``; ``mori.gateway.handoff`` deals them out). A worker parses,
+(``mori.gateway.worker_process``; ``mori.gateway.handoff`` deals them out). A worker parses,
 checks keys and forwards to the engines itself; for admission it asks the policy process
 over a local socket (``mori.gateway.ipc``) and reports the lease's events back, so the
 policy sees every arrival, KV-ready and step end as it would in one process.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.engines.base import UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
-from mori.gateway.gate import GateRejected
+from mori.gateway.held import GateRejected
 from mori.gateway.ipc import FrameWriter, read_frame
 from mori.gateway.lease import RequestLease
 
@@ -196,9 +196,9 @@ class WorkerSpec:
 
 
 def spawn_worker(spec: WorkerSpec) -> subprocess.Popen[bytes]:
-    """Start a ``python -m mori.gateway.worker`` process (its spec on stdin, its line's
+    """Start a ``python -m mori.gateway.worker_process`` process (its spec on stdin, its line's
     end inherited)."""
-    p = subprocess.Popen([sys.executable, "-m", "mori.gateway.worker"],
+    p = subprocess.Popen([sys.executable, "-m", "mori.gateway.worker_process"],
                          stdin=subprocess.PIPE, pass_fds=(spec.line_fd,))
     assert p.stdin is not None
     p.stdin.write(spec.to_json().encode())
