@@ -47,14 +47,14 @@ from mori.core.explain import context_reader
 from mori.core.idleness import IdlenessHistory
 from mori.core.policy import Policy
 from mori.core.types import Capability, KVLabel, Status, Tier
-from mori.engines.base import EngineAdapter
+from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
 from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
 from mori.gateway.record import StepRecord, TraceRecorder
-from mori.gateway.replicas import Replicas
+from mori.gateway.replicas import Replica, Replicas
 
 log = logging.getLogger("mori.gateway")
 
@@ -226,6 +226,24 @@ class Controller:
             raise
         info.in_flight = True
         return adm
+
+    # -- what a lease asks of it (mori.gateway.lease.LeaseHost) ---------------------------
+    def replica(self, index: int) -> Replica:
+        return self.replicas[index]
+
+    def idleness_of(self, program_id: str) -> float | None:
+        p = self.policy.programs.get(program_id)
+        return None if p is None else p.idleness(self.now())
+
+    async def controls_done(self, replica: int) -> None:
+        await self.replicas.controls_done(replica)
+
+    def upstream_failed(self, replica: int, e: UpstreamError) -> None:
+        self.metrics.upstream_errors.labels(str(replica)).inc()
+        if e.unhealthy:
+            self.replicas.mark_unhealthy(replica, e.message)
+        elif e.status == 504 and self.replicas[replica].healthy:  # no answer in time: hung?
+            self.replicas.probe_soon(replica)
 
     def kv_ready(self, program_id: str) -> None:
         """The forwarded request's KV is in place: reasoning starts now (the interval

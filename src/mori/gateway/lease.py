@@ -13,7 +13,7 @@ step exactly once (``finish``), however the request ends.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mori.core.types import Capability
 from mori.engines.base import EngineAdapter, UpstreamError
@@ -21,10 +21,28 @@ from mori.gateway.agents import StepFacts
 from mori.gateway.held import Admission
 from mori.gateway.replicas import Replica
 
-if TYPE_CHECKING:
-    from mori.gateway.control import Controller
-
 log = logging.getLogger("mori.gateway")
+
+
+class LeaseHost(Protocol):
+    """What a lease asks of the controller that granted it, and nothing more."""
+
+    def replica(self, index: int) -> Replica: ...
+
+    def idleness_of(self, program_id: str) -> float | None:
+        """The program's idleness now (None: the policy does not know it)."""
+
+    async def controls_done(self, replica: int) -> None:
+        """Until the KV controls issued to ``replica`` so far have been carried out."""
+
+    def kv_ready(self, program_id: str) -> None: ...
+
+    def upstream_failed(self, replica: int, e: UpstreamError) -> None:
+        """Count the failure; mark the replica unhealthy if it says so, else probe it
+        soon after a timeout."""
+
+    def finished(self, program_id: str, context_tokens: int,
+                 step: StepFacts | None = None) -> None: ...
 
 PRIORITY_LEVELS = 10
 """Priority hints run from 0 (busiest) to this (most idle): idleness in tenths."""
@@ -46,13 +64,13 @@ async def warm_up(adapter: EngineAdapter, program_id: str, reloaded: bool, path:
 class RequestLease:
     """The controller's hold on one forwarded request; ``finish`` ends it."""
 
-    def __init__(self, ctl: Controller, program_id: str, admission: Admission,
+    def __init__(self, ctl: LeaseHost, program_id: str, admission: Admission,
                  prompt_tokens: int) -> None:
         self._ctl = ctl
         self.program_id = program_id
         self.admission = admission
         self.prompt_tokens = prompt_tokens
-        self.replica: Replica = ctl.replicas[admission.replica]
+        self.replica: Replica = ctl.replica(admission.replica)
         self.replica.in_flight += 1
         self._done = False
         self._kv_ready = False
@@ -64,16 +82,16 @@ class RequestLease:
     @property
     def priority(self) -> int:
         """MORI's rank of the program now: 0 = busiest (see ``RequestHints``)."""
-        p = self._ctl.policy.programs.get(self.program_id)
-        return 0 if p is None else min(PRIORITY_LEVELS,
-                                       int(p.idleness(self._ctl.now()) * PRIORITY_LEVELS))
+        idleness = self._ctl.idleness_of(self.program_id)
+        return 0 if idleness is None else min(PRIORITY_LEVELS,
+                                              int(idleness * PRIORITY_LEVELS))
 
     async def prepare(self, path: str, body: dict[str, Any], stream: bool) -> None:
         """Wait for the replica's earlier KV controls and, after a promotion from the
         CPU tier, let an engine that can prefetch pull the KV back. Then the KV is
         ready and reasoning starts, unless the engine will say when (a stream from an
         engine with ``KV_READY``: the relay calls ``kv_ready`` on its signal)."""
-        await self._ctl.replicas.controls_done(self.replica.index)
+        await self._ctl.controls_done(self.replica.index)
         if await warm_up(self.adapter, self.program_id, self.admission.reloaded, path, body,
                          stream):
             self.kv_ready()
@@ -86,15 +104,10 @@ class RequestLease:
 
     def failed(self, e: UpstreamError) -> None:
         """The engine failed this request; a failure that says so marks it unhealthy."""
-        self._ctl.metrics.upstream_errors.labels(str(self.replica.index)).inc()
-        if e.unhealthy:
-            self._ctl.replicas.mark_unhealthy(self.replica.index, e.message)
-            return
-        if e.status == 504 and self.replica.healthy:  # no answer in time: hung?
-            self._ctl.replicas.probe_soon(self.replica.index)
-        # the client hears only what happened; the details go to the log
-        log.warning("program %s on replica %d: %s", self.program_id, self.replica.index,
-                    e.message)
+        self._ctl.upstream_failed(self.replica.index, e)
+        if not e.unhealthy:  # the client hears only what happened; the details go here
+            log.warning("program %s on replica %d: %s", self.program_id,
+                        self.replica.index, e.message)
 
     def finish(self, context_tokens: int, step: StepFacts | None = None) -> None:
         """The request ended (normally, by error, or the client left): once. ``step``:
