@@ -36,15 +36,15 @@ def checked(name: str) -> type[MoriPolicy]:
         rounds = 0
 
         def _state(self) -> object:
-            return (self._index.entries(), list(self._avail), set(self._open),
-                    list(self._sums.acting), list(self._sums.reasoning),
-                    self._sums.gpu_used, [gq.used for gq in self.placement.gpu])
+            return (self.book.index.entries(), list(self.book.avail), set(self.book.open),
+                    list(self.book.sums.acting), list(self.book.sums.reasoning),
+                    self.book.sums.gpu_used, [gq.used for gq in self.placement.gpu])
 
         def _promote_indexed(self, now: float, out: list[Decision], idleness: IdlenessAt,
                              held_for: int | None = None) -> None:
-            self._flush()
-            first = self._index.cpu_all.first()
-            blocked = (held_for is None and len(self._index) > 0 and first is not None
+            self.book.flush()
+            first = self.book.index.cpu_all.first()
+            blocked = (held_for is None and len(self.book.index) > 0 and first is not None
                        and base._blocked_round(self, first[1], first[2]))
             before, n = self._state(), len(out)
             self._blocked_round = lambda kv, c: False  # type: ignore[method-assign]
@@ -56,7 +56,7 @@ def checked(name: str) -> type[MoriPolicy]:
             if blocked:
                 type(self).claimed += 1
                 assert out[n:] == [], f"a blocked round decided {out[n:]}"
-                self._flush()
+                self.book.flush()
                 assert self._state() == before, "a blocked round changed the state"
 
     return Checked

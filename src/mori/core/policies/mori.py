@@ -44,8 +44,8 @@ Every rule of section 4, and where a detail is ours:
 from __future__ import annotations
 
 from mori.core.decisions import Decision
+from mori.core.policies.mori_book import IdlenessAt
 from mori.core.policies.mori_round import MoriIndexedRound
-from mori.core.policies.mori_state import IdlenessAt
 from mori.core.policy import EngineProfile
 from mori.core.program import Program
 from mori.core.types import Tier
@@ -65,12 +65,12 @@ class MoriPolicy(MoriIndexedRound):
 
     # -- the decision round ------------------------------------------------------------
     def _decide(self, now: float, out: list[Decision]) -> None:
-        if not self._ready and not self._grown and not self.rebalances:
+        if not self._ready and not self.book.grown and not self.rebalances:
             # no request held and no tier grew: no rule below has anything to do (the
             # most common round in a gateway, after each step's end); the candidate
             # index is brought up to date as the full round would
-            if self._incremental:
-                self._flush()
+            if self.book.incremental:
+                self.book.flush()
             return
         idleness = IdlenessAt(now)
         self._rebalance(now, out, idleness)
@@ -79,30 +79,30 @@ class MoriPolicy(MoriIndexedRound):
         if self._ready_gpu:
             for p in self.ready_on_gpu():
                 self._forward(p, now, out)
-        if self._incremental:
+        if self.book.incremental:
             self._promote_indexed(now, out, idleness, held_for)
         else:
             self._promote_ready(now, out, idleness, held_for)
 
     def _fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
         # only a queue where a program grew since the last round can be over capacity
-        if not self._grown:
+        if not self.book.grown:
             return
         grown: list[int] = []
         grown_cpu: list[int] = []
-        for t, r in self._grown:
+        for t, r in self.book.grown:
             if t is Tier.GPU:
                 grown.append(r)
             elif t is Tier.CPU:
                 grown_cpu.append(r)
         grown.sort()
         grown_cpu.sort()
-        self._grown.clear()
+        self.book.grown.clear()
         pl = self.placement
         for r in grown:
             gq = pl.gpu[r]
             if gq.over():
-                order = (self._overflow_order(r, idleness) if self._incremental
+                order = (self._overflow_order(r, idleness) if self.book.incremental
                          else self._overflow_order_scan(r, idleness))
                 for p in order:
                     if not gq.over():

@@ -7,8 +7,8 @@ calls it, and reserves the replica one of them waits for, is ``mori.MoriPolicy``
 from __future__ import annotations
 
 from mori.core.decisions import Decision
+from mori.core.policies.mori_book import IdlenessAt
 from mori.core.policies.mori_room import MoriRoom
-from mori.core.policies.mori_state import IdlenessAt
 from mori.core.program import Program
 from mori.core.types import Tier
 
@@ -36,7 +36,7 @@ class MoriAged(MoriRoom):
             for p in self._most_idle_acting(r, c.kv_bytes - gq.free(), idleness):
                 self._offload(p, r, out, idleness, keep=c)
             if not gq.fits(c.kv_bytes):
-                self._aged_wait = (c.program_id, r)
+                self.book.aged_wait = (c.program_id, r)
                 return r
             self._promote(c, r, out)
             self._forward(c, now, out)
@@ -57,9 +57,9 @@ class MoriAged(MoriRoom):
         r = self._best_fit(c, [0] * len(self.placement.gpu))
         if r is not None:
             return r
-        gpus, acting = self.placement.gpu, self._sums.acting
+        gpus, acting = self.placement.gpu, self.book.sums.acting
         best = max(range(len(gpus)), key=lambda q: (cap - gpus[q].used + acting[q], -q))
         if cap - gpus[best].used + acting[best] >= c.kv_bytes:
             return best
-        pid, last = self._aged_wait
+        pid, last = self.book.aged_wait
         return last if pid == c.program_id and last < len(gpus) else best

@@ -44,9 +44,9 @@ class MoriPlacement(MoriState):
         if n == 1 or not order:
             return None
         loads = self.replica_loads if self.config.spread_by_load else None
-        if self._frozen:  # the indexed round: the replicas' rooms are kept in order
+        if self.book.frozen:  # the indexed round: the replicas' rooms are kept in order
             if loads is not None:
-                return self._spread_by_load(order, [self._avail[r] for r in range(n)],
+                return self._spread_by_load(order, [self.book.avail[r] for r in range(n)],
                                             loads)
             return self._spread_indexed(order)
         free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
@@ -85,7 +85,7 @@ class MoriPlacement(MoriState):
         """``_spread``'s choices from ``_avail`` (the free space beyond the round's
         reservation, as ``_spread`` computes it): each placement is applied to the
         order to choose the next, then undone, as the caller places them."""
-        avail = self._avail
+        avail = self.book.avail
         undo: list[tuple[int, int]] = []
         out: dict[str, int] | None = {}
         for c in order:

@@ -12,8 +12,8 @@ import math
 from typing import NamedTuple
 
 from mori.core.decisions import Decision
+from mori.core.policies.mori_book import IdlenessAt
 from mori.core.policies.mori_placement import MoriPlacement
-from mori.core.policies.mori_state import IdlenessAt
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
@@ -51,7 +51,7 @@ class MoriRoom(MoriPlacement):
             need = p.kv_bytes - int(cq.free())
             mine = idleness(p)
             victims = []
-            ranked = (self._cpu_idle[replica].descending(idleness, idleness.now) if self._incremental
+            ranked = (self.book.cpu_idle[replica].descending(idleness, idleness.now) if self.book.incremental
                       else sorted((self.programs[pid] for pid in cq.members), key=idleness.desc))
             for q in ranked:
                 if need <= 0 or idleness(q) <= mine:
@@ -70,7 +70,7 @@ class MoriRoom(MoriPlacement):
         """Replica ``r``'s Acting GPU programs, most idle first, until their KV covers
         ``need`` bytes (all of them if it never does; none if ``need`` <= 0)."""
         chosen: list[Program] = []
-        acting = self._gpu_acting[r]
+        acting = self.book.gpu_acting[r]
         for p in acting.descending(idleness, idleness.now) if need > 0 and len(acting) else ():
             if need <= 0:
                 break
@@ -100,15 +100,15 @@ class MoriRoom(MoriPlacement):
     def _room_plan_fast(self, c: Program, reserve: list[int], idleness: IdlenessAt) -> _RoomPlan:
         """``_room_plan`` when every Acting and Reasoning program may make room (MORI's
         own rules), from the per-replica sums and orders instead of the members."""
-        gpus, sums = self.placement.gpu, self._sums
+        gpus, sums = self.placement.gpu, self.book.sums
         if c.tier is Tier.NONE and len(gpus) > 1:
             # room is made once a round; a replica may be reserved already for a request
             # past the bound (its _avail counts the reservation, its _room does not)
             kv = c.kv_bytes
-            if self._fresh_room().most() >= kv:  # some replica can make room now
+            if self.book.fresh_room().most() >= kv:  # some replica can make room now
                 best: tuple[bool, int] | None = None  # (lands in DRAM, free space)
                 ties: list[int] = []
-                for avail, rr in self._avail:  # (the most free space, then lowest index)
+                for avail, rr in self.book.avail:  # (the most free space, then lowest index)
                     if best is not None and best[0] and avail < best[1]:
                         break  # nothing later beats it
                     if avail + sums.acting[rr] >= kv:
@@ -121,18 +121,18 @@ class MoriRoom(MoriPlacement):
                     r = ties[0] if len(ties) == 1 else max(
                         ties, key=lambda q: (self._first_victim_idleness(q, kv - best[1], idleness),
                                              -q))
-                    return _RoomPlan(r, 0.0, float(self._avail[r] + sums.acting[r]
+                    return _RoomPlan(r, 0.0, float(self.book.avail[r] + sums.acting[r]
                                                    + sums.reasoning[r]), None)
             if not self._ready_gpu:  # no held request on a GPU: every replica would have
                 # all of its room later, but for a reservation: the first unreserved one
                 # where the demoted keep their KV in DRAM, else the first unreserved
-                held = self._round_reserve
+                held = self.book.round_reserve
                 up = [q for q in range(len(gpus))
                       if not held.get(q) and q not in self.placement.down]
                 if up:
                     r0 = next((q for q in up if self._cpu_takes(q, kv - gpus[q].free())),
                               up[0])
-                    return _RoomPlan(r0, 0.0, float(self._cap), None)
+                    return _RoomPlan(r0, 0.0, float(self.book.cap), None)
         # (lands in DRAM, free beyond reservation, the first victim's idleness, -replica),
         # (room later, lands, -replica)
         now_best: tuple[bool, float, float, int] | None = None
@@ -205,7 +205,7 @@ class MoriRoom(MoriPlacement):
         other kept its idle programs.)"""
         if need <= 0:
             return math.inf
-        acting = self._gpu_acting[r]
+        acting = self.book.gpu_acting[r]
         if not len(acting):
             return -math.inf
         return idleness(next(acting.descending(idleness, idleness.now)))
@@ -226,7 +226,7 @@ class MoriRoom(MoriPlacement):
 
     def _make_room(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
                    reserve: list[int]) -> None:
-        if (self._frozen and type(self)._victim_ok is MoriRoom._victim_ok
+        if (self.book.frozen and type(self)._victim_ok is MoriRoom._victim_ok
                 and type(self)._displaceable is MoriRoom._displaceable):
             plan = self._room_plan_fast(c, reserve, idleness)
         else:
@@ -251,9 +251,9 @@ class MoriRoom(MoriPlacement):
         # demotion: a later round demotes them as Acting programs); until then hold
         # what is free for c
         reserve[r] = max(reserve[r], int(gq.free()))
-        if self._frozen:
-            self._round_reserve[r] = reserve[r]
-            self._sync(r)
+        if self.book.frozen:
+            self.book.round_reserve[r] = reserve[r]
+            self.book.sync(r)
 
 
 class _RoomPlan(NamedTuple):

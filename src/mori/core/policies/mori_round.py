@@ -14,8 +14,8 @@ from itertools import chain
 from mori.core.decisions import Decision, Demote
 from mori.core.ordered import Key
 from mori.core.policies.mori_aged import MoriAged
+from mori.core.policies.mori_book import IdlenessAt
 from mori.core.policies.mori_room import MoriRoom
-from mori.core.policies.mori_state import IdlenessAt
 from mori.core.program import Program
 from mori.core.types import Tier
 
@@ -43,10 +43,10 @@ class MoriIndexedRound(MoriAged):
         gpus = self.placement.gpu
         reserve = [0] * len(gpus)
         if held_for is not None:
-            reserve[held_for] = self._round_reserve[held_for] = int(gpus[held_for].free())
-            self._sync(held_for)
-        self._flush()
-        idx = self._index
+            reserve[held_for] = self.book.round_reserve[held_for] = int(gpus[held_for].free())
+            self.book.sync(held_for)
+        self.book.flush()
+        idx = self.book.index
         if not len(idx):
             self._unreserve()
             return
@@ -55,8 +55,8 @@ class MoriIndexedRound(MoriAged):
                 and self._blocked_round(first[1], first[2])):
             return
         chunks: list[tuple[Key, list[Decision]]] = []
-        self._frozen = True
-        self._round_idleness = idleness
+        self.book.frozen = True
+        self.book.round_idleness = idleness
         try:
             def place(c: Program, r: int, into: list[Decision]) -> None:
                 self._promote(c, r, into)
@@ -67,12 +67,12 @@ class MoriIndexedRound(MoriAged):
             if first is not None:  # the first already missing is the usual case
                 fkey0, fkv0, fc0 = first
                 assert fc0.replica is not None
-                if self._avail[fc0.replica] < fkv0:
+                if self.book.avail[fc0.replica] < fkv0:
                     fail = (fkey0, fc0, fc0.replica)
             for key, kv, c in idx.cpu_all if fail is None else ():
                 r = c.replica
                 assert r is not None
-                if self._avail[r] < kv:
+                if self.book.avail[r] < kv:
                     fail = (key, c, r)
                     break
                 buf: list[Decision] = []
@@ -86,8 +86,8 @@ class MoriIndexedRound(MoriAged):
                 self._make_room(fc, now, room_made, idleness, reserve)
                 chunks.append((fkey, room_made))
                 # what still fits behind the first miss, on the replicas where some can
-                for rc in sorted(self._open | {fr}):
-                    for k2, _, c2 in idx.cpu[rc].walk(lambda: self._avail[rc]):  # noqa: B023
+                for rc in sorted(self.book.open | {fr}):
+                    for k2, _, c2 in idx.cpu[rc].walk(lambda: self.book.avail[rc]):  # noqa: B023
                         if c2.tier is Tier.CPU and c2 is not fc:
                             buf = []
                             place(c2, rc, buf)
@@ -102,13 +102,13 @@ class MoriIndexedRound(MoriAged):
             # (1, 2) cacheless programs: who is admitted follows the priority order while
             # the free space of all replicas together holds them (the batch); where is
             # decided as in _promote_ready
-            cap = self._cap
+            cap = self.book.cap
             # sum over replicas of max(0, free - reserve): only one can hold a reservation
             held_back = 0
-            for r, v in self._round_reserve.items():
+            for r, v in self.book.round_reserve.items():
                 held_back += min(int(gpus[r].free()), v)
             room = float(cap * (len(gpus) - len(self.placement.down))
-                         - self._sums.gpu_used - held_back)
+                         - self.book.sums.gpu_used - held_back)
             head: list[Program] = []  # the batch's part among the pushed candidates
             last: Key | None = None  # the batch's last key in the Waiting index
             total = 0
@@ -122,7 +122,7 @@ class MoriIndexedRound(MoriAged):
                 # the batch's Waiting part matters only to spread (several replicas) or
                 # if some Waiting candidate fits the most room; otherwise it places
                 # nothing, and what is walked below without it is too large all the same
-                if len(gpus) > 1 or idx.waiting_fits(self._avail.most()):
+                if len(gpus) > 1 or idx.waiting_fits(self.book.avail.most()):
                     last, in_index = idx.waiting.prefix(room)
                     total += in_index
             n = len(gpus)
@@ -130,7 +130,7 @@ class MoriIndexedRound(MoriAged):
             # and the most room any replica had when they were chosen (None: unknown)
             unplaced: list[tuple[Key, Program]] = []
             most_then: int | None = None
-            most = self._avail.most()
+            most = self.book.avail.most()
             if (n > 1 and total and all(c.kv_bytes <= most for c in head)
                     and (last is None or idx.waiting_fits(most))):
                 # spreading needs the whole batch (memory binds if it does not place it):
@@ -144,11 +144,11 @@ class MoriIndexedRound(MoriAged):
                 order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
                 spread = self._spread(order, reserve)
                 if spread is not None:  # every one is placed below
-                    most_then = self._avail.most()
+                    most_then = self.book.avail.most()
                 else:
                     batch_waiting = [(k, c) for k, _, c in idx.waiting_up_to(
-                        self._avail.most(), upto=last)] if last is not None else []
-                    unplaced, most_then = batch_waiting, self._avail.most()
+                        self.book.avail.most(), upto=last)] if last is not None else []
+                    unplaced, most_then = batch_waiting, self.book.avail.most()
             else:
                 # packing: a batch member larger than the most room any replica has now
                 # fits nowhere then or later in this round, so only the others are tried
@@ -162,7 +162,7 @@ class MoriIndexedRound(MoriAged):
             placed: set[str] = set()
             for c in order:
                 r2 = (spread[c.program_id] if spread is not None
-                      else self._avail.tightest(c.kv_bytes))
+                      else self.book.avail.tightest(c.kv_bytes))
                 if r2 is not None:
                     place(c, r2, out)
                     placed.add(c.program_id)
@@ -181,7 +181,7 @@ class MoriIndexedRound(MoriAged):
                 for at, i, c in ahead:
                     if c.program_id in placed:
                         continue
-                    r2 = self._avail.tightest(c.kv_bytes)
+                    r2 = self.book.avail.tightest(c.kv_bytes)
                     if r2 is not None:
                         place(c, r2, out)
                         continue
@@ -198,7 +198,7 @@ class MoriIndexedRound(MoriAged):
             # The batch's part of the Waiting order (keys up to ``last``) holds only
             # placed candidates and those of ``unplaced``, unless room was made since
             # (the most room grew): then it is walked again
-            most_now = self._avail.most()
+            most_now = self.book.avail.most()
             lo = after
             ahead_small: list[Program] = []
             if (last is not None and most_then is not None and most_now <= most_then
@@ -209,24 +209,24 @@ class MoriIndexedRound(MoriAged):
                 lo = last
             if not rest and not ahead_small and not idx.waiting_fits(most_now):
                 return  # nothing left is small enough (and the most room only shrinks)
-            small = chain(rest, ahead_small, idx.waiting_fitting(self._avail.most, after=lo))
+            small = chain(rest, ahead_small, idx.waiting_fitting(self.book.avail.most, after=lo))
             for c in small:
-                if c.program_id not in placed and c.kv_bytes <= self._avail.most():
-                    r2 = self._avail.tightest(c.kv_bytes)
+                if c.program_id not in placed and c.kv_bytes <= self.book.avail.most():
+                    r2 = self.book.avail.tightest(c.kv_bytes)
                     assert r2 is not None
                     place(c, r2, out)
         finally:
-            self._frozen = False
-            self._round_idleness = None
+            self.book.frozen = False
+            self.book.round_idleness = None
             self._unreserve()
-            self._flush()
+            self.book.flush()
 
     def _unreserve(self) -> None:
         """End the round's reservations."""
-        reserved = list(self._round_reserve)
-        self._round_reserve.clear()
+        reserved = list(self.book.round_reserve)
+        self.book.round_reserve.clear()
         for r in reserved:
-            self._sync(r)
+            self.book.sync(r)
 
     def _blocked_round(self, kv: int, c: Program) -> bool:
         """Whether the round would decide nothing, known from the first CPU candidate
@@ -247,15 +247,15 @@ class MoriIndexedRound(MoriAged):
         """
         r = c.replica
         assert r is not None and not self._ready_gpu
-        avail, opened = self._avail, self._open
-        if (avail[r] >= kv or len(self._gpu_acting[r])
+        avail, opened = self.book.avail, self.book.open
+        if (avail[r] >= kv or len(self.book.gpu_acting[r])
                 or type(self)._victim_ok is not MoriRoom._victim_ok
                 or type(self)._make_room is not MoriRoom._make_room
                 or (opened and (len(opened) > 1 or r not in opened))):
             return False
         # r's room is all reserved: none is left for its smaller CPU candidates or for
         # a Waiting one while the round runs
-        smallest = self._index.cpu[r].min_size()
+        smallest = self.book.index.cpu[r].min_size()
         if smallest is not None and smallest <= 0:
             return False
-        return not self._index.waiting_fits(avail.most_but(r, 0))
+        return not self.book.index.waiting_fits(avail.most_but(r, 0))

@@ -50,10 +50,10 @@ class MoriYieldPolicy(MoriPolicy):
         if not held:
             return
         homes = {p.replica for p in held}
-        pid, aged = self._aged_wait
+        pid, aged = self.book.aged_wait
         if pid not in self._ready:
             aged = -1  # that request has been served (or ended)
-        acting = self._sums.acting
+        acting = self.book.sums.acting
         for c in held:
             home = c.replica
             assert home is not None

@@ -1,0 +1,221 @@
+"""What ``MoriPolicy`` keeps up to date between decision rounds: ``MoriBook``.
+
+The structures of ``mori_index`` (the held candidates by priority, per-replica sums,
+the replicas ordered by room, the queues' programs most idle first), kept exact by the
+policy's hooks around every change of a program (``unhook`` before, ``hook`` after),
+and checked by ``check``. A part of the policy (``MoriState.book``), not a floor of it:
+the rules that read these structures (placement, room making, the round) read them
+through the book's public fields.
+"""
+
+from __future__ import annotations
+
+from mori.core.ledger import ClusterSpec, Placement
+from mori.core.policies.mori_index import (
+    CandidateIndex,
+    IdlenessOrder,
+    ReplicaOrder,
+    ReplicaSums,
+    priority,
+)
+from mori.core.policy import PolicyConfig
+from mori.core.program import Program
+from mori.core.types import Status, Tier
+
+
+class MoriBook:
+    """MORI's indexes over a policy's programs (see the module docstring).
+
+    ``placement``, ``programs`` and ``ready`` are the policy's own (shared, not copied).
+    """
+
+    def __init__(self, placement: Placement, programs: dict[str, Program],
+                 ready: dict[str, Program], cluster: ClusterSpec,
+                 config: PolicyConfig) -> None:
+        self.placement = placement
+        self.programs = programs
+        self.ready = ready
+        n = cluster.replicas
+        cap = cluster.gpu_bytes
+        # kept up to date as events arrive (mori_index); the index needs a held
+        # program's priority to stay fixed, so gated time must be excluded from idleness,
+        # and it needs managed GPU capacities
+        self.incremental = config.exclude_gated and cap is not None
+        self.cap = cap or 0
+        self.index = CandidateIndex(n)
+        self.sums = ReplicaSums(n)
+        self.avail = ReplicaOrder(n, self.cap)  # GPU free space beyond the reservation
+        self._room = ReplicaOrder(n, self.cap)  # GPU free space + its Acting programs' KV
+        self._room_stale: set[int] = set()  # and in _room (read only to place a new program)
+        self.round_reserve: dict[int, int] = {}  # the round's reservation (make_room)
+        self.open: set[int] = set()  # replicas where one of its CPU candidates may fit
+        self._stale: set[int] = set()  # replicas whose membership of open is to check
+        # per replica, most idle first at any time: its Acting GPU programs, and all of
+        # its CPU queue (Acting and held)
+        self.gpu_acting = [IdlenessOrder() for _ in range(n)]
+        self.cpu_idle = [IdlenessOrder() for _ in range(n)]
+        self._touched: dict[str, Program] = {}  # to re-index before the next round
+        self.grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
+        self.frozen = False  # inside a round's promotions: the index is being walked
+        self.round_idleness: IdlenessAt | None = None  # the round's idleness while frozen
+        self.aged_wait: tuple[str, int] = ("", -1)  # the request past the bound that
+        # waits for its replica's steps to end, and that replica (``_serve_aged``)
+
+    # -- bookkeeping around every change of a program -----------------------------------
+    def resized(self, p: Program) -> None:
+        if p.replica is not None:  # its queue may be over capacity now
+            self.grown.add((p.tier, p.replica))
+
+    def gone(self, program_id: str, was: int | None) -> None:
+        if was is not None:
+            self.sync(was)
+        self._touched.pop(program_id, None)
+        self.unindex(program_id)
+
+    def unhook(self, p: Program) -> int | None:
+        """Take ``p`` out of the sums and orders before a change; the GPU replica it
+        was on."""
+        self.sums.account(p, -1)
+        if p.tier is Tier.GPU:
+            assert p.replica is not None
+            self.gpu_acting[p.replica].discard(p.program_id)
+            return p.replica
+        if p.tier is Tier.CPU:
+            assert p.replica is not None
+            self.cpu_idle[p.replica].discard(p.program_id)
+        return None
+
+    def hook(self, p: Program, was: int | None) -> None:
+        """Put ``p`` back after a change (``was``: the GPU replica it was on)."""
+        self.sums.account(p, +1)
+        status = p.status
+        if p.tier is Tier.CPU:
+            assert p.replica is not None
+            self.cpu_idle[p.replica].add(
+                p, None if status is Status.ACTING else p.tracker.idleness(0.0))
+        if p.tier is Tier.GPU:
+            if status is Status.ACTING:
+                assert p.replica is not None
+                self.gpu_acting[p.replica].add(p, None)
+            if p.replica != was:
+                assert p.replica is not None
+                self.sync(p.replica)
+        if was is not None:
+            self.sync(was)
+        self._touched[p.program_id] = p
+
+    def cap_of(self, r: int) -> int:
+        """Replica ``r``'s GPU capacity now (0 while it is down)."""
+        return 0 if r in self.placement.down else self.cap
+
+    def capacity_changed(self, replica: int) -> None:
+        self._room_stale.add(replica)
+        self.sync(replica)
+
+    def sync(self, r: int) -> None:
+        """Replica ``r``'s GPU queue or its programs' statuses changed."""
+        if not self.incremental:
+            return
+        avail = self.cap_of(r) - self.placement.gpu[r].used - self.round_reserve.get(r, 0)
+        if avail != self.avail[r]:
+            self.avail.set(r, avail)
+            self._stale.add(r)  # whether a CPU candidate of r fits may have changed
+        self._room_stale.add(r)  # read rarely: brought up to date then
+
+    def fresh_room(self) -> ReplicaOrder:
+        """Each replica's GPU free space plus its Acting programs' KV, up to date."""
+        gpus, acting = self.placement.gpu, self.sums.acting
+        for r in self._room_stale:
+            self._room.set(r, self.cap_of(r) - gpus[r].used + acting[r])
+        self._room_stale.clear()
+        return self._room
+
+    def unindex(self, pid: str) -> None:
+        r = self.index.discard(pid)
+        if r is not None:
+            self._stale.add(r)
+
+    def flush(self) -> None:
+        """Re-index the programs changed since the last flush (not while walking), and
+        recheck which replicas may fit one of their CPU candidates."""
+        assert not self.frozen
+        if not self._touched and not self._stale:
+            return
+        idx = self.index
+        for pid, p in self._touched.items():
+            if pid in idx:
+                self.unindex(pid)
+            if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self.cap
+                    and self.programs.get(pid) is p):
+                idx.put(p, priority(p, p.tracker.idleness(0.0)))
+                if p.replica is not None:
+                    self._stale.add(p.replica)
+        self._touched.clear()
+        for r in self._stale:
+            smallest = idx.cpu[r].min_size()
+            if smallest is not None and smallest <= self.avail[r]:
+                self.open.add(r)
+            else:
+                self.open.discard(r)
+        self._stale.clear()
+
+    def check(self) -> None:
+        """Assert that every structure agrees with the programs (slow: for tests)."""
+        n = len(self.placement.gpu)
+        sums = ReplicaSums(n)
+        for p in self.programs.values():
+            sums.account(p, +1)
+        assert (sums.acting, sums.reasoning, sums.gpu_used) == (
+            self.sums.acting, self.sums.reasoning, self.sums.gpu_used), "GPU sums drifted"
+        assert sum(gq.used for gq in self.placement.gpu) == self.sums.gpu_used
+        for r in range(n):
+            gpu = self.placement.gpu[r].members
+            assert self.gpu_acting[r].ids() == {
+                pid for pid in gpu if self.programs[pid].status is Status.ACTING}
+            assert self.cpu_idle[r].ids() == set(self.placement.cpu[r].members)
+        if not self.incremental:
+            return
+        self.flush()
+        want = {pid: (priority(p, p.tracker.idleness(0.0)),
+                      p.replica if p.tier is Tier.CPU else None)
+                for pid, p in self.ready.items()
+                if p.tier is not Tier.GPU and p.kv_bytes <= self.cap}
+        assert self.index.entries() == want, "candidate index disagrees with the programs"
+        for r, order in enumerate(self.index.cpu):
+            assert all(c.tier is Tier.CPU and c.replica == r and kv == c.kv_bytes
+                       for _, kv, c in order)
+            gq = self.placement.gpu[r]
+            assert self.avail[r] == self.cap_of(r) - gq.used, f"room of replica {r}"
+            assert self.fresh_room()[r] == self.cap_of(r) - gq.used + self.sums.acting[r]
+            smallest = order.min_size()
+            assert (r in self.open) == (smallest is not None and smallest <= self.avail[r])
+        assert sorted(self.index.cpu_all) == sorted(t for o in self.index.cpu for t in o)
+        assert all(c.tier is Tier.NONE and kv == c.kv_bytes
+                   for _, kv, c in self.index.waiting)
+        self.avail.check()
+        self._room.check()
+
+
+class IdlenessAt:
+    """Idleness of each program, computed once per decision round."""
+
+    __slots__ = ("now", "_memo")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self._memo: dict[str, float] = {}
+
+    def __call__(self, p: Program) -> float:
+        v = self._memo.get(p.program_id)
+        if v is None:
+            v = p.tracker.idleness(self.now)
+            self._memo[p.program_id] = v
+        return v
+
+    def hold(self, p: Program, value: float) -> None:
+        """Take ``value`` as ``p``'s idleness this round unless one was computed already."""
+        self._memo.setdefault(p.program_id, value)
+
+    def desc(self, p: Program) -> tuple[float, int]:
+        """Sort key: highest idleness first, then the most recent request last in."""
+        return (-self(p), -p.ready_seq)
