@@ -103,7 +103,7 @@ class StraightMori(MoriPolicy):
 
         def place_or_make_room(c: Program) -> None:
             nonlocal blocked
-            r = self._best_fit(c, reserve)
+            r = self.choice.best_fit(c, reserve)
             if r is not None:
                 place(c, r)
             elif not blocked:
@@ -122,9 +122,9 @@ class StraightMori(MoriPolicy):
             room -= c.kv_bytes
         placed: set[str] = set()
         order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
-        spread = self._spread(order, reserve)
+        spread = self.choice.spread(order, reserve)
         for c in order:
-            r = spread[c.program_id] if spread is not None else self._best_fit(c, reserve)
+            r = spread[c.program_id] if spread is not None else self.choice.best_fit(c, reserve)
             if r is not None:
                 place(c, r)
                 placed.add(c.program_id)

@@ -74,6 +74,4 @@ class MoriStrictPolicy(MoriPolicy):
 class MoriPackPolicy(MoriPolicy):
     name = "mori-pack"
     description = "ablation: the paper's placement, cacheless programs always packed"
-
-    def _spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
-        return None
+    spreads = False

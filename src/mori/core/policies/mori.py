@@ -157,7 +157,7 @@ class MoriPolicy(MoriIndexedRound):
                     most = max(gq.free() - reserve[r] for r, gq in enumerate(gpus))
                 if c.kv_bytes > most:
                     return
-            r = self._best_fit(c, reserve)
+            r = self.choice.best_fit(c, reserve)
             if r is not None:
                 place(c, r)
             elif not blocked:
@@ -171,7 +171,7 @@ class MoriPolicy(MoriIndexedRound):
         # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
         # long as the free space of all replicas together holds them; *where*: the
         # largest first, each onto the replica with the most room if that places them
-        # all (_spread), else onto the replica it fits tightest (Best-Fit-Decreasing)
+        # all (choice.spread), else onto the replica it fits tightest (Best-Fit-Decreasing)
         waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
         room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(gpus))
         batch: list[Program] = []
@@ -181,10 +181,10 @@ class MoriPolicy(MoriIndexedRound):
             batch.append(c)
             room -= c.kv_bytes
         order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
-        spread = self._spread(order, reserve)
+        spread = self.choice.spread(order, reserve)
         placed: set[str] = set()
         for c in order:
-            r = spread[c.program_id] if spread is not None else self._best_fit(c, reserve)
+            r = spread[c.program_id] if spread is not None else self.choice.best_fit(c, reserve)
             if r is not None:
                 place(c, r)
                 placed.add(c.program_id)

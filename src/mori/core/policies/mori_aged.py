@@ -50,11 +50,11 @@ class MoriAged(MoriRoom):
         if c.tier is Tier.CPU:
             return c.replica
         if self.cluster.gpu_bytes is None:
-            return self._best_fit(c, [0] * len(self.placement.gpu))
+            return self.choice.best_fit(c, [0] * len(self.placement.gpu))
         cap = self.cluster.gpu_bytes
         if c.kv_bytes > cap:
             return None
-        r = self._best_fit(c, [0] * len(self.placement.gpu))
+        r = self.choice.best_fit(c, [0] * len(self.placement.gpu))
         if r is not None:
             return r
         gpus, acting = self.placement.gpu, self.book.sums.acting

@@ -3,7 +3,8 @@ CPU-queue program (affinity); for the cacheless ones a round admits (the batch, 
 first), each onto the replica with the most free GPU room, as long as that places the
 whole batch (memory does not bind); else Best-Fit-Decreasing, each onto the replica
 where it fits most tightly, which leaves the largest holes for the rest.
-``MoriPlacement`` holds these choices; the round that calls them is ``mori.MoriPolicy``.
+``ReplicaChoice`` holds these choices, a part of the policy (``MoriState.choice``); the
+rules that call them are in ``mori.MoriPolicy`` and its other parts.
 
 The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it). Measured
 (docs/results.md, "Placement across replicas"): with three replicas and a handful of programs
@@ -19,39 +20,53 @@ gateway, what the engines report beyond its own requests), then the most room.
 
 from __future__ import annotations
 
-from mori.core.policies.mori_state import MoriState
+from collections.abc import Callable
+
+from mori.core.ledger import Placement
+from mori.core.policies.mori_book import MoriBook
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["MoriPlacement"]
+__all__ = ["ReplicaChoice"]
 
 
-class MoriPlacement(MoriState):
-    """MORI's bookkeeping (``MoriState``) plus the choice of a replica for a program."""
+class ReplicaChoice:
+    """Which replica a promoted program goes to (see the module docstring).
 
-    def _replicas_for(self, c: Program) -> list[int]:
+    ``loads`` reads the replicas' loads when spreading by load (``spread_by_load``),
+    else None. ``spreads``: False packs cacheless programs always (``mori-pack``, the
+    paper's rule)."""
+
+    def __init__(self, placement: Placement, book: MoriBook,
+                 loads: Callable[[], tuple[int, ...] | None], spreads: bool = True) -> None:
+        self.placement = placement
+        self.book = book
+        self.loads = loads
+        self.spreads = spreads
+
+    def replicas_for(self, c: Program) -> list[int]:
         if c.tier is Tier.CPU and c.replica is not None:
             return [c.replica]  # affinity: reload locally
         return list(range(len(self.placement.gpu)))
 
-    def _spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
+    def spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
         """Where the admitted cacheless programs (``order``: largest first) go instead of
         Best-Fit-Decreasing (program id -> replica), or None to pack them: each onto the
         replica with the most room beyond its ``reserve`` (the lowest index among
         equals), if that places every one."""
         gpus = self.placement.gpu
         n = len(gpus)
-        if n == 1 or not order:
+        if not self.spreads or n == 1 or not order:
             return None
-        loads = self.replica_loads if self.config.spread_by_load else None
+        loads = self.loads()
         if self.book.frozen:  # the indexed round: the replicas' rooms are kept in order
             if loads is not None:
-                return self._spread_by_load(order, [self.book.avail[r] for r in range(n)],
-                                            loads)
-            return self._spread_indexed(order)
+                return self.spread_by_load(order, [self.book.avail[r] for r in range(n)],
+                                           loads)
+            return self.spread_indexed(order)
         free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
         if loads is not None:
-            return self._spread_by_load(order, free, loads)
+            return self.spread_by_load(order, free, loads)
         out: dict[str, int] = {}
         for c in order:
             r = max(range(n), key=lambda r: (free[r], -r))
@@ -62,12 +77,12 @@ class MoriPlacement(MoriState):
         return out
 
     @staticmethod
-    def _spread_by_load(order: list[Program], free: list[float], loads: tuple[int, ...]
+    def spread_by_load(order: list[Program], free: list[float], loads: tuple[int, ...]
                         ) -> dict[str, int] | None:
-        """``_spread`` with the replicas' loads (``spread_by_load``: requests not the
+        """``spread`` with the replicas' loads (``spread_by_load``: requests not the
         policy's own): each program onto the replica with the fewest among those it
         fits, then the most room, then the lowest index; each placed program counts as
-        one more request there. With equal loads these are ``_spread``'s choices."""
+        one more request there. With equal loads these are ``spread``'s choices."""
         free = list(free)
         load = list(loads)
         out: dict[str, int] = {}
@@ -81,9 +96,9 @@ class MoriPlacement(MoriState):
             load[r] += 1
         return out
 
-    def _spread_indexed(self, order: list[Program]) -> dict[str, int] | None:
-        """``_spread``'s choices from ``_avail`` (the free space beyond the round's
-        reservation, as ``_spread`` computes it): each placement is applied to the
+    def spread_indexed(self, order: list[Program]) -> dict[str, int] | None:
+        """``spread``'s choices from the book's ``avail`` (the free space beyond the
+        round's reservation, as ``spread`` computes it): each placement is applied to the
         order to choose the next, then undone, as the caller places them."""
         avail = self.book.avail
         undo: list[tuple[int, int]] = []
@@ -101,9 +116,9 @@ class MoriPlacement(MoriState):
             avail.set(r, room)
         return out
 
-    def _best_fit(self, c: Program, reserve: list[int]) -> int | None:
+    def best_fit(self, c: Program, reserve: list[int]) -> int | None:
         best: tuple[float, int] | None = None
-        for r in self._replicas_for(c):
+        for r in self.replicas_for(c):
             left = self.placement.gpu[r].free() - reserve[r] - c.kv_bytes
             if left >= 0 and (best is None or left < best[0]):
                 best = (left, r)

@@ -13,14 +13,14 @@ from typing import NamedTuple
 
 from mori.core.decisions import Decision
 from mori.core.policies.mori_book import IdlenessAt
-from mori.core.policies.mori_placement import MoriPlacement
+from mori.core.policies.mori_state import MoriState
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
 __all__ = ["MoriRoom", "_RoomPlan"]
 
 
-class MoriRoom(MoriPlacement):
+class MoriRoom(MoriState):
     """MORI's bookkeeping and placement plus where room is made and who leaves."""
 
     # -- ranking hooks (the ablations override these) --------------------------------
@@ -137,7 +137,7 @@ class MoriRoom(MoriPlacement):
         # (room later, lands, -replica)
         now_best: tuple[bool, float, float, int] | None = None
         later_best: tuple[float, bool, int] | None = None
-        for r in self._replicas_for(c):
+        for r in self.choice.replicas_for(c):
             free = gpus[r].free() - reserve[r]
             room = free + sums.acting[r]
             later = room + sums.reasoning[r]
@@ -164,7 +164,7 @@ class MoriRoom(MoriPlacement):
         is demoted, then the lowest index)."""
         mine = idleness(c)
         plans = []
-        for r in self._replicas_for(c):
+        for r in self.choice.replicas_for(c):
             gq = self.placement.gpu[r]
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING

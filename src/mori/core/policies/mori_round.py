@@ -142,7 +142,7 @@ class MoriIndexedRound(MoriAged):
                             break
                         batch.append(c)
                 order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
-                spread = self._spread(order, reserve)
+                spread = self.choice.spread(order, reserve)
                 if spread is not None:  # every one is placed below
                     most_then = self.book.avail.most()
                 else:

@@ -5,9 +5,12 @@ the book are in ``mori.core.policies.mori``.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.program import Program
 
@@ -15,13 +18,22 @@ __all__ = ["IdlenessAt", "MoriState"]
 
 
 class MoriState(Policy):
-    """The program table of ``Policy`` plus MORI's book (``self.book``)."""
+    """The program table of ``Policy`` plus MORI's book (``self.book``) and its choice of
+    replicas (``self.choice``, ``mori_placement``)."""
+
+    spreads: ClassVar[bool] = True
+    """Whether cacheless programs are spread while memory does not bind (else packed)."""
 
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None) -> None:
         super().__init__(cluster, kv_bytes_per_token, config)
         self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
                              self.config)
+        self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
+                                    spreads=self.spreads)
+
+    def _spread_loads(self) -> tuple[int, ...] | None:
+        return self.replica_loads if self.config.spread_by_load else None
 
     # -- the book kept up to date around every change of a program ----------------------
     def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
