@@ -22,6 +22,7 @@ import dataclasses
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori import IdlenessAt, MoriPolicy
+from mori.core.policies.mori_ranking import MoreIdle, Threshold
 from mori.core.policy import PolicyConfig
 from mori.core.program import Program
 from mori.core.types import Status, Tier
@@ -32,17 +33,17 @@ class MoriBinaryPolicy(MoriPolicy):
     description = "ablation: fixed busy/idle threshold instead of ranking"
     rebalances = True
 
-    def _idle(self, idleness: float) -> bool:
-        return idleness >= self.config.binary_threshold
-
-    def _victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
-        return self._idle(victim_idleness)
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        threshold = Threshold((config or PolicyConfig()).binary_threshold)
+        super().__init__(cluster, kv_bytes_per_token, config, ranking=threshold)
+        self.threshold = threshold
 
     def _rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
         for r, gq in enumerate(self.placement.gpu):
             for pid in list(gq.members):
                 p = self.programs[pid]
-                if p.status is Status.ACTING and self._idle(idleness(p)):
+                if p.status is Status.ACTING and self.threshold.idle(idleness(p)):
                     self._offload(p, r, out, idleness)
 
     def _offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
@@ -67,8 +68,9 @@ class MoriStrictPolicy(MoriPolicy):
     name = "mori-strict"
     description = "ablation: demote only programs more idle than the ready one"
 
-    def _victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
-        return victim_idleness > cand_idleness
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        super().__init__(cluster, kv_bytes_per_token, config, ranking=MoreIdle())
 
 
 class MoriPackPolicy(MoriPolicy):

@@ -25,7 +25,7 @@ Every rule of section 4, and where a detail is ours:
   (``mori_placement``; ``mori-pack`` keeps the paper's rule).
 - Proactive demotion: for the first candidate that does not fit, Acting programs on the
   GPU are demoted, highest idleness first (a ready program outranks an idle one: ours, see
-  ``_victim_ok``). If that is not enough but Reasoning programs would make up the rest,
+  ``mori_ranking``). If that is not enough but Reasoning programs would make up the rest,
   the Acting ones are demoted now and the replica's free space is reserved for the
   candidate (later candidates may only use space beyond the reservation); the Reasoning
   ones are demoted lazily: when their step ends, a later round finds them Acting and

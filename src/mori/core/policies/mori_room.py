@@ -1,5 +1,6 @@
 """Where room is made on a GPU and who leaves to make it (``mori`` module docstring):
-the ranking hooks the ablations override, where a demoted program goes (``_offload``),
+where a demoted program goes (``_offload``), who may leave by the policy's ranking
+(``mori_ranking``),
 the plan of which replica makes room for a candidate, making that room (or reserving
 what is free until running steps end), and the order in which an overfull GPU queue is
 emptied. ``MoriRoom`` holds
@@ -22,23 +23,6 @@ __all__ = ["MoriRoom", "_RoomPlan"]
 
 class MoriRoom(MoriState):
     """MORI's bookkeeping and placement plus where room is made and who leaves."""
-
-    # -- ranking hooks (the ablations override these) --------------------------------
-    def _victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
-        """May a program with ``victim_idleness`` make room for one with ``cand_idleness``?
-
-        In MORI a ready program outranks every Acting one (it is about to reason, the
-        other sits idle in a tool call); the ranking decides *which* Acting program
-        goes: the most idle first. (Requiring ``victim_idleness > cand_idleness`` instead leaves
-        the GPU idle while a ready program waits for a busy one's phase to change; we
-        measured it: -20% throughput at 20 programs, see docs/results.md.)
-        """
-        return True
-
-    def _displaceable(self, p: Program, now: float) -> bool:
-        """May the Acting program ``p`` be demoted now to make room for a ready one?
-        (Always in MORI; ``mori-ski`` waits until it has acted as long as a reload.)"""
-        return True
 
     def _offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
                  keep: Program | None = None) -> None:
@@ -168,10 +152,10 @@ class MoriRoom(MoriState):
             gq = self.placement.gpu[r]
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING
-                             and self._victim_ok(idleness(p), mine)
-                             and self._displaceable(p, now)), key=idleness.desc)
+                             and self.ranking.victim_ok(idleness(p), mine)
+                             and self.ranking.displaceable(p, now)), key=idleness.desc)
             reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
-                            and self._victim_ok(idleness(p), mine))
+                            and self.ranking.victim_ok(idleness(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
             plans.append(_RoomPlan(r, room, room + reasoning, acting))
         def free(t: _RoomPlan) -> float:
@@ -226,8 +210,7 @@ class MoriRoom(MoriState):
 
     def _make_room(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
                    reserve: list[int]) -> None:
-        if (self.book.frozen and type(self)._victim_ok is MoriRoom._victim_ok
-                and type(self)._displaceable is MoriRoom._displaceable):
+        if self.book.frozen and self.ranking.own:
             plan = self._room_plan_fast(c, reserve, idleness)
         else:
             plan = self._room_plan(c, now, idleness, reserve)

@@ -240,7 +240,7 @@ class MoriIndexedRound(MoriAged):
         Reasoning programs' steps end: the full round would reserve all of its free
         space for ``c``, place nobody (nor spread anybody: nobody fits) and release
         the reservation at its end, leaving every structure as it found it. Only
-        under MORI's own ranking (``_victim_ok``) and room making: an ablation that
+        under MORI's own ranking (``mori_ranking``) and room making: an ablation that
         ranks otherwise always runs the full round. ``test_differential`` checks the
         decisions against the plain round, and ``test_blocked_round`` that a round
         this finds blocked, run in full, decides nothing.
@@ -249,7 +249,7 @@ class MoriIndexedRound(MoriAged):
         assert r is not None and not self._ready_gpu
         avail, opened = self.book.avail, self.book.open
         if (avail[r] >= kv or len(self.book.gpu_acting[r])
-                or type(self)._victim_ok is not MoriRoom._victim_ok
+                or not self.ranking.any_victim
                 or type(self)._make_room is not MoriRoom._make_room
                 or (opened and (len(opened) > 1 or r not in opened))):
             return False

@@ -11,6 +11,7 @@ from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
 from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_ranking import Ranking
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.program import Program
 
@@ -18,15 +19,18 @@ __all__ = ["IdlenessAt", "MoriState"]
 
 
 class MoriState(Policy):
-    """The program table of ``Policy`` plus MORI's book (``self.book``) and its choice of
-    replicas (``self.choice``, ``mori_placement``)."""
+    """The program table of ``Policy`` plus MORI's book (``self.book``), its choice of
+    replicas (``self.choice``, ``mori_placement``) and its ranking (``self.ranking``,
+    ``mori_ranking``, handed in by a variant)."""
 
     spreads: ClassVar[bool] = True
     """Whether cacheless programs are spread while memory does not bind (else packed)."""
 
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
-                 config: PolicyConfig | None = None) -> None:
+                 config: PolicyConfig | None = None, ranking: Ranking | None = None) -> None:
         super().__init__(cluster, kv_bytes_per_token, config)
+        self.ranking = ranking or Ranking()
+        """Who may leave the GPU to make room for whom (``mori_ranking``)."""
         self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
                              self.config)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,

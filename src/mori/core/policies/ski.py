@@ -18,16 +18,17 @@ to ``DEFAULT_RELOAD_GBPS`` (``Policy.reload_s``).
 
 from __future__ import annotations
 
+from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori import MoriPolicy
-from mori.core.program import Program
+from mori.core.policies.mori_ranking import SkiRental
+from mori.core.policy import PolicyConfig
 
 
 class MoriSkiPolicy(MoriPolicy):
     name = "mori-ski"
     description = "MORI, an Acting program displaced only after acting as long as its reload"
 
-    def _displaceable(self, p: Program, now: float) -> bool:
-        last = p.history[-1] if p.history else None
-        if last is None or last.finished is None:
-            return True
-        return now - last.finished >= self.reload_s(p)
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        super().__init__(cluster, kv_bytes_per_token, config)
+        self.ranking = SkiRental(self.reload_s)  # reload_s reads the config just set
