@@ -58,6 +58,10 @@ def test_a_state_file_round_trips_and_is_replaced_whole(tmp_path: Path) -> None:
     (b'{"format": "mori-gateway-state", "version": 1, "written_at": 1, '
      b'"programs": {"p": [[[1, -2]], 0, 0]}}', "program 'p'"),
     (b'{"format": "mori-gateway-state", "version": 1, "programs": {}}', "'written_at'"),
+    (b'{"format": "mori-gateway-state", "version": 1, "written_at": 1, '
+     b'"programs": {"p": [[[1, 2, 3]], 0, 0]}}', r"a cycle is \[reasoning_s, acting_s\]"),
+    (b'{"format": "mori-gateway-state", "version": 1, "written_at": 1, "programs": {"p": '
+     + b"[" * 100_000 + b"]" * 100_000 + b"}}", "nested too deeply"),
 ])
 def test_an_unusable_state_file_names_the_file_and_the_fault(
         tmp_path: Path, content: bytes, fault: str, caplog: pytest.LogCaptureFixture) -> None:

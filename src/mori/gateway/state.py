@@ -101,6 +101,8 @@ def read_state(path: str | os.PathLike[str]) -> SavedState:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise StateError(f"{p}: not JSON, torn or not a state file ({e})") from None
+    except RecursionError:
+        raise StateError(f"{p}: nested too deeply to be a state file") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise StateError(f"{p}: not a MORI gateway state file (no \"format\": \"{FORMAT}\")")
     if obj.get("version") != VERSION:
@@ -123,6 +125,8 @@ def read_state(path: str | os.PathLike[str]) -> SavedState:
 def _history(entry: Any) -> IdlenessHistory:
     if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], list):
         raise ValueError("an entry is [cycles, reasoning_s, acting_s]")
+    if not all(isinstance(c, list) and len(c) == 2 for c in entry[0]):
+        raise ValueError("a cycle is [reasoning_s, acting_s]")
     cycles = tuple((float(r), float(a)) for r, a in entry[0])
     return IdlenessHistory(cycles, float(entry[1]), float(entry[2]))
 
