@@ -2,7 +2,7 @@
 
 ``mori.core.policies`` keeps its candidates, per-replica sums and queues that may be
 over capacity up to date as events arrive, and a round looks only at what changed and
-what can move (``MoriPolicy._promote_indexed``). The classes here are the same policies
+what can move (``IndexedRound.run``, ``mori_round``). The classes here are the same policies
 with the plain loops they replaced: every held request scanned and sorted by priority
 each round, every candidate tried on every replica, every queue checked for overflow,
 every member of every replica looked at to make room; ThunderAgent's whole paused
@@ -26,9 +26,10 @@ class StraightMori(MoriPolicy):
 
     def _decide(self, now: float, out: list[Decision]) -> None:
         idleness = IdlenessAt(now)
-        self._rebalance(now, out, idleness)
+        if self.rebalancer is not None:
+            self.rebalancer.rebalance(now, out, idleness)
         self._fix_overflow(out, idleness)
-        held_for = self._serve_aged(now, out, idleness) if self.config.max_wait_s else None
+        held_for = self.aged.serve(now, out, idleness) if self.aged is not None else None
         for p in sorted(self._ready.values(), key=lambda q: q.ready_seq):
             if p.tier is Tier.GPU:
                 self._forward(p, now, out)
@@ -45,7 +46,7 @@ class StraightMori(MoriPolicy):
                 for p in order:
                     if not gq.over():
                         break
-                    self._offload(p, r, out, idleness)
+                    self.room.offload(p, r, out, idleness)
                 assert not gq.over(), "reasoning programs alone exceed the GPU tier"
         for cq in pl.cpu:
             if cq.over():
@@ -56,10 +57,10 @@ class StraightMori(MoriPolicy):
 
     def _make_room(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
                    reserve: list[int]) -> None:
-        # the plan from every member of every replica (``_room_plan``), never from the
-        # kept sums (``_room_plan_fast``, which the optimized round uses under MORI's
-        # own ranking)
-        plan = self._room_plan(c, now, idleness, reserve)
+        # the plan from every member of every replica (``RoomMaker.plan``), never from
+        # the kept sums (``RoomMaker.plan_fast``, which the optimized round uses under
+        # MORI's own ranking)
+        plan = self.room.plan(c, now, idleness, reserve)
         if plan.room_later < c.kv_bytes:
             return
         r = plan.replica
@@ -68,7 +69,7 @@ class StraightMori(MoriPolicy):
         for p in plan.acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break
-            self._offload(p, r, out, idleness, keep=c)
+            self.room.offload(p, r, out, idleness, keep=c)
         if gq.free() - reserve[r] >= c.kv_bytes:
             self._promote(c, r, out)
             self._forward(c, now, out)

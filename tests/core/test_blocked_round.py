@@ -1,4 +1,4 @@
-"""A round ``MoriPolicy._blocked_round`` finds blocked decides nothing when run in full.
+"""A round ``IndexedRound.blocked`` (``mori_round``) finds blocked decides nothing when run in full.
 
 The round skips its walk when the first CPU candidate cannot be placed and nothing
 else can move. Here the skip is disabled and every round runs in full; whenever the
@@ -22,6 +22,7 @@ from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, MoriPolicy
 from mori.core.policies.mori import IdlenessAt
+from mori.core.policies.mori_round import IndexedRound
 from mori.core.policy import PolicyConfig
 
 NAMES = ["mori", "mori-ski", "mori-pack", "mori-yield"]
@@ -35,23 +36,28 @@ def checked(name: str) -> type[MoriPolicy]:
         claimed = 0  # rounds the check found blocked
         rounds = 0
 
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            self.round.run = self._checked_run  # type: ignore[method-assign]
+
         def _state(self) -> object:
             return (self.book.index.entries(), list(self.book.avail), set(self.book.open),
                     list(self.book.sums.acting), list(self.book.sums.reasoning),
                     self.book.sums.gpu_used, [gq.used for gq in self.placement.gpu])
 
-        def _promote_indexed(self, now: float, out: list[Decision], idleness: IdlenessAt,
-                             held_for: int | None = None) -> None:
+        def _checked_run(self, now: float, out: list[Decision], idleness: IdlenessAt,
+                         held_for: int | None = None) -> None:
+            rnd = self.round
             self.book.flush()
             first = self.book.index.cpu_all.first()
             blocked = (held_for is None and len(self.book.index) > 0 and first is not None
-                       and base._blocked_round(self, first[1], first[2]))
+                       and IndexedRound.blocked(rnd, first[1], first[2]))
             before, n = self._state(), len(out)
-            self._blocked_round = lambda kv, c: False  # type: ignore[method-assign]
+            rnd.blocked = lambda kv, c: False  # type: ignore[method-assign]
             try:
-                super()._promote_indexed(now, out, idleness, held_for)
+                IndexedRound.run(rnd, now, out, idleness, held_for)
             finally:
-                del self._blocked_round
+                del rnd.blocked
             type(self).rounds += 1
             if blocked:
                 type(self).claimed += 1

@@ -34,7 +34,7 @@ def _a_on_cpu_behind_c(name: str) -> object:
 
 def test_affinity_yields_once_the_wait_has_cost_a_recompute_beyond_a_reload() -> None:
     plain, yielding = _a_on_cpu_behind_c("mori"), _a_on_cpu_behind_c("mori-yield")
-    assert yielding.yield_after_s(yielding.programs["A"]) == pytest.approx(3.0)  # type: ignore[attr-defined]
+    assert yielding.rebalancer.after_s(yielding.programs["A"]) == pytest.approx(3.0)  # type: ignore[attr-defined]
     for t in (4.0, 5.9):
         assert step(yielding, t) == []
     # t = 6: A has waited 3 s; replica 1 has 60 free beside B (Acting): A drops its CPU

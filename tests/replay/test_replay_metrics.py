@@ -11,8 +11,8 @@ from mori.replay.metrics import (
     gateway_counters,
     is_gateway_metrics,
     parse_prometheus,
-    ttft_stats,
 )
+from mori.sim.metrics import ttft_stats
 
 GATEWAY_PAGE = """\
 # HELP mori_gated_requests_total Requests that had to wait for GPU residency

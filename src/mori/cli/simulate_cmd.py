@@ -11,10 +11,11 @@ the trace set, and whether each grid point can be simulated at all (by building 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from mori.core.registry import UnknownNameError
 from mori.sim.config import SimConfig
 from mori.sim.metrics import RunResult
 from mori.sim.runner import SettingsError, Simulation, simulate
+from mori.sweep.local import run_pool
 from mori.traces import TraceError, TraceSet, default_traces, load_traces
 
 
@@ -133,15 +135,8 @@ def prepare(s: Settings) -> tuple[list[SimConfig], TraceSet]:
     return configs, traces
 
 
-_WORKER_TRACES: TraceSet | None = None
-
 Outcome = tuple[RunResult, str | None]
 """A run's results and, when a timeline was asked for, its HTML."""
-
-
-def _init_worker(traces: TraceSet) -> None:
-    global _WORKER_TRACES
-    _WORKER_TRACES = traces
 
 
 def run_one(config: SimConfig, traces: TraceSet, timeline_frames: int | None) -> Outcome:
@@ -153,11 +148,6 @@ def run_one(config: SimConfig, traces: TraceSet, timeline_frames: int | None) ->
     return record_timeline(config, traces, timeline_frames)
 
 
-def _run_in_worker(config: SimConfig, timeline_frames: int | None) -> Outcome:
-    assert _WORKER_TRACES is not None, "worker not initialised"
-    return run_one(config, _WORKER_TRACES, timeline_frames)
-
-
 def _progress(total: int, quiet: bool) -> tqdm[Any]:
     return tqdm(total=total, desc="simulating", unit="run", file=sys.stderr, disable=quiet,
                 dynamic_ncols=True)
@@ -165,30 +155,22 @@ def _progress(total: int, quiet: bool) -> tqdm[Any]:
 
 def run_grid(configs: list[SimConfig], traces: TraceSet, jobs: int, quiet: bool,
              timeline_frames: int | None = None) -> list[Outcome]:
-    """Every run's outcome, in the order of ``configs``; ``jobs`` > 1 uses processes.
+    """Every run's outcome, in the order of ``configs``; ``jobs`` > 1 runs them in worker
+    processes (``mori.sweep.local.run_pool``, the pool ``mori sweep`` runs on).
 
     A progress bar goes to stderr unless ``quiet``.
     """
-    if jobs <= 1:
-        results = []
-        with _progress(len(configs), quiet) as bar:
-            for c in configs:
-                bar.set_postfix_str(f"{c.policy} n={c.programs_per_replica}", refresh=False)
-                results.append(run_one(c, traces, timeline_frames))
-                bar.update()
-        return results
-    with ProcessPoolExecutor(jobs, initializer=_init_worker, initargs=(traces,)) as pool:
-        futures: list[Future[Outcome]] = [pool.submit(_run_in_worker, c, timeline_frames)
-                                          for c in configs]
-        # the bar (and its monitor thread) only after the workers have started
-        with _progress(len(configs), quiet) as bar:
-            for f in as_completed(futures):
-                error = f.exception()
-                if error is not None:
-                    pool.shutdown(cancel_futures=True)
-                    raise error
-                bar.update()
-        return [f.result() for f in futures]
+    work = functools.partial(run_one, traces=traces, timeline_frames=timeline_frames)
+    stream = run_pool(configs, work, jobs)  # the work starts now, before the bar's thread
+    outcomes: list[Outcome | None] = [None] * len(configs)
+    with closing(stream), _progress(len(configs), quiet) as bar:
+        for i, outcome in stream:
+            outcomes[i] = outcome
+            c = configs[i]
+            bar.set_postfix_str(f"{c.policy} n={c.programs_per_replica}", refresh=False)
+            bar.update()
+    assert all(o is not None for o in outcomes)
+    return [o for o in outcomes if o is not None]
 
 
 def timeline_paths(path: Path, configs: list[SimConfig]) -> list[Path]:

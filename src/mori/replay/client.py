@@ -41,8 +41,9 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from mori.protocol.tokens import CHARS_PER_TOKEN
 from mori.replay.config import ReplayConfig, build_plan, context_limit
-from mori.replay.metrics import GatewayCounters, ReplayResult, RequestRecord, ttft_stats
+from mori.replay.metrics import GatewayCounters, ReplayResult, RequestRecord
 from mori.replay.target import Target, error_kind, http_client, probe_target, scrape_counters
+from mori.sim.metrics import ttft_stats
 from mori.sim.plan import ProgramRun, ReplayPlan
 from mori.traces.model import SubagentSpawn, TraceSet
 

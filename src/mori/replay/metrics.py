@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mori.engines.http import parse_prometheus
-from mori.sim.metrics import percentile
+from mori.sim.metrics import RunTotals
 
 GATEWAY_METRICS = ("mori_promotions_total", "mori_demotions_total", "mori_gated_requests_total")
 """The gateway counters a replay scrapes from ``/metrics`` at its end."""
@@ -50,8 +50,9 @@ class GatewayCounters:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplayResult:
-    """One replay: its settings and what the client measured.
+class ReplayResult(RunTotals):
+    """One replay: its settings and what the client measured (``RunTotals``, the fields
+    every run measures, simulated or replayed, and more).
 
     ``errors``: failed requests by kind: ``http_<status>`` (an error answer),
     ``connection`` (refused or broken), ``timeout`` (no answer within the request
@@ -62,7 +63,6 @@ class ReplayResult:
     target: str
     model: str
     gateway: bool
-    traces: str
     programs: int
     duration_s: float
     time_scale: float
@@ -73,17 +73,6 @@ class ReplayResult:
     max_context: int | None
     text_prompts: bool
     token_scale: float
-    output_tokens: int
-    output_tokens_per_s: float
-    steps: int
-    steps_per_s: float
-    requests: int
-    programs_started: int
-    programs_finished: int
-    ttft_mean_s: float
-    ttft_p50_s: float
-    ttft_p90_s: float
-    ttft_p99_s: float
     errors: dict[str, int]
     error_count: int
     release_errors: int
@@ -91,8 +80,6 @@ class ReplayResult:
     demotions_to_cpu: int | None
     demotions_to_none: int | None
     gated_requests: int | None
-    programs_left_out: int
-    wall_s: float
     events: tuple[RequestRecord, ...] = field(default=(), repr=False)
 
     def to_dict(self, events: bool = False) -> dict[str, Any]:
@@ -110,12 +97,6 @@ def _json_safe(v: Any) -> Any:
     if isinstance(v, list):
         return [_json_safe(x) for x in v]
     return v
-
-
-def ttft_stats(ttft: list[float]) -> tuple[float, float, float, float]:
-    """Mean, p50, p90 and p99 of ``ttft`` (NaN each when empty)."""
-    mean = sum(ttft) / len(ttft) if ttft else math.nan
-    return mean, percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99)
 
 
 def declared_families(text: str) -> set[str]:

@@ -64,8 +64,44 @@ class ChurnCounter:
 
 
 @dataclass(frozen=True, slots=True)
-class RunResult:
-    """What one run measured, with the run's configuration.
+class RunTotals:
+    """What every run measures, simulated (``RunResult``) or replayed against a live
+    endpoint (``mori.replay.metrics.ReplayResult``): one name, unit and meaning each.
+
+    ``traces``: the trace set's name. ``output_tokens`` and ``steps`` (LLM calls that
+    completed), with their rates over the run's duration; ``requests`` sent;
+    ``programs_started`` and ``programs_finished``; the time to first token over the
+    requests answered within the run (mean and percentiles, seconds; NaN when none);
+    ``programs_left_out`` (programs whose first step does not fit the context window);
+    ``wall_s``, the wall-clock seconds the run took.
+    """
+
+    traces: str
+    output_tokens: int
+    output_tokens_per_s: float
+    steps: int
+    steps_per_s: float
+    requests: int
+    programs_started: int
+    programs_finished: int
+    ttft_mean_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    programs_left_out: int
+    wall_s: float
+
+
+def ttft_stats(ttft: list[float]) -> tuple[float, float, float, float]:
+    """Mean, p50, p90 and p99 of ``ttft`` (NaN each when empty)."""
+    mean = sum(ttft) / len(ttft) if ttft else math.nan
+    return mean, percentile(ttft, 50), percentile(ttft, 90), percentile(ttft, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult(RunTotals):
+    """What one simulated run measured (``RunTotals`` and more), with the run's
+    configuration.
 
     ``traces`` is the trace set's name and ``max_context`` the context length programs
     were cut at, in trace tokens (``config.max_context``, or the model's context window
@@ -82,19 +118,7 @@ class RunResult:
     """
 
     config: SimConfig
-    traces: str
     max_context: int
-    output_tokens: int
-    output_tokens_per_s: float
-    steps: int
-    steps_per_s: float
-    requests: int
-    programs_started: int
-    programs_finished: int
-    ttft_mean_s: float
-    ttft_p50_s: float
-    ttft_p90_s: float
-    ttft_p99_s: float
     requests_waiting_at_end: int
     wait_max_at_end_s: float
     ttft_p99_with_waiting_s: float
@@ -118,9 +142,7 @@ class RunResult:
     policy_time_per_decision_us: float
     gpu_kv_capacity_tokens: int
     cpu_kv_capacity_tokens: int
-    programs_left_out: int
     events: int
-    wall_s: float
     sim_seconds_per_wall_second: float
 
     def to_dict(self) -> dict[str, Any]:

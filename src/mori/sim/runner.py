@@ -27,7 +27,7 @@ from mori.core.types import Capability, KVLabel, Tier
 from mori.sim.clock import PRIO_TICK, PRIO_WORKLOAD, EventLoop
 from mori.sim.config import SimConfig
 from mori.sim.kvcache import KVPools
-from mori.sim.metrics import Counters, RunResult, percentile
+from mori.sim.metrics import Counters, RunResult, percentile, ttft_stats
 from mori.sim.plan import ProgramRun, ReplayPlan
 from mori.sim.replica_model import EngineReplica, SimRequest
 from mori.sim.workload import scale_program
@@ -281,15 +281,14 @@ class Simulation:
         # requests sent but not answered (held by the policy or queued in an engine)
         waits = [dur - live.req.arrived for live in self.live.values()
                  if live.req is not None and live.req.first_token_at is None]
+        mean, p50, p90, p99 = ttft_stats(c.ttft)
         return RunResult(
             config=cfg, traces=self.trace_name,
             max_context=context_cut(cfg),
             output_tokens=c.output_tokens, output_tokens_per_s=c.output_tokens / dur,
             steps=c.steps, steps_per_s=c.steps / dur, requests=c.requests,
             programs_started=c.programs_started, programs_finished=c.programs_finished,
-            ttft_mean_s=sum(c.ttft) / len(c.ttft) if c.ttft else float("nan"),
-            ttft_p50_s=percentile(c.ttft, 50), ttft_p90_s=percentile(c.ttft, 90),
-            ttft_p99_s=percentile(c.ttft, 99),
+            ttft_mean_s=mean, ttft_p50_s=p50, ttft_p90_s=p90, ttft_p99_s=p99,
             requests_waiting_at_end=len(waits),
             wait_max_at_end_s=max(waits, default=0.0),
             ttft_p99_with_waiting_s=percentile(c.ttft + waits, 99),

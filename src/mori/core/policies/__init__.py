@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from mori.core.ledger import ClusterSpec
-from mori.core.policies.ablations import (
+from mori.core.policies.mori import MoriPolicy
+from mori.core.policies.mori_variants import (
     MoriBinaryPolicy,
     MoriNoExclusionPolicy,
     MoriPackPolicy,
+    MoriSkiPolicy,
     MoriStrictPolicy,
+    MoriYieldPolicy,
 )
-from mori.core.policies.mori import MoriPolicy
-from mori.core.policies.ski import MoriSkiPolicy
 from mori.core.policies.smg import SMGPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
-from mori.core.policies.yielding import MoriYieldPolicy
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
 

@@ -32,7 +32,7 @@ Every rule of section 4, and where a detail is ours:
   demotes them then. Otherwise nobody is demoted and it waits. With several replicas,
   room is made (ours: the paper does not say where) on a replica whose CPU tier can take
   what is demoted, then where the fewest must leave, then where the first program to
-  leave is the most idle (``mori_room._room_plan``): the lowest index among equals
+  leave is the most idle (``RoomMaker.plan``, ``mori_room``): the lowest index among equals
   alone sent every newcomer to replica 0 once all GPU tiers were full, and pushed
   programs from its full CPU tier to no tier while replica 1's stayed empty.
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
@@ -43,29 +43,114 @@ Every rule of section 4, and where a detail is ours:
 
 from __future__ import annotations
 
+from typing import ClassVar, Protocol
+
 from mori.core.decisions import Decision
-from mori.core.policies.mori_book import IdlenessAt
-from mori.core.policies.mori_round import MoriIndexedRound
-from mori.core.policy import EngineProfile
+from mori.core.ledger import ClusterSpec
+from mori.core.policies.mori_aged import WaitBound
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_ranking import Ranking
+from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.mori_round import IndexedRound
+from mori.core.policies.mori_scan_round import ScanRound
+from mori.core.policies.moves import Moves
+from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
-from mori.core.types import Tier
 
-__all__ = ["MoriPolicy", "IdlenessAt"]
+__all__ = ["MoriPolicy", "IdlenessAt", "Rebalancer"]
 
-class MoriPolicy(MoriIndexedRound):
+
+class Rebalancer(Protocol):
+    """Moves a variant makes on every decision round, before MORI's rules, whether or
+    not a request needs room (``mori-binary``'s offloading by label, ``mori-yield``'s
+    yielding affinity). MORI itself has none."""
+
+    def rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None: ...
+
+
+class MoriPolicy(Policy):
+    """MORI (see the module docstring): ``Policy``'s program table and ledger, and the
+    parts that decide, each a field:
+
+    - ``book`` (``mori_book``): the indexes kept up to date by the hooks below;
+    - ``ranking`` (``mori_ranking``): who may leave the GPU for whom, handed in by a
+      variant;
+    - ``choice`` (``mori_placement``): which replica a program goes to;
+    - ``room`` (``mori_room``): who leaves, and where room is made;
+    - ``aged`` (``mori_aged``): the bound on waiting (None without one);
+    - ``round``: the promotions, from the index (``mori_round``), or by scanning every
+      held request where the index cannot serve (``mori_scan_round``);
+    - ``rebalancer``: a variant's moves on every round (None for MORI).
+
+    The parts change the table only through ``moves`` (``moves``), the policy's own
+    moves, so the book stays exact.
+    """
+
     name = "mori"
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
-    rebalances = False
-    """Whether ``_rebalance`` moves programs (a variant that overrides it says True)."""
+    spreads: ClassVar[bool] = True
+    """Whether cacheless programs are spread while memory does not bind (else packed)."""
 
-    def _rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
-        """Moves made on every decision round regardless of demand (none for MORI)."""
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None, ranking: Ranking | None = None) -> None:
+        super().__init__(cluster, kv_bytes_per_token, config)
+        self.ranking = ranking or Ranking()
+        self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
+                             self.config)
+        self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
+                                    spreads=self.spreads)
+        self.moves = Moves(self._promote, self._forward, self._demote_to)
+        self.room = RoomMaker(self.placement, self.programs, self._ready_gpu, self.book,
+                              self.choice, self.ranking, self.moves)
+        self.aged = (WaitBound(self.config.max_wait_s, self.held_since, self.cluster,
+                               self.placement, self.book, self.choice, self.room, self.moves)
+                     if self.config.max_wait_s else None)
+        self.round: IndexedRound | ScanRound = (
+            IndexedRound(self.placement, self._ready_gpu, self.book, self.choice, self.room,
+                         self.moves) if self.book.incremental
+            else ScanRound(self.placement, self.cluster, self._ready, self.choice, self.room,
+                           self.moves))
+        self.rebalancer: Rebalancer | None = None
+
+    def _spread_loads(self) -> tuple[int, ...] | None:
+        return self.replica_loads if self.config.spread_by_load else None
+
+    # -- the book kept up to date around every change of a program ----------------------
+    def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
+        held = self.book.round_idleness
+        if held is not None:
+            # a candidate's idleness as the round ranked it (held), before its step starts
+            key = self.book.index.key_of(p.program_id)
+            if key is not None:
+                held.hold(p, key[2])
+        super()._forward(p, now, out)
+
+    def _resize(self, p: Program, tokens: int) -> None:
+        super()._resize(p, tokens)
+        self.book.resized(p)
+
+    def _gone(self, program_id: str, was: int | None) -> None:
+        self.book.gone(program_id, was)
+
+    def _unhook(self, p: Program) -> int | None:
+        return self.book.unhook(p)
+
+    def _hook(self, p: Program, was: int | None) -> None:
+        self.book.hook(p, was)
+
+    def _capacity_changed(self, replica: int) -> None:
+        self.book.capacity_changed(replica)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        self.book.check()
 
     # -- the decision round ------------------------------------------------------------
     def _decide(self, now: float, out: list[Decision]) -> None:
-        if not self._ready and not self.book.grown and not self.rebalances:
+        if not self._ready and not self.book.grown and self.rebalancer is None:
             # no request held and no tier grew: no rule below has anything to do (the
             # most common round in a gateway, after each step's end); the candidate
             # index is brought up to date as the full round would
@@ -73,123 +158,11 @@ class MoriPolicy(MoriIndexedRound):
                 self.book.flush()
             return
         idleness = IdlenessAt(now)
-        self._rebalance(now, out, idleness)
-        self._fix_overflow(out, idleness)
-        held_for = self._serve_aged(now, out, idleness) if self.config.max_wait_s else None
+        if self.rebalancer is not None:
+            self.rebalancer.rebalance(now, out, idleness)
+        self.room.fix_overflow(out, idleness)
+        held_for = self.aged.serve(now, out, idleness) if self.aged is not None else None
         if self._ready_gpu:
             for p in self.ready_on_gpu():
                 self._forward(p, now, out)
-        if self.book.incremental:
-            self._promote_indexed(now, out, idleness, held_for)
-        else:
-            self._promote_ready(now, out, idleness, held_for)
-
-    def _fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
-        # only a queue where a program grew since the last round can be over capacity
-        if not self.book.grown:
-            return
-        grown: list[int] = []
-        grown_cpu: list[int] = []
-        for t, r in self.book.grown:
-            if t is Tier.GPU:
-                grown.append(r)
-            elif t is Tier.CPU:
-                grown_cpu.append(r)
-        grown.sort()
-        grown_cpu.sort()
-        self.book.grown.clear()
-        pl = self.placement
-        for r in grown:
-            gq = pl.gpu[r]
-            if gq.over():
-                order = (self._overflow_order(r, idleness) if self.book.incremental
-                         else self._overflow_order_scan(r, idleness))
-                for p in order:
-                    if not gq.over():
-                        break
-                    self._offload(p, r, out, idleness)
-                assert not gq.over(), "reasoning programs alone exceed the GPU tier"
-        for r in grown_cpu:
-            cq = pl.cpu[r]
-            if cq.over():
-                for p in sorted((self.programs[pid] for pid in cq.members), key=idleness.desc):
-                    if not cq.over():
-                        break
-                    self._demote_to(p, Tier.NONE, None, out)
-
-    def _promote_ready(self, now: float, out: list[Decision], idleness: IdlenessAt,
-                       held_for: int | None = None) -> None:
-        pl = self.placement
-        cap = self.cluster.gpu_bytes
-        cands = [p for p in self._ready.values() if p.tier is not Tier.GPU]
-        if not cands:
-            return
-
-        def priority(p: Program) -> tuple[int, int, float, int]:
-            level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
-            return (level, p.tokens if level == 2 else 0, idleness(p), p.ready_seq)
-
-        cands.sort(key=priority)
-        gpus = pl.gpu
-        reserve = [0] * len(gpus)
-        if held_for is not None:  # a request past the bound waits for it (_serve_aged)
-            reserve[held_for] = int(gpus[held_for].free())
-        blocked = False
-        # the most room any replica has beyond its reservation, or None when a move may
-        # have changed it: once a candidate has been blocked, a cacheless one larger than
-        # this fits nowhere and is passed over without a look at each replica
-        most: float | None = None
-
-        def fits_nowhere(c: Program) -> bool:
-            return cap is not None and c.kv_bytes > cap  # refused up front by the simulator
-
-        def place(c: Program, r: int) -> None:
-            nonlocal most
-            self._promote(c, r, out)
-            self._forward(c, now, out)
-            most = None
-
-        def place_or_make_room(c: Program) -> None:
-            """Into free space if it fits; else the first such program may make room."""
-            nonlocal blocked, most
-            if blocked and c.tier is Tier.NONE:
-                if most is None:
-                    most = max(gq.free() - reserve[r] for r, gq in enumerate(gpus))
-                if c.kv_bytes > most:
-                    return
-            r = self.choice.best_fit(c, reserve)
-            if r is not None:
-                place(c, r)
-            elif not blocked:
-                blocked = True
-                self._make_room(c, now, out, idleness, reserve)
-                most = None
-
-        # (0) CPU-queue programs: their own replica (affinity), in priority order
-        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
-            place_or_make_room(c)
-        # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
-        # long as the free space of all replicas together holds them; *where*: the
-        # largest first, each onto the replica with the most room if that places them
-        # all (choice.spread), else onto the replica it fits tightest (Best-Fit-Decreasing)
-        waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
-        room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(gpus))
-        batch: list[Program] = []
-        for c in waiting:
-            if c.kv_bytes > room:
-                break
-            batch.append(c)
-            room -= c.kv_bytes
-        order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
-        spread = self.choice.spread(order, reserve)
-        placed: set[str] = set()
-        for c in order:
-            r = spread[c.program_id] if spread is not None else self.choice.best_fit(c, reserve)
-            if r is not None:
-                place(c, r)
-                placed.add(c.program_id)
-        # what is left: backfill into free space; the first that does not fit (if no
-        # CPU-queue program did) may make room
-        for c in waiting:
-            if c.program_id not in placed:
-                place_or_make_room(c)
+        self.round.run(now, out, idleness, held_for)

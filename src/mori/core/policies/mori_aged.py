@@ -1,48 +1,66 @@
 """Bounded waiting (``mori`` module docstring; ours, not the paper's, whose rule lets a
 request wait for ever): requests held ``PolicyConfig.max_wait_s`` or longer are served
-before the round's promotions, oldest first. ``MoriAged`` holds the rule; the round that
-calls it, and reserves the replica one of them waits for, is ``mori.MoriPolicy``.
+before the round's promotions, oldest first. ``WaitBound``, a part of ``MoriPolicy``
+(its ``aged`` field), holds the rule; the round reserves the replica one of them waits
+for (``mori_round``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from mori.core.decisions import Decision
-from mori.core.policies.mori_book import IdlenessAt
-from mori.core.policies.mori_room import MoriRoom
+from mori.core.ledger import ClusterSpec, Placement
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["MoriAged"]
+__all__ = ["WaitBound"]
 
 
-class MoriAged(MoriRoom):
-    """MORI's bookkeeping, placement and room making plus the bound on waiting."""
+class WaitBound:
+    """The bound on waiting of one policy. ``held_since(cutoff)`` gives the programs
+    whose request has been held since ``cutoff`` or before, oldest first
+    (``Policy.held_since``)."""
 
-    def _serve_aged(self, now: float, out: list[Decision], idleness: IdlenessAt) -> int | None:
-        """Bounded waiting (ours, not the paper's): requests held ``max_wait_s`` or
-        longer go first, oldest first, each onto the replica that can hold it soonest;
-        for it, that replica's Acting programs are demoted, most idle first. When one
-        cannot be placed yet (its replica's running steps must end first), the rest wait
-        behind it and its replica is returned: the round reserves that replica's free
-        space for it, so nobody is promoted there ahead of it."""
-        assert self.config.max_wait_s is not None
-        for c in self.held_since(now - self.config.max_wait_s):
+    def __init__(self, max_wait_s: float, held_since: Callable[[float], Iterator[Program]],
+                 cluster: ClusterSpec, placement: Placement, book: MoriBook,
+                 choice: ReplicaChoice, room: RoomMaker, moves: Moves) -> None:
+        self.max_wait_s = max_wait_s
+        self.held_since = held_since
+        self.cluster = cluster
+        self.placement = placement
+        self.book = book
+        self.choice = choice
+        self.room = room
+        self.moves = moves
+
+    def serve(self, now: float, out: list[Decision], idleness: IdlenessAt) -> int | None:
+        """Requests held ``max_wait_s`` or longer go first, oldest first, each onto the
+        replica that can hold it soonest; for it, that replica's Acting programs are
+        demoted, most idle first. When one cannot be placed yet (its replica's running
+        steps must end first), the rest wait behind it and its replica is returned: the
+        round reserves that replica's free space for it, so nobody is promoted there
+        ahead of it."""
+        for c in self.held_since(now - self.max_wait_s):
             if c.tier is Tier.GPU:
                 continue  # resident: forwarded this round
-            r = self._aged_replica(c)
+            r = self.replica_for(c)
             if r is None:
                 continue  # larger than a whole GPU tier: it can never be placed
             gq = self.placement.gpu[r]
-            for p in self._most_idle_acting(r, c.kv_bytes - gq.free(), idleness):
-                self._offload(p, r, out, idleness, keep=c)
+            for p in self.room.most_idle_acting(r, c.kv_bytes - gq.free(), idleness):
+                self.room.offload(p, r, out, idleness, keep=c)
             if not gq.fits(c.kv_bytes):
                 self.book.aged_wait = (c.program_id, r)
                 return r
-            self._promote(c, r, out)
-            self._forward(c, now, out)
+            self.moves.place(c, r, now, out)
         return None
 
-    def _aged_replica(self, c: Program) -> int | None:
+    def replica_for(self, c: Program) -> int | None:
         """Where a request past the bound goes: a CPU-queue program to its own replica;
         a cacheless one where it fits now (the tightest), else where its room can be made
         by demoting Acting programs (the most such room), else where it waited last

@@ -3,7 +3,7 @@
 The structures of ``mori_index`` (the held candidates by priority, per-replica sums,
 the replicas ordered by room, the queues' programs most idle first), kept exact by the
 policy's hooks around every change of a program (``unhook`` before, ``hook`` after),
-and checked by ``check``. A part of the policy (``MoriState.book``), not a floor of it:
+and checked by ``check``. A part of the policy (``MoriPolicy.book``), not a floor of it:
 the rules that read these structures (placement, room making, the round) read them
 through the book's public fields.
 """
@@ -59,7 +59,7 @@ class MoriBook:
         self.frozen = False  # inside a round's promotions: the index is being walked
         self.round_idleness: IdlenessAt | None = None  # the round's idleness while frozen
         self.aged_wait: tuple[str, int] = ("", -1)  # the request past the bound that
-        # waits for its replica's steps to end, and that replica (``_serve_aged``)
+        # waits for its replica's steps to end, and that replica (``WaitBound.serve``)
 
     # -- bookkeeping around every change of a program -----------------------------------
     def resized(self, p: Program) -> None:

@@ -3,7 +3,7 @@ CPU-queue program (affinity); for the cacheless ones a round admits (the batch, 
 first), each onto the replica with the most free GPU room, as long as that places the
 whole batch (memory does not bind); else Best-Fit-Decreasing, each onto the replica
 where it fits most tightly, which leaves the largest holes for the rest.
-``ReplicaChoice`` holds these choices, a part of the policy (``MoriState.choice``); the
+``ReplicaChoice`` holds these choices, a part of the policy (``MoriPolicy.choice``); the
 rules that call them are in ``mori.MoriPolicy`` and its other parts.
 
 The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it). Measured

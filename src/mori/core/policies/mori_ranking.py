@@ -3,18 +3,20 @@
 MORI's rule: a ready program outranks every Acting one (it is about to reason, the other
 sits idle in a tool call), so any Acting program may make room, and the ranking decides
 *which*: the most idle first (``mori_room``). The variants hand the policy their own
-rule (``MoriState``'s ``ranking``) instead of overriding its methods:
+rule (``MoriPolicy``'s ``ranking``) instead of overriding its methods:
 
 - ``mori-strict``: only programs more idle than the ready one (``MoreIdle``);
-- ``mori-binary``: only programs idle by a fixed threshold (``Threshold``);
+- ``mori-binary``: only programs idle by a fixed threshold, and no ranking of the CPU
+  tier (``Threshold``);
 - ``mori-ski``: an Acting program only once it has acted as long as its reload would
   take (``SkiRental``).
 
 ``any_victim`` says whether any Acting program may leave for any ready one
 (``victim_ok`` is MORI's), ``any_time`` whether it may leave at any time
 (``displaceable`` is MORI's); ``own``, both. The round's fast paths assume them: the
-room plan from sums (``_room_plan_fast``) both, the blocked-round check
-(``_blocked_round``, which needs no Acting program to be displaced) ``any_victim`` only.
+room plan from sums (``RoomMaker.plan_fast``) both, the blocked-round check
+(``IndexedRound.blocked``, which needs no Acting program to be displaced) ``any_victim``
+only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Ranking:
 
     any_victim = True
     any_time = True
+    ranks_cpu = True
+    """Whether a demoted program may push more idle ones out of a full CPU tier (the
+    CPU tier holds the next-best ranked); False: it goes to no tier itself."""
 
     @property
     def own(self) -> bool:
@@ -57,9 +62,12 @@ class MoreIdle(Ranking):
 
 
 class Threshold(Ranking):
-    """``mori-binary``: only a program idle by the threshold (idleness >= it)."""
+    """``mori-binary``: only a program idle by the threshold (idleness >= it); no
+    ranking decides who deserves the CPU tier, so a program demoted to a full one goes
+    to no tier."""
 
     any_victim = False
+    ranks_cpu = False
 
     def __init__(self, threshold: float) -> None:
         self.threshold = threshold

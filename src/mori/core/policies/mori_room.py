@@ -1,10 +1,10 @@
-"""Where room is made on a GPU and who leaves to make it (``mori`` module docstring):
-where a demoted program goes (``_offload``), who may leave by the policy's ranking
-(``mori_ranking``),
-the plan of which replica makes room for a candidate, making that room (or reserving
-what is free until running steps end), and the order in which an overfull GPU queue is
-emptied. ``MoriRoom`` holds
-these; the round that calls them is ``mori.MoriPolicy``.
+"""Where room is made on a GPU and who leaves to make it (``mori`` module docstring).
+
+``RoomMaker``, a part of ``MoriPolicy`` (its ``room`` field), holds: where a demoted
+program goes (``offload``); the plan of which replica makes room for a candidate, by the
+policy's ranking (``mori_ranking``); making that room, or reserving what is free until
+running steps end (``make``); and emptying a queue over capacity (``fix_overflow``, ``overflow_order``). It reads the policy's book (``mori_book``) and replica choice
+(``mori_placement``) and changes nothing but through the policy's moves (``moves``).
 """
 
 from __future__ import annotations
@@ -13,25 +13,45 @@ import math
 from typing import NamedTuple
 
 from mori.core.decisions import Decision
-from mori.core.policies.mori_book import IdlenessAt
-from mori.core.policies.mori_state import MoriState
+from mori.core.ledger import Placement
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_ranking import Ranking
+from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
-__all__ = ["MoriRoom", "_RoomPlan"]
+__all__ = ["RoomMaker", "RoomPlan"]
 
 
-class MoriRoom(MoriState):
-    """MORI's bookkeeping and placement plus where room is made and who leaves."""
+class RoomMaker:
+    """Room making on the GPUs of one policy (see the module docstring).
 
-    def _offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
+    ``placement``, ``programs`` and ``ready_gpu`` (the held requests of GPU-resident
+    programs) are the policy's own, shared; ``ranking`` says who may leave for whom.
+    """
+
+    def __init__(self, placement: Placement, programs: dict[str, Program],
+                 ready_gpu: dict[str, Program], book: MoriBook, choice: ReplicaChoice,
+                 ranking: Ranking, moves: Moves) -> None:
+        self.placement = placement
+        self.programs = programs
+        self.ready_gpu = ready_gpu
+        self.book = book
+        self.choice = choice
+        self.ranking = ranking
+        self.moves = moves
+
+    def offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
                  keep: Program | None = None) -> None:
         """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit.
 
         ``keep`` (the program being made room for) is never pushed out of the CPU.
+        Under a ranking that does not rank the CPU tier (``Ranking.ranks_cpu``) nobody
+        is pushed out of it: ``p`` goes to no tier if it does not fit.
         """
         cq = self.placement.cpu[replica]
-        if not cq.fits(p.kv_bytes) and cq.capacity:
+        if not cq.fits(p.kv_bytes) and cq.capacity and self.ranking.ranks_cpu:
             need = p.kv_bytes - int(cq.free())
             mine = idleness(p)
             victims = []
@@ -46,11 +66,47 @@ class MoriRoom(MoriState):
                 need -= q.kv_bytes
             if need <= 0:
                 for q in victims:
-                    self._demote_to(q, Tier.NONE, None, out)
+                    self.moves.demote_to(q, Tier.NONE, None, out)
         to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
-        self._demote_to(p, to, replica, out)
+        self.moves.demote_to(p, to, replica, out)
 
-    def _most_idle_acting(self, r: int, need: float, idleness: IdlenessAt) -> list[Program]:
+    def fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
+        """Bring every queue over capacity back to it: a GPU queue's Acting programs
+        leave, then its held ones, the most idle first (``overflow_order``); a CPU
+        queue's programs go to no tier, the most idle first. Only a queue where a
+        program grew since the last round can be over capacity (``book.grown``)."""
+        if not self.book.grown:
+            return
+        grown: list[int] = []
+        grown_cpu: list[int] = []
+        for t, r in self.book.grown:
+            if t is Tier.GPU:
+                grown.append(r)
+            elif t is Tier.CPU:
+                grown_cpu.append(r)
+        grown.sort()
+        grown_cpu.sort()
+        self.book.grown.clear()
+        pl = self.placement
+        for r in grown:
+            gq = pl.gpu[r]
+            if gq.over():
+                order = (self.overflow_order(r, idleness) if self.book.incremental
+                         else self.overflow_order_scan(r, idleness))
+                for p in order:
+                    if not gq.over():
+                        break
+                    self.offload(p, r, out, idleness)
+                assert not gq.over(), "reasoning programs alone exceed the GPU tier"
+        for r in grown_cpu:
+            cq = pl.cpu[r]
+            if cq.over():
+                for p in sorted((self.programs[pid] for pid in cq.members), key=idleness.desc):
+                    if not cq.over():
+                        break
+                    self.moves.demote_to(p, Tier.NONE, None, out)
+
+    def most_idle_acting(self, r: int, need: float, idleness: IdlenessAt) -> list[Program]:
         """Replica ``r``'s Acting GPU programs, most idle first, until their KV covers
         ``need`` bytes (all of them if it never does; none if ``need`` <= 0)."""
         chosen: list[Program] = []
@@ -62,7 +118,7 @@ class MoriRoom(MoriState):
             need -= p.kv_bytes
         return chosen
 
-    def _overflow_order_scan(self, r: int, idleness: IdlenessAt) -> list[Program]:
+    def overflow_order_scan(self, r: int, idleness: IdlenessAt) -> list[Program]:
         """Who leaves an overfull GPU queue first: its Acting programs, then its held
         ones, the most idle first (ties: the later request first)."""
         members = [self.programs[pid] for pid in self.placement.gpu[r].members]
@@ -70,19 +126,19 @@ class MoriRoom(MoriState):
         held = [p for p in members if p.status is Status.GATED]
         return sorted(acting, key=idleness.desc) + sorted(held, key=idleness.desc)
 
-    def _overflow_order(self, r: int, idleness: IdlenessAt) -> list[Program]:
-        """``_overflow_order_scan`` cut to the programs that must leave, the Acting ones
+    def overflow_order(self, r: int, idleness: IdlenessAt) -> list[Program]:
+        """``overflow_order_scan`` cut to the programs that must leave, the Acting ones
         taken from the replica's ``IdlenessOrder`` instead of sorting every member. The
         held ones' idleness is computed as the scan computes it: they are forwarded later
         in the round, and a later look at their idleness must find the value the scan left."""
         gq = self.placement.gpu[r]
         assert gq.capacity is not None
-        order = self._most_idle_acting(r, gq.used - gq.capacity, idleness)
-        held = sorted((p for p in self._ready_gpu.values() if p.replica == r), key=idleness.desc)
+        order = self.most_idle_acting(r, gq.used - gq.capacity, idleness)
+        held = sorted((p for p in self.ready_gpu.values() if p.replica == r), key=idleness.desc)
         return order + held
 
-    def _room_plan_fast(self, c: Program, reserve: list[int], idleness: IdlenessAt) -> _RoomPlan:
-        """``_room_plan`` when every Acting and Reasoning program may make room (MORI's
+    def plan_fast(self, c: Program, reserve: list[int], idleness: IdlenessAt) -> RoomPlan:
+        """``plan`` when every Acting and Reasoning program may make room (MORI's
         own rules), from the per-replica sums and orders instead of the members."""
         gpus, sums = self.placement.gpu, self.book.sums
         if c.tier is Tier.NONE and len(gpus) > 1:
@@ -96,27 +152,27 @@ class MoriRoom(MoriState):
                     if best is not None and best[0] and avail < best[1]:
                         break  # nothing later beats it
                     if avail + sums.acting[rr] >= kv:
-                        key = (self._cpu_takes(rr, kv - avail), avail)
+                        key = (self.cpu_takes(rr, kv - avail), avail)
                         if best is None or key > best:
                             best, ties = key, [rr]
                         elif key == best:
                             ties.append(rr)
                 if best is not None:
                     r = ties[0] if len(ties) == 1 else max(
-                        ties, key=lambda q: (self._first_victim_idleness(q, kv - best[1], idleness),
+                        ties, key=lambda q: (self.first_victim_idleness(q, kv - best[1], idleness),
                                              -q))
-                    return _RoomPlan(r, 0.0, float(self.book.avail[r] + sums.acting[r]
+                    return RoomPlan(r, 0.0, float(self.book.avail[r] + sums.acting[r]
                                                    + sums.reasoning[r]), None)
-            if not self._ready_gpu:  # no held request on a GPU: every replica would have
+            if not self.ready_gpu:  # no held request on a GPU: every replica would have
                 # all of its room later, but for a reservation: the first unreserved one
                 # where the demoted keep their KV in DRAM, else the first unreserved
                 held = self.book.round_reserve
                 up = [q for q in range(len(gpus))
                       if not held.get(q) and q not in self.placement.down]
                 if up:
-                    r0 = next((q for q in up if self._cpu_takes(q, kv - gpus[q].free())),
+                    r0 = next((q for q in up if self.cpu_takes(q, kv - gpus[q].free())),
                               up[0])
-                    return _RoomPlan(r0, 0.0, float(self.book.cap), None)
+                    return RoomPlan(r0, 0.0, float(self.book.cap), None)
         # (lands in DRAM, free beyond reservation, the first victim's idleness, -replica),
         # (room later, lands, -replica)
         now_best: tuple[bool, float, float, int] | None = None
@@ -125,9 +181,9 @@ class MoriRoom(MoriState):
             free = gpus[r].free() - reserve[r]
             room = free + sums.acting[r]
             later = room + sums.reasoning[r]
-            lands = self._cpu_takes(r, c.kv_bytes - free)
+            lands = self.cpu_takes(r, c.kv_bytes - free)
             if room >= c.kv_bytes:
-                plan = (lands, free, self._first_victim_idleness(r, c.kv_bytes - free, idleness), -r)
+                plan = (lands, free, self.first_victim_idleness(r, c.kv_bytes - free, idleness), -r)
                 if now_best is None or plan > now_best:
                     now_best = plan
             if later_best is None or (later, lands, -r) > later_best:
@@ -136,14 +192,14 @@ class MoriRoom(MoriState):
         if now_best is not None:
             r = -now_best[3]
             later = gpus[r].free() - reserve[r] + sums.acting[r] + sums.reasoning[r]
-            return _RoomPlan(r, 0.0, later, None)
-        return _RoomPlan(-later_best[2], 0.0, later_best[0], None)
+            return RoomPlan(r, 0.0, later, None)
+        return RoomPlan(-later_best[2], 0.0, later_best[0], None)
 
-    def _room_plan(self, c: Program, now: float, idleness: IdlenessAt, reserve: list[int]) -> _RoomPlan:
+    def plan(self, c: Program, now: float, idleness: IdlenessAt, reserve: list[int]) -> RoomPlan:
         """Where room for ``c`` is made. Among the replicas where it can be made now: one
-        whose CPU tier takes what is demoted (``_cpu_takes``), then the one with the most
+        whose CPU tier takes what is demoted (``cpu_takes``), then the one with the most
         free space (the fewest demotions), then the one whose first program to leave is
-        the most idle (``_first_victim_idleness``), then the lowest index. Else the one
+        the most idle (``first_victim_idleness``), then the lowest index. Else the one
         with the most room once its running steps end (then whose CPU tier takes what
         is demoted, then the lowest index)."""
         mine = idleness(c)
@@ -157,14 +213,14 @@ class MoriRoom(MoriState):
             reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
                             and self.ranking.victim_ok(idleness(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
-            plans.append(_RoomPlan(r, room, room + reasoning, acting))
-        def free(t: _RoomPlan) -> float:
+            plans.append(RoomPlan(r, room, room + reasoning, acting))
+        def free(t: RoomPlan) -> float:
             return self.placement.gpu[t.replica].free() - reserve[t.replica]
 
-        def lands(t: _RoomPlan) -> bool:
-            return self._cpu_takes(t.replica, c.kv_bytes - free(t))
+        def lands(t: RoomPlan) -> bool:
+            return self.cpu_takes(t.replica, c.kv_bytes - free(t))
 
-        def first_idleness(t: _RoomPlan) -> float:
+        def first_idleness(t: RoomPlan) -> float:
             assert t.acting is not None
             if c.kv_bytes - free(t) <= 0:
                 return math.inf
@@ -177,7 +233,7 @@ class MoriRoom(MoriState):
         # only after running steps end: the replica with the most room then
         return max(plans, key=lambda t: (t.room_later, lands(t), -t.replica))
 
-    def _first_victim_idleness(self, r: int, need: float, idleness: IdlenessAt) -> float:
+    def first_victim_idleness(self, r: int, need: float, idleness: IdlenessAt) -> float:
         """The idleness of the first program demoted to make ``need`` bytes of room on
         replica ``r``'s GPU: its most idle Acting program (inf when none must leave,
         -inf when it has none).
@@ -194,7 +250,7 @@ class MoriRoom(MoriState):
             return -math.inf
         return idleness(next(acting.descending(idleness, idleness.now)))
 
-    def _cpu_takes(self, r: int, need: float) -> bool:
+    def cpu_takes(self, r: int, need: float) -> bool:
         """Whether replica ``r``'s CPU tier has ``need`` bytes free: what making that
         much room on its GPU demotes keeps its KV in DRAM, nobody dropped for it.
 
@@ -208,12 +264,12 @@ class MoriRoom(MoriState):
         cq = self.placement.cpu[r]
         return bool(cq.capacity) and cq.free() >= need
 
-    def _make_room(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
+    def make(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
                    reserve: list[int]) -> None:
         if self.book.frozen and self.ranking.own:
-            plan = self._room_plan_fast(c, reserve, idleness)
+            plan = self.plan_fast(c, reserve, idleness)
         else:
-            plan = self._room_plan(c, now, idleness, reserve)
+            plan = self.plan(c, now, idleness, reserve)
         if plan.room_later < c.kv_bytes:
             return  # cannot be made to fit yet: demote nobody, wait
         r = plan.replica
@@ -221,14 +277,13 @@ class MoriRoom(MoriState):
         acting = plan.acting
         if acting is None:  # every Acting program of the replica may go, most idle first:
             # as many as it takes
-            acting = self._most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), idleness)
+            acting = self.most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), idleness)
         for p in acting:
             if gq.free() - reserve[r] >= c.kv_bytes:
                 break
-            self._offload(p, r, out, idleness, keep=c)
+            self.offload(p, r, out, idleness, keep=c)
         if gq.free() - reserve[r] >= c.kv_bytes:
-            self._promote(c, r, out)
-            self._forward(c, now, out)
+            self.moves.place(c, r, now, out)
             return
         # the Reasoning programs will make up the rest when their steps end (lazy
         # demotion: a later round demotes them as Acting programs); until then hold
@@ -239,8 +294,8 @@ class MoriRoom(MoriState):
             self.book.sync(r)
 
 
-class _RoomPlan(NamedTuple):
-    """How one replica could make room for a candidate (``_make_room``)."""
+class RoomPlan(NamedTuple):
+    """How one replica could make room for a candidate (``make``)."""
 
     replica: int
     room_now: float  # free space beyond the reservation, plus the Acting victims' KV

@@ -1,9 +1,10 @@
-"""MORI's promotions from the kept-up-to-date index (``mori`` module docstring): the
-same decisions, in the same order, as ``mori.MoriPolicy._promote_ready``'s plain loop,
-looking only at candidates that can move and at replicas in O(log R); and the check
-that finds a round blocked from a few sums (``_blocked_round``). ``MoriIndexedRound``
-holds these; the round that calls them is ``mori.MoriPolicy``. ``test_differential``
-checks the decisions against the plain round.
+"""MORI's promotions from the kept-up-to-date index (``mori`` module docstring).
+
+``IndexedRound``, a part of ``MoriPolicy`` (its ``round`` field), makes the same
+decisions, in the same order, as the plain loop (``ScanRound.run``, ``mori_scan_round``),
+looking only at candidates that can move and at replicas in O(log R); and it finds a
+round blocked from a few sums (``blocked``). ``test_differential`` checks the decisions
+against the plain round.
 """
 
 from __future__ import annotations
@@ -12,33 +13,45 @@ from collections.abc import Iterator
 from itertools import chain
 
 from mori.core.decisions import Decision, Demote
+from mori.core.ledger import Placement
 from mori.core.ordered import Key
-from mori.core.policies.mori_aged import MoriAged
-from mori.core.policies.mori_book import IdlenessAt
-from mori.core.policies.mori_room import MoriRoom
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["MoriIndexedRound"]
+__all__ = ["IndexedRound"]
 
 
-class MoriIndexedRound(MoriAged):
-    """MORI's bookkeeping, placement, room making and bound on waiting, plus the
-    indexed promotions."""
+class IndexedRound:
+    """The indexed promotions of one policy. ``ready_gpu``: the policy's held requests
+    of GPU-resident programs (shared)."""
 
-    def _promote_indexed(self, now: float, out: list[Decision], idleness: IdlenessAt,
-                         held_for: int | None = None) -> None:
-        """``_promote_ready`` from the kept-up-to-date index: the same decisions in the
-        same order, looking only at candidates that can move and at replicas in O(log R).
+    def __init__(self, placement: Placement, ready_gpu: dict[str, Program], book: MoriBook,
+                 choice: ReplicaChoice, room: RoomMaker, moves: Moves) -> None:
+        self.placement = placement
+        self.ready_gpu = ready_gpu
+        self.book = book
+        self.choice = choice
+        self.room = room
+        self.moves = moves
+
+    def run(self, now: float, out: list[Decision], idleness: IdlenessAt,
+            held_for: int | None = None) -> None:
+        """``ScanRound.run`` from the kept-up-to-date index: the same
+        decisions in the same order, looking only at candidates that can move and at
+        replicas in O(log R).
 
         CPU-queue candidates only compete for their own replica. Walking all of them in
         priority order, every one fits until the first that does not; that one makes
         room. After it only the replicas where one of their CPU candidates can fit are
-        walked (``_open``), and the decisions are emitted in the priority order, as the
+        walked (``book.open``), and the decisions are emitted in the priority order, as the
         plain loop emits them. Cacheless candidates are then walked in priority order
         passing over those larger than the most room any replica has.
         ``held_for``: a replica whose free space is reserved from the start (a request
-        past the bound waits for it, ``_serve_aged``).
+        past the bound waits for it, ``WaitBound.serve``).
         """
         gpus = self.placement.gpu
         reserve = [0] * len(gpus)
@@ -48,19 +61,18 @@ class MoriIndexedRound(MoriAged):
         self.book.flush()
         idx = self.book.index
         if not len(idx):
-            self._unreserve()
+            self.unreserve()
             return
         first = idx.cpu_all.first()
         if (held_for is None and first is not None
-                and self._blocked_round(first[1], first[2])):
+                and self.blocked(first[1], first[2])):
             return
         chunks: list[tuple[Key, list[Decision]]] = []
         self.book.frozen = True
         self.book.round_idleness = idleness
         try:
             def place(c: Program, r: int, into: list[Decision]) -> None:
-                self._promote(c, r, into)
-                self._forward(c, now, into)
+                self.moves.place(c, r, now, into)
 
             # (0) CPU-queue programs: their own replica (affinity), in priority order
             fail: tuple[Key, Program, int] | None = None
@@ -83,7 +95,7 @@ class MoriIndexedRound(MoriAged):
             if fail is not None:
                 fkey, fc, fr = fail
                 room_made: list[Decision] = []
-                self._make_room(fc, now, room_made, idleness, reserve)
+                self.room.make(fc, now, room_made, idleness, reserve)
                 chunks.append((fkey, room_made))
                 # what still fits behind the first miss, on the replicas where some can
                 for rc in sorted(self.book.open | {fr}):
@@ -101,7 +113,7 @@ class MoriIndexedRound(MoriAged):
 
             # (1, 2) cacheless programs: who is admitted follows the priority order while
             # the free space of all replicas together holds them (the batch); where is
-            # decided as in _promote_ready
+            # decided as in ScanRound.run
             cap = self.book.cap
             # sum over replicas of max(0, free - reserve): only one can hold a reservation
             held_back = 0
@@ -186,7 +198,7 @@ class MoriIndexedRound(MoriAged):
                         place(c, r2, out)
                         continue
                     blocked = True
-                    self._make_room(c, now, out, idleness, reserve)
+                    self.room.make(c, now, out, idleness, reserve)
                     if i >= 0:
                         rest = pushed[i + 1:]
                     else:
@@ -218,17 +230,17 @@ class MoriIndexedRound(MoriAged):
         finally:
             self.book.frozen = False
             self.book.round_idleness = None
-            self._unreserve()
+            self.unreserve()
             self.book.flush()
 
-    def _unreserve(self) -> None:
+    def unreserve(self) -> None:
         """End the round's reservations."""
         reserved = list(self.book.round_reserve)
         self.book.round_reserve.clear()
         for r in reserved:
             self.book.sync(r)
 
-    def _blocked_round(self, kv: int, c: Program) -> bool:
+    def blocked(self, kv: int, c: Program) -> bool:
         """Whether the round would decide nothing, known from the first CPU candidate
         ``c`` (``kv`` bytes) and a few sums: the most common round at fleet scale.
 
@@ -246,11 +258,11 @@ class MoriIndexedRound(MoriAged):
         this finds blocked, run in full, decides nothing.
         """
         r = c.replica
-        assert r is not None and not self._ready_gpu
+        assert r is not None and not self.ready_gpu
         avail, opened = self.book.avail, self.book.open
         if (avail[r] >= kv or len(self.book.gpu_acting[r])
-                or not self.ranking.any_victim
-                or type(self)._make_room is not MoriRoom._make_room
+                or not self.room.ranking.any_victim
+                or type(self.room) is not RoomMaker
                 or (opened and (len(opened) > 1 or r not in opened))):
             return False
         # r's room is all reserved: none is left for its smaller CPU candidates or for

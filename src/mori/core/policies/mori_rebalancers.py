@@ -1,4 +1,10 @@
-"""``mori-yield``: MORI whose affinity may yield (ours, not the paper's).
+"""Moves a variant of MORI makes on every decision round, whether or not a request
+needs room: ``MoriPolicy``'s ``rebalancer`` part (``mori.Rebalancer``). MORI has none.
+
+- ``OffloadIdle`` (``mori-binary``): each Acting GPU program idle by the threshold goes
+  to its CPU tier, or to none.
+- ``YieldAffinity`` (``mori-yield``, ours, not the paper's): a CPU-queue program's
+  affinity may yield.
 
 MORI sends a CPU-queue program back to its own replica, where its KV waits to be
 reloaded, however long that replica stays full. When only running steps fill it (no
@@ -26,22 +32,62 @@ context grows.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from mori.core.decisions import Decision
-from mori.core.policies.mori import IdlenessAt, MoriPolicy
+from mori.core.ledger import ClusterSpec, Placement
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_ranking import Threshold
+from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.moves import Moves
 from mori.core.program import Program
-from mori.core.types import Tier
+from mori.core.types import Status, Tier
+
+__all__ = ["OffloadIdle", "YieldAffinity"]
 
 
-class MoriYieldPolicy(MoriPolicy):
-    name = "mori-yield"
-    description = ("MORI, a CPU-queue program recomputed on a replica with room once it "
-                   "has waited as long as that costs beyond a reload")
+class OffloadIdle:
+    """``mori-binary``'s moves on every round: each Acting GPU program idle by the
+    threshold goes to its CPU tier (or to none), whether or not the GPU needs the room."""
 
-    def yield_after_s(self, p: Program) -> float:
+    def __init__(self, threshold: Threshold, placement: Placement,
+                 programs: dict[str, Program], room: RoomMaker) -> None:
+        self.threshold = threshold
+        self.placement = placement
+        self.programs = programs
+        self.room = room
+
+    def rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
+        for r, gq in enumerate(self.placement.gpu):
+            for pid in list(gq.members):
+                p = self.programs[pid]
+                if p.status is Status.ACTING and self.threshold.idle(idleness(p)):
+                    self.room.offload(p, r, out, idleness)
+
+
+class YieldAffinity:
+    """``mori-yield``'s moves on every round (see the module docstring). ``ready``: the
+    policy's held requests (shared); ``reload_s`` and ``recompute_s``: its estimates
+    (``Policy.reload_s``, ``Policy.recompute_s``)."""
+
+    def __init__(self, cluster: ClusterSpec, placement: Placement, book: MoriBook,
+                 ready: dict[str, Program], held_since: Callable[[float], Iterator[Program]],
+                 reload_s: Callable[[Program], float], recompute_s: Callable[[Program], float],
+                 moves: Moves) -> None:
+        self.cluster = cluster
+        self.placement = placement
+        self.book = book
+        self.ready = ready
+        self.held_since = held_since
+        self.reload_s = reload_s
+        self.recompute_s = recompute_s
+        self.moves = moves
+
+    def after_s(self, p: Program) -> float:
         """How long ``p``'s request waits at home before it may move."""
         return max(0.0, self.recompute_s(p) - self.reload_s(p))
 
-    def _rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
+    def rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
         cap = self.cluster.gpu_bytes
         gpus = self.placement.gpu
         if cap is None or len(gpus) < 2:
@@ -51,13 +97,13 @@ class MoriYieldPolicy(MoriPolicy):
             return
         homes = {p.replica for p in held}
         pid, aged = self.book.aged_wait
-        if pid not in self._ready:
+        if pid not in self.ready:
             aged = -1  # that request has been served (or ended)
         acting = self.book.sums.acting
         for c in held:
             home = c.replica
             assert home is not None
-            if (c.kv_bytes > cap or now - c.ready_at < self.yield_after_s(c)
+            if (c.kv_bytes > cap or now - c.ready_at < self.after_s(c)
                     or cap - gpus[home].used + acting[home] >= c.kv_bytes):
                 continue  # too young, or it can get in at home (free or made) this round
             best: int | None = None
@@ -67,6 +113,5 @@ class MoriYieldPolicy(MoriPolicy):
                     best = r
             if best is None:
                 continue
-            self._demote_to(c, Tier.NONE, None, out)
-            self._promote(c, best, out)
-            self._forward(c, now, out)
+            self.moves.demote_to(c, Tier.NONE, None, out)
+            self.moves.place(c, best, now, out)

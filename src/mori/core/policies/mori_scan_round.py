@@ -1,0 +1,114 @@
+"""MORI's promotions by scanning every held request (``mori`` module docstring): the
+round as first written, where the index of ``mori_round`` cannot serve.
+
+The index needs a held program's priority to stay fixed while it waits, and managed
+GPU capacities (``MoriBook.incremental``). ``mori-no-exclusion`` counts the time a
+request is held as acting time, so its priority moves; a gateway in front of engines
+whose capacity it does not manage has none. For these, ``ScanRound``, a part of
+``MoriPolicy`` (its ``round`` field, in place of ``IndexedRound``), sorts the held
+requests by priority each round and tries each on every replica. Its decisions are the
+reference for ``IndexedRound``'s (``test_differential``).
+"""
+
+from __future__ import annotations
+
+from mori.core.decisions import Decision
+from mori.core.ledger import ClusterSpec, Placement
+from mori.core.policies.mori_book import IdlenessAt
+from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.moves import Moves
+from mori.core.program import Program
+from mori.core.types import Tier
+
+__all__ = ["ScanRound"]
+
+
+class ScanRound:
+    """The plain promotions of one policy. ``ready``: the policy's held requests
+    (shared)."""
+
+    def __init__(self, placement: Placement, cluster: ClusterSpec, ready: dict[str, Program],
+                 choice: ReplicaChoice, room: RoomMaker, moves: Moves) -> None:
+        self.placement = placement
+        self.cluster = cluster
+        self.ready = ready
+        self.choice = choice
+        self.room = room
+        self.moves = moves
+
+    def run(self, now: float, out: list[Decision], idleness: IdlenessAt,
+            held_for: int | None = None) -> None:
+        pl = self.placement
+        cap = self.cluster.gpu_bytes
+        cands = [p for p in self.ready.values() if p.tier is not Tier.GPU]
+        if not cands:
+            return
+
+        def priority(p: Program) -> tuple[int, int, float, int]:
+            level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
+            return (level, p.tokens if level == 2 else 0, idleness(p), p.ready_seq)
+
+        cands.sort(key=priority)
+        gpus = pl.gpu
+        reserve = [0] * len(gpus)
+        if held_for is not None:  # a request past the bound waits for it (mori_aged)
+            reserve[held_for] = int(gpus[held_for].free())
+        blocked = False
+        # the most room any replica has beyond its reservation, or None when a move may
+        # have changed it: once a candidate has been blocked, a cacheless one larger than
+        # this fits nowhere and is passed over without a look at each replica
+        most: float | None = None
+
+        def fits_nowhere(c: Program) -> bool:
+            return cap is not None and c.kv_bytes > cap  # refused up front by the simulator
+
+        def place(c: Program, r: int) -> None:
+            nonlocal most
+            self.moves.place(c, r, now, out)
+            most = None
+
+        def place_or_make_room(c: Program) -> None:
+            """Into free space if it fits; else the first such program may make room."""
+            nonlocal blocked, most
+            if blocked and c.tier is Tier.NONE:
+                if most is None:
+                    most = max(gq.free() - reserve[r] for r, gq in enumerate(gpus))
+                if c.kv_bytes > most:
+                    return
+            r = self.choice.best_fit(c, reserve)
+            if r is not None:
+                place(c, r)
+            elif not blocked:
+                blocked = True
+                self.room.make(c, now, out, idleness, reserve)
+                most = None
+
+        # (0) CPU-queue programs: their own replica (affinity), in priority order
+        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
+            place_or_make_room(c)
+        # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
+        # long as the free space of all replicas together holds them; *where*: the
+        # largest first, each onto the replica with the most room if that places them
+        # all (choice.spread), else onto the replica it fits tightest (Best-Fit-Decreasing)
+        waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
+        room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(gpus))
+        batch: list[Program] = []
+        for c in waiting:
+            if c.kv_bytes > room:
+                break
+            batch.append(c)
+            room -= c.kv_bytes
+        order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
+        spread = self.choice.spread(order, reserve)
+        placed: set[str] = set()
+        for c in order:
+            r = spread[c.program_id] if spread is not None else self.choice.best_fit(c, reserve)
+            if r is not None:
+                place(c, r)
+                placed.add(c.program_id)
+        # what is left: backfill into free space; the first that does not fit (if no
+        # CPU-queue program did) may make room
+        for c in waiting:
+            if c.program_id not in placed:
+                place_or_make_room(c)
