@@ -48,7 +48,7 @@ def _alternate(p: Policy, until: float) -> list[list[Decision]]:
 
 
 def test_without_a_bound_the_waiting_program_starves() -> None:
-    p = make("mori", gpu=100, cpu=200, max_wait_s=None)
+    p = make("mori-paper", gpu=100, cpu=200, max_wait_s=None)
     rounds = _alternate(p, 41.0)
     # every round: the finished one to the CPU, the other back from it; W never placed
     for r in rounds:
@@ -58,7 +58,7 @@ def test_without_a_bound_the_waiting_program_starves() -> None:
 
 
 def test_a_request_past_the_bound_goes_first() -> None:
-    p = make("mori", gpu=100, cpu=200, max_wait_s=10.0)
+    p = make("mori-paper", gpu=100, cpu=200, max_wait_s=10.0)
     rounds = _alternate(p, 11.0)
     assert rounds[-1] == [Demote("C", 0, GPU, CPU), Promote("A", 0, CPU), Forward("A", 0)]
     # t = 12: W has waited 10 s, A is reasoning (60 of 100): W cannot fit until A's step
@@ -76,7 +76,7 @@ def test_the_bound_is_checked() -> None:
         PolicyConfig(max_wait_s=-1.0)
     with pytest.raises(ValueError, match="max_wait_s"):
         PolicyConfig(max_wait_s=float("inf"))
-    assert make("mori", max_wait_s=0.0).config.max_wait_s == 0.0  # 0: no bound
+    assert make("mori-paper", max_wait_s=0.0).config.max_wait_s == 0.0  # 0: no bound
 
 
 # -- the bound over random worlds -----------------------------------------------------------
@@ -148,14 +148,14 @@ def test_no_request_waits_past_the_bound_while_capacity_allows(
     _run(name, w, bound)
 
 
-@pytest.mark.parametrize("name", ["mori"])
+@pytest.mark.parametrize("name", ["mori-paper"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=worlds(), bound=BOUNDS)
 def test_the_bound_in_small_worlds(name: str, w: dict[str, object], bound: float) -> None:
     _run(name, w, bound)
 
 
-@pytest.mark.parametrize("name", ["mori", "smg", "thunderagent"])
+@pytest.mark.parametrize("name", ["mori-paper", "smg", "thunderagent"])
 def test_the_arrival_order_stays_small(name: str) -> None:
     # every policy keeps the arrival order; forwarded requests must not pile up in it
     p = make(name, gpu=10**9, cpu=0)
@@ -163,7 +163,7 @@ def test_the_arrival_order_stays_small(name: str) -> None:
         step(p, float(i), arrive(f"p{i}", 10))
         step(p, i + 0.5, fin(f"p{i}", 20))
         assert len(p._arrivals) <= 2 * 1 + 64  # at most one request held at a time
-    held = make("mori", gpu=100, cpu=0, max_wait_s=5.0)
+    held = make("mori-paper", gpu=100, cpu=0, max_wait_s=5.0)
     for i in range(300):
         step(held, float(i), arrive(f"p{i}", 60))  # p0 runs; the rest wait for room
     assert [q.program_id for q in held.held_since(100.0)] == [f"p{i}" for i in range(1, 101)]

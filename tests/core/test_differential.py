@@ -89,7 +89,7 @@ def test_reference_is_the_straightforward_round() -> None:
     # above would compare a policy with itself
     for name in POLICIES.names():
         ref = reference(name)
-        if name == "smg":
+        if name in ("smg", "lru-offload"):  # no optimized round: their own code
             assert ref is POLICIES.get(name)
         else:
             assert ref is not POLICIES.get(name) and issubclass(ref, POLICIES.get(name))

@@ -15,7 +15,7 @@ from mori.core.types import Tier
 
 
 def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
-    p = make("mori", gpu=100, cpu=100, replicas=3)
+    p = make("mori-paper", gpu=100, cpu=100, replicas=3)
     step(p, 0.0, arrive("A", 90))  # replica 0
     step(p, 0.0, arrive("B", 90))  # replica 1
     assert step(p, 0.0, arrive("P", 50)) == [Promote("P", 2, NONE), Forward("P", 2)]
@@ -38,7 +38,7 @@ def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
 
 
 def test_waiting_programs_packed_best_fit_decreasing_once_memory_binds() -> None:
-    p = make("mori", gpu=100, cpu=0, replicas=2)
+    p = make("mori-paper", gpu=100, cpu=0, replicas=2)
     step(p, 0.0, arrive("A", 50))  # both empty: the most room, lowest index: replica 0
     step(p, 0.0, arrive("B", 70))  # fits only replica 1 (30 free)
     assert (where(p, "A"), where(p, "B")) == ((GPU, 0), (GPU, 1))
@@ -53,12 +53,12 @@ def test_waiting_programs_packed_best_fit_decreasing_once_memory_binds() -> None
 
 
 def test_mori_uses_all_three_replicas_for_three_small_programs() -> None:
-    p = make("mori", gpu=100, cpu=100, replicas=3)
+    p = make("mori-paper", gpu=100, cpu=100, replicas=3)
     for x in "ABC":
         step(p, 0.0, arrive(x, 10))
     assert sorted(where(p, x)[1] for x in "ABC") == [0, 1, 2]
     # arriving together: the largest first, each onto the replica with the most room
-    q = make("mori", gpu=100, cpu=100, replicas=3)
+    q = make("mori-paper", gpu=100, cpu=100, replicas=3)
     assert step(q, 0.0, arrive("X", 10), arrive("Y", 30), arrive("Z", 20)) == [
         Promote("Y", 0, NONE), Forward("Y", 0), Promote("Z", 1, NONE), Forward("Z", 1),
         Promote("X", 2, NONE), Forward("X", 2)]
@@ -72,7 +72,7 @@ def test_mori_pack_keeps_the_papers_rule_and_leaves_two_replicas_idle() -> None:
 
 
 def test_mori_spreads_to_the_replica_with_the_most_room() -> None:
-    p = make("mori", gpu=100, cpu=100, replicas=2)
+    p = make("mori-paper", gpu=100, cpu=100, replicas=2)
     assert step(p, 0.0, arrive("A", 30)) == [Promote("A", 0, NONE), Forward("A", 0)]
     assert step(p, 0.0, arrive("B", 20)) == [Promote("B", 1, NONE), Forward("B", 1)]
     # replica 1 has 80 free against replica 0's 70
@@ -92,7 +92,7 @@ def test_mori_spreads_near_capacity_where_the_paper_packs() -> None:
 
     # 145 of 200 in use with D: MORI puts D where the most room is left (replica 1, 40
     # free), so replica 0 (30 free) keeps room for A and C to grow
-    assert step(two_replicas("mori"), 1.0, arrive("D", 15)) == [Promote("D", 1, NONE),
+    assert step(two_replicas("mori-paper"), 1.0, arrive("D", 15)) == [Promote("D", 1, NONE),
                                                                  Forward("D", 1)]
     # the paper's Best-Fit-Decreasing puts C and then D onto replica 0, the tightest fit
     pack = two_replicas("mori-pack")
@@ -143,7 +143,7 @@ def test_smg_returning_program_goes_back_to_its_replica() -> None:
 
 
 def test_spread_by_load_prefers_the_replica_serving_fewest_requests() -> None:
-    p = make("mori", gpu=100, cpu=100, replicas=3, spread_by_load=True)
+    p = make("mori-paper", gpu=100, cpu=100, replicas=3, spread_by_load=True)
     p.set_replica_loads([4, 1, 0])  # the engines' reports (other clients' requests too)
     # all three empty of MORI's programs: replica 2 reports nothing running
     assert step(p, 0.0, arrive("A", 30)) == [Promote("A", 2, NONE), Forward("A", 2)]
@@ -163,7 +163,7 @@ def test_spread_by_load_prefers_the_replica_serving_fewest_requests() -> None:
 
 def test_spread_by_load_off_or_untold_is_the_most_room() -> None:
     for told, flag in ((True, False), (False, True)):
-        p = make("mori", gpu=100, cpu=100, replicas=2, spread_by_load=flag)
+        p = make("mori-paper", gpu=100, cpu=100, replicas=2, spread_by_load=flag)
         step(p, 0.0, arrive("A", 30))
         if told:
             p.set_replica_loads([0, 7])
@@ -172,7 +172,7 @@ def test_spread_by_load_off_or_untold_is_the_most_room() -> None:
 
 
 def test_replica_loads_are_checked() -> None:
-    p = make("mori", replicas=2, spread_by_load=True)
+    p = make("mori-paper", replicas=2, spread_by_load=True)
     for bad in ([1], [0, 0, 0], [0, -1]):
         with pytest.raises(ValueError):
             p.set_replica_loads(bad)
@@ -182,7 +182,7 @@ def test_room_is_made_where_the_demoted_program_keeps_its_kv_in_dram() -> None:
     """Every GPU tier full: the room for a new program is made on the replica whose CPU
     tier can take the program demoted for it, not on the lowest index, which would push
     a program out of its full CPU tier to no tier while the other CPU tier sits empty."""
-    p = make("mori", gpu=100, cpu=100, replicas=2)
+    p = make("mori-paper", gpu=100, cpu=100, replicas=2)
     step(p, 0.0, arrive("X", 90), arrive("Y", 90))
     assert (where(p, "X"), where(p, "Y")) == ((GPU, 0), (GPU, 1))
     step(p, 1.0, fin("X", 90), ProgramEnded("Y"))

@@ -31,11 +31,11 @@ def test_a_simultaneous_arrivals_order(name: str) -> None:
     out = step(p, 0.0, arrive("X", 30), arrive("Y", 40), arrive("Z", 20))
     # smg: arrival order; MORI: all three are admitted (they fit together) and placed
     # Best-Fit-Decreasing, the largest first
-    order = {"smg": "XYZ"}.get(name, "YXZ")
+    order = {"smg": "XYZ", "lru-offload": "XYZ"}.get(name, "YXZ")
     assert out == [d for pid in order for d in (Promote(pid, 0, NONE), Forward(pid, 0))]
 
 
-@pytest.mark.parametrize("name", ["mori", "mori-strict", "mori-no-exclusion", "mori-binary"])
+@pytest.mark.parametrize("name", ["mori-paper", "mori-strict", "mori-no-exclusion", "mori-binary"])
 def test_a_new_arrivals_admitted_smallest_first_placed_largest_first(name: str) -> None:
     p = make(name)
     out = step(p, 0.0, arrive("X", 30), arrive("Y", 40), arrive("W", 50), arrive("Z", 20))
@@ -58,7 +58,7 @@ def _setup_b(name: str) -> Policy:
 
 
 B_EXPECTED = {
-    "mori": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
+    "mori-paper": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
     "mori-no-exclusion": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
     "mori-strict": [Demote("A", 0, GPU, CPU), Promote("C", 0, NONE), Forward("C", 0)],
     "smg": [Promote("C", 0, NONE), Forward("C", 0)],
@@ -95,7 +95,7 @@ def test_b_mori_binary_offloaded_early() -> None:
 
 # -- (c) promotion priority ------------------------------------------------------------------
 def test_c_priority_levels() -> None:
-    p = make("mori", gpu=100, cpu=50)
+    p = make("mori-paper", gpu=100, cpu=50)
     step(p, 0.0, arrive("A", 40))
     step(p, 0.0, arrive("B", 40))
     step(p, 1.0, fin("A", 40))
@@ -148,7 +148,7 @@ def test_c_strict_cpu_program_first_waits_for_someone_more_idle() -> None:
 
 
 def test_c_mori_cpu_program_before_new_one() -> None:
-    p = _setup_c_cpu("mori")
+    p = _setup_c_cpu("mori-paper")
     # B (CPU queue) and W (new) arrive together; X (acting) makes room for B at once
     out = step(p, 3.0, arrive("W", 10), arrive("B", 60))
     promoted = [d.program_id for d in out if isinstance(d, Promote)]
@@ -156,7 +156,7 @@ def test_c_mori_cpu_program_before_new_one() -> None:
     assert where(p, "X") != (GPU, 0)
 
 
-@pytest.mark.parametrize("name", ["mori", "mori-no-exclusion"])
+@pytest.mark.parametrize("name", ["mori-paper", "mori-no-exclusion"])
 def test_c_candidate_not_evicted_from_cpu_to_make_room_for_its_victim(name: str) -> None:
     p = _setup_c_cpu(name)
     out = step(p, 3.0, arrive("B", 60))
@@ -167,7 +167,7 @@ def test_c_candidate_not_evicted_from_cpu_to_make_room_for_its_victim(name: str)
 
 
 def test_c_returning_before_new_smallest_new_first() -> None:
-    p = make("mori", gpu=100, cpu=0)
+    p = make("mori-paper", gpu=100, cpu=0)
     step(p, 0.0, arrive("R", 30))
     step(p, 1.0, fin("R", 30))
     assert step(p, 2.0, arrive("Y", 100)) == [
@@ -207,7 +207,7 @@ def test_c_candidate_not_evicted_from_cpu_two_replicas() -> None:
 
 # -- (d) lazy demotion -----------------------------------------------------------------------
 def test_d_lazy_demotion_waits_for_the_step() -> None:
-    p = make("mori")
+    p = make("mori-paper")
     step(p, 0.0, arrive("A", 60))
     step(p, 1.0, fin("A", 60))
     assert step(p, 10.0, arrive("A", 60)) == [Forward("A", 0)]
@@ -228,7 +228,7 @@ def test_d_strict_new_reasoning_program_not_marked_then_demoted_on_tick() -> Non
 
 
 def test_d_mori_any_reasoning_program_marked() -> None:
-    p = make("mori")
+    p = make("mori-paper")
     step(p, 0.0, arrive("A", 60))
     assert step(p, 1.0, arrive("B", 50)) == []  # A is demoted when its step ends
     assert step(p, 1.5) == []
@@ -238,7 +238,7 @@ def test_d_mori_any_reasoning_program_marked() -> None:
 
 # -- (e) growth past the GPU capacity --------------------------------------------------------
 E_ARRIVAL = {
-    "mori": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
+    "mori-paper": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
     "mori-no-exclusion": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
     "mori-strict": [Demote("A", 0, GPU, CPU), Forward("B", 0)],
     "smg": [Forward("B", 0)],
@@ -266,7 +266,7 @@ def test_e_growth_on_finish(name: str) -> None:
 
 
 def test_e_mori_demotes_most_idle_acting_first_then_held() -> None:
-    p = make("mori", gpu=100, cpu=200)
+    p = make("mori-paper", gpu=100, cpu=200)
     step(p, 0.0, arrive("A", 30), arrive("B", 30), arrive("C", 30))
     step(p, 1.0, fin("A", 30))
     step(p, 3.0, fin("B", 30))
@@ -281,7 +281,7 @@ def test_e_mori_demotes_most_idle_acting_first_then_held() -> None:
 def test_e_program_larger_than_the_gpu_is_never_forwarded() -> None:
     # documented: a request that can never fit is skipped ("refused up front by the
     # simulator"); the policy holds it forever
-    p = make("mori")
+    p = make("mori-paper")
     step(p, 0.0, arrive("A", 40))
     step(p, 1.0, fin("A", 40))
     assert step(p, 2.0, arrive("A", 150)) == [Demote("A", 0, GPU, NONE)]
@@ -292,7 +292,7 @@ def test_e_program_larger_than_the_gpu_is_never_forwarded() -> None:
 
 # -- (h) program end ---------------------------------------------------------------------------
 def test_h_release_from_each_tier() -> None:
-    p = make("mori", gpu=100, cpu=100)
+    p = make("mori-paper", gpu=100, cpu=100)
     step(p, 0.0, arrive("A", 60), arrive("B", 30))
     step(p, 1.0, fin("A", 60), fin("B", 30))
     # C (40): B and A both at idleness 0.8; the latest request (B) goes first; that suffices
@@ -316,7 +316,8 @@ def test_h_release_from_each_tier() -> None:
 _H_LAZY = ([], [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE), Forward("B", 0)],
            [Release("A", 0)])
 H_END = {
-    "mori": _H_LAZY,
+    "mori-paper": _H_LAZY,
+    "mori": _H_LAZY,  # the CPU tier has room: A parks at once
     "mori-no-exclusion": _H_LAZY,
     "mori-pack": _H_LAZY,  # one replica: MORI
     "mori-yield": _H_LAZY,  # one replica: MORI
@@ -325,6 +326,7 @@ H_END = {
     # A has acted 0 s when its step ends, less than any reload: it is not displaced
     "mori-ski": ([], [], [Release("A", 0), Promote("B", 0, NONE), Forward("B", 0)]),
     "smg": ([Promote("B", 0, NONE), Forward("B", 0)], [], [Release("A", 0)]),
+    "lru-offload": ([Promote("B", 0, NONE), Forward("B", 0)], [], [Release("A", 0)]),
 }
 
 
@@ -357,7 +359,7 @@ def test_i_promote_precedes_forward_and_demotes_precede_promote(name: str) -> No
             ev = None  # D was not admitted
         seen += step(p, t, *([ev] if ev else []))
     assert sum(isinstance(d, Forward) for d in seen) >= 4
-    if name != "smg":
+    if name not in ("smg", "lru-offload"):
         assert any(isinstance(d, Demote) for d in seen)
 
 

@@ -1,5 +1,5 @@
 """``mori-yield``: a CPU-queue program's affinity yields, in hand-worked scenarios, and
-on one replica the variant is MORI."""
+on one replica the variant is the paper's MORI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from scenario_steps import arrive, fin, make, step, where
 from test_differential import crowded, trace
 
 from mori.core.decisions import Demote, Forward, Promote
-from mori.core.policies import MoriPolicy, MoriYieldPolicy
+from mori.core.policies import MoriPaperPolicy, MoriYieldPolicy
 from mori.core.types import Tier
 
 GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
@@ -33,7 +33,7 @@ def _a_on_cpu_behind_c(name: str) -> object:
 
 
 def test_affinity_yields_once_the_wait_has_cost_a_recompute_beyond_a_reload() -> None:
-    plain, yielding = _a_on_cpu_behind_c("mori"), _a_on_cpu_behind_c("mori-yield")
+    plain, yielding = _a_on_cpu_behind_c("mori-paper"), _a_on_cpu_behind_c("mori-yield")
     assert yielding.rebalancer.after_s(yielding.programs["A"]) == pytest.approx(3.0)  # type: ignore[attr-defined]
     for t in (4.0, 5.9):
         assert step(yielding, t) == []
@@ -78,7 +78,7 @@ def test_no_yield_onto_a_replica_whose_own_cpu_program_waits(b_returns: bool) ->
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=crowded())
-def test_on_one_replica_it_is_mori(w: dict[str, object]) -> None:
+def test_on_one_replica_it_is_mori_paper(w: dict[str, object]) -> None:
     w = {**w, "replicas": 1,
          "config": dataclasses.replace(w["config"], recompute_tok_s=1.0)}  # type: ignore[type-var]
-    assert trace(MoriYieldPolicy, w) == trace(MoriPolicy, w)
+    assert trace(MoriYieldPolicy, w) == trace(MoriPaperPolicy, w)

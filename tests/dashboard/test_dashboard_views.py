@@ -305,3 +305,37 @@ def test_mori_simulate_writes_one_timeline_per_run(tmp_path: Path,
     assert "--timeline" in capsys.readouterr().err
     assert main(["simulate", "--policy", "mori", "--programs", "4", "--duration", "60",
                  "--timeline", str(out), "--timeline-frames", "1", "--quiet"]) == 2
+
+
+def test_a_demotions_reason_says_what_the_return_costs() -> None:
+    parked = DecisionContext(Status.ACTING, 0.9, 60_000, 0.0, away_s=12.5, return_s=0.25)
+    dropped = DecisionContext(Status.ACTING, 0.9, 60_000, 0.0, away_s=40.0, return_s=36.0)
+    to_cpu = reason(Demote("a", 0, Tier.GPU, Tier.CPU), parked)
+    assert "away 12.5 s" in to_cpu and "a reload, about 0.25 s of the link" in to_cpu
+    to_none = reason(Demote("a", 0, Tier.GPU, Tier.NONE), dropped)
+    assert "away 40.0 s" in to_none and "a recompute, about 36.0 s" in to_none
+    assert "return" not in reason(Demote("a", 0, Tier.GPU, Tier.NONE),
+                                  DecisionContext(Status.ACTING, 0.9, 10, 0.0))
+
+
+def test_the_policy_reports_the_price_it_weighed() -> None:
+    """``mori`` counts a drop for every program on the replica's GPU; a reload is the
+    link's time alone."""
+    from mori.core.events import RequestArrived, StepFinished
+    from mori.core.explain import context_reader
+    from mori.core.ledger import ClusterSpec
+    from mori.core.policies import build_policy
+    from mori.core.policy import PolicyConfig
+
+    pol = build_policy("mori", ClusterSpec(1, 100, 0), 1,
+                       PolicyConfig(page_tokens=1, recompute_tok_s=10.0))
+    for pid, n in (("A", 60), ("S", 20)):
+        pol.observe(RequestArrived(pid, n), 0.0)
+    pol.decide(0.0)
+    pol.observe(StepFinished("A", 60), 1.0)
+    pol.decide(1.0)
+    pol.observe(RequestArrived("B", 20), 2.0)
+    assert pol.decide(2.0) == [Promote("B", 0, Tier.NONE), Forward("B", 0)]  # room is free
+    ctx = context_reader(pol.programs, pol.return_cost)(Demote("A", 0, Tier.GPU, Tier.NONE), 9.0)
+    assert ctx is not None and ctx.away_s == 8.0
+    assert ctx.return_s == 6.0 * 3  # 60 tokens at 10/s, for A, S and B on the GPU

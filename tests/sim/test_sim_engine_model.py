@@ -27,7 +27,7 @@ def one_step(prompt: int = 1_000, output: int = 8) -> TraceSet:
     dict(token_scale=0.0), dict(token_scale=-1.0), dict(token_scale=math.nan),
     dict(time_scale=0.0), dict(time_scale=math.inf), dict(time_scale=-2.0),
     dict(gpu_kv_tokens=0), dict(hardware=TINY, gpu_kv_tokens=31),
-    dict(cpu_kv_tokens=-1), dict(pcie_gbps=0.0), dict(pcie_gbps=-5.0),
+    dict(cpu_kv_tokens=-1), dict(pcie_gbps=-5.0),
     dict(pcie_gbps=math.inf),
 ])
 def test_bad_engine_settings_are_refused(bad: dict[str, object]) -> None:
@@ -136,3 +136,18 @@ def test_the_record_carries_the_engine_settings() -> None:
                                                    "cpu_kv_tokens": 4_096,
                                                    "token_scale": 0.01, "time_scale": 10}
     assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"]) == (2_048, 4_096)
+
+
+def test_a_reload_bandwidth_of_zero_is_no_cpu_tier() -> None:
+    """0 GB/s: nothing could be reloaded, so no CPU tier is simulated; every policy runs
+    and the runs equal those at CPU ratio 0."""
+    from mori.sim.runner import simulate
+    from mori.traces import default_traces
+
+    for policy in ("mori", "mori-paper", "mori-ski", "mori-yield", "lru-offload",
+                   "thunderagent+offload"):
+        cut = SimConfig(policy=policy, programs=6, duration_s=300.0, pcie_gbps=0.0)
+        none = SimConfig(policy=policy, programs=6, duration_s=300.0, cpu_ratio=0.0)
+        a, b = simulate(cut, default_traces()), simulate(none, default_traces())
+        assert a.cpu_kv_capacity_tokens == 0 and a.reloaded_tokens == 0
+        assert (a.steps, a.output_tokens) == (b.steps, b.output_tokens), policy

@@ -157,20 +157,31 @@ def test_one_replica_count_has_no_scaling_figure(tmp_path: Path) -> None:
 def test_paper_definition_without_running_it() -> None:
     paper = SWEEPS.get("paper")
     runs = expand(paper)
-    assert len(runs) == paper.size() == 96
+    assert len(runs) == paper.size() == 120
     dp1 = [r for r in runs if r.setting.replicas == 1]
     dp3 = [r for r in runs if r.setting.replicas == 3]
-    assert (len(dp1), len(dp3)) == (72, 24)
+    assert (len(dp1), len(dp3)) == (90, 30)
     assert {r.setting.hardware for r in dp1} == {
         "h200-80g-qwen2.5-7b", "h200-qwen3-30b-a3b", "b200-llama3.1-70b-tp2"}
     assert {r.setting.hardware for r in dp3} == {"h200-qwen3-30b-a3b"}
     assert {(r.programs_per_replica, r.config.programs) for r in dp3} == {
         (20, 60), (50, 150), (80, 240)}
-    assert {r.config.policy for r in runs} == set(PAPER_POLICIES)
+    assert {r.config.policy for r in runs} == {*PAPER_POLICIES, "mori-paper"}
     assert {r.setting.cpu_ratio for r in runs} == {1.0, 2.0}
     assert {(r.config.duration_s, r.config.seed) for r in runs} == {(3600.0, 0)}
     assert len(settings_of(runs)) == 8
-    assert [r.config.policy for r in runs[:4]] == list(PAPER_POLICIES)  # policy fastest
+    assert [r.config.policy for r in runs[:5]] == [*PAPER_POLICIES, "mori-paper"]  # policy fastest
+
+
+def test_never_loses_definition_without_running_it() -> None:
+    nl = SWEEPS.get("never-loses")
+    runs = expand(nl)
+    assert len(runs) == nl.size() == 3 * 5 * 2 * 5 * 5
+    assert {r.setting.cpu_ratio for r in runs} == {0.0, 0.25, 0.5, 1.0, 2.0}
+    assert {r.setting.replicas for r in runs} == {1, 3}
+    assert {r.programs_per_replica for r in runs} == {5, 10, 20, 50, 80}
+    assert {r.config.policy for r in runs} == {
+        "thunderagent", "thunderagent+offload", "lru-offload", "mori", "mori-paper"}
 
 
 def test_fleet_definition_without_running_it() -> None:
@@ -189,7 +200,8 @@ def test_list_and_bad_input(tmp_path: Path, counter: Counter,
                             capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sweep", "--list"]) == 0
     listing = capsys.readouterr().out
-    assert "paper" in listing and "smoke" in listing and "96" in listing
+    assert "paper" in listing and "smoke" in listing and "120" in listing
+    assert "never-loses" in listing and "750" in listing
     out = str(tmp_path / "out")
     assert main(["sweep", "nope", "--out", out]) == 2
     err = capsys.readouterr().err

@@ -167,7 +167,8 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
                 "t the seconds since its step ended (default: off)"),
     Option("reload_gbps", float, _POLICY.reload_gbps, metavar="GB/S",
            help="the engines' KV reload bandwidth from the CPU tier, GB/s per GPU, as "
-                "mori-ski and mori-yield estimate reload times with (default: 25)"),
+                "the policies estimate reload times with (default: 25; 0: reloads priced as "
+                "never ending, mori parks nobody at once)"),
     Option("recompute_tok_s", float, _POLICY.recompute_tok_s, metavar="TOK/S",
            help="mori-yield: the recompute rate its yield rule assumes, tokens/s per "
                 "replica (default: in mori simulate the cost model's; in mori serve "
@@ -239,8 +240,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("reload_gbps", float, _SIM.pcie_gbps, metavar="GB/S", field="pcie_gbps",
            old=("pcie_gbps",),
            help="KV reload bandwidth from the CPU tier, GB/s per GPU: the simulated "
-                "host-to-GPU link, which mori-ski and mori-yield also estimate with "
-                "(default: the preset's, see `mori presets`)"),
+                "host-to-GPU link, which the policies also estimate with (default: the "
+                "preset's, see `mori presets`; 0: no usable link, no CPU tier is "
+                "simulated)"),
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="period of the policy's control loop, seconds"),
     Option("idleness_window", int, _POLICY.idleness_window, metavar="K",

@@ -26,19 +26,29 @@ class DecisionContext:
     """The decided program's state when the decision was taken.
 
     ``waited_s``: policy seconds since its latest request arrived (for a forward: how
-    long the request was held).
+    long the request was held). ``away_s``: seconds since its latest step ended (None:
+    it has not run one). ``return_s``: for a demotion, what the policy estimates the
+    program's return will cost (a reload where it was parked, a recompute where it was
+    dropped; None where the policy does not say).
     """
 
     status: Status
     idleness: float
     context_tokens: int
     waited_s: float
+    away_s: float | None = None
+    return_s: float | None = None
 
 
 ContextReader = Callable[[Decision, float], "DecisionContext | None"]
 
+ReturnCostOf = Callable[[Program, Tier, int], float]
+"""What a program's return will cost, in policy seconds, having left the GPU of the
+given replica for the given tier (``MoriPolicy.return_cost``)."""
 
-def context_reader(programs: Mapping[str, Program]) -> ContextReader:
+
+def context_reader(programs: Mapping[str, Program],
+                   return_cost: ReturnCostOf | None = None) -> ContextReader:
     """A function reading ``DecisionContext`` from a policy's program table (None for a
     program the table no longer holds, e.g. one that ended)."""
 
@@ -47,7 +57,12 @@ def context_reader(programs: Mapping[str, Program]) -> ContextReader:
         if p is None:
             return None
         arrived = p.history[-1].arrived if p.history else now
-        return DecisionContext(p.status, p.idleness(now), p.tokens, max(0.0, now - arrived))
+        last = p.history[-1].finished if p.history else None
+        away = max(0.0, now - last) if last is not None else None
+        cost = (return_cost(p, d.to, d.replica) if return_cost is not None
+                and isinstance(d, Demote) and d.source is Tier.GPU else None)
+        return DecisionContext(p.status, p.idleness(now), p.tokens, max(0.0, now - arrived),
+                               away, cost)
 
     return read
 
@@ -72,5 +87,13 @@ def reason(d: Decision, ctx: DecisionContext | None) -> str:
     assert isinstance(d, Demote)
     where = "GPU" if d.source is Tier.GPU else "CPU"
     dest = "the CPU tier" if d.to is Tier.CPU else "no tier (its KV may be lost)"
-    return (f"replica {d.replica}'s {where} tier needed room and this program ranks among "
-            f"the most idle there: to {dest} ({ctx.status.value}, {state})")
+    why = (f"replica {d.replica}'s {where} tier needed room and this program ranks among "
+           f"the most idle there: to {dest} ({ctx.status.value}, {state})")
+    if ctx.return_s is None:
+        return why
+    away = "" if ctx.away_s is None else f"away {ctx.away_s:.1f} s; "
+    if d.to is Tier.CPU:
+        return (f"{why}; {away}its return is a reload, about {ctx.return_s:.2f} s of the "
+                f"link, no GPU time")
+    return (f"{why}; {away}its return is a recompute, about {ctx.return_s:.1f} s of the "
+            f"replica's GPU time for its programs")

@@ -57,9 +57,10 @@ class PolicyConfig:
     capacity (its ``--acting-token-weight``, 1.0).
     ``acting_token_decay``: ThunderAgent's ``--use-acting-token-decay``: resume counts
     an Acting program's tokens as ``tokens x 2^-t``, t seconds since its step ended.
-    ``reload_gbps``: the host-to-GPU bandwidth of a KV reload as ``mori-ski`` estimates
+    ``reload_gbps``: the host-to-GPU bandwidth of a KV reload as the policies estimate
     it, GB/s of policy time (None: the simulator gives its modelled link; elsewhere
-    ``DEFAULT_RELOAD_GBPS``).
+    ``DEFAULT_RELOAD_GBPS``; 0: a reload is priced as never ending, so ``mori`` parks
+    nobody at once).
     ``recompute_tok_s``: the rate of a recompute as ``mori-yield`` estimates it, tokens
     per second of policy time (None: the simulator gives its cost model's; elsewhere
     ``DEFAULT_RECOMPUTE_TOK_S``).
@@ -94,9 +95,9 @@ class PolicyConfig:
             raise ValueError(f"binary_threshold must be in [0, 1], got {self.binary_threshold}")
         if self.page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
-        if self.reload_gbps is not None and not (self.reload_gbps > 0
+        if self.reload_gbps is not None and not (self.reload_gbps >= 0
                                                  and math.isfinite(self.reload_gbps)):
-            raise ValueError(f"reload_gbps must be a positive number, got {self.reload_gbps}")
+            raise ValueError(f"reload_gbps must be a number >= 0, got {self.reload_gbps}")
         if self.recompute_tok_s is not None and not (self.recompute_tok_s > 0
                                                      and math.isfinite(self.recompute_tok_s)):
             raise ValueError("recompute_tok_s must be a positive number, got "
@@ -311,13 +312,21 @@ class Policy(ABC):
         return ClusterSpec(cluster.replicas, cluster.gpu_bytes, 0)
 
     def reload_s(self, p: Program) -> float:
-        """Seconds a reload of ``p``'s KV is estimated to take (``reload_gbps``)."""
-        return p.kv_bytes / ((self.config.reload_gbps or DEFAULT_RELOAD_GBPS) * 1e9)
+        """Seconds a reload of ``p``'s KV is estimated to take (``reload_gbps``; inf at
+        0 GB/s: no usable link)."""
+        gbps = DEFAULT_RELOAD_GBPS if self.config.reload_gbps is None else self.config.reload_gbps
+        return p.kv_bytes / (gbps * 1e9) if gbps > 0 else math.inf
 
     def recompute_s(self, p: Program) -> float:
         """Seconds a recompute of ``p``'s context is estimated to take
         (``recompute_tok_s``)."""
         return p.tokens / (self.config.recompute_tok_s or DEFAULT_RECOMPUTE_TOK_S)
+
+    def return_cost(self, p: Program, to: Tier, replica: int) -> float:
+        """What ``p``'s return will cost, in policy seconds, having left ``replica``'s
+        GPU for ``to``: a reload where it was parked, else a recompute (the policy's
+        estimates, ``reload_s`` and ``recompute_s``; a policy may count more)."""
+        return self.reload_s(p) if to is Tier.CPU else self.recompute_s(p)
 
     def bytes_for(self, tokens: int) -> int:
         page = self.config.page_tokens

@@ -42,7 +42,8 @@ class TimelineRecorder:
 
     def attach(self, sim: Simulation) -> None:
         """Read the run's decisions with the programs' state (call before ``run``)."""
-        self.log.read_context(context_reader(sim.policy.programs))
+        self.log.read_context(context_reader(sim.policy.programs,
+                                             sim.policy.return_cost))
 
     def __call__(self, sim: Simulation) -> None:
         now = sim.loop.now

@@ -85,7 +85,8 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
-        self.log = DecisionLog(settings.decision_log, context_reader(policy.programs))
+        self.log = DecisionLog(settings.decision_log, context_reader(
+            policy.programs, policy.return_cost))
         self.executor = DecisionExecutor(policy.engine_profile,
                                          lambda r: self.replicas[r].adapter.capabilities,
                                          _Target(self), self.log)

@@ -43,7 +43,8 @@ class SimConfig:
       the engine runs that many times slower relative to the trace's gaps, which is what
       replaying a trace at ``--time-scale`` T against a real engine amounts to.
     - ``pcie_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
-      the preset's (None: the preset's).
+      the preset's (None: the preset's; 0: no usable link, so no CPU tier is simulated,
+      as at CPU ratio 0).
     """
 
     policy: str = "mori"
@@ -82,8 +83,8 @@ class SimConfig:
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.pcie_gbps is not None and not (math.isfinite(self.pcie_gbps)
-                                               and self.pcie_gbps > 0):
-            problems.append(f"pcie_gbps must be a finite number > 0 (got {self.pcie_gbps})")
+                                               and self.pcie_gbps >= 0):
+            problems.append(f"pcie_gbps must be a finite number >= 0 (got {self.pcie_gbps})")
         problems += self._kv_problems()
         if self.replicas < 1:
             problems.append(f"replicas must be >= 1 (got {self.replicas})")

@@ -53,7 +53,7 @@ def kv_pages(config: SimConfig, cpu_tier: bool) -> tuple[int, int]:
     gpu_tokens = (config.gpu_kv_tokens if config.gpu_kv_tokens is not None
                   else preset.gpu_kv_capacity_tokens)
     gpu_pages = gpu_tokens // page
-    if not cpu_tier:
+    if not cpu_tier or config.pcie_gbps == 0:  # no link: nothing could be reloaded
         return gpu_pages, 0
     if config.cpu_kv_tokens is not None:
         return gpu_pages, config.cpu_kv_tokens // page
@@ -63,7 +63,7 @@ def kv_pages(config: SimConfig, cpu_tier: bool) -> tuple[int, int]:
 def sim_preset(config: SimConfig) -> HardwarePreset:
     """The preset simulated: ``config.hardware``, with ``pcie_gbps`` if given."""
     preset = get_preset(config.hardware)
-    if config.pcie_gbps is None:
+    if not config.pcie_gbps:  # None: the preset's; 0: no CPU tier (kv_pages), no reload
         return preset
     return dataclasses.replace(preset, gpu=dataclasses.replace(
         preset.gpu, pcie_bw=config.pcie_gbps * 1e9))
@@ -130,7 +130,8 @@ class Simulation:
         knobs = config.policy_config
         if knobs.reload_gbps is None:  # the link this run models, in policy time
             knobs = dataclasses.replace(
-                knobs, reload_gbps=preset.gpu.pcie_bw / 1e9 / config.time_scale)
+                knobs, reload_gbps=0.0 if config.pcie_gbps == 0
+                else preset.gpu.pcie_bw / 1e9 / config.time_scale)
         if knobs.recompute_tok_s is None:  # this run's prefill rate (scaled durations)
             knobs = dataclasses.replace(
                 knobs, recompute_tok_s=self.cost.prefill_rate())

@@ -122,6 +122,11 @@ PAPER_PRESETS = ("h200-80g-qwen2.5-7b", "h200-qwen3-30b-a3b", "b200-llama3.1-70b
 """The three hardware presets of the paper's evaluation."""
 
 
+NEVER_LOSES_POLICIES = ("thunderagent", "thunderagent+offload", "lru-offload", "mori",
+                        "mori-paper")
+"""The ``never-loses`` sweep's policies: the default MORI, the paper's, and the
+baselines it must not lose to (``bench/never_loses.py`` reads the ratios)."""
+
 FLEET_REPLICAS = (13, 38, 125)
 """The ``fleet`` sweep's replica counts: 80 programs each makes about 1,000, 3,000 and
 10,000 programs."""
@@ -130,12 +135,22 @@ FLEET_REPLICAS = (13, 38, 125)
 def _build() -> Registry[SweepDef]:
     reg: Registry[SweepDef] = Registry("sweep")
     paper_progs, paper_cpu = (20, 50, 80), (1.0, 2.0)
+    paper_pols = (*PAPER_POLICIES, "mori-paper")
     reg.register("paper", SweepDef(
         "paper",
         "the paper's grid: 3 presets x cpu 1,2 x 20/50/80 programs x the 4 paper policies "
-        "at DP=1, plus h200-qwen3-30b-a3b at DP=3 (programs per replica); 1 h, seed 0",
-        (Block(PAPER_PRESETS, paper_cpu, (1,), paper_progs, PAPER_POLICIES),
-         Block(("h200-qwen3-30b-a3b",), paper_cpu, (3,), paper_progs, PAPER_POLICIES)),
+        "(and the paper's MORI, mori-paper) at DP=1, plus h200-qwen3-30b-a3b at DP=3 "
+        "(programs per replica); 1 h, seed 0",
+        (Block(PAPER_PRESETS, paper_cpu, (1,), paper_progs, paper_pols),
+         Block(("h200-qwen3-30b-a3b",), paper_cpu, (3,), paper_progs, paper_pols)),
+        SimConfig(duration_s=3600.0, seed=0)))
+    reg.register("never-loses", SweepDef(
+        "never-loses",
+        "MORI against the baselines everywhere: 3 presets x cpu 0,0.25,0.5,1,2 x DP 1,3 x "
+        "5/10/20/50/80 programs per replica x TA, TA+offload, lru-offload, mori, "
+        "mori-paper; 1 h, seed 0 (bench/never_loses.py draws the ratios)",
+        (Block(PAPER_PRESETS, (0.0, 0.25, 0.5, 1.0, 2.0), (1, 3), (5, 10, 20, 50, 80),
+               NEVER_LOSES_POLICIES),),
         SimConfig(duration_s=3600.0, seed=0)))
     reg.register("fleet", SweepDef(
         "fleet",

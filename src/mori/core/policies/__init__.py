@@ -8,11 +8,12 @@ from mori.core.policies.mori_variants import (
     MoriBinaryPolicy,
     MoriNoExclusionPolicy,
     MoriPackPolicy,
+    MoriPaperPolicy,
     MoriSkiPolicy,
     MoriStrictPolicy,
     MoriYieldPolicy,
 )
-from mori.core.policies.smg import SMGPolicy
+from mori.core.policies.smg import LRUOffloadPolicy, SMGPolicy
 from mori.core.policies.thunderagent import ThunderAgentOffloadPolicy, ThunderAgentPolicy
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.registry import Registry
@@ -20,9 +21,9 @@ from mori.core.registry import Registry
 
 def _build() -> Registry[type[Policy]]:
     reg: Registry[type[Policy]] = Registry("policy")
-    for cls in (MoriPolicy, SMGPolicy, ThunderAgentPolicy, ThunderAgentOffloadPolicy,
+    for cls in (MoriPolicy, SMGPolicy, LRUOffloadPolicy, ThunderAgentPolicy, ThunderAgentOffloadPolicy,
                 MoriBinaryPolicy, MoriNoExclusionPolicy, MoriStrictPolicy, MoriPackPolicy,
-                MoriSkiPolicy, MoriYieldPolicy):
+                MoriSkiPolicy, MoriYieldPolicy, MoriPaperPolicy):
         reg.register(cls.name, cls)
     reg.freeze()
     return reg
@@ -45,6 +46,6 @@ def build_policy(name: str, cluster: ClusterSpec, kv_bytes_per_token: int,
     """
     return POLICIES.get(name)(cluster, kv_bytes_per_token, config)
 
-__all__ = ["POLICIES", "PAPER_POLICIES", "build_policy", "MoriPolicy", "SMGPolicy", "ThunderAgentPolicy",
+__all__ = ["POLICIES", "PAPER_POLICIES", "build_policy", "MoriPolicy", "SMGPolicy", "LRUOffloadPolicy", "ThunderAgentPolicy",
            "ThunderAgentOffloadPolicy", "MoriBinaryPolicy", "MoriNoExclusionPolicy", "MoriStrictPolicy",
-           "MoriPackPolicy", "MoriSkiPolicy", "MoriYieldPolicy"]
+           "MoriPackPolicy", "MoriSkiPolicy", "MoriYieldPolicy", "MoriPaperPolicy"]

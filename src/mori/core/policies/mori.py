@@ -50,13 +50,14 @@ from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_aged import WaitBound
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
 from mori.core.policies.mori_placement import ReplicaChoice
-from mori.core.policies.mori_ranking import Ranking
+from mori.core.policies.mori_ranking import Ranking, ReturnCost
 from mori.core.policies.mori_room import RoomMaker
 from mori.core.policies.mori_round import IndexedRound
 from mori.core.policies.mori_scan_round import ScanRound
 from mori.core.policies.moves import Moves
 from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
+from mori.core.types import Tier
 
 __all__ = ["MoriPolicy", "IdlenessAt", "Rebalancer"]
 
@@ -97,9 +98,10 @@ class MoriPolicy(Policy):
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None, ranking: Ranking | None = None) -> None:
         super().__init__(cluster, kv_bytes_per_token, config)
-        self.ranking = ranking or Ranking()
         self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
                              self.config)
+        self.ranking = ranking or ReturnCost(self.placement, self.book, self.reload_s,
+                                             self.recompute_s)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
         self.moves = Moves(self._promote, self._forward, self._demote_to)
@@ -114,6 +116,14 @@ class MoriPolicy(Policy):
             else ScanRound(self.placement, self.cluster, self._ready, self.choice, self.room,
                            self.moves))
         self.rebalancer: Rebalancer | None = None
+
+    def return_cost(self, p: Program, to: Tier, replica: int) -> float:
+        """``Policy.return_cost``; under ``ReturnCost`` a recompute counts for every
+        program on that GPU now, as ``ReturnCost.drop_s`` counts them."""
+        if to is Tier.CPU:
+            return self.reload_s(p)
+        n = len(self.placement.gpu[replica].members) if isinstance(self.ranking, ReturnCost) else 1
+        return self.recompute_s(p) * max(1, n)
 
     def _spread_loads(self) -> tuple[int, ...] | None:
         return self.replica_loads if self.config.spread_by_load else None

@@ -21,8 +21,11 @@ only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+from mori.core.ledger import Placement
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
 from mori.core.program import Program
 
 
@@ -47,8 +50,14 @@ class Ranking:
         measured it: -20% throughput at 20 programs, see docs/results.md.)"""
         return True
 
-    def displaceable(self, p: Program, now: float) -> bool:
-        """May the Acting program ``p`` be demoted now to make room for a ready one?"""
+    def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
+        """May the Acting program ``p`` be demoted now (``idleness.now``) to make room
+        for a ready one?"""
+        return True
+
+    def cpu_droppable(self, q: Program, idleness: IdlenessAt) -> bool:
+        """May ``q`` be pushed out of a full CPU tier, to no tier, to park a less idle
+        program there?"""
         return True
 
 
@@ -88,8 +97,104 @@ class SkiRental(Ranking):
     def __init__(self, reload_s: Callable[[Program], float]) -> None:
         self.reload_s = reload_s
 
-    def displaceable(self, p: Program, now: float) -> bool:
+    def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
         last = p.history[-1] if p.history else None
         if last is None or last.finished is None:
             return True
-        return now - last.finished >= self.reload_s(p)
+        return idleness.now - last.finished >= self.reload_s(p)
+
+
+class ReturnCost(Ranking):
+    """MORI's default rule (ours, not the paper's): a move off a tier must pay for what
+    the program's return will cost the replica.
+
+    - Parked: a program demoted into room in its replica's CPU tier returns by a reload.
+      The link copies while the GPU computes, so the reload costs the replica no GPU
+      time: it may leave at once, by the paper's rule.
+    - Dropped: a program with no room to park returns by a recompute of its whole
+      context (``recompute_s``), which takes the GPU from every program on the replica.
+      It may be dropped only once it has been away (in its tool call) at least that
+      long for each of them: ``recompute_s`` times the programs on the replica's GPU
+      (``drop_s``). The ski-rental rule on the drop's price: a program that returns
+      sooner never paid for its return; one that stays away longer has held its room
+      idle for as long as its return costs, so dropping it costs at most twice what
+      knowing the future would have.
+    - Room to park made by dropping: where the CPU tier is at least as large as the GPU
+      tier, a program may park by pushing out of the CPU tier programs more idle than it
+      whose drop pays (``cpu_droppable``). Where it is smaller, only free room parks; a
+      program parks in a full one only once its own drop would pay, and then pushes out
+      the most idle as the paper does. Measured on the ``never-loses`` grid (docs/
+      results.md): pushing out whatever pays in a small tier churned it (a program
+      parked was soon pushed out in turn) and lost to ThunderAgent with offloading by up
+      to 17% at CPU ratio 0.25; never pushing out in a large one lost to the paper's
+      MORI by up to 10% at CPU ratio 2.
+
+    With no CPU tier, or a full one, the admitted working set stays put while newcomers
+    wait, as ThunderAgent keeps it.
+    """
+
+    any_time = False
+
+    def __init__(self, placement: Placement, book: MoriBook,
+                 reload_s: Callable[[Program], float],
+                 recompute_s: Callable[[Program], float]) -> None:
+        self.placement = placement
+        self.book = book
+        self.reload_s = reload_s
+        self.recompute_s = recompute_s
+
+    def drop_s(self, p: Program) -> float:
+        """What dropping ``p`` costs its replica, in seconds: its recompute, for each
+        program on the replica's GPU."""
+        r = p.replica
+        n = len(self.placement.gpu[r].members) if r is not None else 1
+        return self.recompute_s(p) * max(1, n)
+
+    @staticmethod
+    def away_s(p: Program, now: float) -> float:
+        """How long ``p`` has been in its tool call (inf: it never ran a step here)."""
+        last = p.history[-1] if p.history else None
+        if last is None or last.finished is None:
+            return math.inf
+        return now - last.finished
+
+    def pays(self, p: Program, now: float) -> bool:
+        """Whether dropping ``p`` now pays for its return (``drop_s``)."""
+        return self.away_s(p, now) >= self.drop_s(p)
+
+    def large_tier(self, replica: int) -> bool:
+        """Whether ``replica``'s CPU tier is at least as large as its GPU tier."""
+        gpu, cpu = self.placement.gpu[replica].capacity, self.placement.cpu[replica].capacity
+        return gpu is None or cpu is None or cpu >= gpu
+
+    def parks(self, p: Program, idleness: IdlenessAt) -> bool:
+        """Whether ``p``, demoted now, keeps its KV in its replica's CPU tier: in free
+        room, or (a large tier) in room made by drops that pay."""
+        r = p.replica
+        if r is None:
+            return False
+        cq = self.placement.cpu[r]
+        if not cq.capacity or p.kv_bytes > cq.capacity or math.isinf(self.reload_s(p)):
+            return False  # no tier, too large for it, or no link to reload over
+        need = p.kv_bytes - cq.free()
+        if need <= 0:
+            return True
+        if not self.large_tier(r):
+            return False
+        mine = idleness(p)
+        ranked = (self.book.cpu_idle[r].descending(idleness, idleness.now)
+                  if self.book.incremental
+                  else sorted((self.book.programs[pid] for pid in cq.members), key=idleness.desc))
+        for q in ranked:
+            if need <= 0 or idleness(q) <= mine:
+                break
+            if self.pays(q, idleness.now):
+                need -= q.kv_bytes
+        return need <= 0
+
+    def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
+        return self.parks(p, idleness) or self.pays(p, idleness.now)
+
+    def cpu_droppable(self, q: Program, idleness: IdlenessAt) -> bool:
+        assert q.replica is not None
+        return not self.large_tier(q.replica) or self.pays(q, idleness.now)

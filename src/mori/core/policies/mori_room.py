@@ -60,7 +60,7 @@ class RoomMaker:
             for q in ranked:
                 if need <= 0 or idleness(q) <= mine:
                     break
-                if q is keep:
+                if q is keep or not self.ranking.cpu_droppable(q, idleness):
                     continue
                 victims.append(q)
                 need -= q.kv_bytes
@@ -209,7 +209,7 @@ class RoomMaker:
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING
                              and self.ranking.victim_ok(idleness(p), mine)
-                             and self.ranking.displaceable(p, now)), key=idleness.desc)
+                             and self.ranking.displaceable(p, idleness)), key=idleness.desc)
             reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
                             and self.ranking.victim_ok(idleness(p), mine))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)

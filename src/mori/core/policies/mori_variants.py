@@ -4,6 +4,11 @@ Each is a constructor only: it hands ``MoriPolicy`` a ranking (``mori_ranking``)
 config, or a rebalancer (``mori_rebalancers``), or sets its ``spreads``. None overrides
 a method.
 
+``mori-paper`` is MORI by the paper's rules: any Acting program may leave the GPU for a
+ready one, at once (``Ranking``). The default ``mori`` weighs what the move costs
+(``ReturnCost``). The ablations and the other variants below are of ``mori-paper``:
+each changes one rule of the paper's.
+
 Ablations (docs/system.md, "The workload" and "Idleness"):
 
 - ``mori-binary``: a fixed busy/idle threshold on idleness instead of a ranking. A program
@@ -47,7 +52,7 @@ import dataclasses
 
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori import MoriPolicy
-from mori.core.policies.mori_ranking import MoreIdle, SkiRental, Threshold
+from mori.core.policies.mori_ranking import MoreIdle, Ranking, SkiRental, Threshold
 from mori.core.policies.mori_rebalancers import OffloadIdle, YieldAffinity
 from mori.core.policy import PolicyConfig
 
@@ -74,7 +79,7 @@ class MoriNoExclusionPolicy(MoriPolicy):
                  config: PolicyConfig | None = None) -> None:
         base = config or PolicyConfig()
         super().__init__(cluster, kv_bytes_per_token,
-                         dataclasses.replace(base, exclude_gated=False))
+                         dataclasses.replace(base, exclude_gated=False), ranking=Ranking())
 
 
 class MoriStrictPolicy(MoriPolicy):
@@ -90,6 +95,10 @@ class MoriPackPolicy(MoriPolicy):
     name = "mori-pack"
     description = "ablation: the paper's placement, cacheless programs always packed"
     spreads = False
+
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        super().__init__(cluster, kv_bytes_per_token, config, ranking=Ranking())
 
 
 class MoriSkiPolicy(MoriPolicy):
@@ -109,7 +118,16 @@ class MoriYieldPolicy(MoriPolicy):
 
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None) -> None:
-        super().__init__(cluster, kv_bytes_per_token, config)
+        super().__init__(cluster, kv_bytes_per_token, config, ranking=Ranking())
         self.rebalancer = YieldAffinity(self.cluster, self.placement, self.book, self._ready,
                                         self.held_since, self.reload_s, self.recompute_s,
                                         self.moves)
+
+
+class MoriPaperPolicy(MoriPolicy):
+    name = "mori-paper"
+    description = "MORI by the paper's rules: any Acting program may leave for a ready one, at once"
+
+    def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
+                 config: PolicyConfig | None = None) -> None:
+        super().__init__(cluster, kv_bytes_per_token, config, ranking=Ranking())

@@ -1,4 +1,5 @@
-"""SMG: the SGLang Model Gateway baseline (docs/system.md, "The paper's evaluation").
+"""SMG: the SGLang Model Gateway baseline (docs/system.md, "The paper's evaluation"), and
+``lru-offload``: the same with the engine's own CPU tier (what most users run today).
 
 No program awareness: every request is forwarded at once and the engine's own plain
 LRU decides whose KV survives. At one replica that is plain forwarding; with several
@@ -48,3 +49,15 @@ class SMGPolicy(Policy):
                 self._promote(p, r, out)
                 loads[r] += 1
             self._forward(p, now, out)
+
+
+class LRUOffloadPolicy(SMGPolicy):
+    """``lru-offload``: what users run today without a program-aware gateway: every
+    request forwarded at once (routed as ``smg``), the engine's own host tier written
+    through and evicted LRU, as vLLM's ``OffloadingConnector`` or LMCache keeps it. An
+    evicted GPU page is still in host memory (its copy was written as it was computed)
+    and is reloaded, not recomputed, while the host tier holds it."""
+
+    name = "lru-offload"
+    description = "forward everything; the engine's write-through CPU tier, LRU (vLLM offloading)"
+    engine_profile = EngineProfile(cpu_tier=True, typed_eviction=False)
