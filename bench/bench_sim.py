@@ -57,13 +57,13 @@ def main() -> None:
     subprocess.run([sys.executable, "-c", "import mori.sim.runner, mori.traces"], check=True)
     imp = time.perf_counter() - t0
     print(f"{args.programs} programs on {args.replicas} replicas (cpu ratio {args.cpu_ratio:g}), "
-          f"{args.duration:.0f} simulated s on {args.hardware}")
+          f"{args.duration:.0f} simulated s on {args.preset}")
     print(f"bare import of the package in a fresh process: {imp:.2f} s")
     print(f"{'policy':<22} {'sim wall s':>10} {'sim s/wall s':>13} {'events':>8} "
           f"{'peak RSS MiB':>13} {'wall vs ' + args.policies.split(',')[0]:>12}")
     base = None
     for pol in args.policies.split(","):
-        res, rss = run_child([pol, str(args.programs), str(args.duration), args.hardware,
+        res, rss = run_child([pol, str(args.programs), str(args.duration), args.preset,
                               str(args.replicas), str(args.cpu_ratio)])
         base = base or res["wall"]
         print(f"{pol:<22} {res['wall']:>10.2f} {args.duration / res['wall']:>13.0f} "

@@ -62,7 +62,7 @@ def main() -> None:
     traces = load_traces(args.traces) if args.traces else default_traces()
     for n in (int(x) for x in args.programs.split(",")):
         sim = Simulation(SimConfig(policy=args.policy, programs=n * args.replicas,
-                                   replicas=args.replicas, hardware=args.hardware,
+                                   replicas=args.replicas, hardware=args.preset,
                                    cpu_ratio=args.cpu_ratio), traces)
         seen = count(sim)
         r = sim.run()

@@ -193,7 +193,7 @@ class ReturnCost(Ranking):
         return need <= 0
 
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
-        return self.parks(p, idleness) or self.pays(p, idleness.now)
+        return self.pays(p, idleness.now) or self.parks(p, idleness)
 
     def cpu_droppable(self, q: Program, idleness: IdlenessAt) -> bool:
         assert q.replica is not None

@@ -202,16 +202,21 @@ class RoomMaker:
         the most idle (``first_victim_idleness``), then the lowest index. Else the one
         with the most room once its running steps end (then whose CPU tier takes what
         is demoted, then the lowest index)."""
-        mine = idleness(c)
+        ranking = self.ranking
+        every = ranking.any_victim  # victim_ok holds for all: no idleness to compute
+        mine = 0.0 if every else idleness(c)
         plans = []
         for r in self.choice.replicas_for(c):
             gq = self.placement.gpu[r]
             members = [self.programs[pid] for pid in gq.members]
             acting = sorted((p for p in members if p.status is Status.ACTING
-                             and self.ranking.victim_ok(idleness(p), mine)
-                             and self.ranking.displaceable(p, idleness)), key=idleness.desc)
-            reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
-                            and self.ranking.victim_ok(idleness(p), mine))
+                             and (every or ranking.victim_ok(idleness(p), mine))
+                             and ranking.displaceable(p, idleness)), key=idleness.desc)
+            if every and self.book.incremental:  # the kept sum of the same programs
+                reasoning = self.book.sums.reasoning[r]
+            else:
+                reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
+                                and (every or ranking.victim_ok(idleness(p), mine)))
             room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
             plans.append(RoomPlan(r, room, room + reasoning, acting))
         def free(t: RoomPlan) -> float:

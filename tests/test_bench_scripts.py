@@ -1,0 +1,47 @@
+"""The benchmark scripts run: each, on a tiny setting, exits 0 and prints its table.
+
+They are not timed here (speed is measured by running them, docs/benchmarks.md); this
+catches a script left behind by a change of names (a renamed flag or setting)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.parametrize("script, args, expect", [
+    ("bench_sim.py", ["--programs", "4", "--duration", "60", "--policies", "smg,mori"],
+     "mori"),
+    ("ta_churn.py", ["--programs", "4", "--replicas", "2"], "pause"),
+])
+def test_bench_script_runs(script: str, args: list[str], expect: str) -> None:
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert expect in out.stdout
+
+
+def test_never_loses_reads_a_sweep(tmp_path: Path) -> None:
+    """bench/never_loses.py on a one-cell sweep: the table, and the ratio it prints is
+    mori's throughput over the best baseline's."""
+    from mori.cli.main import main
+
+    out = tmp_path / "nl"
+    assert main(["sweep", "--out", str(out), "--policy", "mori,thunderagent,lru-offload",
+                 "--programs", "3", "--duration", "60", "--jobs", "1", "--quiet"]) == 0
+    res = subprocess.run([sys.executable, str(BENCH / "never_loses.py"), str(out),
+                          "--plot", str(tmp_path / "nl.png")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    runs = {r["policy"]: r["output_tokens_per_s"]
+            for r in json.loads((out / "sweep.json").read_text())["runs"]}
+    ratio = runs["mori"] / max(runs["thunderagent"], runs["lru-offload"])
+    assert f"{ratio:8.3f}".strip() in res.stdout
+    assert (tmp_path / "nl.png").stat().st_size > 0
