@@ -111,3 +111,25 @@ def test_no_link_no_parking() -> None:
     assert step(p, 6.9) == []
     assert step(p, 7.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
                             Forward("B", 0)]
+
+
+def test_a_held_request_says_why_it_waits() -> None:
+    """B waits for A's drop to pay (t = 7); the reason says how much room and when."""
+    p = make("mori", gpu=100, cpu=0, **RATE)
+    step(p, 0.0, arrive("A", 60))
+    step(p, 1.0, fin("A", 60))
+    step(p, 2.0, arrive("B", 60))
+    why = p.hold_reason("B", 2.0)
+    assert why is not None and "replica 0 needs 20 tokens" in why
+    assert "in 5.0 s, when A's drop pays" in why
+    assert p.hold_reason("A", 2.0) is None  # A holds no request
+    assert p.hold_reason("nobody", 2.0) is None
+    assert "now" in (p.hold_reason("B", 7.5) or "")  # before the round that places it
+    step(p, 7.5)
+    assert p.hold_reason("B", 7.5) is None  # forwarded: nothing held
+
+
+def test_a_policy_without_reasons_gives_none() -> None:
+    p = make("smg", gpu=100, cpu=0)
+    step(p, 0.0, arrive("A", 60))
+    assert p.hold_reason("A", 0.0) is None

@@ -217,6 +217,7 @@ def test_an_anonymous_request_is_seen_only_by_its_key(served: Served) -> None:
         next(iter(stream))  # started; not read further, so it stays in flight
         mine = [p for p in listed(served, KEY_A).values() if p["anonymous"]]
         assert mine and all(p["in_flight"] for p in mine)
+        assert all(p["held_because"] is None for p in mine)  # running: nothing held
         assert all(p["program_id"].startswith("anon-") for p in mine)
         assert not any(p["anonymous"] for p in listed(served, KEY_B).values())
         for p in mine:

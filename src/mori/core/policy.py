@@ -322,6 +322,11 @@ class Policy(ABC):
         (``recompute_tok_s``)."""
         return p.tokens / (self.config.recompute_tok_s or DEFAULT_RECOMPUTE_TOK_S)
 
+    def hold_reason(self, program_id: str, now: float) -> str | None:
+        """Why ``program_id``'s request is held, in one line (None: it is not held, or
+        the policy does not say). A reading of the state now, not a promise."""
+        return None
+
     def return_cost(self, p: Program, to: Tier, replica: int) -> float:
         """What ``p``'s return will cost, in policy seconds, having left ``replica``'s
         GPU for ``to``: a reload where it was parked, else a recompute (the policy's

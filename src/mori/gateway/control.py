@@ -499,6 +499,7 @@ class Controller:
             "last_step": ({"arrived": last.arrived, "forwarded": last.forwarded,
                            "finished": last.finished} if last is not None else None),
             "in_flight": bool(info and info.in_flight),
+            "held_because": self.policy.hold_reason(program_id, self.now()),
             "anonymous": bool(info and info.anonymous),
             **(info.agent.as_dict() if info is not None else {}),
         }

@@ -43,6 +43,7 @@ Every rule of section 4, and where a detail is ours:
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Protocol
 
 from mori.core.decisions import Decision
@@ -57,7 +58,7 @@ from mori.core.policies.mori_scan_round import ScanRound
 from mori.core.policies.moves import Moves
 from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
-from mori.core.types import Tier
+from mori.core.types import Status, Tier
 
 __all__ = ["MoriPolicy", "IdlenessAt", "Rebalancer"]
 
@@ -116,6 +117,56 @@ class MoriPolicy(Policy):
             else ScanRound(self.placement, self.cluster, self._ready, self.choice, self.room,
                            self.moves))
         self.rebalancer: Rebalancer | None = None
+
+    def hold_reason(self, program_id: str, now: float) -> str | None:
+        """Why a held request waits: on the replica where it would go soonest, how much
+        room it needs beyond what is free, and when the Acting programs there may leave
+        to make it (under ``ReturnCost``: once their drop pays; a parked one at once),
+        or that the rest is held by running steps. It ignores the candidates ranked
+        ahead of it, so it says when room can be made, not that this request gets it."""
+        p = self.programs.get(program_id)
+        if p is None or not p.ready:
+            return None
+        if p.tier is Tier.GPU:
+            return "its KV is on a GPU: the request goes on at the next round"
+        gpus = self.placement.gpu
+        replicas = ([p.replica] if p.tier is Tier.CPU and p.replica is not None
+                    else [r for r in range(len(gpus)) if r not in self.placement.down])
+        idleness = IdlenessAt(now)
+        best: tuple[float, str] | None = None
+        for r in replicas:
+            need = p.kv_bytes - gpus[r].free()
+            if need <= 0:
+                return f"replica {r} has room: it is placed at the next round"
+            leave: list[tuple[float, Program]] = []
+            for pid in gpus[r].members:
+                q = self.programs[pid]
+                if q.status is Status.ACTING:
+                    leave.append((self._leaves_in(q, idleness), q))
+            leave.sort(key=lambda t: t[0])
+            for wait, q in leave:
+                need -= q.kv_bytes
+                if need <= 0:
+                    short = (p.kv_bytes - gpus[r].free()) / self.kv_bytes_per_token
+                    why = (f"replica {r} needs {short:,.0f} tokens of room more than it has "
+                           f"free; its Acting programs make that room "
+                           + ("now" if wait <= 0 else f"in {wait:.1f} s, when {q.program_id}'s "
+                              f"drop pays for its recompute"))
+                    if best is None or wait < best[0]:
+                        best = (wait, why)
+                    break
+        if best is not None:
+            return best[1]
+        return ("no replica's free room and Acting programs hold it: it waits for running "
+                "steps to end")
+
+    def _leaves_in(self, q: Program, idleness: IdlenessAt) -> float:
+        """Seconds until the Acting program ``q`` may leave to make room (0: now)."""
+        if self.ranking.displaceable(q, idleness):
+            return 0.0
+        if isinstance(self.ranking, ReturnCost):
+            return max(0.0, self.ranking.drop_s(q) - self.ranking.away_s(q, idleness.now))
+        return math.inf
 
     def return_cost(self, p: Program, to: Tier, replica: int) -> float:
         """``Policy.return_cost``; under ``ReturnCost`` a recompute counts for every
