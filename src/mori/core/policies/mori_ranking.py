@@ -124,10 +124,9 @@ class ReturnCost(Ranking):
       whose drop pays (``cpu_droppable``). Where it is smaller, only free room parks; a
       program parks in a full one only once its own drop would pay, and then pushes out
       the most idle as the paper does. Measured on the ``never-loses`` grid (docs/
-      results.md): pushing out whatever pays in a small tier churned it (a program
-      parked was soon pushed out in turn) and lost to ThunderAgent with offloading by up
-      to 17% at CPU ratio 0.25; never pushing out in a large one lost to the paper's
-      MORI by up to 10% at CPU ratio 2.
+      results.md): pushing out whatever pays in a small tier doubled the drops and lost
+      to ThunderAgent with offloading by up to 17% at CPU ratio 0.25; never pushing out
+      in a large one lost to the paper's MORI by up to 10% at CPU ratio 2.
 
     With no CPU tier, or a full one, the admitted working set stays put while newcomers
     wait, as ThunderAgent keeps it.
