@@ -133,3 +133,14 @@ def test_a_policy_without_reasons_gives_none() -> None:
     p = make("smg", gpu=100, cpu=0)
     step(p, 0.0, arrive("A", 60))
     assert p.hold_reason("A", 0.0) is None
+
+
+def test_a_ranking_that_forbids_the_move_never_promises_room() -> None:
+    """``mori-strict``: A may leave only for a program less idle than itself; B, new,
+    has idleness 0 like A, so A never leaves for it: the reason names no time."""
+    p = make("mori-strict", gpu=100, cpu=0)
+    step(p, 0.0, arrive("A", 60))
+    step(p, 1.0, fin("A", 60))
+    step(p, 1.0, arrive("B", 60))
+    why = p.hold_reason("B", 1.0) or ""
+    assert "inf" not in why and "waits for running steps" in why

@@ -142,9 +142,12 @@ class MoriPolicy(Policy):
             for pid in gpus[r].members:
                 q = self.programs[pid]
                 if q.status is Status.ACTING:
-                    leave.append((self._leaves_in(q, idleness), q))
+                    ok = self.ranking.victim_ok(idleness(q), idleness(p))
+                    leave.append((self._leaves_in(q, idleness) if ok else math.inf, q))
             leave.sort(key=lambda t: t[0])
             for wait, q in leave:
+                if math.isinf(wait):
+                    break  # the rest may never leave for it (the ranking forbids it)
                 need -= q.kv_bytes
                 if need <= 0:
                     short = (p.kv_bytes - gpus[r].free()) / self.kv_bytes_per_token
