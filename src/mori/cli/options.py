@@ -170,9 +170,9 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
                 "the policies estimate reload times with (default: 25; 0: reloads priced as "
                 "never ending, mori parks nobody at once)"),
     Option("recompute_tok_s", float, _POLICY.recompute_tok_s, metavar="TOK/S",
-           help="mori-yield: the recompute rate its yield rule assumes, tokens/s per "
-                "replica (default: in mori simulate the cost model's; in mori serve "
-                "20000)"),
+           help="the recompute rate the policies assume (mori prices a drop by it, "
+                "mori-yield a yield), tokens/s per replica (default: in mori simulate the "
+                "cost model's; in mori serve 20000)"),
     Option("max_wait", float, _POLICY.max_wait_s, metavar="S", field="max_wait_s",
            help="mori and its variants: a request held this many seconds goes ahead of "
                 "every other promotion, Acting programs demoted for it (bounded "

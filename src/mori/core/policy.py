@@ -61,7 +61,8 @@ class PolicyConfig:
     it, GB/s of policy time (None: the simulator gives its modelled link; elsewhere
     ``DEFAULT_RELOAD_GBPS``; 0: a reload is priced as never ending, so ``mori`` parks
     nobody at once).
-    ``recompute_tok_s``: the rate of a recompute as ``mori-yield`` estimates it, tokens
+    ``recompute_tok_s``: the rate of a recompute as the policies estimate it (``mori``
+    prices a drop by it, ``mori-yield`` a yield), tokens
     per second of policy time (None: the simulator gives its cost model's; elsewhere
     ``DEFAULT_RECOMPUTE_TOK_S``).
     ``max_wait_s``: MORI's bound on waiting: a request held this many seconds goes ahead
