@@ -63,9 +63,11 @@ import math
 import os
 import random
 import signal
+import statistics
 import string
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,12 +91,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mori.cli.table import format_table  # noqa: E402
+from mori.core.costmodel import CostModel  # noqa: E402
+from mori.core.hardware import get_preset  # noqa: E402
 from mori.engines.http import parse_prometheus  # noqa: E402
 from mori.replay import client as replay_client  # noqa: E402
 from mori.replay.config import ReplayConfig  # noqa: E402
 from mori.traces import TraceSet, default_traces, load_traces  # noqa: E402
 
 CHARS_PER_TOKEN = 4  # what replay's text prompts assume
+PRESET = "cpu-tiny-llama"  # the simulator's model of this engine
 ANSWER_MARGIN = 160  # engine tokens kept free for the answer and the chat template
 
 ARMS = {
@@ -123,6 +128,46 @@ def engine_counters(url: str) -> dict[str, float]:
     return {key: sum(v for _, v in samples.get(name, [])) for key, name in COUNTERS.items()}
 
 
+class LoadSampler:
+    """Samples the engine's ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``
+    every ``interval_s`` from a thread, while the replay runs: how often requests queue
+    behind a full batch (the engine is the bottleneck then), and the mean batch."""
+
+    def __init__(self, url: str, interval_s: float = 0.25) -> None:
+        self.url, self.interval_s = url, interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-sampler", daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            status, text = http_get(self.url + "/metrics", timeout=2.0)
+            if status != 200:
+                continue
+            m = parse_prometheus(text)
+            running = sum(v for _, v in m.get("vllm:num_requests_running", []))
+            waiting = sum(v for _, v in m.get("vllm:num_requests_waiting", []))
+            self.samples.append((running, waiting))
+
+    def summary(self) -> dict[str, float | int | None]:
+        n = len(self.samples)
+        if not n:
+            return {"load_samples": 0, "queued_share": None, "running_mean": None,
+                    "waiting_mean": None}
+        return {"load_samples": n,
+                "queued_share": sum(1 for _, w in self.samples if w > 0) / n,
+                "running_mean": sum(r for r, _ in self.samples) / n,
+                "waiting_mean": sum(w for _, w in self.samples) / n}
+
+
 def tokens_per_text_token(url: str) -> float:
     """Engine tokens per ``CHARS_PER_TOKEN`` characters of text like replay's prompts
     (three-letter lowercase words), from the engine's ``/tokenize``."""
@@ -142,6 +187,17 @@ class Settings:
     blocks: int
     seed: int
     cpu_blocks: int = 0  # host-tier blocks (0: no host tier)
+    engine_cpus: frozenset[int] | None = None  # the engine's own CPUs (None: shared)
+
+
+def policy_rates(time_scale: float) -> tuple[float, float]:
+    """The recompute rate (tokens/s) and reload bandwidth (GB/s) of the engine, as the
+    ``cpu-tiny-llama`` preset models it (calibrated on this engine), in ``mori serve``'s
+    policy time: wall rates over the time scale. Left at ``mori serve``'s defaults (a
+    GPU's), the policy would price a drop at a fraction of what it costs here."""
+    preset = get_preset(PRESET)
+    recompute = CostModel(preset).prefill_rate(context=2_048)
+    return recompute / time_scale, preset.gpu.pcie_bw / 1e9 / time_scale
 
 
 def max_output_tokens(traces: TraceSet) -> int:
@@ -186,7 +242,7 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
     try:
         exe = thunderagent_exe(ta_src) if arm == "b" else None
         engine = start_engine(procs, logs, s.blocks, s.cpu_blocks, plugin=arm == "d",
-                              arm=arm)
+                              arm=arm, cpus=s.engine_cpus)
         row["engine_start_s"] = round(engine.start_s, 1)
         status, body = http_get(engine.url + "/v1/models")
         max_model_len = int(json.loads(body)["data"][0]["max_model_len"]) if status == 200 else 0
@@ -200,12 +256,15 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             assert exe is not None
             target = start_thunderagent(procs, logs, engine, exe, s.time_scale)
         else:
-            target, gateway_log = start_mori(procs, logs, engine, s.time_scale, arm)
+            target, gateway_log = start_mori(procs, logs, engine, s.time_scale, arm,
+                                             policy_rates(s.time_scale))
         cfg = replay_config(target, s, ratio, max_model_len, max_output_tokens(traces))
         before = engine_counters(engine.url)
-        result = run_replay(cfg, traces, thunderagent=arm == "b")
+        with LoadSampler(engine.url) as load:
+            result = run_replay(cfg, traces, thunderagent=arm == "b")
         time.sleep(1.0)  # the engine finishes aborting what the replay cancelled
         after = engine_counters(engine.url)
+        window_s = s.duration_s / s.time_scale  # the replay's wall window
         d = {k: int(round(after[k] - before[k])) for k in COUNTERS}
         recomputed = d["prompt"] - d["hits"] - d["cpu_hits"]
         row.update({
@@ -227,6 +286,9 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             "recomputed_share": recomputed / d["prompt"] if d["prompt"] else None,
             "recomputed_per_request": (recomputed / result.steps if result.steps else None),
             "generation_tokens": d["generation"], "preemptions": d["preemptions"],
+            "requests_per_s": result.steps / window_s,
+            "output_tokens_per_s": d["generation"] / window_s,
+            **load.summary(),
             "wall_s": round(result.wall_s, 2),
             "ttft_p50_wall_s": _wall(result.ttft_p50_s, s.time_scale),
             "ttft_p90_wall_s": _wall(result.ttft_p90_s, s.time_scale),
@@ -280,50 +342,86 @@ def _wall(sim_s: float, time_scale: float) -> float | None:
 
 
 # -- output -------------------------------------------------------------------------------
-HEADERS = ("arm", "requests done", "programs served", "errors", "prompt tok", "cached GPU",
-           "cached CPU", "recomputed", "recomputed share", "recomputed / req",
-           "later turns: recomputed share", "preemptions", "wall s", "TTFT p50 / p90 ms")
+HEADERS = ("arm", "round", "requests / s", "output tok / s", "TTFT p50 / p90 ms",
+           "recomputed / req", "recomputed share", "later turns: recomputed share",
+           "cached GPU / CPU", "engine queued", "requests done", "programs served", "errors",
+           "preemptions")
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """One line per run: the headline rates first, then where the prompt tokens went."""
     out = []
     for r in rows:
         label = f"({r['arm']}) {r['name']}"
         if not r["ok"]:
-            out.append([label, "FAILED"] + [""] * (len(HEADERS) - 2))
+            out.append([label, str(r.get("round", 1)), "FAILED"] + [""] * (len(HEADERS) - 3))
             continue
-
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v * 1000:.0f}"
-
-        share = r["recomputed_share"]
         per = r["recomputed_per_request"]
-        later = r.get("later_turn_recomputed_share")
         out.append([
-            label, str(r["requests_completed"]), str(r["programs_served"]), str(r["errors"]), f"{r['prompt_tokens']:,}",
-            f"{r['cached_tokens_gpu']:,}", f"{r['cached_tokens_cpu']:,}",
-            f"{r['recomputed_tokens']:,}",
-            "-" if share is None else f"{share:.1%}", "-" if per is None else f"{per:,.0f}",
-            "-" if later is None else f"{later:.1%}", str(r["preemptions"]), f"{r['wall_s']:.1f}",
-            f"{ms(r['ttft_p50_wall_s'])} / {ms(r['ttft_p90_wall_s'])}"])
+            label, str(r.get("round", 1)), f"{r['requests_per_s']:.2f}",
+            f"{r['output_tokens_per_s']:.1f}",
+            f"{_ms(r['ttft_p50_wall_s'])} / {_ms(r['ttft_p90_wall_s'])}",
+            "-" if per is None else f"{per:,.0f}", _pct(r["recomputed_share"]),
+            _pct(r.get("later_turn_recomputed_share")),
+            f"{r['cached_tokens_gpu']:,} / {r['cached_tokens_cpu']:,}",
+            _pct(r.get("queued_share")), str(r["requests_completed"]),
+            str(r["programs_served"]), str(r["errors"]), str(r["preemptions"])])
     return format_table(HEADERS, out, [False] + [True] * (len(HEADERS) - 1))
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return format(mid, fmt)
+    return f"{format(mid, fmt)} [{format(min(values), fmt)} - {format(max(values), fmt)}]"
+
+
+SUMMARY = (("requests / s", "requests_per_s", ".2f", 1.0),
+           ("output tok / s", "output_tokens_per_s", ".1f", 1.0),
+           ("TTFT p50 ms", "ttft_p50_wall_s", ".0f", 1000.0),
+           ("TTFT p90 ms", "ttft_p90_wall_s", ".0f", 1000.0),
+           ("recomputed / req", "recomputed_per_request", ",.0f", 1.0),
+           ("engine queued %", "queued_share", ".1f", 100.0))
+
+
+def summary_table(rows: list[dict[str, Any]]) -> str:
+    """Per arm, the median of its runs and their range."""
+    out = []
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        runs = [r for r in rows if r["arm"] == arm and r["ok"]]
+        line = [f"({arm}) {ARMS[arm]}", str(len(runs))]
+        for _, key, fmt, scale in SUMMARY:
+            vals = [float(r[key]) * scale for r in runs if r.get(key) is not None]
+            line.append(_spread(vals, fmt))
+        out.append(line)
+    headers = ("arm", "runs", *(h for h, *_ in SUMMARY))
+    return format_table(headers, out, [False] + [True] * (len(headers) - 1))
+
+
 def verdict(rows: list[dict[str, Any]]) -> list[str]:
-    ok = {r["arm"]: r for r in rows if r["ok"]}
-    if "d" not in ok or len(ok) < 2:
-        return []
+    """(d)'s completed requests per second over each other arm's, round by round."""
+    by = {(r["arm"], r.get("round", 1)): r for r in rows if r["ok"]}
     lines = []
-    d = ok["d"]
-    for arm, r in ok.items():
+    for arm in dict.fromkeys(r["arm"] for r in rows):
         if arm == "d":
             continue
-        fewer = d["recomputed_tokens"] < r["recomputed_tokens"]
-        share = (d["recomputed_share"] is not None and r["recomputed_share"] is not None
-                 and d["recomputed_share"] < r["recomputed_share"])
-        lines.append(f"(d) vs ({arm}): recomputed tokens {'fewer' if fewer else 'NOT fewer'} "
-                     f"({d['recomputed_tokens']:,} vs {r['recomputed_tokens']:,}); "
-                     f"recomputed share {'lower' if share else 'NOT lower'}")
+        ratios = [by[("d", rnd)]["requests_per_s"] / by[(arm, rnd)]["requests_per_s"]
+                  for (a, rnd) in by if a == arm and ("d", rnd) in by
+                  and by[(arm, rnd)]["requests_per_s"] > 0]
+        if ratios:
+            lines.append(f"(d) / ({arm}) requests per second, by round: "
+                         + ", ".join(f"{x:.3f}" for x in ratios)
+                         + f" (min {min(ratios):.3f}, median {statistics.median(ratios):.3f})")
     return lines
 
 
@@ -339,21 +437,79 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # so that each arm's finally stops its processes
 
 
+SETTINGS: dict[str, dict[str, Any]] = {
+    # tool-bound: 8 programs, tool gaps at a tenth; the engine is mostly idle
+    "default": {"programs": 8, "duration": 600.0, "time_scale": 10.0, "blocks": 128,
+                "cpu_blocks": "256"},
+    # engine-bound: more programs than the pool holds, tool gaps at a hundredth, so that
+    # plain vLLM always has requests queued; a host tier twice the pool and one no larger
+    "bottleneck": {"programs": 32, "duration": 6000.0, "time_scale": 100.0, "blocks": 256,
+                   "cpu_blocks": "512,256"},
+}
+
+
+def parse_cpu_blocks(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 0 for n in sizes):
+        raise argparse.ArgumentTypeError(f"expected block counts >= 0 separated by commas, "
+                                         f"got {text!r}")
+    return sizes
+
+
+def split_cpus(spec: str) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """``--engine-cpus``: (the engine's CPUs, everything else's), or (None, None) to share.
+
+    ``auto``: with two or more CPUs, the engine gets the last and the rest (the gateway,
+    ThunderAgent, the replay client) the others, as a GPU's compute is not the host's;
+    ``none``: everything shares every CPU; else a list like ``0`` or ``2,3``."""
+    have = frozenset(os.sched_getaffinity(0))
+    if spec == "none" or (spec == "auto" and len(have) < 2):
+        return None, None
+    if spec == "auto":
+        engine = frozenset({max(have)})
+    else:
+        try:
+            engine = frozenset(int(x) for x in spec.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--engine-cpus: expected auto, none or CPU ids "
+                                             f"like 0,1; got {spec!r}") from None
+    rest = have - engine
+    if not engine or not engine <= have or not rest:
+        raise argparse.ArgumentTypeError(f"--engine-cpus {spec}: the engine needs CPUs of "
+                                         f"{sorted(have)} and must leave at least one")
+    return engine, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--programs", type=int, default=8, help="concurrent programs (default 8)")
-    ap.add_argument("--duration", type=float, default=600.0,
-                    help="simulated seconds per arm (wall: / --time-scale) (default 600)")
-    ap.add_argument("--time-scale", type=float, default=10.0,
-                    help="simulated seconds per wall second (default 10)")
+    ap.add_argument("--setting", choices=sorted(SETTINGS), default="default",
+                    help="named defaults for the flags below: 'default' (8 programs, tool-"
+                         "bound) or 'bottleneck' (32 programs at time scale 100 on a 256-"
+                         "block pool, host tiers of 512 and 256 blocks: the engine is the "
+                         "bottleneck); flags given win (default: default)")
+    ap.add_argument("--programs", type=int, default=None, help="concurrent programs")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="simulated seconds per arm (wall: / --time-scale)")
+    ap.add_argument("--time-scale", type=float, default=None,
+                    help="simulated seconds per wall second")
     ap.add_argument("--token-scale", type=float, default=0.01,
                     help="engine tokens per trace token (default 0.01)")
-    ap.add_argument("--blocks", type=int, default=128,
-                    help="KV blocks of 32 tokens in the engine's pool (default 128)")
-    ap.add_argument("--cpu-blocks", type=int, default=256,
-                    help="blocks of 32 tokens in every arm's host KV tier; 0: none "
-                         "(default 256)")
+    ap.add_argument("--blocks", type=int, default=None,
+                    help="KV blocks of 32 tokens in the engine's pool")
+    ap.add_argument("--cpu-blocks", type=parse_cpu_blocks, default=None,
+                    help="blocks of 32 tokens in every arm's host KV tier, 0: none; several, "
+                         "separated by commas, run every arm at each size")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of all arms, alternating (a b c d, a b c d, ...), so that "
+                         "drift of the shared machine falls on every arm (default 1)")
+    ap.add_argument("--engine-cpus", default="auto",
+                    help="CPUs the engine runs on, the rest running the fronts and the "
+                         "replay client: 'auto' (the last CPU, with two or more), 'none' "
+                         "(all share all), or ids like 0 or 2,3 (default: auto)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="a,b,c,d", help="arms to run, from a,b,c,d")
     ap.add_argument("--traces", type=Path, default=None,
@@ -365,54 +521,92 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder for the processes' logs (default: a new temporary one)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    named = SETTINGS[args.setting]
+    for key in ("programs", "duration", "time_scale", "blocks"):
+        if getattr(args, key) is None:
+            setattr(args, key, named[key])
+    if args.cpu_blocks is None:
+        args.cpu_blocks = parse_cpu_blocks(named["cpu_blocks"])
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ARMS]
     if bad or not arms:
         ap.error(f"--arms takes letters from a,b,c,d (got {args.arms!r})")
-    if args.blocks < 8 or args.cpu_blocks < 0 or args.programs < 1 or not args.token_scale > 0 or \
-            not args.time_scale > 0 or not args.duration > 0:
-        ap.error("--blocks >= 8, --cpu-blocks >= 0, --programs >= 1, and positive scales "
+    if args.blocks < 8 or args.programs < 1 or not args.token_scale > 0 or \
+            not args.time_scale > 0 or not args.duration > 0 or args.rounds < 1:
+        ap.error("--blocks >= 8, --programs >= 1, --rounds >= 1, and positive scales "
                  "and duration, please")
+    try:
+        engine_cpus, front_cpus = split_cpus(args.engine_cpus)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    if front_cpus:
+        os.sched_setaffinity(0, front_cpus)  # the fronts started from here inherit it
     traces = load_traces(args.traces) if args.traces else default_traces()
-    settings = Settings(args.programs, args.duration, args.time_scale, args.token_scale,
-                        args.blocks, args.seed, args.cpu_blocks)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-agents-"))
     logs.mkdir(parents=True, exist_ok=True)
     ta_src = args.thunderagent_src or default_thunderagent_src()
     signal.signal(signal.SIGTERM, _sigterm)
-    print(f"{len(arms)} arm(s), {args.programs} programs of {traces.name!r}, "
-          f"{args.duration:g} simulated s at time scale {args.time_scale:g}, token scale "
-          f"{args.token_scale:g}, {args.blocks} blocks x {BLOCK_SIZE} tokens, host tier "
-          f"{args.cpu_blocks} blocks; logs in {logs}",
+    print(f"{len(arms)} arm(s) x {args.rounds} round(s) x host tier(s) "
+          f"{'/'.join(map(str, args.cpu_blocks))} blocks, {args.programs} programs of "
+          f"{traces.name!r}, {args.duration:g} simulated s at time scale "
+          f"{args.time_scale:g}, token scale {args.token_scale:g}, {args.blocks} blocks x "
+          f"{BLOCK_SIZE} tokens; engine on CPUs "
+          f"{'all' if engine_cpus is None else sorted(engine_cpus)}, the rest on "
+          f"{'all' if front_cpus is None else sorted(front_cpus)}; logs in {logs}",
           file=sys.stderr)
     rows = []
     try:
-        for arm in arms:
-            print(f"arm ({arm}) {ARMS[arm]} ...", file=sys.stderr, flush=True)
-            row = run_arm(arm, settings, traces, logs, ta_src)
-            rows.append(row)
-            print(f"arm ({arm}) {'done' if row['ok'] else 'FAILED'} in "
-                  f"{row['arm_wall_s']:.0f} s", file=sys.stderr, flush=True)
+        for cpu_blocks in args.cpu_blocks:
+            settings = Settings(args.programs, args.duration, args.time_scale,
+                                args.token_scale, args.blocks, args.seed, cpu_blocks,
+                                engine_cpus)
+            for rnd in range(args.rounds):
+                for arm in arms:
+                    print(f"host tier {cpu_blocks}, round {rnd + 1}/{args.rounds}: arm "
+                          f"({arm}) {ARMS[arm]} ...", file=sys.stderr, flush=True)
+                    run_logs = logs / f"cpu{cpu_blocks}-r{rnd + 1}"
+                    run_logs.mkdir(exist_ok=True)
+                    row = run_arm(arm, settings, traces, run_logs, ta_src)
+                    row.update(cpu_blocks=cpu_blocks, round=rnd + 1)
+                    rows.append(row)
+                    print(f"arm ({arm}) {'done' if row['ok'] else 'FAILED'} in "
+                          f"{row['arm_wall_s']:.0f} s", file=sys.stderr, flush=True)
     except KeyboardInterrupt:  # the running arm has stopped its processes
         print("interrupted", file=sys.stderr)
         return 130
-    print(table(rows))
+    for cpu_blocks in args.cpu_blocks:
+        these = [r for r in rows if r["cpu_blocks"] == cpu_blocks]
+        print(f"\nhost tier {cpu_blocks} blocks ({cpu_blocks * BLOCK_SIZE:,} tokens; the "
+              f"pool {args.blocks * BLOCK_SIZE:,}), every run:")
+        print(table(these))
+        if args.rounds > 1:
+            print("\nmedian [min - max] over the rounds:")
+        print(summary_table(these))
+        for line in verdict(these):
+            print(line)
     for r in rows:
         if not r["ok"]:
-            print(f"({r['arm']}) failed: {r['reason']}")
+            print(f"({r['arm']}, host tier {r['cpu_blocks']}, round {r['round']}) failed: "
+                  f"{r['reason']}")
         elif r.get("note"):
-            print(f"({r['arm']}) note: {r['note']}")
+            print(f"({r['arm']}, host tier {r['cpu_blocks']}, round {r['round']}) note: "
+                  f"{r['note']}")
     ok = [r for r in rows if r["ok"]]
     if ok:
         r = ok[0]
         print(f"engine tokens per replay text token {r['engine_tokens_per_text_token']}, "
               f"replay token scale {r['replay_token_scale']:.5f}, programs cut at "
               f"{r['max_context']:,} trace tokens (max_model_len {r['max_model_len']})")
-    for line in verdict(rows):
-        print(line)
     if args.json is not None:
-        doc = {"settings": {**settings.__dict__, "traces": traces.name,
-                            "block_size": BLOCK_SIZE, "arms": arms}, "arms": rows}
+        doc = {"settings": {"programs": args.programs, "duration_s": args.duration,
+                            "time_scale": args.time_scale, "token_scale": args.token_scale,
+                            "blocks": args.blocks, "seed": args.seed,
+                            "cpu_blocks": args.cpu_blocks[0], "cpu_blocks_runs": args.cpu_blocks,
+                            "rounds": args.rounds, "setting": args.setting,
+                            "engine_cpus": None if engine_cpus is None else sorted(engine_cpus),
+                            "front_cpus": None if front_cpus is None else sorted(front_cpus),
+                            "traces": traces.name, "block_size": BLOCK_SIZE, "arms": arms},
+               "arms": rows}
         args.json.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n",
                              encoding="utf-8")
         print(f"wrote {args.json}", file=sys.stderr)

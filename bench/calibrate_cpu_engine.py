@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_vllm_agents import stop_group  # noqa: E402
+from vllm_arms import block_bytes, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.costmodel import CostModel, get_preset  # noqa: E402
@@ -71,11 +71,15 @@ ATTN_FLOOR = 0.01  # attention keeps at least this share of the 2,048-token pref
 
 
 # -- the engine ---------------------------------------------------------------------------
-def start_engine(blocks: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """The engine process (its own process group) and its base URL, once it is healthy."""
+def start_engine(blocks: int, log: Path, cpu_gib: float = 0.0
+                 ) -> tuple[subprocess.Popen[bytes], str]:
+    """The engine process (its own process group) and its base URL, once it is healthy;
+    ``cpu_gib`` > 0 gives it a host KV tier of that size."""
     port, kv_port = free_port(), free_port()
     env = {**os.environ, "MORI_PYTHON": sys.executable, "MORI_VLLM_PLUGIN": "0"}
     env.pop("MORI_VLLM_CPU_GIB", None)
+    if cpu_gib > 0:
+        env["MORI_VLLM_CPU_GIB"] = repr(cpu_gib)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "start_vllm_cpu.sh"), str(MODEL), str(port),
@@ -183,6 +187,40 @@ def measure_decode(url: str, prompts: Prompts, reps: int) -> float:
     print(f"decode step: {1e3 * step:.2f} ms ({', '.join(f'{1e3 * s:.2f}' for s in steps)})",
           file=sys.stderr)
     return step
+
+
+def external_hits(url: str) -> float:
+    """The engine's ``vllm:external_prefix_cache_hits_total`` (tokens from the host tier)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
+        text = r.read().decode("utf-8", "replace")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def measure_reload(url: str, prompts: Prompts, size: int, pool_tokens: int, reps: int
+                   ) -> tuple[float, float, float]:
+    """(median seconds of a fresh prefill of ``size`` tokens, median seconds of the same
+    prompt again once fresh prompts have pushed it out of the GPU pool, so that it is
+    served from the host tier, the share of its tokens the host tier served)."""
+    fresh, again, served = [], [], []
+    for _ in range(reps):
+        prompt = prompts.of(size)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        t0 = time.perf_counter()
+        out = post(url + "/v1/completions", body)
+        fresh.append(time.perf_counter() - t0)
+        tokens = int(out["usage"]["prompt_tokens"])
+        for _ in range(2 * pool_tokens // size + 1):  # push it out of the GPU pool
+            post(url + "/v1/completions", {**body, "prompt": prompts.of(size)})
+        before = external_hits(url)
+        t0 = time.perf_counter()
+        post(url + "/v1/completions", body)
+        again.append(time.perf_counter() - t0)
+        served.append((external_hits(url) - before) / tokens)
+    print(f"prompt of {size} tokens: fresh {1e3 * statistics.median(fresh):.1f} ms, from the "
+          f"host tier {1e3 * statistics.median(again):.1f} ms ({statistics.median(served):.0%} "
+          f"of it served from there)", file=sys.stderr)
+    return statistics.median(fresh), statistics.median(again), statistics.median(served)
 
 
 # -- fits -----------------------------------------------------------------------------------
@@ -325,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="requests per figure (default 3)")
     ap.add_argument("--blocks", type=int, default=128,
                     help="KV blocks of 32 tokens in the engine's pool (default 128)")
+    ap.add_argument("--reload", action="store_true",
+                    help="also start an engine with a host KV tier (vLLM's "
+                         "OffloadingConnector, as the benchmark runs it) and time a prompt "
+                         "served from it against the same prompt computed fresh")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -340,6 +382,23 @@ def main(argv: list[str] | None = None) -> int:
         step = measure_decode(url, prompts, args.reps)
     finally:
         stop_group(proc)
+    reloads: list[dict[str, float]] = []
+    if args.reload:
+        log2 = log.with_name("vllm-host-tier.log")
+        pool = (args.blocks - 1) * 32
+        # a host tier four times the pool: what was pushed out of the GPU stays there
+        proc, url = start_engine(args.blocks, log2,
+                                 cpu_gib=4 * args.blocks * block_bytes() / (1 << 30))
+        try:
+            prompts = Prompts(url)
+            for _ in range(2):
+                timed_completion(url, prompts.of(256), 8)
+            for size in (s for s in sizes if s >= 512):
+                f, r, share = measure_reload(url, prompts, size, pool, args.reps)
+                reloads.append({"tokens": size, "fresh_s": f, "host_tier_s": r,
+                                "host_tier_share": share})
+        finally:
+            stop_group(proc)
     a, b = fit_line(points)
     qa, qb, qq = fit_quadratic(points) if len(points) >= 3 else (a, b, 0.0)
     constants = preset_constants(points, step)
@@ -347,10 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(quadratic: prefill seconds = {qa:.4f} + {qb:.3e} x tokens + {qq:.3e} x tokens^2)")
     print("preset constants: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))
     print(report(points, a, b, step, constants))
+    if reloads:
+        print(format_table(
+            ("prompt tokens", "fresh ms", "from host tier ms", "host tier served",
+             "host tier / fresh"),
+            [[str(r["tokens"]), f"{1e3 * r['fresh_s']:.1f}", f"{1e3 * r['host_tier_s']:.1f}",
+              f"{r['host_tier_share']:.0%}", f"{r['host_tier_s'] / r['fresh_s']:.2f}"]
+             for r in reloads], (True,) * 5))
     if args.json is not None:
         doc = {"prefill": points, "fit": {"a": a, "b": b, "decode_step": step},
                "quadratic_fit": {"a": qa, "b": qb, "q": qq},
-               "constants": constants}
+               "constants": constants, "reloads": reloads}
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -14,19 +14,26 @@ and the engine's pool of ``(blocks - 1) x 32`` tokens (vLLM keeps one block asid
                                 with one, ``lru-offload``: the engine's write-through host
                                 tier, evicted LRU, of ``cpu_blocks x 32`` tokens less the
                                 GPU pool
+  b  ThunderAgent + vLLM     -> ``thunderagent``; with a host tier ``thunderagent+offload``
   d  MORI + vLLM plug-in     -> policy ``mori``, CPU tier of ``cpu_blocks x 32`` tokens
                                 less the GPU pool (the host tier is write-through: it also
                                 mirrors the GPU; the gateway's vLLM adapter sizes it so)
 
-The table compares the cached share of prompt tokens, real ((GPU hits + host-tier hits) /
-prompt tokens, from vLLM's counters) against simulated (GPU hits + CPU-tier reloads, /
-prompt tokens), and the requests completed.
+Arm (c), MORI's decisions on an engine that evicts by its own LRU, has no simulator
+policy and is left out. The table compares the cached share of prompt tokens, real ((GPU
+hits + host-tier hits) / prompt tokens, from vLLM's counters) against simulated (GPU hits
++ CPU-tier reloads, / prompt tokens), and the requests completed per wall second. Where
+the bench ran several rounds, the real figures are the medians of an arm's rounds (the
+simulation is deterministic: one run); where it ran several host-tier sizes, each size
+is compared on its own. Then, per size, the order of the arms by requests per second,
+real against simulated.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +49,10 @@ from mori.sim.runner import simulate  # noqa: E402
 from mori.traces import TraceSet, default_traces, load_traces  # noqa: E402
 
 PRESET = "cpu-tiny-llama"
-ARM_POLICY = {"a": "smg", "d": "mori"}
-"""The simulator policy that models each bench arm (arm (a) with a host tier:
-``lru-offload``, see ``arm_policy``)."""
+ARM_POLICY = {"a": "smg", "b": "thunderagent", "d": "mori"}
+"""The simulator policy that models each bench arm (with a host tier: arm (a)
+``lru-offload``, arm (b) ``thunderagent+offload``; see ``arm_policy``)."""
+WITH_HOST_TIER = {"a": "lru-offload", "b": "thunderagent+offload"}
 WITHIN_PP = 10.0
 """A simulated cached share within this many percentage points of the real one agrees."""
 DEFAULT_BLOCK_SIZE = 32
@@ -60,8 +68,8 @@ class Fidelity:
 
 def arm_policy(name: str, settings: dict[str, Any]) -> str:
     """The policy that models arm ``name`` of a bench run with ``settings``."""
-    if name == "a" and int(settings.get("cpu_blocks", 0)) > 0:
-        return "lru-offload"  # vLLM's own offloading: write-through, LRU
+    if name in WITH_HOST_TIER and int(settings.get("cpu_blocks", 0)) > 0:
+        return WITH_HOST_TIER[name]  # vLLM's own offloading: write-through, LRU
     return ARM_POLICY[name]
 
 
@@ -76,7 +84,8 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str) -> Si
         policy=policy, programs=int(settings["programs"]), hardware=PRESET,
         duration_s=float(settings["duration_s"]), seed=int(settings["seed"]),
         max_context=int(arm["max_context"]), gpu_kv_tokens=gpu,
-        cpu_kv_tokens=cpu if policy != "smg" else 0,  # smg: an engine without a host tier
+        # smg and thunderagent: an engine without a host tier
+        cpu_kv_tokens=cpu if policy not in ("smg", "thunderagent") else 0,
         token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]))
 
 
@@ -88,53 +97,96 @@ def real_cached_share(arm: dict[str, Any]) -> float | None:
     return (int(arm["cached_tokens_gpu"]) + int(arm["cached_tokens_cpu"])) / prompt
 
 
-def compare_arm(settings: dict[str, Any], arm: dict[str, Any], traces: TraceSet
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: TraceSet
                 ) -> dict[str, Any]:
-    """One comparison row: the real arm's figures next to its simulation's."""
+    """One comparison row: the real arm's figures (medians over ``runs``, the rounds of
+    one arm at one host-tier size) next to its simulation's."""
+    arm = runs[0]
     policy = arm_policy(arm["arm"], settings)
     result: RunResult = simulate(sim_config(settings, arm, policy), traces)
-    real = real_cached_share(arm)
+    window_s = float(settings["duration_s"]) / float(settings["time_scale"])
+
+    def share(r: dict[str, Any], key: str) -> float | None:
+        prompt = int(r["prompt_tokens"])
+        return int(r[key]) / prompt if prompt > 0 else None
+
+    real = _median([real_cached_share(r) for r in runs])
     sim = result.gpu_hit_rate + result.cpu_hit_rate
     diff_pp = None if real is None else 100.0 * (sim - real)
+    completed = [r.get("requests_completed") for r in runs]
     return {
         "arm": arm["arm"], "name": arm.get("name", ""), "sim_policy": policy,
-        "real_prompt_tokens": int(arm["prompt_tokens"]),
+        "cpu_blocks": int(settings.get("cpu_blocks", 0)), "real_runs": len(runs),
+        "real_prompt_tokens": _median([int(r["prompt_tokens"]) for r in runs]),
         "real_cached_share": real,
-        "real_cached_share_gpu": (int(arm["cached_tokens_gpu"]) / int(arm["prompt_tokens"])
-                                  if real is not None else None),
-        "real_cached_share_cpu": (int(arm["cached_tokens_cpu"]) / int(arm["prompt_tokens"])
-                                  if real is not None else None),
+        "real_cached_share_gpu": _median([share(r, "cached_tokens_gpu") for r in runs]),
+        "real_cached_share_cpu": _median([share(r, "cached_tokens_cpu") for r in runs]),
         "sim_prompt_tokens": result.prompt_tokens,
         "sim_cached_share": sim,
         "sim_cached_share_gpu": result.gpu_hit_rate,
         "sim_cached_share_cpu": result.cpu_hit_rate,
         "diff_pp": diff_pp,
         "within": None if diff_pp is None else abs(diff_pp) <= WITHIN_PP,
-        "real_requests_completed": arm.get("requests_completed"),
+        "real_requests_completed": _median([float(c) for c in completed if c is not None]),
         "sim_requests_completed": result.steps,
+        "real_requests_per_s": _median([float(c) / window_s for c in completed
+                                        if c is not None]),
+        "sim_requests_per_s": result.steps / window_s,
         "sim_gpu_kv_tokens": result.gpu_kv_capacity_tokens,
         "sim_cpu_kv_tokens": result.cpu_kv_capacity_tokens,
         "max_context": result.max_context,
     }
 
 
+def arm_order(rows: list[dict[str, Any]], key: str) -> list[str]:
+    """The arms of ``rows`` from most to fewest requests per second by ``key``."""
+    return [r["arm"] for r in sorted(rows, key=lambda r: -(r[key] or 0.0))]
+
+
 def fidelity(doc: dict[str, Any], traces: TraceSet) -> Fidelity:
     """Simulate every arm of ``doc`` (a bench JSON) the simulator models and compare."""
-    settings = doc["settings"]
-    rows, notes = [], []
-    if settings.get("traces") not in (None, traces.name):
-        notes.append(f"the bench replayed trace set {settings['traces']!r}, the simulation "
+    base = doc["settings"]
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    if base.get("traces") not in (None, traces.name):
+        notes.append(f"the bench replayed trace set {base['traces']!r}, the simulation "
                      f"{traces.name!r}: pass --traces")
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for arm in doc["arms"]:
         name = arm.get("arm")
+        size = int(arm.get("cpu_blocks", base.get("cpu_blocks", 0)))
         if name not in ARM_POLICY:
-            notes.append(f"arm ({name}) is not modelled by the simulator; skipped")
+            note = f"arm ({name}) is not modelled by the simulator; skipped"
+            if note not in notes:
+                notes.append(note)
             continue
         if not arm.get("ok"):
-            notes.append(f"arm ({name}) failed in the bench; skipped")
+            notes.append(f"arm ({name}) failed in the bench (host tier {size}, round "
+                         f"{arm.get('round', 1)}); skipped")
             continue
-        rows.append(compare_arm(settings, arm, traces))
+        groups.setdefault((size, name), []).append(arm)
+    for (size, _), runs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        rows.append(compare_arm({**base, "cpu_blocks": size}, runs, traces))
     return Fidelity(rows, notes)
+
+
+def orders(rows: list[dict[str, Any]]) -> list[str]:
+    """Per host-tier size, the arms' order by requests per second, real and simulated."""
+    lines = []
+    for size in dict.fromkeys(r["cpu_blocks"] for r in rows):
+        these = [r for r in rows if r["cpu_blocks"] == size]
+        if len(these) < 2:
+            continue
+        real, sim = arm_order(these, "real_requests_per_s"), arm_order(these, "sim_requests_per_s")
+        lines.append(f"host tier {size} blocks: requests per second, most first: real "
+                     f"{' > '.join(real)}, simulated {' > '.join(sim)}: order "
+                     f"{'agrees' if real == sim else 'DIFFERS'}")
+    return lines
 
 
 def _pct(v: float | None) -> str:
@@ -143,21 +195,23 @@ def _pct(v: float | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a text table."""
-    headers = ("arm", "sim policy", "real cached", "(GPU / CPU)", "sim cached", "(GPU / CPU)",
-               "diff (pp)", f"within {WITHIN_PP:g} pp", "requests real", "requests sim")
+    headers = ("host tier", "arm", "sim policy", "real cached", "(GPU / CPU)", "sim cached",
+               "(GPU / CPU)", "diff (pp)", f"within {WITHIN_PP:g} pp", "req/s real",
+               "req/s sim")
     out = []
     for r in rows:
         diff = "-" if r["diff_pp"] is None else f"{r['diff_pp']:+.1f}"
         within = "-" if r["within"] is None else ("yes" if r["within"] else "no")
-        real_req = r["real_requests_completed"]
+        real_req = r["real_requests_per_s"]
         out.append([
-            f"({r['arm']}) {r['name']}".strip(), r["sim_policy"], _pct(r["real_cached_share"]),
+            str(r["cpu_blocks"]), f"({r['arm']}) {r['name']}".strip(), r["sim_policy"],
+            _pct(r["real_cached_share"]),
             f"{_pct(r['real_cached_share_gpu'])} / {_pct(r['real_cached_share_cpu'])}",
             _pct(r["sim_cached_share"]),
             f"{_pct(r['sim_cached_share_gpu'])} / {_pct(r['sim_cached_share_cpu'])}",
-            diff, within, "-" if real_req is None else str(real_req),
-            str(r["sim_requests_completed"])])
-    right = [False, False] + [True] * (len(headers) - 2)
+            diff, within, "-" if real_req is None else f"{real_req:.2f}",
+            f"{r['sim_requests_per_s']:.2f}"])
+    right = [True, False, False] + [True] * (len(headers) - 3)
     return format_table(headers, out, right)
 
 
@@ -178,10 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     traces = load_traces(args.traces) if args.traces else default_traces()
     report = fidelity(doc, traces)
     s = doc["settings"]
+    sizes = s.get("cpu_blocks_runs", [s.get("cpu_blocks", 0)])
     print(f"{s['programs']} programs of {traces.name!r}, {s['duration_s']:g} s at time scale "
           f"{s['time_scale']:g}, token scale {s['token_scale']:g}, {s['blocks']} blocks, host "
-          f"tier {s.get('cpu_blocks', 0)} blocks; simulated on {PRESET}")
+          f"tier {'/'.join(map(str, sizes))} blocks; simulated on {PRESET}")
     print(table(report.rows) if report.rows else "no arm to compare")
+    for line in orders(report.rows):
+        print(line)
     for note in report.notes:
         print(f"note: {note}")
     if args.json is not None:

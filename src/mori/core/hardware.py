@@ -310,19 +310,21 @@ B200 = GPUSpec("B200", hbm_bytes=178 * _GiB, mem_bw=8.0e12, flops=2_250e12)
 CPU_VLLM_POOL_TOKENS = 127 * 32
 """The KV pool of the benchmark's vLLM CPU engine: 128 blocks of 32 tokens, less one."""
 
-# Calibrated 2026-12-01 with bench/calibrate_cpu_engine.py --reps 5 (vLLM 0.32.0 CPU build,
-# 2 cores; medians of 5 requests): prefill of 63 / 513 / 1,023 / 2,048 / 3,500 fresh tokens
-# took 17.7 / 68.3 / 149.0 / 308.7 / 585.2 ms over HTTP, fit prefill s = -0.0121 +
-# 1.664e-4 x tokens (quadratic: 0.0078 + 1.220e-4 x + 1.228e-8 x^2; attention makes it
-# superlinear), and one decode step of one request 2.30 ms. Repeated runs (a shared
-# 2-core machine) varied by up to about 20%. tau is the decode step less its weight read; the
-# linear and attention rates are fitted to the prefill times (the attention one sets the
-# effective FLOP/s, eta_attn = 1); the memory figures are nominal (the tiny model's reads
-# take microseconds).
-_CPU_VLLM_TAU = 0.00217  # seconds per engine iteration (scheduling, sampling, output)
-_CPU_VLLM_FLOPS = 4.91e10  # effective FLOP/s of the attention kernels
+# Calibrated 2026-12-04 with bench/calibrate_cpu_engine.py --reps 3 (vLLM 0.32.0 CPU build,
+# 2 cores, an otherwise idle machine; medians of 3 requests): prefill of 63 / 512 / 1,024 /
+# 2,048 / 3,501 fresh tokens took 14.3 / 15.1 / 26.8 / 52.6 / 127.3 ms over HTTP, fit
+# prefill s = -0.0005 + 3.337e-5 x tokens (quadratic: 0.0139 + 1.279e-6 x + 8.868e-9 x^2;
+# attention makes it superlinear), and one decode step of one request 1.39 ms. The first
+# calibration (2026-12-01, on a busier machine) measured 17.7 / 68.3 / 149.0 / 308.7 /
+# 585.2 ms and 2.30 ms: the same engine ran up to 5x slower when the machine was shared,
+# so a real-engine run should be compared with a calibration of the same day. tau is the
+# decode step less its weight read; the linear and attention rates are fitted to the
+# prefill times (the attention one sets the effective FLOP/s, eta_attn = 1); the memory
+# figures are nominal (the tiny model's reads take microseconds).
+_CPU_VLLM_TAU = 0.00134  # seconds per engine iteration (scheduling, sampling, output)
+_CPU_VLLM_FLOPS = 9.763e10  # effective FLOP/s of the attention kernels
 _CPU_VLLM_MEM_BW = 2.0e10  # bytes/s, nominal
-_CPU_VLLM_ETA_GEMM = 0.0931  # the linear layers run at 9.3% of the attention's rate
+_CPU_VLLM_ETA_GEMM = 0.3601  # the linear layers run at 36% of the attention's rate
 _CPU_VLLM_ETA_ATTN = 1.0
 _CPU_VLLM_ETA_MEM = 1.0
 _CPU_VLLM_COPY_BW = 10e9  # host-tier copies are memory copies on the CPU build (not measured)

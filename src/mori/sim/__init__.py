@@ -1,6 +1,6 @@
 """The discrete-event simulator: engine replicas, closed-loop replay, metrics."""
 
-MODEL_VERSION = 4
+MODEL_VERSION = 5
 """Bumped whenever a change to the simulator or a policy changes results for the same
 settings, so stored sweep results from an older model are not reused.
 
@@ -10,4 +10,6 @@ pauses and resumes on a 5 s check, a pause leaves the KV to the engine's LRU).
 does not bind (``mori-pack`` keeps the paper's packing).
 4: ``mori`` spreads them onto the replica with the most room whenever that places the
 round's whole batch, and packs by Best-Fit-Decreasing only when it does not (it had
-packed above 70% full, overfilling the fullest replica)."""
+packed above 70% full, overfilling the fullest replica).
+5: the ``cpu-tiny-llama`` preset is calibrated again (2026-12-04): its engine steps are
+up to 5x faster."""

@@ -1,0 +1,124 @@
+"""bench/bench_vllm_agents.py's own logic, without an engine: its settings, the split of
+CPUs between the engine and the rest, the load it samples, and the tables it prints.
+(The benchmark itself runs engines for many minutes: docs/benchmarks.md.)"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from mori.core.costmodel import CostModel
+from mori.core.hardware import get_preset
+from support.bench_module import BENCH, load_bench
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[ModuleType]:
+    import sys
+
+    sys.path.insert(0, str(BENCH))  # its sibling vllm_arms
+    try:
+        yield load_bench("bench_vllm_agents")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_cpu_blocks_take_a_list(agents: ModuleType) -> None:
+    assert agents.parse_cpu_blocks("512,256") == [512, 256]
+    assert agents.parse_cpu_blocks("0") == [0]
+    for bad in ("", "x", "-1", "256,,-2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="block counts"):
+            agents.parse_cpu_blocks(bad)
+
+
+def test_engine_cpus_split(agents: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agents.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert agents.split_cpus("auto") == ({2}, {0, 1})
+    assert agents.split_cpus("0") == ({0}, {1, 2})
+    assert agents.split_cpus("1,2") == ({1, 2}, {0})
+    assert agents.split_cpus("none") == (None, None)
+    for bad in ("0,1,2", "7", "x", ""):  # nothing left, not ours, not a number, empty
+        with pytest.raises(argparse.ArgumentTypeError, match="engine-cpus"):
+            agents.split_cpus(bad)
+    monkeypatch.setattr(agents.os, "sched_getaffinity", lambda pid: {3})
+    assert agents.split_cpus("auto") == (None, None)  # one CPU: nothing to split
+
+
+def test_policy_rates_are_the_presets_in_policy_time(agents: ModuleType) -> None:
+    preset = get_preset("cpu-tiny-llama")
+    recompute, reload = agents.policy_rates(100.0)
+    assert recompute == pytest.approx(CostModel(preset).prefill_rate(context=2_048) / 100)
+    assert reload == pytest.approx(preset.gpu.pcie_bw / 1e9 / 100)
+    assert agents.policy_rates(10.0)[0] == pytest.approx(10 * recompute)
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    """An engine's /metrics whose gauges step through ``states``, one per scrape."""
+
+    states: list[tuple[int, int]] = []
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        running, waiting = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        body = (f"vllm:num_requests_running{{engine=\"0\"}} {running}\n"
+                f"vllm:num_requests_waiting{{engine=\"0\"}} {waiting}\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_load_sampler_counts_queued_samples(agents: ModuleType) -> None:
+    _Metrics.states = [(1, 2), (0, 0), (3, 1), (2, 0)]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with agents.LoadSampler(url, interval_s=0.01) as load:
+            deadline = time.monotonic() + 10
+            while len(load.samples) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        got = load.summary()
+    finally:
+        server.shutdown()
+    n = got["load_samples"]
+    assert n >= 8
+    # three scrapes step through the states, then the last state repeats
+    assert load.samples[:4] == [(1, 2), (0, 0), (3, 1), (2, 0)]
+    assert got["queued_share"] == pytest.approx(2 / n)
+    assert got["running_mean"] == pytest.approx((1 + 0 + 3 + 2 * (n - 3)) / n)
+    empty = agents.LoadSampler("http://127.0.0.1:9").summary()
+    assert empty == {"load_samples": 0, "queued_share": None, "running_mean": None,
+                     "waiting_mean": None}
+
+
+def _row(arm: str, rnd: int, rps: float, ok: bool = True) -> dict[str, Any]:
+    return {"arm": arm, "name": arm, "round": rnd, "ok": ok, "requests_per_s": rps,
+            "output_tokens_per_s": 2 * rps, "ttft_p50_wall_s": 0.1 * rnd,
+            "ttft_p90_wall_s": 0.3, "recomputed_per_request": 100.0 * rnd,
+            "queued_share": 0.5}
+
+
+def test_summary_and_verdict_over_rounds(agents: ModuleType) -> None:
+    rows = [_row("a", 1, 40.0), _row("d", 1, 48.0), _row("a", 2, 44.0), _row("d", 2, 44.0),
+            _row("a", 3, 50.0), _row("d", 3, 60.0), _row("b", 1, 30.0),
+            _row("b", 2, 0.0, ok=False)]
+    text = agents.summary_table(rows)
+    line_a = next(line for line in text.splitlines() if line.startswith("(a)"))
+    assert "44.00 [40.00 - 50.00]" in line_a and " 3 " in line_a  # median [min - max], runs
+    line_b = next(line for line in text.splitlines() if line.startswith("(b)"))
+    assert "30.00" in line_b and "[" not in line_b  # one run that worked: no range
+    lines = agents.verdict(rows)
+    assert lines[0] == ("(d) / (a) requests per second, by round: 1.200, 1.000, 1.200 "
+                        "(min 1.000, median 1.200)")
+    assert lines[1].startswith("(d) / (b) requests per second, by round: 1.600 ")
+    assert len(lines) == 2  # no line of (d) over itself
