@@ -1,8 +1,23 @@
-"""Agent programs on one real vLLM, four ways: how many prompt tokens each recomputes.
+"""Agent programs on one real vLLM, four ways: requests completed per second, and how
+many prompt tokens each recomputes.
 
-    python bench/bench_vllm_agents.py [--programs 8] [--duration 600] [--time-scale 10]
-        [--token-scale 0.01] [--blocks 128] [--cpu-blocks 256] [--seed 0] [--arms a,b,c,d]
-        [--json FILE]
+    python bench/bench_vllm_agents.py [--setting default|bottleneck] [--programs N]
+        [--duration S] [--time-scale X] [--token-scale 0.01] [--blocks N]
+        [--cpu-blocks N[,N...]] [--rounds 1] [--engine-cpus auto] [--seed 0]
+        [--arms a,b,c,d] [--json FILE]
+
+``--setting default`` (8 programs, time scale 10, 128 blocks, host tier 256) is bound by
+the programs' tool time; ``--setting bottleneck`` (32 programs, time scale 100, 256
+blocks, host tiers 512 and 256) keeps plain vLLM's queue full, so that what an arm saves
+shows as requests per second. The headline per run: completed requests and output tokens
+per wall second, TTFT p50 / p90, recomputed tokens per request, and how often the engine
+had requests queued (``vllm:num_requests_waiting`` > 0, sampled every 0.25 s). With
+``--rounds N`` every arm runs N times, alternating (a b c d, a b c d, ...), and a summary
+gives each arm's median and range and (d)'s ratio to each other arm round by round. With
+two or more CPUs the engine runs on one of its own (``--engine-cpus``) and everything
+else on the rest, as a GPU's compute is not its host's. ``mori serve`` is told the
+engine's recompute rate and reload bandwidth (the ``cpu-tiny-llama`` preset's, in policy
+time).
 
 The same agent programs (the shipped real traces, or ``--traces``; the same ``--seed``)
 are replayed closed-loop by ``mori replay``'s client against four arms, each on a fresh
@@ -391,7 +406,8 @@ SUMMARY = (("requests / s", "requests_per_s", ".2f", 1.0),
            ("TTFT p50 ms", "ttft_p50_wall_s", ".0f", 1000.0),
            ("TTFT p90 ms", "ttft_p90_wall_s", ".0f", 1000.0),
            ("recomputed / req", "recomputed_per_request", ",.0f", 1.0),
-           ("engine queued %", "queued_share", ".1f", 100.0))
+           ("engine queued %", "queued_share", ".1f", 100.0),
+           ("engine running", "running_mean", ".2f", 1.0))
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
