@@ -1,7 +1,7 @@
 """Calibrate the ``cpu-tiny-llama`` preset: prefill and decode times of vLLM's CPU build.
 
     python bench/calibrate_cpu_engine.py [--sizes 64,512,1024,2048,3500] [--reps 3]
-        [--blocks 128] [--json FILE]
+        [--blocks 128] [--engine-cpus auto] [--reload] [--json FILE]
 
 Starts one engine as the real-engine benchmark does (``scripts/start_vllm_cpu.sh``, the
 tiny random-weight model, ``--blocks`` blocks of 32 tokens, no MORI plug-in, no host
@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench_vllm_agents import split_cpus  # noqa: E402
 from vllm_arms import block_bytes, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
@@ -71,20 +72,29 @@ ATTN_FLOOR = 0.01  # attention keeps at least this share of the 2,048-token pref
 
 
 # -- the engine ---------------------------------------------------------------------------
-def start_engine(blocks: int, log: Path, cpu_gib: float = 0.0
-                 ) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(blocks: int, log: Path, cpu_gib: float = 0.0,
+                 cpus: frozenset[int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """The engine process (its own process group) and its base URL, once it is healthy;
-    ``cpu_gib`` > 0 gives it a host KV tier of that size."""
+    ``cpu_gib`` > 0 gives it a host KV tier of that size; ``cpus``: the CPUs it runs on
+    (its compute threads bound to them), as the benchmark pins it."""
     port, kv_port = free_port(), free_port()
     env = {**os.environ, "MORI_PYTHON": sys.executable, "MORI_VLLM_PLUGIN": "0"}
     env.pop("MORI_VLLM_CPU_GIB", None)
     if cpu_gib > 0:
         env["MORI_VLLM_CPU_GIB"] = repr(cpu_gib)
+    if cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "start_vllm_cpu.sh"), str(MODEL), str(port),
              str(kv_port), str(blocks)],
-            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)
+            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT,
+            preexec_fn=pin if cpus else None)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while get_status(url + "/health") != 200:
@@ -363,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="requests per figure (default 3)")
     ap.add_argument("--blocks", type=int, default=128,
                     help="KV blocks of 32 tokens in the engine's pool (default 128)")
+    ap.add_argument("--engine-cpus", default="auto",
+                    help="CPUs the engine runs on, as bench_vllm_agents.py pins it: 'auto' "
+                         "(the last CPU, with two or more; this script on the rest), "
+                         "'none' (all), or ids like 0 or 2,3 (default: auto)")
     ap.add_argument("--reload", action="store_true",
                     help="also start an engine with a host KV tier (vLLM's "
                          "OffloadingConnector, as the benchmark runs it) and time a prompt "
@@ -372,8 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1 or max(sizes) + 1 > (args.blocks - 1) * 32 or args.reps < 1:
         ap.error("sizes must be positive and fit the pool; --reps >= 1")
+    try:
+        engine_cpus, rest = split_cpus(args.engine_cpus)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    if rest:
+        os.sched_setaffinity(0, rest)
+    print(f"engine on CPUs {'all' if engine_cpus is None else sorted(engine_cpus)}",
+          file=sys.stderr)
     log = Path(tempfile.mkdtemp(prefix="calibrate-cpu-engine-")) / "vllm.log"
-    proc, url = start_engine(args.blocks, log)
+    proc, url = start_engine(args.blocks, log, cpus=engine_cpus)
     try:
         prompts = Prompts(url)
         for _ in range(2):  # warm-up
@@ -388,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         pool = (args.blocks - 1) * 32
         # a host tier four times the pool: what was pushed out of the GPU stays there
         proc, url = start_engine(args.blocks, log2,
-                                 cpu_gib=4 * args.blocks * block_bytes() / (1 << 30))
+                                 cpu_gib=4 * args.blocks * block_bytes() / (1 << 30),
+                                 cpus=engine_cpus)
         try:
             prompts = Prompts(url)
             for _ in range(2):

@@ -310,21 +310,24 @@ B200 = GPUSpec("B200", hbm_bytes=178 * _GiB, mem_bw=8.0e12, flops=2_250e12)
 CPU_VLLM_POOL_TOKENS = 127 * 32
 """The KV pool of the benchmark's vLLM CPU engine: 128 blocks of 32 tokens, less one."""
 
-# Calibrated 2026-12-04 with bench/calibrate_cpu_engine.py --reps 3 (vLLM 0.32.0 CPU build,
-# 2 cores, an otherwise idle machine; medians of 3 requests): prefill of 63 / 512 / 1,024 /
-# 2,048 / 3,501 fresh tokens took 14.3 / 15.1 / 26.8 / 52.6 / 127.3 ms over HTTP, fit
-# prefill s = -0.0005 + 3.337e-5 x tokens (quadratic: 0.0139 + 1.279e-6 x + 8.868e-9 x^2;
-# attention makes it superlinear), and one decode step of one request 1.39 ms. The first
-# calibration (2026-12-01, on a busier machine) measured 17.7 / 68.3 / 149.0 / 308.7 /
-# 585.2 ms and 2.30 ms: the same engine ran up to 5x slower when the machine was shared,
-# so a real-engine run should be compared with a calibration of the same day. tau is the
-# decode step less its weight read; the linear and attention rates are fitted to the
-# prefill times (the attention one sets the effective FLOP/s, eta_attn = 1); the memory
-# figures are nominal (the tiny model's reads take microseconds).
-_CPU_VLLM_TAU = 0.00134  # seconds per engine iteration (scheduling, sampling, output)
-_CPU_VLLM_FLOPS = 9.763e10  # effective FLOP/s of the attention kernels
+# Calibrated 2026-12-04 with bench/calibrate_cpu_engine.py --reps 3 --reload (vLLM 0.32.0
+# CPU build on a 2-core machine, the engine on one CPU of its own as the real-engine
+# benchmark runs it; medians of 3 requests): prefill of 63 / 512 / 1,024 / 2,048 / 3,501
+# fresh tokens took 14.0 / 20.5 / 29.7 / 58.7 / 131.7 ms over HTTP, fit prefill s = 0.0019
+# + 3.433e-5 x tokens (quadratic: 0.0144 + 6.221e-6 x + 7.766e-9 x^2; attention makes it
+# superlinear), and one decode step of one request 2.52 ms. The same day, unpinned:
+# 14.3 / 15.1 / 26.8 / 52.6 / 127.3 ms and 1.39 ms. The first calibration (2026-12-01, on
+# a busier machine) measured 17.7 / 68.3 / 149.0 / 308.7 / 585.2 ms and 2.30 ms: the same
+# engine ran up to 5x slower when the machine was shared, so a real-engine run should be
+# compared with a calibration of the same day. tau is the decode step less its weight
+# read; the linear and attention rates are fitted to the prefill times (the attention one
+# sets the effective FLOP/s, eta_attn = 1); the memory figures are nominal (the tiny
+# model's reads take microseconds). A reload from the host tier took a fixed 15-29 ms
+# whatever its size, which the copy rate below does not model.
+_CPU_VLLM_TAU = 0.00247  # seconds per engine iteration (scheduling, sampling, output)
+_CPU_VLLM_FLOPS = 1.238e11  # effective FLOP/s of the attention kernels
 _CPU_VLLM_MEM_BW = 2.0e10  # bytes/s, nominal
-_CPU_VLLM_ETA_GEMM = 0.3601  # the linear layers run at 36% of the attention's rate
+_CPU_VLLM_ETA_GEMM = 0.2239  # the linear layers run at 22% of the attention's rate
 _CPU_VLLM_ETA_ATTN = 1.0
 _CPU_VLLM_ETA_MEM = 1.0
 _CPU_VLLM_COPY_BW = 10e9  # host-tier copies are memory copies on the CPU build (not measured)

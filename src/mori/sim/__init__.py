@@ -11,5 +11,5 @@ does not bind (``mori-pack`` keeps the paper's packing).
 4: ``mori`` spreads them onto the replica with the most room whenever that places the
 round's whole batch, and packs by Best-Fit-Decreasing only when it does not (it had
 packed above 70% full, overfilling the fullest replica).
-5: the ``cpu-tiny-llama`` preset is calibrated again (2026-12-04): its engine steps are
-up to 5x faster."""
+5: the ``cpu-tiny-llama`` preset is calibrated again (2026-12-04, the engine on one CPU
+of its own as the real-engine benchmark runs it): its prefills are up to 5x faster."""
