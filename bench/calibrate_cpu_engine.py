@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_vllm_agents import split_cpus  # noqa: E402
-from vllm_arms import block_bytes, stop_group  # noqa: E402
+from vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.costmodel import CostModel, get_preset  # noqa: E402
@@ -85,16 +85,12 @@ def start_engine(blocks: int, log: Path, cpu_gib: float = 0.0,
     if cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
 
-    def pin() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "start_vllm_cpu.sh"), str(MODEL), str(port),
              str(kv_port), str(blocks)],
             stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT,
-            preexec_fn=pin if cpus else None)
+            preexec_fn=pinned_to(cpus))
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while get_status(url + "/health") != 200:

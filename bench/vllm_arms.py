@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,14 @@ def tail(path: Path, n: int = 25) -> str:
         return "(no log)"
 
 
+def pinned_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that confines a child (and what it spawns) to ``cpus``; None for
+    no confinement."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 @dataclass
 class Processes:
     """The processes of one arm, each in its own process group; ``stop`` ends them all."""
@@ -75,15 +84,10 @@ class Processes:
               env: dict[str, str] | None = None,
               cpus: frozenset[int] | None = None) -> subprocess.Popen[bytes]:
         """Start ``argv``; ``cpus``: the CPUs it (and what it spawns) may run on."""
-
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         with open(log, "wb") as fh:
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, cwd=ROOT,
-                                    preexec_fn=pin if cpus else None)
+                                    preexec_fn=pinned_to(cpus))
         self.procs.append((name, proc))
         return proc
 
