@@ -65,6 +65,7 @@ from mori.traces.model import ProgramTrace
 from mori.traces.timeline import Call, Spawn, ToolCall, build_program, span_s
 
 FORMAT_NAME = "claude-code"
+PROVIDER = "claude"
 CONVERSATION_TYPES = frozenset({"user", "assistant"})
 IGNORED_TYPES = frozenset({
     "system", "progress", "file-history-snapshot", "queue-operation", "summary",
@@ -334,7 +335,8 @@ def _progress(out: _FileRead, line: Fields) -> None:
 
 
 def _program(name: str, file: Path, chain: _Chain) -> ProgramTrace:
-    return build_program(name, os.fspath(file), chain.calls, chain.first_cached or 0)
+    return build_program(name, os.fspath(file), chain.calls, chain.first_cached or 0,
+                         provider=PROVIDER)
 
 
 def read_session(file: Path, options: ImportOptions) -> ProgramTrace | None:

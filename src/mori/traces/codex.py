@@ -48,6 +48,7 @@ from mori.traces.model import ProgramTrace
 from mori.traces.timeline import Call, ToolCall, build_program
 
 FORMAT_NAME = "codex"
+PROVIDER = "codex"
 LINE_TYPES = frozenset({"session_meta", "turn_context", "response_item", "event_msg",
                         "compacted"})
 OUTPUT_ITEMS = frozenset({"message", "reasoning", "function_call", "custom_tool_call",
@@ -212,4 +213,5 @@ def read_rollout(file: Path, options: ImportOptions) -> ProgramTrace | None:
     if not state.calls:
         return None
     stem = file.name.split(".jsonl")[0]
-    return build_program(state.name or stem, name, state.calls, state.first_cached or 0)
+    return build_program(state.name or stem, name, state.calls, state.first_cached or 0,
+                         provider=PROVIDER)

@@ -83,6 +83,14 @@ class Fields:
             where = f"line {self.line}: {where}" if where else f"line {self.line}"
         return TraceError(self.file, where, problem, hint)
 
+    def field_names(self) -> list[str]:
+        """The object's field names, in order."""
+        return list(self._obj)
+
+    def peek(self, key: str) -> object:
+        """Field ``key`` unchecked, ``None`` when missing (for error recovery)."""
+        return self._obj.get(key)
+
     def has(self, key: str) -> bool:
         """Whether field ``key`` is present and not ``null``."""
         return self._obj.get(key) is not None

@@ -26,6 +26,7 @@ from mori.traces.errors import Fields, TraceError
 MAX_EXAMPLES = 5
 SKIP_HINT = "--skip-bad skips such lines and counts them"
 STRICT_HINT = "without --strict, lines of unknown types are skipped and counted"
+STRICT_PART_HINT = "without --strict, unknown fields and event types are ignored and counted"
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class ImportReport:
     steps: int = 0
     empty_sessions: int = 0
     unknown_types: dict[str, int] = field(default_factory=dict)
+    ignored: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     def unknown(self, kind: str) -> None:
@@ -57,6 +59,17 @@ class ImportReport:
         lines = "line" if total == 1 else "lines"
         types = "type" if len(self.unknown_types) == 1 else "types"
         return f"skipped {total} {lines} of unknown {types}: {counts}"
+
+    def ignore(self, what: str) -> None:
+        """Count an ignored unknown part of a line: ``"field 'x'"``, ``"event type 'y'"``."""
+        self.ignored[what] = self.ignored.get(what, 0) + 1
+
+    def ignored_summary(self) -> str | None:
+        """``"ignored unknown parts: event type 'x' 2, field 'y' 5"`` (sorted), or ``None``."""
+        if not self.ignored:
+            return None
+        counts = ", ".join(f"{what} {n}" for what, n in sorted(self.ignored.items()))
+        return f"ignored unknown parts: {counts}"
 
     def bad(self, error: TraceError) -> None:
         """Count a skipped bad line (keeping the first few messages)."""
@@ -78,8 +91,8 @@ class ImportReport:
             parts.append(f"{self.empty_sessions} session(s) without any LLM call left out")
         if self.bad_lines:
             parts.append(f"{self.bad_lines} bad line(s) skipped")
-        unknown = self.unknown_summary()
-        return ", ".join(parts) + (f"; {unknown}" if unknown is not None else "")
+        extra = [x for x in (self.unknown_summary(), self.ignored_summary()) if x is not None]
+        return "; ".join([", ".join(parts), *extra])
 
 
 @dataclass(slots=True)
@@ -108,6 +121,14 @@ class ImportOptions:
             self.fail(line.error(f"unknown line type {kind!r}", hint=STRICT_HINT))
         else:
             self.report.unknown(kind)
+
+    def unknown_part(self, where: Fields, what: str, key: str | None = None) -> None:
+        """An unknown part of a known line (``what``: ``"field 'x'"``, ``"event type
+        'y'"``): counted, or (strict) a :class:`TraceError` raised at ``where`` (its field
+        ``key`` when given), naming the file and line."""
+        if self.strict:
+            raise where.error(f"unknown {what}", key, STRICT_PART_HINT)
+        self.report.ignore(what)
 
 
 def open_binary(file: Path) -> IO[bytes]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mori.core.registry import Registry
-from mori.traces import claude_code, codex
+from mori.traces import claude_code, codex, tracelab
 from mori.traces.errors import TraceError
 from mori.traces.import_common import ImportOptions, first_object, walk_files
 from mori.traces.jsonl import FORMAT as CANONICAL_FORMAT
@@ -41,7 +41,7 @@ class Importer:
 
 
 IMPORTERS: Registry[Importer] = Registry("trace format")
-DETECTION_ORDER = ("mori", "codex", "claude-code", "kv-cache-tester")
+DETECTION_ORDER = ("mori", "tracelab", "codex", "claude-code", "kv-cache-tester")
 
 
 def _is_canonical(path: Path) -> bool:
@@ -117,6 +117,11 @@ IMPORTERS.register("claude-code", Importer(
 IMPORTERS.register("codex", Importer(
     "codex", "Codex CLI rollouts (~/.codex/sessions/**/rollout-*.jsonl)",
     codex.looks_like_codex, codex.rollout_files, codex.iter_programs))
+IMPORTERS.register("tracelab", Importer(
+    "tracelab", "TraceLab round traces of Claude Code and Codex sessions (JSON Lines, "
+    "optionally gzipped, one row per LLM call; or the .duckdb database, with "
+    "mori[tracelab])",
+    tracelab.looks_like_tracelab, tracelab.trace_files, tracelab.iter_programs))
 IMPORTERS.freeze()
 
 

@@ -7,6 +7,7 @@ in any letter case):
 * then one top-level program per line::
 
     {"name": str, "source": str, "shared_prefix_tokens": int, "block_size": int,
+     "provider": "claude" | "codex",
      "steps": [{"prompt_tokens": int, "output_tokens": int, "gap_s": float,
                 "gap_kind": "tool" | "human" | "subagent" | "end", "reuse_tokens": int,
                 "new_tokens": int, "call_s": float, "tool_names": [str, ...],
@@ -16,7 +17,8 @@ in any letter case):
   A subagent is nested in the step of its parent that spawned it: its parent is the
   enclosing program, its spawn time ``delay_s`` seconds after the end of that step's
   response. Optional fields are omitted when unknown or empty: ``block_size`` (only with
-  block hashes), ``new_tokens``, ``call_s``, ``tool_names``, ``block_hashes``,
+  block hashes), ``provider`` (the recording agent; readers of older files see ``""``),
+  ``new_tokens``, ``call_s``, ``tool_names``, ``block_hashes``,
   ``subagents``. On reading, ``source`` defaults to ``""``, ``shared_prefix_tokens`` and
   ``reuse_tokens`` to 0; unknown fields are ignored; blank lines after the header are
   skipped.
@@ -465,6 +467,8 @@ def _program_to_json(program: ProgramTrace, annotate: Annotate | None = None
     }
     if program.block_size is not None:
         out["block_size"] = program.block_size
+    if program.provider:
+        out["provider"] = program.provider
     out["steps"] = steps
     if annotate is not None:
         annotate(program, out, steps)
@@ -481,6 +485,7 @@ def _program_from_json(obj: Fields, hashes: bool = True) -> ProgramTrace:
         shared_prefix_tokens=obj.integer("shared_prefix_tokens", 0),
         source=obj.text("source", ""),
         block_size=obj.integer("block_size") if hashes and obj.has("block_size") else None,
+        provider=obj.text("provider", ""),
     )
 
 

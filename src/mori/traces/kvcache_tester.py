@@ -217,6 +217,7 @@ def _parse_program(
         shared_prefix_tokens=shared_prefix,
         source=ctx.file,
         block_size=ctx.block_size if has_hashes else None,
+        provider="claude",  # the set records Claude Code sessions at an Anthropic API proxy
     )
 
 

@@ -3,7 +3,8 @@
 Accepted forms (see :func:`load_traces`): a canonical ``.jsonl`` / ``.jsonl.gz`` file
 (:mod:`mori.traces.jsonl`), kv-cache-tester ``.json`` traces (a file or a directory of
 them), Claude Code transcripts (a session ``.jsonl`` or a project folder) and Codex
-rollouts (a ``rollout-*.jsonl`` or a folder of them): every format of
+rollouts (a ``rollout-*.jsonl`` or a folder of them), TraceLab round traces (``.jsonl``,
+``.jsonl.gz`` or ``.duckdb``): every format of
 :data:`mori.traces.importers.IMPORTERS`; or the name of a shipped set
 (:data:`SHIPPED_TRACES`, package data in ``mori/data``) when no file of that name exists.
 """
@@ -30,7 +31,8 @@ DEFAULT_TRACE_SET = "kv-cache-tester-31"
 ACCEPTED_FORMS = (
     "a directory of kv-cache-tester *.json files, a kv-cache-tester .json file, "
     "a MORI .jsonl / .jsonl.gz trace file, a Claude Code session .jsonl or project "
-    "folder, or a Codex rollout-*.jsonl or folder of them"
+    "folder, a Codex rollout-*.jsonl or folder of them, or a TraceLab round trace "
+    "(.jsonl, .jsonl.gz or .duckdb)"
 )
 
 
@@ -90,9 +92,10 @@ def load_traces(path: str | os.PathLike[str], format: str | None = None) -> Trac
     """Load the trace set at ``path``, detecting its form by kind, name and first line.
 
     * ``*.jsonl`` / ``*.jsonl.gz``: a canonical MORI file (its first line is the
-      ``mori-trace`` header), else a Codex rollout or a Claude Code transcript, told
-      apart by their first line; a file that is none of these is read as a canonical
-      file (whose error says what the header should be);
+      ``mori-trace`` header), else a TraceLab round trace, a Codex rollout or a Claude
+      Code transcript, told apart by their first line; a file that is none of these is
+      read as a canonical file (whose error says what the header should be);
+    * ``*.duckdb``: a TraceLab database (needs the ``duckdb`` package);
     * ``*.json``: one kv-cache-tester trace (set named after the file stem);
     * a directory: Codex rollouts or Claude Code transcripts when it holds some, else
       every ``*.json`` in it, as kv-cache-tester traces (set named after the directory);
@@ -133,7 +136,7 @@ def load_traces(path: str | os.PathLike[str], format: str | None = None) -> Trac
     programs = tuple(importer.programs([p], ImportOptions(keep_hashes=False)))
     if not programs:
         raise TraceError(file, None, f"no LLM call found in these {format} traces")
-    set_name = p.resolve().name if p.is_dir() else p.name.split(".jsonl")[0]
+    set_name = p.resolve().name if p.is_dir() else p.name.split(".jsonl")[0].split(".duckdb")[0]
     return TraceSet(name=set_name, programs=programs)
 
 

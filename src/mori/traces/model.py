@@ -147,6 +147,8 @@ class ProgramTrace:
     that real deployments share across conversations; 0 when unknown.
     ``block_size``: tokens per entry of the steps' ``block_hashes``; ``None`` when the
     program carries no hashes.
+    ``provider``: the agent that recorded it, ``"claude"`` (Claude Code) or ``"codex"``
+    (Codex CLI), or ``""`` when unknown; ``mori trace stats`` splits its figures by it.
     """
 
     name: str
@@ -154,6 +156,7 @@ class ProgramTrace:
     shared_prefix_tokens: int = 0
     source: str = ""
     block_size: int | None = None
+    provider: str = ""
 
     @property
     def peak_context_tokens(self) -> int:

@@ -82,16 +82,19 @@ def span_s(calls: list[Call]) -> float:
 
 
 def build_program(
-    name: str, source: str, calls: list[Call], shared_prefix_tokens: int = 0
+    name: str, source: str, calls: list[Call], shared_prefix_tokens: int = 0,
+    provider: str = "",
 ) -> ProgramTrace:
-    """The program made of ``calls`` (in request order) by the rules of the module doc."""
+    """The program made of ``calls`` (in request order) by the rules of the module doc,
+    recorded by ``provider`` (``"claude"``, ``"codex"`` or ``""``)."""
     steps: list[Step] = []
     for index, call in enumerate(calls):
         nxt = calls[index + 1] if index + 1 < len(calls) else None
         prev = calls[index - 1] if index > 0 else None
         steps.append(_step(call, prev, nxt))
     return ProgramTrace(
-        name=name, steps=tuple(steps), shared_prefix_tokens=shared_prefix_tokens, source=source
+        name=name, steps=tuple(steps), shared_prefix_tokens=shared_prefix_tokens, source=source,
+        provider=provider,
     )
 
 
