@@ -6,7 +6,7 @@ figures from TraceLab's README and site), rows grouped by session as TraceLab's
 collector writes them, gzipped; and a baseline a tenth of its size. Each is imported by
 ``mori trace import tracelab`` code in a fresh Python process writing a gzipped canonical
 file; the script reports wall time, rows per second and peak resident memory
-(``ru_maxrss`` of the child). Bounded memory means the full / baseline ratio of the peaks
+(the child's ``VmHWM``). Bounded memory means the full / baseline ratio of the peaks
 stays near 1 while the input grows tenfold. ``--order shuffled`` writes the rows in a
 random order instead, where the importer must hold every open session (the worst case).
 
@@ -32,8 +32,16 @@ from pathlib import Path
 RELEASE = {"claude": (140_338, 2_676), "codex": (216_823, 1_589)}  # rows, sessions
 T0 = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
 
-CHILD = """
-import json, resource, sys, time
+# The children's peak resident memory is their VmHWM: ru_maxrss would carry the parent's
+# peak over the exec (Linux keeps it in the process's signal struct).
+HWM = """
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+"""
+
+CHILD = HWM + """
+import json, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
 from mori.traces.importers import IMPORTERS
@@ -45,20 +53,18 @@ with TraceWriter(sys.argv[2], "bench") as writer:
         writer.write(program)
 r = options.report
 print(json.dumps({"wall": time.perf_counter() - t0,
-                  "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  "programs": r.programs, "steps": r.steps, "lines": r.lines}))
+                  "rss_kb": hwm(), "programs": r.programs, "steps": r.steps, "lines": r.lines}))
 """
 
-FLOOR = """
-import gzip, json, resource, sys, time
+FLOOR = HWM + """
+import gzip, json, sys, time
 t0 = time.perf_counter()
 n = 0
 with gzip.open(sys.argv[1], "rb") as f:
     for line in f:
         json.loads(line)
         n += 1
-print(json.dumps({"wall": time.perf_counter() - t0, "lines": n,
-                  "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+print(json.dumps({"wall": time.perf_counter() - t0, "lines": n, "rss_kb": hwm()}))
 """
 
 

@@ -17,7 +17,7 @@ CC, CODEX, KV = DATA / "claude-code", DATA / "codex", DATA / "kv-cache-tester"
 
 
 def test_registry() -> None:
-    assert IMPORTERS.names() == ["claude-code", "codex", "kv-cache-tester", "mori"]
+    assert IMPORTERS.names() == ["claude-code", "codex", "kv-cache-tester", "mori", "tracelab"]
     assert IMPORTERS.frozen
     with pytest.raises(UnknownNameError, match="valid names: claude-code, codex"):
         IMPORTERS.get("cursor")

@@ -89,7 +89,9 @@ def test_layout_and_determinism(tmp_path: Path) -> None:
     assert json.loads(lines[0]) == {"format": "mori-trace", "version": 2, "name": "sample"}
     assert len(lines) == 1 + len(ts)
     first = json.loads(lines[1])
-    assert list(first) == ["name", "source", "shared_prefix_tokens", "steps"]
+    # kv-cache-tester records Claude Code sessions: its programs carry their provider
+    assert list(first) == ["name", "source", "shared_prefix_tokens", "provider", "steps"]
+    assert first["provider"] == "claude"
     assert list(first["steps"][0]) == [
         "prompt_tokens",
         "output_tokens",

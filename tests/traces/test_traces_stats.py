@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from mori.traces import GapKind, ProgramTrace, Step, SubagentSpawn, TraceSet, default_traces
 from mori.traces.stats import (
     analyze,
+    analyze_by_provider,
     busy_phases,
     context_growth,
     format_stats,
     idle_fractions,
     percentile,
+    providers,
+    select_provider,
     span_s,
     to_json,
     wait_s,
@@ -95,3 +99,60 @@ def test_report_and_json_on_default_traces() -> None:
     assert isinstance(main, dict) and main["programs"] == 31
     with pytest.raises(ValueError, match="threshold"):
         analyze(default_traces(), threshold_s=0)
+
+
+CODEX = replace(_p("codex", [(3000, 0.5, 0.1, T), (3200, 0.5, 30.0, T), (3500, 0.5, 0.0, E)]),
+                provider="codex")
+CLAUDE = replace(MAIN, provider="claude")
+OTHER = replace(_p("other", [(800, 1.0, 0.2, T), (900, 1.0, 0.0, E)]), provider="claude")
+MIXED = TraceSet("mixed", (CLAUDE, CODEX, OTHER))
+
+
+def test_providers_are_sorted_unknown_last() -> None:
+    assert providers(MIXED) == ("claude", "codex")
+    assert providers(TraceSet("u", (MAIN, CODEX))) == ("codex", "unknown")
+    assert analyze(MIXED).providers == ("claude", "codex")
+    assert select_provider(TraceSet("u", (MAIN, CODEX)), "").programs == (MAIN,)
+    with pytest.raises(ValueError, match="'gemini'.*providers: claude, codex"):
+        select_provider(MIXED, "gemini")
+
+
+def test_split_by_provider_equals_each_provider_alone() -> None:
+    by = analyze_by_provider(MIXED, threshold_s=2.0)
+    assert list(by) == ["claude", "codex"]
+    alone = {"claude": TraceSet("mixed", (CLAUDE, OTHER)), "codex": TraceSet("mixed", (CODEX,))}
+    for name, ts in alone.items():
+        assert to_json(by[name]) == to_json(analyze(ts, threshold_s=2.0))
+    assert by["claude"].main.programs == 2 and by["codex"].main.programs == 1
+    assert by["codex"].subagents is None and by["claude"].subagents is not None
+    assert by["codex"].main.short_calls_frac == pytest.approx(0.5)
+    assert by["claude"].main.short_calls_frac == pytest.approx(3 / 5)
+    assert analyze(MIXED).main.short_calls_frac == pytest.approx(4 / 7)
+
+
+def test_json_by_provider_only_when_mixed() -> None:
+    stats = analyze(MIXED)
+    data = to_json(stats, analyze_by_provider(MIXED))
+    assert data["providers"] == ["claude", "codex"]
+    split = data["by_provider"]
+    assert isinstance(split, dict) and sorted(split) == ["claude", "codex"]
+    assert split["codex"]["main"] == to_json(analyze(TraceSet("c", (CODEX,))))["main"]
+    assert split["codex"]["subagents"] is None
+    assert split["claude"]["subagents"]["programs"] == 1
+    assert data["main"] == to_json(stats)["main"]  # the existing keys are kept
+    one = TraceSet("one", (CODEX,))
+    assert "by_provider" not in to_json(analyze(one), analyze_by_provider(one))
+
+
+def test_text_has_a_column_per_provider() -> None:
+    text = format_stats(analyze(MIXED), by_provider=analyze_by_provider(MIXED))
+    lines = text.splitlines()
+    assert lines[0].endswith("providers claude, codex")
+    heads = [line.split() for line in lines if line.startswith(("top-level", "subagents"))]
+    assert heads[0][-4:] == ["all", "claude", "codex", "paper"]
+    assert heads[1][-3:] == ["all", "claude", "codex"]  # no paper column for subagents
+    programs = next(line for line in lines if line.startswith("programs"))
+    assert programs.split() == ["programs", "3", "2", "1", "532"]
+    one = format_stats(analyze(TraceSet("c", (CODEX,))))
+    assert one.splitlines()[0].endswith("provider codex") and "this set" in one
+    assert "provider" not in format_stats(analyze(TraceSet("t", (MAIN,)))).splitlines()[0]

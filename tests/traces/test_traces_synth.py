@@ -62,3 +62,11 @@ def test_seeded_and_valid(tmp_path: Path) -> None:
 def test_bad_specs(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         synthesize(SynthSpec(**kwargs))  # type: ignore[arg-type]
+
+
+def test_provider_labels_the_programs(tmp_path: Path) -> None:
+    ts = synthesize(SynthSpec(programs=3, seed=1, provider="codex"))
+    assert {p.provider for p in ts.programs} == {"codex"}
+    assert {p.provider for p in synthesize(SynthSpec(programs=3)).programs} == {""}
+    write_traceset(ts, tmp_path / "c.jsonl")
+    assert read_traceset(tmp_path / "c.jsonl") == ts

@@ -42,12 +42,15 @@ The output is MORI's canonical trace file (JSON Lines, gzip when OUT ends in .gz
 in docs/traces.md), read by `mori simulate --traces`, `mori trace stats` and the replay
 client. A bad line fails the import, naming its file and line; --skip-bad skips such
 lines and reports how many. Claude Code lines of a type the importer does not know
-(newer versions add some) are skipped and counted by type in the summary; --strict
-refuses them instead, naming the file and line.
+(newer versions add some), and TraceLab fields and event types it does not know, are
+skipped and counted by name in the summary; --strict refuses them instead, naming the
+file and line.
 
 examples:
   mori trace import claude-code ~/.claude/projects/-home-me-repo -o repo.jsonl.gz
   mori trace import codex ~/.codex/sessions -o codex.jsonl.gz --skip-bad
+  mori trace import tracelab syfi_coding_trace.jsonl.gz -o syfi.jsonl.gz
+  mori trace import tracelab syfi_coding_trace.duckdb -o syfi.jsonl.gz  # mori[tracelab]
   mori trace import kv-cache-tester traces/ -o kv.jsonl.gz
 """
 
@@ -57,10 +60,14 @@ kv-cache-tester folder or file, a Claude Code project folder or session, a Codex
 sessions folder or rollout; or the name of a shipped set (see `mori traces`), such as
 kv-cache-tester-31, when no file of that name exists. Definitions (wait, busy phase,
 idle fraction, context growth) are in docs/traces.md; the paper's figures are printed
-beside ours.
+beside ours. A set of programs recorded by more than one agent (provider: claude,
+codex; unknown when the recording does not say) gets one column per provider beside
+the whole set's (`all`), and a "by_provider" object in --json; --provider restricts the
+analysis to one provider's programs.
 
 examples:
   mori trace stats traces.jsonl.gz
+  mori trace stats tracelab.jsonl.gz --provider codex
   mori trace stats kv-cache-tester-31
   mori trace stats ~/.claude/projects/-home-me-repo --threshold 1 --plot figs/
   mori trace stats kv/ --json > stats.json
@@ -73,9 +80,17 @@ time, busy phases of median 20 s and p90 81 s; contexts start near 20k tokens an
 asked shares within 1 percentage point and the phase median and p90 within 5 %
 (at 20 programs or more).
 
+--like PATH fits these figures to a trace set instead (any PATH `mori trace stats`
+takes; with --provider, to that provider's programs only), measured at --threshold,
+and prints the spec to stderr, each field marked fitted, given or default. Options
+given beside --like override the fitted values; --programs defaults to the source's
+count. Without --like, --provider only labels the generated programs.
+
 examples:
   mori trace synth --programs 100 --seed 1 -o synth.jsonl.gz
   mori trace synth --programs 50 --short-calls 0.8 --busy-median 30 --busy-p90 120 -o s.jsonl
+  mori trace synth --like tracelab.jsonl.gz --provider claude --seed 2 -o like.jsonl.gz
+  mori trace synth --like kv-cache-tester-31 --programs 200 --busy-median 10 -o s.jsonl
 """
 
 
@@ -101,8 +116,8 @@ def add_trace_parser(sub: Any) -> argparse.ArgumentParser:
     imp.add_argument("--skip-bad", action="store_true",
                      help="skip malformed lines (counted) instead of failing")
     imp.add_argument("--strict", action="store_true",
-                     help="refuse lines of unknown types (Claude Code) instead of skipping "
-                     "and counting them")
+                     help="refuse lines of unknown types (Claude Code) and unknown fields "
+                     "and event types (TraceLab) instead of skipping and counting them")
     imp.add_argument("--no-hashes", action="store_true",
                      help="drop block hashes (kv-cache-tester) to keep the file small")
     imp.add_argument("--quiet", action="store_true", help="no progress bar or summary")
@@ -120,6 +135,9 @@ def add_trace_parser(sub: Any) -> argparse.ArgumentParser:
     st.add_argument("--format", choices=IMPORTERS.names(), dest="trace_format",
                     help="the input format (default: detected)")
     st.add_argument("--json", action="store_true", help="print JSON instead of text")
+    st.add_argument("--provider", metavar="P",
+                    help="analyse only the programs of provider P (claude, codex, or "
+                    "unknown for those without one)")
     st.add_argument("--plot", type=Path, metavar="DIR",
                     help="write tool_gaps_cdf.png, busy_phases_cdf.png and "
                     "context_growth.png into DIR")
@@ -129,31 +147,37 @@ def add_trace_parser(sub: Any) -> argparse.ArgumentParser:
         description="Generate agent programs whose workload statistics are given.",
         epilog=SYNTH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = SynthSpec()
-    sy.add_argument("--programs", type=int, default=d.programs, metavar="N",
-                    help=f"number of programs (default {d.programs})")
-    sy.add_argument("--seed", type=int, default=d.seed, metavar="S",
-                    help=f"random seed (default {d.seed})")
+    sy.add_argument("--like", type=Path, metavar="PATH",
+                    help="fit the statistics to this trace set (or a shipped set's name); "
+                    "options given beside it override the fitted values")
+    sy.add_argument("--provider", metavar="P",
+                    help="with --like, fit to provider P's programs only (claude, codex, "
+                    "unknown); without, label the generated programs P")
+    sy.add_argument("--programs", type=int, metavar="N",
+                    help=f"number of programs (default {d.programs}, or the --like set's)")
+    sy.add_argument("--seed", type=int, metavar="S", help=f"random seed (default {d.seed})")
     sy.add_argument("-o", "--output", required=True, type=Path, metavar="OUT",
                     help="output file (.jsonl, or .jsonl.gz for gzip)")
-    sy.add_argument("--threshold", type=float, default=d.threshold_s, metavar="S",
+    sy.add_argument("--threshold", type=float, metavar="S",
                     help=f"short/long threshold in seconds (default {d.threshold_s:g})")
-    sy.add_argument("--short-calls", type=float, default=d.short_calls_frac, metavar="F",
+    sy.add_argument("--short-calls", type=float, metavar="F",
                     help=f"share of tool calls under the threshold (default "
                     f"{d.short_calls_frac:g})")
-    sy.add_argument("--short-time", type=float, default=d.short_time_frac, metavar="F",
+    sy.add_argument("--short-time", type=float, metavar="F",
                     help=f"share of tool time they hold (default {d.short_time_frac:g})")
-    sy.add_argument("--busy-median", type=float, default=d.busy_median_s, metavar="S",
+    sy.add_argument("--busy-median", type=float, metavar="S",
                     help=f"busy-phase median in seconds (default {d.busy_median_s:g})")
-    sy.add_argument("--busy-p90", type=float, default=d.busy_p90_s, metavar="S",
+    sy.add_argument("--busy-p90", type=float, metavar="S",
                     help=f"busy-phase p90 in seconds (default {d.busy_p90_s:g})")
-    sy.add_argument("--phases", type=float, default=d.phases_median, metavar="N",
+    sy.add_argument("--phases", type=float, metavar="N",
                     help=f"median busy phases per program (default {d.phases_median:g})")
-    sy.add_argument("--first-prompt", type=int, default=d.first_prompt_median,
-                    metavar="TOKENS", help=f"median first prompt (default "
-                    f"{d.first_prompt_median})")
-    sy.add_argument("--growth", type=float, default=d.growth_per_call, metavar="TOKENS",
+    sy.add_argument("--first-prompt", type=int, metavar="TOKENS",
+                    help=f"median first prompt (default {d.first_prompt_median})")
+    sy.add_argument("--growth", type=float, metavar="TOKENS",
                     help=f"mean context growth per call (default {d.growth_per_call:g})")
-    sy.add_argument("--max-context", type=int, default=d.max_context, metavar="TOKENS",
+    sy.add_argument("--output-tokens", type=int, metavar="TOKENS",
+                    help=f"median output of a call (default {d.output_median})")
+    sy.add_argument("--max-context", type=int, metavar="TOKENS",
                     help=f"compact a context that would pass this (default {d.max_context})")
     sy.add_argument("--name", default="", help="trace set name (default: synth-N-seedS)")
     trace.set_defaults(trace_parser=trace)
@@ -226,14 +250,20 @@ def _set_name(path: Path) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from mori.traces.stats import analyze_by_provider, select_provider
+
     if not args.threshold > 0:
         raise ValueError(f"--threshold must be positive, got {args.threshold}")
     ts = load_traces(args.path, format=args.trace_format)
+    if args.provider is not None:
+        ts = select_provider(ts, args.provider)
     stats = analyze(ts, threshold_s=args.threshold)
+    by_provider = (analyze_by_provider(ts, threshold_s=args.threshold)
+                   if len(stats.providers) > 1 else None)
     if args.json:
-        print(json.dumps(to_json(stats), indent=2))
+        print(json.dumps(to_json(stats, by_provider), indent=2))
     else:
-        print(format_stats(stats))
+        print(format_stats(stats, by_provider=by_provider))
     if args.plot is not None:
         from mori.cli.trace_plot import plot_trace_stats
 
@@ -243,12 +273,35 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    spec = SynthSpec(
-        programs=args.programs, seed=args.seed, threshold_s=args.threshold,
-        short_calls_frac=args.short_calls, short_time_frac=args.short_time,
-        busy_median_s=args.busy_median, busy_p90_s=args.busy_p90,
-        phases_median=args.phases, first_prompt_median=args.first_prompt,
-        growth_per_call=args.growth, max_context=args.max_context, name=args.name)
+    """SynthSpec's defaults, or the spec fitted to --like's set, with the options given
+    (not ``None``) put over it; then generate."""
+    from dataclasses import replace
+
+    from mori.traces.synth_fit import describe, fit_spec, with_overrides
+
+    flags = {"programs": "programs", "seed": "seed", "threshold": "threshold_s",
+             "short_calls": "short_calls_frac", "short_time": "short_time_frac",
+             "busy_median": "busy_median_s", "busy_p90": "busy_p90_s",
+             "phases": "phases_median", "first_prompt": "first_prompt_median",
+             "growth": "growth_per_call", "output_tokens": "output_median",
+             "max_context": "max_context", "name": "name"}
+    given: dict[str, Any] = {field: getattr(args, dest) for dest, field in flags.items()
+                             if getattr(args, dest) not in (None, "")}
+    d = SynthSpec()
+    if args.like is None:
+        if args.provider is not None:
+            given["provider"] = "" if args.provider == "unknown" else args.provider
+        spec = replace(d, **given)
+    else:
+        source = load_traces(args.like)
+        fitted = fit_spec(source, threshold_s=given.get("threshold_s", d.threshold_s),
+                          provider=args.provider, programs=given.get("programs"),
+                          seed=given.get("seed", d.seed))
+        spec = with_overrides(fitted, given)
+        which = "" if args.provider is None else f", provider {args.provider}"
+        print(f"spec fitted to {source.name!r}{which} at {spec.threshold_s:g} s:",
+              file=sys.stderr)
+        print(describe(spec, given), file=sys.stderr)
     ts = synthesize(spec)
     write_traceset(ts, args.output)
     steps = sum(len(p.steps) for p in ts.programs)

@@ -21,18 +21,24 @@ population; their whole life is one long tool call of their parent):
 * *Context*: a program's first prompt, its peak prompt, and its growth per call up to
   the peak, ``(peak - first) / (calls from the first to the peak)``.
 
+*Providers*: a program's provider is the agent that recorded it (``claude``, ``codex``;
+``unknown`` when not recorded); subagents count with their top-level program. A set of
+more than one provider is also analysed per provider (:func:`analyze_by_provider`),
+each provider's programs alone, as :func:`analyze` would on a set of only them.
+
 Percentiles interpolate linearly between order statistics.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from mori.traces.model import GapKind, ProgramTrace, Step, TraceSet
 
 DEFAULT_THRESHOLD_S = 2.0
+UNKNOWN_PROVIDER = "unknown"
 PHASE_THRESHOLDS_S = (1.0, 2.0, 5.0)
 
 PAPER = {
@@ -107,14 +113,39 @@ class PopulationStats:
 
 @dataclass(frozen=True, slots=True)
 class TraceStats:
-    """The analysis of a trace set: top-level programs and subagents apart."""
+    """The analysis of a trace set: top-level programs and subagents apart; ``providers``
+    the providers of its programs (:func:`providers`)."""
 
     name: str
     threshold_s: float
     main: PopulationStats
     subagents: PopulationStats | None
+    providers: tuple[str, ...] = ()
     gaps_main: tuple[float, ...] = field(repr=False, default=())
     gaps_subagents: tuple[float, ...] = field(repr=False, default=())
+
+
+def provider_of(program: ProgramTrace) -> str:
+    """The program's provider, ``unknown`` when not recorded."""
+    return program.provider or UNKNOWN_PROVIDER
+
+
+def providers(ts: TraceSet) -> tuple[str, ...]:
+    """The providers of the set's top-level programs, sorted, ``unknown`` last."""
+    return tuple(sorted({provider_of(p) for p in ts.programs},
+                        key=lambda name: (name == UNKNOWN_PROVIDER, name)))
+
+
+def select_provider(ts: TraceSet, provider: str) -> TraceSet:
+    """The set's top-level programs of ``provider`` (``unknown`` or ``""``: those without
+    one), their subagents along; ``ValueError`` naming the providers present if none."""
+    wanted = provider or UNKNOWN_PROVIDER
+    programs = tuple(p for p in ts.programs if provider_of(p) == wanted)
+    if not programs:
+        present = ", ".join(providers(ts)) or "none (the set is empty)"
+        raise ValueError(f"no program of provider {wanted!r} in trace set {ts.name!r}; "
+                         f"its providers: {present}")
+    return TraceSet(ts.name, programs)
 
 
 def span_s(program: ProgramTrace) -> float:
@@ -226,7 +257,18 @@ def analyze(ts: TraceSet, threshold_s: float = DEFAULT_THRESHOLD_S,
     main, gaps_main = population(ts.programs, threshold_s, thresholds)
     subs = [q for p in ts.programs for q in p.all_programs()[1:]]
     sub_stats, gaps_sub = population(subs, threshold_s, thresholds) if subs else (None, [])
-    return TraceStats(ts.name, threshold_s, main, sub_stats, tuple(gaps_main), tuple(gaps_sub))
+    return TraceStats(ts.name, threshold_s, main, sub_stats, providers(ts), tuple(gaps_main),
+                      tuple(gaps_sub))
+
+
+def analyze_by_provider(ts: TraceSet, threshold_s: float = DEFAULT_THRESHOLD_S,
+                        phase_thresholds: Iterable[float] = PHASE_THRESHOLDS_S
+                        ) -> dict[str, TraceStats]:
+    """:func:`analyze` of each provider's programs alone, by provider (in the order of
+    :func:`providers`); one entry for a set of one provider."""
+    thresholds = tuple(phase_thresholds)
+    return {name: analyze(select_provider(ts, name), threshold_s, thresholds)
+            for name in providers(ts)}
 
 
 def _clean(value: object) -> object:
@@ -239,20 +281,31 @@ def _clean(value: object) -> object:
     return value
 
 
-def to_json(stats: TraceStats) -> dict[str, object]:
-    """``stats`` as a JSON-able dict (NaN as ``null``), with the paper's figures."""
-    def pop(p: PopulationStats | None) -> object:
-        return None if p is None else _clean(asdict(p))
+def _pop_json(p: PopulationStats | None) -> object:
+    return None if p is None else _clean(asdict(p))
+
+
+def to_json(stats: TraceStats, by_provider: Mapping[str, TraceStats] | None = None
+            ) -> dict[str, object]:
+    """``stats`` as a JSON-able dict (NaN as ``null``), with the paper's figures; when
+    ``by_provider`` (:func:`analyze_by_provider`) holds more than one provider, also
+    ``"by_provider": {provider: {"main": ..., "subagents": ...}}``."""
     paper = dict(PAPER)
     paper["busy_phase_s"] = {f"{t:g}": {"median": m, "p90": p90}
                              for t, (m, p90) in PAPER["busy_phase_s"].items()}  # type: ignore[attr-defined]
-    return {
+    out: dict[str, object] = {
         "name": stats.name,
         "threshold_s": stats.threshold_s,
-        "main": pop(stats.main),
-        "subagents": pop(stats.subagents),
+        "providers": list(stats.providers),
+        "main": _pop_json(stats.main),
+        "subagents": _pop_json(stats.subagents),
         "paper": paper,
     }
+    if by_provider is not None and len(by_provider) > 1:
+        out["by_provider"] = {
+            name: {"main": _pop_json(s.main), "subagents": _pop_json(s.subagents)}
+            for name, s in by_provider.items()}
+    return out
 
 
 def _pct(x: float) -> str:
@@ -269,7 +322,8 @@ def _pair(d: Dist, digits: int = 1) -> str:
     return f"{_num(d.median, digits)} / {_num(d.p90, digits)}"
 
 
-def _rows(p: PopulationStats, threshold_s: float, paper: bool) -> list[tuple[str, str, str]]:
+def _rows(p: PopulationStats, threshold_s: float, paper: bool,
+          missing_row: bool) -> list[tuple[str, str, str]]:
     t = f"{threshold_s:g} s"
     paper_on = paper and threshold_s == PAPER["threshold_s"]
     phase_paper: dict[float, tuple[float, float | None]] = PAPER["busy_phase_s"]  # type: ignore[assignment]
@@ -297,27 +351,60 @@ def _rows(p: PopulationStats, threshold_s: float, paper: bool) -> list[tuple[str
         ("peak prompt tokens: median / p90", _pair(p.peak_prompt, 0), ""),
         ("context growth per call (tokens): median / p90", _pair(p.growth_per_call, 0), ""),
     ]
-    if p.steps_without_call_time:
+    if missing_row:
         rows.append(("steps without a recorded call time (counted 0 s)",
                      f"{p.steps_without_call_time:,}", ""))
     return rows
 
 
-def format_stats(stats: TraceStats, paper: bool = True) -> str:
-    """A plain-text report, the paper's figures beside ours (``paper``)."""
-    lines = [f"trace set {stats.name!r}, threshold {stats.threshold_s:g} s"]
-    sections: list[tuple[str, PopulationStats]] = [("top-level programs", stats.main)]
+def _empty_like(p: PopulationStats, threshold_s: float) -> PopulationStats:
+    """A population of no program, with ``p``'s phase thresholds (a provider whose
+    programs spawned no subagent)."""
+    return population([], threshold_s, [ph.threshold_s for ph in p.busy_phases])[0]
+
+
+def _table(title: str, columns: Sequence[tuple[str, PopulationStats]], threshold_s: float,
+           paper: bool) -> list[str]:
+    """One section: a label column, one value column per population, the paper's."""
+    missing = any(pop.steps_without_call_time for _, pop in columns)
+    rows = [_rows(pop, threshold_s, paper, missing) for _, pop in columns]
+    labels = [r[0] for r in rows[0]]
+    refs = [r[2] for r in rows[0]]
+    width = max(len(label) for label in labels)
+    widths = [max(len(head), *(len(r[1]) for r in col))
+              for (head, _), col in zip(columns, rows, strict=True)]
+    header = f"{title:<{width}}" + "".join(
+        f"  {head:>{w}}" for (head, _), w in zip(columns, widths, strict=True))
+    lines = ["", header + ("  paper" if paper else "")]
+    for i, label in enumerate(labels):
+        values = "".join(f"  {col[i][1]:>{w}}" for col, w in zip(rows, widths, strict=True))
+        lines.append(f"{label:<{width}}{values}  {refs[i]}".rstrip())
+    return lines
+
+
+def _header(stats: TraceStats) -> str:
+    line = f"trace set {stats.name!r}, threshold {stats.threshold_s:g} s"
+    if len(stats.providers) > 1:
+        return line + f", providers {', '.join(stats.providers)}"
+    if stats.providers and stats.providers[0] != UNKNOWN_PROVIDER:
+        return line + f", provider {stats.providers[0]}"
+    return line
+
+
+def format_stats(stats: TraceStats, paper: bool = True,
+                 by_provider: Mapping[str, TraceStats] | None = None) -> str:
+    """A plain-text report, the paper's figures beside ours (``paper``). When
+    ``by_provider`` (:func:`analyze_by_provider`) holds more than one provider, each gets
+    a column beside the whole set's (``all``)."""
+    split = dict(by_provider) if by_provider is not None and len(by_provider) > 1 else {}
+    t = stats.threshold_s
+    main_cols = [("all" if split else "this set", stats.main)]
+    main_cols += [(name, s.main) for name, s in split.items()]
+    lines = [_header(stats)]
+    lines += _table("top-level programs", main_cols, t, paper)
     if stats.subagents is not None:
-        sections.append(("subagents (each a program of its own)", stats.subagents))
-    for title, pop in sections:
-        rows = _rows(pop, stats.threshold_s, paper and pop is stats.main)
-        width = max(len(r[0]) for r in rows)
-        vwidth = max(len(r[1]) for r in rows)
-        lines.append("")
-        header = f"{title:<{width}}  {'this set':>{vwidth}}"
-        if paper and pop is stats.main:
-            header += "  paper"
-        lines.append(header)
-        for label, value, ref in rows:
-            lines.append(f"{label:<{width}}  {value:>{vwidth}}  {ref}".rstrip())
+        empty = _empty_like(stats.subagents, t)
+        sub_cols = [("all" if split else "this set", stats.subagents)]
+        sub_cols += [(name, s.subagents or empty) for name, s in split.items()]
+        lines += _table("subagents (each a program of its own)", sub_cols, t, False)
     return "\n".join(lines)

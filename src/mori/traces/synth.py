@@ -43,7 +43,8 @@ LONG_TOOLS = ("Bash", "Bash", "WebFetch", "Task")
 
 @dataclass(frozen=True, slots=True)
 class SynthSpec:
-    """What to generate. Times in seconds, sizes in tokens."""
+    """What to generate. Times in seconds, sizes in tokens; ``provider`` labels the
+    programs (``ProgramTrace.provider``, ``""`` for none)."""
 
     programs: int = 50
     seed: int = 0
@@ -64,6 +65,7 @@ class SynthSpec:
     output_median: int = 200
     max_context: int = 200_000
     name: str = ""
+    provider: str = ""
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first impossible setting."""
@@ -210,4 +212,5 @@ def _program(rng: random.Random, spec: SynthSpec, index: int, cycles: list[_Cycl
             prompt = round(first * 1.1)
             reuse = shared  # only the tools + system prefix survives it
     return ProgramTrace(name=f"synth-{spec.seed}-{index:04d}", steps=tuple(steps),
-                        shared_prefix_tokens=shared, source="mori trace synth")
+                        shared_prefix_tokens=shared, source="mori trace synth",
+                        provider=spec.provider)
