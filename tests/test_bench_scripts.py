@@ -18,8 +18,11 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
     ("bench_sim.py", ["--programs", "4", "--duration", "60", "--policies", "smg,mori"],
      "mori"),
     ("ta_churn.py", ["--programs", "4", "--replicas", "2"], "pause"),
+    ("provider_shapes.py", ["--out", "{tmp}", "--sweep", "smoke", "--programs", "20"],
+     "tool calls under 2 s"),
 ])
-def test_bench_script_runs(script: str, args: list[str], expect: str) -> None:
+def test_bench_script_runs(script: str, args: list[str], expect: str, tmp_path: Path) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

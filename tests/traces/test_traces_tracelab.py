@@ -272,3 +272,14 @@ def test_real_example_rows_sanitized_and_private_import_alike() -> None:
     assert claude.steps[4].gap_kind is GapKind.HUMAN
     assert claude.steps[4].gap_s == pytest.approx(19.913)
     assert {s.gap_kind for s in codex.steps} <= {GapKind.TOOL, GapKind.HUMAN, GapKind.END}
+
+
+def test_progress_counts_the_bytes_on_disk_of_a_gzipped_file(tmp_path: Path) -> None:
+    rows = [r for i in range(30) for r in claude_session(f"claude:s{i}")]
+    path = write_rows(tmp_path / "t.jsonl.gz", rows)
+    seen: list[int] = []
+    programs, _ = _import(path, progress=seen.append)
+    assert len(programs) == 30
+    # the progress bar is sized by the file on disk: its updates add up to that, not to
+    # the decompressed bytes (several times more)
+    assert sum(seen) == path.stat().st_size

@@ -138,6 +138,13 @@ def open_binary(file: Path) -> IO[bytes]:
     return open(file, "rb")  # noqa: SIM115 -- the caller closes it
 
 
+def _decompressed(file: Path, disk: IO[bytes]) -> IO[bytes]:
+    """The bytes of ``disk`` (``file`` opened), decompressed when its name ends in ``.gz``."""
+    if file.name.lower().endswith(".gz"):
+        return cast(IO[bytes], gzip.GzipFile(fileobj=disk, mode="rb"))
+    return disk
+
+
 def json_lines(file: Path, options: ImportOptions) -> Iterator[tuple[int, Fields]]:
     """(line number, the line's JSON object) for each non-blank line of ``file``.
 
@@ -149,10 +156,13 @@ def json_lines(file: Path, options: ImportOptions) -> Iterator[tuple[int, Fields
     report.files += 1
     lineno = 0
     try:
-        with open_binary(file) as stream:
+        with open(file, "rb") as disk, _decompressed(file, disk) as stream:
+            consumed = 0
             for lineno, raw in enumerate(stream, 1):
-                if options.progress is not None:
-                    options.progress(len(raw))
+                if options.progress is not None:  # bytes of the file on disk, as sized
+                    now = disk.tell()
+                    options.progress(now - consumed)
+                    consumed = now
                 if not raw.strip():
                     continue
                 report.lines += 1
