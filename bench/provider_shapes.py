@@ -64,7 +64,7 @@ def build_sets(out: Path, programs: int, seed: int) -> dict[str, Path]:
 def sweep(name: str, traces: str, folder: Path, jobs: int) -> None:
     subprocess.run([sys.executable, "-m", "mori", "sweep", name, "--traces", traces,
                     "--out", str(folder), "--jobs", str(jobs), "--only-missing", "--quiet"],
-                   check=True)
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def workload_rows(sets: dict[str, TraceSet]) -> list[str]:
