@@ -5,7 +5,7 @@ transcripts of tests/data/claude-code (each copy a new session: new session id a
 request ids, timestamps shifted by a day per copy, subagent folders copied along), then
 imports a ~10 MB prefix of it (the baseline) and the whole of it, each in a fresh
 Python process writing a gzipped canonical file, and reports wall time, throughput, peak
-resident memory (``ru_maxrss`` of the child) and the peak of Python allocations
+resident memory (the child's ``VmHWM``) and the peak of Python allocations
 (``tracemalloc``, in a second child, since tracing slows the import). Bounded memory
 means the 100 MB / 10 MB ratio of the peaks stays near 1.
 
@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from benchutil import HWM_SOURCE, scratch_dir
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "claude-code"
 
-CHILD = """
-import json, resource, sys, time, tracemalloc
+CHILD = HWM_SOURCE + """
+import json, sys, time, tracemalloc
 from pathlib import Path
 trace = sys.argv[3] == "1"
 if trace:
@@ -44,7 +44,7 @@ with TraceWriter(sys.argv[2], "bench") as writer:
 wall = time.perf_counter() - t0
 peak_py = tracemalloc.get_traced_memory()[1] if trace else 0
 r = options.report
-print(json.dumps({"wall": wall, "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+print(json.dumps({"wall": wall, "rss_kb": hwm(),
                   "py_peak": peak_py, "programs": r.programs, "steps": r.steps,
                   "lines": r.lines}))
 """
@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-mb", type=float, default=10.0, help="baseline size")
     parser.add_argument("--keep", type=Path, help="build the folders here and keep them")
     args = parser.parse_args(argv)
-    root = args.keep or Path(tempfile.mkdtemp(prefix="mori-bench-import-"))
-    try:
+    with scratch_dir(args.keep, "mori-bench-import-") as root:
         small, big = root / "small", root / "big"
         small_sizes = build(small, args.baseline_mb)
         big_sizes = build(big, args.mb)
@@ -131,9 +130,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{b_plain['rss_kb'] / s_plain['rss_kb']:.2f}, peak Python allocations ratio "
               f"{b_traced['py_peak'] / s_traced['py_peak']:.2f}, time ratio "
               f"{b_plain['wall'] / s_plain['wall']:.1f}")
-    finally:
-        if args.keep is None:
-            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

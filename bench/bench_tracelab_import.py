@@ -22,25 +22,17 @@ import argparse
 import gzip
 import json
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
+
+from benchutil import HWM_SOURCE, scratch_dir
 
 RELEASE = {"claude": (140_338, 2_676), "codex": (216_823, 1_589)}  # rows, sessions
 T0 = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
 
-# The children's peak resident memory is their VmHWM: ru_maxrss would carry the parent's
-# peak over the exec (Linux keeps it in the process's signal struct).
-HWM = """
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
-"""
-
-CHILD = HWM + """
+CHILD = HWM_SOURCE + """
 import json, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
@@ -56,7 +48,7 @@ print(json.dumps({"wall": time.perf_counter() - t0,
                   "rss_kb": hwm(), "programs": r.programs, "steps": r.steps, "lines": r.lines}))
 """
 
-FLOOR = HWM + """
+FLOOR = HWM_SOURCE + """
 import gzip, json, sys, time
 t0 = time.perf_counter()
 n = 0
@@ -167,9 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows grouped by session (as TraceLab writes them) or shuffled")
     parser.add_argument("--keep", type=Path, help="build the files here and keep them")
     args = parser.parse_args(argv)
-    root = args.keep or Path(tempfile.mkdtemp(prefix="mori-bench-tracelab-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_dir(args.keep, "mori-bench-tracelab-") as root:
         results = []
         for label, rows in (("baseline", max(1, round(args.rows * args.baseline_fraction))),
                             ("full", args.rows)):
@@ -188,9 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         (_, b_rows, b, _), (_, f_rows, f, _) = results
         print(f"rows ratio {f_rows / b_rows:.1f}x: peak RSS ratio "
               f"{f['rss_kb'] / b['rss_kb']:.2f}, time ratio {f['wall'] / b['wall']:.1f}")
-    finally:
-        if args.keep is None:
-            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -1,13 +1,17 @@
 """Helpers the benchmark scripts share: free ports, the open-file limit, a process's RSS
-and CPU time, its children, percentiles, the end of a log file. (Run from ``bench/``, so
-scripts import it by name.)"""
+and CPU time, its children, percentiles, the end of a log file, a scratch folder. (Run
+from ``bench/``, so scripts import it by name.)"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import resource
+import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -80,3 +84,27 @@ def child_pids(pid: int) -> list[int]:
         if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
             out.append(int(entry))
     return sorted(out)
+
+
+@contextlib.contextmanager
+def scratch_dir(keep: Path | None, prefix: str) -> Iterator[Path]:
+    """``keep`` (created, and kept), or a new temporary folder removed on leaving."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+#: Python source defining ``hwm()``: the running process's peak resident memory in KiB
+#: (``VmHWM``), for a child started with ``python -c``. ``ru_maxrss`` would not do: Linux
+#: carries the parent's peak over the exec.
+HWM_SOURCE = """
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
+"""
