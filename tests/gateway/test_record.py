@@ -59,6 +59,7 @@ def test_program_round_trips_to_steps(tmp_path: Path, suffix: str) -> None:
     assert ts.name == "mori-serve"
     (p,) = ts.programs
     assert p.name == "k0/session-abc" and p.source == "mori serve"
+    assert p.provider == "claude"  # recognised as Claude Code: `trace stats` splits by it
     assert p.steps == (
         Step(1000, 40, 1.5, GapKind.TOOL, 0, new_tokens=None, call_s=2.0,
              tool_names=("Read", "Bash", "Read")),
@@ -164,7 +165,7 @@ def test_close_writes_open_programs_subagents_nested(tmp_path: Path) -> None:
     assert main.steps[0].gap_kind is GapKind.SUBAGENT and main.steps[0].gap_s == 0.0
     assert main.steps[0].subagents == (SubagentSpawn(
         0.5, ProgramTrace("sub", (Step(1000, 50, 0.0, GapKind.END, call_s=0.5),),
-                          source="mori serve")),)
+                          source="mori serve", provider="claude")),)
 
 
 def test_each_line_is_flushed_when_its_program_ends(tmp_path: Path) -> None:

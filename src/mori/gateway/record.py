@@ -56,6 +56,8 @@ from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn
 log = logging.getLogger("mori.gateway")
 
 SOURCE = "mori serve"  # the recorded programs' ``source``
+#: the trace's ``provider`` for each agent kind the gateway recognises
+PROVIDERS = {"claude-code": "claude", "codex": "codex"}
 _NAME_ENDINGS = (".jsonl", ".jsonl.gz")
 
 
@@ -279,7 +281,9 @@ def _build(program: _Program) -> _Built:
         last_ends[index] = max(last_ends[index], sub.last_end())
     if ordered:
         steps = tuple(_step(ordered, i, spawns[i], last_ends[i]) for i in range(len(ordered)))
-        built.trace = ProgramTrace(name=program.program_id, steps=steps, source=SOURCE)
+        built.trace = ProgramTrace(name=program.program_id, steps=steps, source=SOURCE,
+                                   provider=PROVIDERS.get(program.agent)
+                                   or PROVIDERS.get(program.recogniser, ""))
         built.records[id(built.trace)] = (program, ordered)
     return built
 
