@@ -59,13 +59,17 @@ LAYERS = {
     # runs inside vLLM's processes: nothing of MORI but itself (its protocol module is
     # what the gateway's adapter imports)
     "vllm_plugin": set(),
+    # runs inside SGLang's processes; speaks the vLLM plug-in's label channel (its
+    # protocol, server and label table need neither engine)
+    "sglang_plugin": {"vllm_plugin"},
 }
 # what the other layers may import of the plug-in: its protocol (it needs no vLLM; the
 # engine adapters speak the label channel with it) and its connector config (`mori
 # vllm-args` prints it; it checks the installed vLLM's release with compat); the rest runs
 # only inside vLLM
 PLUGIN_API = {"mori.vllm_plugin", "mori.vllm_plugin.protocol",
-              "mori.vllm_plugin.connector_config", "mori.vllm_plugin.compat"}
+              "mori.vllm_plugin.connector_config", "mori.vllm_plugin.compat",
+              "mori.sglang_plugin", "mori.sglang_plugin.order"}
 HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
         "prometheus_client"}
 
@@ -133,3 +137,16 @@ def test_mypy_strict_clean() -> None:
     res = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_sglang_plugin_imports_without_sglang() -> None:
+    """Only ``mori.sglang_plugin.backend`` imports SGLang: the gateway's adapter and
+    ``mori sglang-args`` import the order and the routing key where SGLang is not
+    installed."""
+    code = ("import sys, mori, mori.sglang_plugin, mori.sglang_plugin.order, "
+            "mori.cli.main; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout

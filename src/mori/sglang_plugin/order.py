@@ -1,0 +1,78 @@
+"""The order in which the SGLang plug-in evicts radix-tree nodes (no SGLang needed).
+
+A node's *owners* are the programs whose requests inserted or matched it (the gateway
+names a request's program in the ``x-smg-routing-key`` header, which SGLang keeps as the
+request's ``routing_key``; the value is percent-encoded, :func:`routing_key`). A node
+owned by more than :data:`MAX_OWNERS` programs is *widely shared* and counts as busy.
+Its class, on each tier:
+
+- no owner (a request that did not come through the gateway): ``unowned``;
+- else the most protective label of its owners (``busy`` > ``idle`` > ``inactive``; a
+  program the gateway has not labelled is ``busy``, as in the vLLM plug-in).
+
+Eviction takes the smallest key first: ``(class rank, last access time)``. On the GPU
+the ranks are unowned 0, inactive 1, idle 2, busy 3; on HiCache's host tier unowned 0,
+inactive 1, busy 2, idle 3 (a busy program's KV is on the GPU as well; an idle one's
+host copy is what saves its recompute). While no label is known (no gateway has spoken,
+or it cleared the table) every node has rank 0: SGLang's own LRU, exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import quote, unquote
+
+from mori.vllm_plugin.labels import PROTECTION, LabelTable
+
+MAX_OWNERS = 64
+ROUTING_HEADER = "x-smg-routing-key"
+DEVICE_RANK = {"unowned": 0, "inactive": 1, "idle": 2, "busy": 3}
+HOST_RANK = {"unowned": 0, "inactive": 1, "busy": 2, "idle": 3}
+WIDE = "\x00wide"  # the owner set of a widely shared node holds only this mark
+
+
+def routing_key(program_id: str) -> str:
+    """The header value naming ``program_id`` (percent-encoded: any id fits a header)."""
+    return quote(program_id, safe="")
+
+
+def program_of(key: object) -> str | None:
+    """The program a request's ``routing_key`` names, or ``None`` when it has none."""
+    if not isinstance(key, str) or not key:
+        return None
+    return unquote(key)
+
+
+def add_owner(owners: set[str], program: str) -> None:
+    """Add ``program`` to a node's owners, marking the node widely shared past
+    :data:`MAX_OWNERS`."""
+    if WIDE in owners or program in owners:
+        return
+    if len(owners) >= MAX_OWNERS:
+        owners.clear()
+        owners.add(WIDE)
+        return
+    owners.add(program)
+
+
+def node_class(owners: Iterable[str], labels: LabelTable) -> str:
+    """``unowned``, or the most protective label of ``owners`` (module doc)."""
+    best: str | None = None
+    for program in owners:
+        if program == WIDE:
+            return "busy"
+        label = labels.label(program)
+        if best is None or PROTECTION[label] > PROTECTION[best]:
+            best = label
+            if label == "busy":
+                break
+    return "unowned" if best is None else best
+
+
+def eviction_key(owners: Iterable[str], last_access: float, labels: LabelTable,
+                 host: bool = False) -> tuple[int, float]:
+    """The key SGLang's eviction heap orders nodes by (smallest evicted first)."""
+    if len(labels) == 0:
+        return (0, last_access)
+    ranks = HOST_RANK if host else DEVICE_RANK
+    return (ranks[node_class(owners, labels)], last_access)

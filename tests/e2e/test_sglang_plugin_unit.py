@@ -1,0 +1,63 @@
+"""The MORI SGLang plug-in's own tests (``tests/sglang_inside``), run inside SGLang's venv
+on SGLang's real cache classes (SGLang 0.5.23 with CPU tensors; its server does not run
+on these CPUs, ``shared/ENGINES.md``).
+
+The venv comes from ``scripts/sglang_cpu_env.sh`` (cached at ``$MORI_SGLANG_VENV`` or
+``~/.cache/mori/sglang-venv``, about 2.5 GB); ``MORI_SKIP_SGLANG=1`` skips.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+INSTALL_TIMEOUT_S = 1800
+TIMEOUT_S = 600
+
+
+def _install_venv() -> Path:
+    script = ROOT / "scripts" / "sglang_cpu_env.sh"
+    try:
+        proc = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                              timeout=INSTALL_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"installing SGLang's CPU venv took over {INSTALL_TIMEOUT_S} s "
+                    "(scripts/sglang_cpu_env.sh); the package registry may be unreachable "
+                    "or slow: this is outside the project", pytrace=False)
+    tail = "\n".join((proc.stderr + proc.stdout).splitlines()[-30:])
+    if proc.returncode == 2:
+        pytest.fail("installing SGLang's CPU venv failed for a reason outside the project "
+                    f"(package registry unreachable, or a package missing):\n{tail}",
+                    pytrace=False)
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/sglang_cpu_env.sh failed (exit {proc.returncode}):\n{tail}",
+                    pytrace=False)
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def test_plugin_tests_pass_inside_sglangs_venv() -> None:
+    if os.environ.get("MORI_SKIP_SGLANG") == "1":
+        pytest.skip("MORI_SKIP_SGLANG=1: the tests on SGLang's classes are skipped")
+    venv = _install_venv()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SGLANG_PLUGINS": "none"}
+    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--confcutdir", "tests/sglang_inside", "-W", "ignore::DeprecationWarning",
+           "tests/sglang_inside"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"tests/sglang_inside took over {TIMEOUT_S} s:\n{e.stdout or ''}",
+                    pytrace=False)
+    out = (proc.stdout + proc.stderr)[-12000:]
+    print(out, file=sys.stderr)
+    assert proc.returncode == 0, f"tests/sglang_inside failed inside SGLang's venv:\n{out}"
+    assert " passed" in out and " skipped" not in out, out
