@@ -30,6 +30,18 @@ vLLM's schema; not checked against a running SGLang) or not at all.
 Prefetch: with HiCache, SGLang loads a prefix it finds in the host pool back to the
 device when a request matches it; the warm-up request makes that happen before the real
 request is let through.
+
+The MORI plug-in (``mori.sglang_plugin``, ``--radix-cache-backend mori``; ``mori
+sglang-args`` prints the flags): every forwarded request names its program in the
+``x-smg-routing-key`` header (percent-encoded; SGLang keeps it as the request's
+``routing_key``, and the plug-in tags the radix-tree nodes the request inserts or matches
+with it). With the option ``labels`` (the plug-in's label endpoint,
+``tcp://127.0.0.1:5558``) the adapter speaks the label channel exactly as the vLLM
+adapter does (``mori.engines.plugin_link``): when the plug-in answers the handshake it
+declares ``LABELS`` and ``DROP`` (labels, drops and ``release``, the label ``inactive``,
+go over the channel); a plug-in that stops answering takes them away, and eviction is
+SGLang's own order until it answers again and gets the full table (``labels_timeout_s``
+2, ``labels_check_s`` 5).
 """
 
 from __future__ import annotations
@@ -37,10 +49,21 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mori.engines.base import Capability, KVCapacity, RequestHints, UpstreamError
+from mori.core.types import KVLabel
+from mori.engines.base import (
+    Capability,
+    KVCapacity,
+    NotSupportedError,
+    RequestHints,
+    UpstreamError,
+)
 from mori.engines.kv_events_adapter import KVEventsAdapter
+from mori.engines.plugin_link import PluginLink
+from mori.sglang_plugin.order import ROUTING_HEADER, routing_key
 
 log = logging.getLogger(__name__)
+
+PLUGIN_CAPABILITIES = frozenset({Capability.LABELS, Capability.DROP})
 
 
 def hicache_flags(events_port: int = 5557, ratio: float = 2.0) -> list[str]:
@@ -70,7 +93,8 @@ class SGLangAdapter(KVEventsAdapter):
     from the server's ``enable_priority_scheduling``), ``priority_low_first`` (None: from
     ``schedule_low_priority_values_first``), ``priority_base``; ``kv_events``,
     ``kv_events_topic``, ``attribution`` (``tokens`` or ``none``); ``prefetch`` (None:
-    when the server runs HiCache).
+    when the server runs HiCache); ``labels`` (the MORI plug-in's label endpoint),
+    ``labels_timeout_s``, ``labels_check_s``.
     """
 
     kind = "sglang"
@@ -84,7 +108,9 @@ class SGLangAdapter(KVEventsAdapter):
                  kv_bytes_per_token: int = 0, priority: bool | None = None,
                  priority_low_first: bool | None = None, priority_base: int = 0,
                  kv_events: str | None = None, kv_events_topic: str = "kv-events",
-                 attribution: str = "tokens", prefetch: bool | None = None) -> None:
+                 attribution: str = "tokens", prefetch: bool | None = None,
+                 labels: str | None = None, labels_timeout_s: float = 2.0,
+                 labels_check_s: float = 5.0) -> None:
         if attribution not in ("tokens", "none"):
             raise ValueError(f"unknown attribution {attribution!r} for SGLang; valid: tokens, "
                              "none (SGLang's KV events carry no session id or salt)")
@@ -105,6 +131,56 @@ class SGLangAdapter(KVEventsAdapter):
         if prefetch:
             caps.add(Capability.PREFETCH)
         self.capabilities = self.capabilities | caps
+        self.link = PluginLink(labels, timeout_s=labels_timeout_s, check_s=labels_check_s,
+                               name=f"SGLang {url}", fallback="SGLang's own order",
+                               on_up=self._plugin_up, on_down=self._plugin_down,
+                               logger=log) if labels else None
+        """The MORI plug-in's label channel (None: no ``labels`` option)."""
+
+    # -- the MORI plug-in ---------------------------------------------------------------
+    async def start(self) -> None:
+        if self.link is not None:
+            await self.link.start()
+        await super().start()
+
+    async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+        await super().close()
+
+    @property
+    def labels_up(self) -> bool:
+        """Whether the plug-in answers (labels and drops are sent to it)."""
+        return self.link is not None and self.link.up
+
+    async def check_labels(self) -> bool:
+        """One check of the label channel; True when the plug-in answers."""
+        return self.link is not None and await self.link.check()
+
+    def _plugin_up(self, hello: dict[str, Any]) -> None:
+        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
+
+    def _plugin_down(self) -> None:
+        self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
+
+    def _link(self, what: str) -> PluginLink:
+        if self.link is None:
+            raise NotSupportedError(f"SGLang {self.url} {what} only through the MORI "
+                                    "plug-in (the labels=ENDPOINT option)")
+        return self.link
+
+    async def set_label(self, program_id: str, label: KVLabel) -> None:
+        """Label the program's KV; while the plug-in does not answer, only recorded."""
+        await self._link("takes eviction labels").set_label(program_id, label.value)
+
+    async def drop(self, program_id: str) -> None:
+        """Let the program's KV go first (SGLang evicts its nodes at the next eviction)."""
+        await self._link("drops one program's KV").drop(program_id)
+
+    async def release(self, program_id: str) -> None:
+        await super().release(program_id)
+        if self.link is not None:
+            await self.set_label(program_id, KVLabel.INACTIVE)
 
     async def fetch_server_info(self) -> dict[str, Any]:
         """``/get_server_info`` (``/server_info`` on servers that renamed it)."""
@@ -140,6 +216,10 @@ class SGLangAdapter(KVEventsAdapter):
     def sglang_priority(self, rank: int) -> int:
         """MORI's rank (0 = most important) in SGLang's convention."""
         return self.priority_base + rank if self.priority_low_first else self.priority_base - rank
+
+    def request_headers(self, hints: RequestHints) -> dict[str, str]:
+        """The program's name for the MORI plug-in (SGLang's ``routing_key``)."""
+        return {ROUTING_HEADER: routing_key(hints.program_id)} if hints.program_id else {}
 
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
         if Capability.PRIORITY not in self.capabilities:

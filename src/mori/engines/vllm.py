@@ -63,12 +63,9 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,12 +80,8 @@ from mori.engines.base import (
 )
 from mori.engines.http import metric_sum, parse_prometheus
 from mori.engines.kv_events_adapter import KVEventsAdapter
-from mori.engines.label_channel import (
-    LabelChannel,
-    LabelChannelDown,
-    LabelChannelError,
-    LabelRefused,
-)
+from mori.engines.label_channel import LabelChannel, LabelChannelDown, LabelRefused
+from mori.engines.plugin_link import PluginLink
 
 log = logging.getLogger(__name__)
 
@@ -186,124 +179,58 @@ class VLLMAdapter(KVEventsAdapter):
             caps.add(Capability.PREFETCH)
         self.capabilities = self.capabilities | caps
         self._events_residency = Capability.RESIDENCY in self.capabilities
-        self.label_channel = LabelChannel(labels, labels_timeout_s) if labels else None
-        self.labels_check_s = labels_check_s
-        self.plugin: dict[str, Any] | None = None
-        """The plug-in's last handshake (None: it has not answered yet)."""
-        self.plugin_connections = 0  # handshakes that (re)established the channel
         self._plugin_cpu_tokens = 0
-        self._labels_up = False  # the plug-in answers: labels are sent, not only recorded
-        self._label_error = ""
-        self._checker: asyncio.Task[None] | None = None
+        self.link = PluginLink(labels, timeout_s=labels_timeout_s, check_s=labels_check_s,
+                               name=f"vLLM {url}", fallback="plain LRU",
+                               on_up=self._plugin_up, on_down=self._plugin_down,
+                               logger=log) if labels else None
+        """The MORI plug-in's label channel (None: no ``labels`` option)."""
 
     # -- lifecycle and the plug-in's label channel -------------------------------------------
     async def start(self) -> None:
-        if self.label_channel is not None and self._checker is None:
-            if not await self._handshake():
-                log.warning("vLLM %s: eviction is plain LRU: the MORI plug-in did not answer "
-                            "at %s (%s); checking again every %g s", self.url,
-                            self.label_channel.endpoint, self._label_error,
-                            self.labels_check_s)
-            else:
-                log.info("vLLM %s: the MORI plug-in at %s answers (version %s): typed "
-                         "eviction on", self.url, self.label_channel.endpoint,
-                         (self.plugin or {}).get("plugin_version"))
-            self._checker = asyncio.create_task(self._check_loop(),
-                                                name=f"mori labels {self.url}")
+        if self.link is not None:
+            await self.link.start()
         await super().start()
 
     async def close(self) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checker
-            self._checker = None
-        if self.label_channel is not None:
-            await self.label_channel.close()
+        if self.link is not None:
+            await self.link.close()
         await super().close()
+
+    @property
+    def label_channel(self) -> LabelChannel | None:
+        return None if self.link is None else self.link.channel
+
+    @property
+    def plugin(self) -> dict[str, Any] | None:
+        """The plug-in's last handshake (None: it has not answered yet)."""
+        return None if self.link is None else self.link.hello
+
+    @property
+    def plugin_connections(self) -> int:
+        """Handshakes that (re)established the channel."""
+        return 0 if self.link is None else self.link.connections
 
     @property
     def labels_up(self) -> bool:
         """Whether the plug-in answers (labels and drops are sent to it)."""
-        return self._labels_up
-
-    async def _handshake(self) -> bool:
-        """Handshake; on success send what the engine must know of the table (all of it,
-        ``replace``, after an earlier connection; the recorded labels, ``set``, on the
-        first), then declare ``LABELS`` and ``DROP``."""
-        ch = self.label_channel
-        assert ch is not None
-        try:
-            hello = await ch.hello()
-            self._labels_up = True  # labels issued from now on are sent
-            if self.plugin_connections > 0:
-                await ch.replace()
-            elif ch.table:
-                await ch.set_many(dict(ch.table))
-        except LabelChannelError as e:
-            self._labels_up = False
-            self._label_error = str(e)
-            return False
-        self.plugin = hello
-        self.plugin_connections += 1
-        self._take_cpu_tier(hello)
-        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
-        if self._plugin_residency:
-            self.capabilities = self.capabilities | {Capability.RESIDENCY}
-        return True
-
-    @property
-    def _plugin_residency(self) -> bool:
-        """Whether the plug-in answers and answers ``residency``."""
-        ops = (self.plugin or {}).get("ops")
-        return self._labels_up and isinstance(ops, list) and "residency" in ops
-
-    def _labels_lost(self, why: str) -> None:
-        self._label_error = why
-        if self._labels_up:
-            self._labels_up = False
-            self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
-            if not self._events_residency:
-                self.capabilities = self.capabilities - {Capability.RESIDENCY}
-            log.warning("vLLM %s: the MORI plug-in stopped answering (%s): eviction falls "
-                        "back to plain LRU until it answers again", self.url, why)
+        return self.link is not None and self.link.up
 
     async def check_labels(self) -> bool:
-        """One check of the label channel (the background task runs it every
-        ``labels_check_s``); True when the plug-in answers."""
-        ch = self.label_channel
-        if ch is None:
-            return False
-        if not self._labels_up:
-            if not await self._handshake():
-                log.debug("vLLM %s: the MORI plug-in at %s still does not answer (%s)",
-                          self.url, ch.endpoint, self._label_error)
-                return False
-            log.info("vLLM %s: the MORI plug-in at %s answers%s: typed eviction on",
-                     self.url, ch.endpoint,
-                     f"; label table re-sent ({len(ch.table)} programs)"
-                     if self.plugin_connections > 1 else "")
-            return True
-        try:
-            hello = await ch.hello()
-            before, self.plugin = self.plugin, hello
-            # another instance: the engine restarted between two checks and lost its labels
-            if before is not None and hello.get("instance") != before.get("instance"):
-                log.info("vLLM %s: the MORI plug-in restarted; re-sending the label table "
-                         "(%d programs)", self.url, len(ch.table))
-                await ch.replace()
-        except LabelChannelError as e:
-            self._labels_lost(str(e))
-            return False
-        return True
+        """One check of the label channel (``PluginLink.check``); True when the plug-in
+        answers."""
+        return self.link is not None and await self.link.check()
 
-    async def _check_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.labels_check_s)
-            try:
-                await self.check_labels()
-            except Exception:  # a check never ends the loop
-                log.exception("vLLM %s: label-channel check failed", self.url)
+    def _plugin_up(self, hello: dict[str, Any]) -> None:
+        self._take_cpu_tier(hello)
+        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
+        if self.link is not None and self.link.answers_residency:
+            self.capabilities = self.capabilities | {Capability.RESIDENCY}
+
+    def _plugin_down(self) -> None:
+        self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
+        if not self._events_residency:
+            self.capabilities = self.capabilities - {Capability.RESIDENCY}
 
     def _take_cpu_tier(self, hello: dict[str, Any]) -> None:
         tokens = hello.get("cpu_tier_tokens")
@@ -319,49 +246,30 @@ class VLLMAdapter(KVEventsAdapter):
                 self.capabilities = self.capabilities | {Capability.PREFETCH}
 
     # -- KV controls over the label channel ----------------------------------------------------
-    def _channel(self, what: str) -> LabelChannel:
-        if self.label_channel is None:
+    def _link(self, what: str) -> PluginLink:
+        if self.link is None:
             raise NotSupportedError(f"vLLM {self.url} {what} only through the MORI plug-in "
                                     "(the labels=ENDPOINT option)")
-        return self.label_channel
-
-    async def _send(self, request: Awaitable[None]) -> None:
-        try:
-            await request
-        except LabelChannelDown as e:
-            self._labels_lost(str(e))
-        except LabelRefused as e:
-            raise UpstreamError(str(e), unhealthy=False) from None
+        return self.link
 
     async def set_label(self, program_id: str, label: KVLabel) -> None:
         """Label the program's KV; while the plug-in does not answer, the label is only
         recorded (it goes with the table when the plug-in answers again)."""
-        ch = self._channel("takes eviction labels")
-        if not self._labels_up:
-            try:
-                ch.record(program_id, label.value)
-            except LabelRefused as e:
-                raise UpstreamError(str(e), unhealthy=False) from None
-            return
-        await self._send(ch.set_label(program_id, label.value))
+        await self._link("takes eviction labels").set_label(program_id, label.value)
 
     async def drop(self, program_id: str) -> None:
         """Evict the program's cached blocks now (those no running request holds)."""
-        ch = self._channel("drops one program's KV")
-        if not self._labels_up:
-            ch.forget(program_id)  # nothing to evict through: the engine's LRU decides
-            return
-        await self._send(ch.drop(program_id))
+        await self._link("drops one program's KV").drop(program_id)
 
     async def residency(self) -> Residency:
         """From the plug-in while it answers ``residency``; else from the KV events."""
-        ch = self.label_channel
-        if ch is not None and self._plugin_residency:
+        link = self.link
+        if link is not None and link.answers_residency:
             try:
-                return plugin_residency(await ch.residency())
+                return plugin_residency(await link.channel.residency())
             except LabelChannelDown as e:
                 why = str(e)
-                self._labels_lost(why)
+                link.lost(why)
             except (LabelRefused, ValueError) as e:
                 why = str(e)
                 log.warning("vLLM %s: the MORI plug-in's residency is unusable (%s)%s",
@@ -374,7 +282,7 @@ class VLLMAdapter(KVEventsAdapter):
 
     async def release(self, program_id: str) -> None:
         await super().release(program_id)
-        if self.label_channel is not None:
+        if self.link is not None:
             await self.set_label(program_id, KVLabel.INACTIVE)
 
     # -- request shaping ----------------------------------------------------------------
