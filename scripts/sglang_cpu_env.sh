@@ -20,7 +20,8 @@
 #     CUDA torch 2.14.1 back in), then only the modules the mem_cache import chain reaches
 #     (found by importing and adding what was missing), under a constraint that keeps torch
 #     at the CPU build; sglang's own pins where it has them.
-#   - pytest, for tests that run inside this venv.
+#   - pytest and httptools, for tests that run inside this venv (MORI's adapters import
+#     httptools).
 #   - _mori_torchvision_cpu_shim.pth: PyPI's torchvision _C is linked against CUDA torch and
 #     does not load beside torch+cpu, after which `import torchvision` fails with "operator
 #     torchvision::nms does not exist"; SGLang imports torchvision.transforms at module level
@@ -64,11 +65,13 @@ fail() {
     exit "$1"
 }
 
+# The tests inside this venv: pytest; and httptools, which MORI's engine adapters import
+# (the tests drive the plug-in's label channel with the gateway's own adapter).
 ensure_test_tools() {
-    if ! "$VENV/bin/python" -c "import pytest" >/dev/null 2>&1; then
-        say "step: install pytest"
-        "$VENV/bin/python" -m pip --disable-pip-version-check install -c "$VENV/mori-constraints.txt" pytest \
-            || fail 2 "install pytest" "pip could not install pytest (registry unreachable?)"
+    if ! "$VENV/bin/python" -c "import pytest, httptools" >/dev/null 2>&1; then
+        say "step: install pytest httptools"
+        "$VENV/bin/python" -m pip --disable-pip-version-check install -c "$VENV/mori-constraints.txt" pytest httptools \
+            || fail 2 "install pytest" "pip could not install pytest and httptools (registry unreachable?)"
     fi
 }
 
@@ -112,7 +115,7 @@ say "step: install sglang==$SGLANG_VERSION torchvision==$TORCHVISION_VERSION (--
 
 # Step 4: the modules the mem_cache import chain reaches, and pytest.
 say "step: install the mem_cache dependencies and pytest"
-"${PIP[@]}" install -c "$VENV/mori-constraints.txt" "${DEPS[@]}" pytest \
+"${PIP[@]}" install -c "$VENV/mori-constraints.txt" "${DEPS[@]}" pytest httptools \
     || fail 2 "install dependencies" "pip could not install: ${DEPS[*]} pytest (registry unreachable, or a package missing from it)"
 
 # Step 5: the torchvision shim (see the header).

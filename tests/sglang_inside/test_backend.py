@@ -171,3 +171,40 @@ def test_tensor_parallel_engines_keep_sglangs_order(mori: Tree) -> None:
     mori.cache.mori_close()
     assert mori.cache.mori_start(tp_size=2) is False
     assert mori.cache.mori_server is None
+
+
+def test_the_gateways_adapter_drives_the_plugin(mori: Tree) -> None:
+    """MORI's own SGLang adapter (``labels=ENDPOINT``) against the plug-in in this cache:
+    the handshake, labels as the policy issues them, a restart of the engine's side
+    (a new plug-in instance with no labels) answered with the full table."""
+    import asyncio
+
+    from mori.core.types import Capability, KVLabel
+    from mori.engines.sglang import SGLangAdapter
+
+    server = mori.cache.mori_server
+    assert server is not None
+    _three_programs(mori)
+
+    async def go() -> None:
+        a = SGLangAdapter("http://127.0.0.1:9", labels=server.endpoint, labels_timeout_s=2.0,
+                          labels_check_s=60.0)
+        try:
+            assert await a.check_labels()  # the handshake
+            assert a.supports(Capability.LABELS) and a.supports(Capability.DROP)
+            await a.set_label("busy", KVLabel.BUSY)
+            await a.set_label("idle", KVLabel.IDLE)
+            await a.release("inactive")  # released: inactive
+            assert mori.evict(8) == 8
+            assert (mori.cached(seq(0)), mori.cached(seq(100)), mori.cached(seq(200))) == (
+                8, 8, 0)
+            # the engine restarts its plug-in: a new instance, an empty table
+            mori.cache.mori_close()
+            mori.cache.mori_labels.clear()
+            assert mori.cache.mori_start(endpoint=server.endpoint)
+            assert await a.check_labels()  # another instance: the table is re-sent
+            assert mori.evict(8) == 8  # applied before the eviction: idle goes, not busy
+            assert (mori.cached(seq(0)), mori.cached(seq(100))) == (8, 0)
+        finally:
+            await a.close()
+    asyncio.run(go())
