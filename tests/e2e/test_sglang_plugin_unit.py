@@ -61,3 +61,19 @@ def test_plugin_tests_pass_inside_sglangs_venv() -> None:
     print(out, file=sys.stderr)
     assert proc.returncode == 0, f"tests/sglang_inside failed inside SGLang's venv:\n{out}"
     assert " passed" in out and " skipped" not in out, out
+
+
+def test_the_order_benchmark_runs_inside_sglangs_venv() -> None:
+    """bench/bench_sglang_order.py on a short loop: its table, MORI's column beside LRU's
+    (not timed: its figures are in docs/sglang-gpu.md with their command)."""
+    if os.environ.get("MORI_SKIP_SGLANG") == "1":
+        pytest.skip("MORI_SKIP_SGLANG=1: the tests on SGLang's classes are skipped")
+    venv = _install_venv()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SGLANG_PLUGINS": "none"}
+    proc = subprocess.run([str(venv / "bin" / "python"), "bench/bench_sglang_order.py",
+                           "--rounds", "60", "--pool-ratio", "0.3"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().endswith("%")
+            or line.split()[-1].replace(".", "").isdigit()]
+    assert rows and "MORI cached" in proc.stdout, proc.stdout
