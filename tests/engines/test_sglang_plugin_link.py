@@ -8,6 +8,8 @@ import asyncio
 import json
 from typing import Any
 
+from tests.engines.test_sglang_adapter import routes
+
 from mori.core.types import Capability, KVLabel
 from mori.engines.base import RequestHints
 from mori.engines.registry import parse_backend
@@ -15,7 +17,6 @@ from mori.engines.sglang import SGLangAdapter
 from mori.sglang_plugin.order import ROUTING_HEADER, program_of
 from support.fake_engine import FakeEngine
 from support.fake_plugin import FakePlugin
-from tests.engines.test_sglang_adapter import routes
 
 FAST = {"labels_timeout_s": 1.0, "labels_check_s": 60.0}  # checks run by hand
 PLUGIN_CAPS = {Capability.LABELS, Capability.DROP}

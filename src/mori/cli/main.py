@@ -1,5 +1,6 @@
 """The ``mori`` command: ``simulate``, ``sweep``, ``trace``, ``traces``, ``serve``,
-``replay``, ``engine-sim``, ``vllm-args``, ``policies``, ``presets`` and ``--version``.
+``replay``, ``engine-sim``, ``vllm-args``, ``sglang-args``, ``policies``, ``presets`` and
+``--version``.
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
 one line on stderr, no traceback), 1 when an output file cannot be written.
@@ -20,6 +21,7 @@ from mori.cli.engine_sim_cmd import add_engine_sim_parser, run_engine_sim
 from mori.cli.options import OPTIONS, add_options
 from mori.cli.replay_cmd import add_replay_parser, run_replay
 from mori.cli.serve_cmd import add_serve_parser, run_serve
+from mori.cli.sglang_args_cmd import add_sglang_args_parser, run_sglang_args
 from mori.cli.simulate_cmd import UsageError, resolve_settings, run_simulate
 from mori.cli.sweep_cmd import add_sweep_parser, run_sweep
 from mori.cli.table import format_table
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_parser(sub)
     add_engine_sim_parser(sub)
     add_vllm_args_parser(sub)
+    add_sglang_args_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
     sub.add_parser("presets", help="list the hardware presets",
@@ -176,6 +179,8 @@ def _run(argv: list[str] | None) -> int:
         return run_engine_sim(args)
     if args.command == "vllm-args":
         return run_vllm_args(args)
+    if args.command == "sglang-args":
+        return run_sglang_args(args)
     try:
         return _simulate(args)
     except (UsageError, ConfigError) as e:
