@@ -108,3 +108,27 @@ def test_the_backend_spec_takes_the_labels_option() -> None:
     plain = parse_backend("sglang=http://127.0.0.1:30000").build()
     assert isinstance(plain, SGLangAdapter) and plain.link is None
     assert not plain.supports(Capability.LABELS)
+
+
+def test_residency_comes_from_the_plugin_while_it_answers() -> None:
+    async def main() -> None:
+        eng = await FakeEngine(routes=routes()).start()
+        plug = await FakePlugin(residency={"gpu": {"a": 64}, "cpu": {"b": 32},
+                                           "inactive": ["c"]}).start()
+        a = SGLangAdapter(eng.url, labels=plug.endpoint, **FAST)
+        try:
+            assert not a.supports(Capability.RESIDENCY)  # no KV events: nothing to read
+            await a.start()
+            assert a.supports(Capability.RESIDENCY)
+            res = await a.residency()
+            assert (res.gpu_tokens, res.cpu_tokens, res.ended) == (
+                {"a": 64}, {"b": 32}, frozenset({"c"}))
+            await plug.stop()
+            await a.set_label("x", KVLabel.IDLE)  # times out: the channel is down
+            assert not a.supports(Capability.RESIDENCY)
+        finally:
+            await a.close()
+            await plug.stop()
+            plug.close()
+            await eng.stop()
+    asyncio.run(main())

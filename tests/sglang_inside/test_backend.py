@@ -211,3 +211,42 @@ def test_the_gateways_adapter_drives_the_plugin(mori: Tree) -> None:
         finally:
             await a.close()
     asyncio.run(go())
+
+
+def test_residency_is_read_from_the_tree_by_the_gateways_adapter() -> None:
+    """The plug-in answers ``residency`` from its tree: per program the tokens on the GPU
+    and those only on HiCache's host tier; MORI's adapter reads it (a restarted gateway
+    puts programs back where their KV is)."""
+    import asyncio
+
+    from mori.core.types import Capability
+    from mori.engines.sglang import SGLangAdapter
+
+    tree = build_tree("mori", hicache=True)
+    try:
+        _three_programs(tree)
+        tree.label(busy="busy", idle="idle", inactive="inactive")
+        assert tree.evict(8) == 8  # the inactive program's pages go to the host
+        tree.cache.writing_check(write_back=True)
+        direct = tree.cache.mori_residency()
+        assert direct == {"gpu": {"busy": 8, "idle": 8}, "cpu": {"inactive": 8},
+                          "inactive": ["inactive"]}
+        server = tree.cache.mori_server
+        assert server is not None
+
+        async def go() -> None:
+            a = SGLangAdapter("http://127.0.0.1:9", labels=server.endpoint,
+                              labels_timeout_s=2.0, labels_check_s=60.0)
+            try:
+                assert await a.check_labels()
+                assert a.supports(Capability.RESIDENCY)  # without KV events: the plug-in
+                res = await a.residency()
+                assert res.gpu_tokens == {"busy": 8, "idle": 8}
+                assert res.cpu_tokens == {"inactive": 8}
+                assert res.ended == frozenset({"inactive"})
+            finally:
+                await a.close()
+        asyncio.run(go())
+    finally:
+        tree.cache.mori_close()
+        tree.cache.release_host_resources()

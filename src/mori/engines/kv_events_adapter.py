@@ -28,10 +28,14 @@ from mori.engines.base import (
 from mori.engines.http import OpenAIHTTPAdapter
 from mori.engines.kvevents import KVEventSubscriber
 from mori.engines.kvindex import KVBlockIndex
-from mori.engines.plugin_link import PluginLink
+from mori.engines.label_channel import LabelChannelDown, LabelRefused
+from mori.engines.plugin_link import PluginLink, plugin_residency
 from mori.protocol.fields import CHAT, MESSAGES, RESPONSES
 
 log = logging.getLogger(__name__)
+
+PLUGIN_CAPABILITIES = frozenset({Capability.LABELS, Capability.DROP})
+"""What an adapter declares while the engine's MORI plug-in answers."""
 
 
 def tokenize_payload(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -119,6 +123,7 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
             self._subscriber = KVEventSubscriber(self.kv_events, self.index, kv_events_topic)
             if self.attribution != "none":
                 self.capabilities = self.capabilities | {Capability.RESIDENCY}
+        self._events_residency = Capability.RESIDENCY in self.capabilities
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -150,6 +155,17 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
         """One check of the label channel (``PluginLink.check``); True when the plug-in
         answers."""
         return self.link is not None and await self.link.check()
+
+    def _plugin_up(self, hello: dict[str, Any]) -> None:
+        """The plug-in answers: labels and drops go to it, residency too if it tells it."""
+        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
+        if self.link is not None and self.link.answers_residency:
+            self.capabilities = self.capabilities | {Capability.RESIDENCY}
+
+    def _plugin_down(self) -> None:
+        self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
+        if not self._events_residency:
+            self.capabilities = self.capabilities - {Capability.RESIDENCY}
 
     def _link(self, what: str) -> PluginLink:
         if self.link is None:
@@ -203,6 +219,23 @@ class KVEventsAdapter(OpenAIHTTPAdapter):
 
     # -- KV controls ---------------------------------------------------------------------
     async def residency(self) -> Residency:
+        """From the plug-in while it answers ``residency`` (its own tables, which a
+        restarted gateway finds full); else from the KV events."""
+        link = self.link
+        if link is not None and link.answers_residency:
+            try:
+                return plugin_residency(await link.channel.residency())
+            except LabelChannelDown as e:
+                why = str(e)
+                link.lost(why)
+            except (LabelRefused, ValueError) as e:
+                why = str(e)
+                log.warning("%s %s: the MORI plug-in's residency is unusable (%s)%s",
+                            self.engine_name, self.url, why, "; reading the KV events "
+                            "instead" if self._events_residency else "")
+            if not self._events_residency:
+                raise UpstreamError(f"{self.engine_name} {self.url}: the MORI plug-in did "
+                                    f"not tell its residency ({why})", unhealthy=False)
         if self.index is None or self.attribution == "none":
             raise NotSupportedError(f"{self.engine_name} {self.url}: no residency without "
                                     "kv_events and an attribution")

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mori.engines.base import UpstreamError
+from mori.engines.base import Residency, UpstreamError
 from mori.engines.label_channel import (
     LabelChannel,
     LabelChannelDown,
@@ -34,6 +34,23 @@ from mori.engines.label_channel import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def plugin_residency(reply: dict[str, Any]) -> Residency:
+    """A ``residency`` reply of the plug-in (``mori.vllm_plugin.protocol``) as a
+    ``Residency``; ``ValueError`` when it is not one."""
+    def tokens(field: str) -> dict[str, int]:
+        held = reply.get(field)
+        if not isinstance(held, dict) or not all(
+                isinstance(p, str) and isinstance(n, int) and not isinstance(n, bool)
+                and n >= 0 for p, n in held.items()):
+            raise ValueError(f"'{field}' is not an object of program -> tokens")
+        return dict(held)
+    inactive = reply.get("inactive")
+    if not isinstance(inactive, list) or not all(isinstance(p, str) for p in inactive):
+        raise ValueError("'inactive' is not a list of program ids")
+    return Residency(gpu_tokens=tokens("gpu"), cpu_tokens=tokens("cpu"),
+                     ended=frozenset(inactive))
 
 
 class PluginLink:

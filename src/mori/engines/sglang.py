@@ -61,7 +61,6 @@ from mori.sglang_plugin.order import ROUTING_HEADER, routing_key
 
 log = logging.getLogger(__name__)
 
-PLUGIN_CAPABILITIES = frozenset({Capability.LABELS, Capability.DROP})
 
 
 def hicache_flags(events_port: int = 5557, ratio: float = 2.0) -> list[str]:
@@ -135,12 +134,6 @@ class SGLangAdapter(KVEventsAdapter):
                                logger=log) if labels else None
 
     # -- the MORI plug-in ---------------------------------------------------------------
-    def _plugin_up(self, hello: dict[str, Any]) -> None:
-        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
-
-    def _plugin_down(self) -> None:
-        self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
-
     async def fetch_server_info(self) -> dict[str, Any]:
         """``/get_server_info`` (``/server_info`` on servers that renamed it)."""
         last: UpstreamError | None = None

@@ -73,18 +73,16 @@ from mori.engines.base import (
     Capability,
     KVCapacity,
     RequestHints,
-    Residency,
     UpstreamError,
 )
 from mori.engines.http import metric_sum, parse_prometheus
 from mori.engines.kv_events_adapter import KVEventsAdapter
-from mori.engines.label_channel import LabelChannel, LabelChannelDown, LabelRefused
+from mori.engines.label_channel import LabelChannel
 from mori.engines.plugin_link import PluginLink
 
 log = logging.getLogger(__name__)
 
 ATTRIBUTIONS = ("session", "salt", "tokens", "none")
-PLUGIN_CAPABILITIES = frozenset({Capability.LABELS, Capability.DROP})
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,23 +116,6 @@ def cache_config(metrics_text: str) -> dict[str, str]:
 def program_salt(program_id: str) -> str:
     """The ``cache_salt`` for a program: stable, opaque, distinct per program."""
     return "mori-" + hashlib.sha256(program_id.encode()).hexdigest()[:24]
-
-
-def plugin_residency(reply: dict[str, Any]) -> Residency:
-    """A ``residency`` reply of the plug-in (``mori.vllm_plugin.protocol``) as a
-    ``Residency``; ``ValueError`` when it is not one."""
-    def tokens(field: str) -> dict[str, int]:
-        held = reply.get(field)
-        if not isinstance(held, dict) or not all(
-                isinstance(p, str) and isinstance(n, int) and not isinstance(n, bool)
-                and n >= 0 for p, n in held.items()):
-            raise ValueError(f"'{field}' is not an object of program -> tokens")
-        return dict(held)
-    inactive = reply.get("inactive")
-    if not isinstance(inactive, list) or not all(isinstance(p, str) for p in inactive):
-        raise ValueError("'inactive' is not a list of program ids")
-    return Residency(gpu_tokens=tokens("gpu"), cpu_tokens=tokens("cpu"),
-                     ended=frozenset(inactive))
 
 
 def beyond_mirror(host_tokens: int, gpu_tokens: int) -> int:
@@ -176,7 +157,6 @@ class VLLMAdapter(KVEventsAdapter):
         if prefetch or (prefetch is None and cpu_tokens > 0):
             caps.add(Capability.PREFETCH)
         self.capabilities = self.capabilities | caps
-        self._events_residency = Capability.RESIDENCY in self.capabilities
         self._plugin_cpu_tokens = 0
         self.link = PluginLink(labels, timeout_s=labels_timeout_s, check_s=labels_check_s,
                                name=f"vLLM {url}", fallback="plain LRU",
@@ -200,14 +180,7 @@ class VLLMAdapter(KVEventsAdapter):
 
     def _plugin_up(self, hello: dict[str, Any]) -> None:
         self._take_cpu_tier(hello)
-        self.capabilities = self.capabilities | PLUGIN_CAPABILITIES
-        if self.link is not None and self.link.answers_residency:
-            self.capabilities = self.capabilities | {Capability.RESIDENCY}
-
-    def _plugin_down(self) -> None:
-        self.capabilities = self.capabilities - PLUGIN_CAPABILITIES
-        if not self._events_residency:
-            self.capabilities = self.capabilities - {Capability.RESIDENCY}
+        super()._plugin_up(hello)
 
     def _take_cpu_tier(self, hello: dict[str, Any]) -> None:
         tokens = hello.get("cpu_tier_tokens")
@@ -221,26 +194,6 @@ class VLLMAdapter(KVEventsAdapter):
                 self._capacity = dataclasses.replace(cap, cpu_tokens=cpu)
             if cpu > 0 and self.prefetch_opt is None:
                 self.capabilities = self.capabilities | {Capability.PREFETCH}
-
-    # -- KV controls over the label channel ----------------------------------------------------
-    async def residency(self) -> Residency:
-        """From the plug-in while it answers ``residency``; else from the KV events."""
-        link = self.link
-        if link is not None and link.answers_residency:
-            try:
-                return plugin_residency(await link.channel.residency())
-            except LabelChannelDown as e:
-                why = str(e)
-                link.lost(why)
-            except (LabelRefused, ValueError) as e:
-                why = str(e)
-                log.warning("vLLM %s: the MORI plug-in's residency is unusable (%s)%s",
-                            self.url, why, "; reading the KV events instead"
-                            if self._events_residency else "")
-            if not self._events_residency:
-                raise UpstreamError(f"vLLM {self.url}: the MORI plug-in did not tell its "
-                                    f"residency ({why})", unhealthy=False)
-        return await super().residency()
 
     # -- request shaping ----------------------------------------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:

@@ -21,6 +21,9 @@ mori`` is accepted (``mori sglang-args`` prints the flags).
   comes; with tensor parallelism above 1 the plug-in does not start its channel (each TP
   rank holds a tree that must evict alike, and the labels reach one process) and the
   order stays SGLang's LRU on every rank.
+- ``residency`` is answered from the tree (``MoriRadixCache.mori_residency``): what each
+  program holds on the GPU and, only there, on the host tier; a restarted gateway reads
+  it to put programs back where their KV is.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from sglang.srt.mem_cache.registry import (
     register_radix_cache_backend,
     registered_radix_cache_backends,
 )
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
     get_tree_core_factory,
     register_tree_core_backend,
@@ -46,12 +50,13 @@ from mori.vllm_plugin.labels import LabelTable
 from mori.vllm_plugin.protocol import Message
 from mori.vllm_plugin.server import LabelServer, label_endpoint
 
-from .order import add_owner, eviction_key, program_of
+from .order import WIDE, add_owner, eviction_key, program_of
 
 logger = logging.getLogger("sglang.mori_plugin")
 
 BACKEND = "mori"
 TREE_CORE = "mori-python"
+SNAPSHOT_TRIES = 5
 
 
 def owners_of(node: Any) -> set[str]:
@@ -102,7 +107,8 @@ class MoriRadixCache(UnifiedRadixCache):  # type: ignore[misc]
             logger.warning("MORI plug-in: tensor parallelism %d > 1 is not supported yet; "
                            "eviction stays SGLang's LRU", tp_size)
             return False
-        self.mori_server = LabelServer(endpoint or label_endpoint(), self._mori_info)
+        self.mori_server = LabelServer(endpoint or label_endpoint(), self._mori_info,
+                                       residency=self.mori_residency)
         if not self.mori_server.start():
             self.mori_server = None
             return False
@@ -121,6 +127,40 @@ class MoriRadixCache(UnifiedRadixCache):  # type: ignore[misc]
         return {"block_size": page, "gpu_blocks": int(allocator.size) // page,
                 "cpu_tier_tokens": int(host.size) if host is not None else 0,
                 "programs": len(self.mori_labels)}
+
+    def mori_residency(self) -> dict[str, Any]:
+        """The ``residency`` reply (on the label server's thread, while the scheduler may
+        change the tree: a walk that meets a change is retried, then given up empty):
+        per program, the tokens of its nodes on the GPU, and those only on the host tier
+        (a write-through host copy of a GPU node is not counted twice)."""
+        inactive = self.mori_labels.labelled("inactive")
+        for _ in range(SNAPSHOT_TRIES):
+            try:
+                gpu, cpu = self._mori_walk()
+            except (RuntimeError, KeyError, AttributeError):  # changed under the walk
+                continue
+            return {"gpu": gpu, "cpu": cpu, "inactive": inactive}
+        return {"gpu": {}, "cpu": {}, "inactive": inactive}
+
+    def _mori_walk(self) -> tuple[dict[str, int], dict[str, int]]:
+        gpu: dict[str, int] = {}
+        cpu: dict[str, int] = {}
+        stack = list(self.tree_core.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(list(node.children.values()))
+            owners = tuple(getattr(node, "mori_owners", ()))
+            if not owners or WIDE in owners:
+                continue
+            data = node.component_data[ComponentType.FULL]
+            held = gpu if data.value is not None else cpu if data.host_value is not None \
+                else None
+            if held is None:
+                continue
+            n = len(node.key)
+            for program in owners:
+                held[program] = held.get(program, 0) + n
+        return gpu, cpu
 
     def mori_apply(self, msgs: list[Message]) -> None:
         """Apply label operations in order (the scheduler thread's job)."""
