@@ -30,8 +30,8 @@ from pathlib import Path
 os.environ.setdefault("SGLANG_PLUGINS", "none")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from mori.plugin_channel.protocol import Message  # noqa: E402
 from mori.sglang_plugin.cpu_rig import PAGE, Tree, build_tree  # noqa: E402
-from mori.vllm_plugin.protocol import Message  # noqa: E402
 
 
 @dataclass

@@ -56,18 +56,18 @@ LAYERS = {
     "dashboard": {"core", "sim", "traces"},
     "gateway": {"core", "protocol", "engines", "enginesim", "dashboard", "sim", "traces"},
     "sweep": {"core", "sim", "traces"},
-    # runs inside vLLM's processes: nothing of MORI but itself (its protocol module is
-    # what the gateway's adapter imports)
-    "vllm_plugin": set(),
-    # runs inside SGLang's processes; speaks the vLLM plug-in's label channel (its
-    # protocol, server and label table need neither engine)
-    "sglang_plugin": {"vllm_plugin"},
+    # the label channel's engine end: messages, server, label table (neither engine)
+    "plugin_channel": set(),
+    # run inside vLLM's and SGLang's processes: nothing of MORI but themselves and the
+    # label channel
+    "vllm_plugin": {"plugin_channel"},
+    "sglang_plugin": {"plugin_channel"},
 }
 # what the other layers may import of the plug-in: its protocol (it needs no vLLM; the
 # engine adapters speak the label channel with it) and its connector config (`mori
 # vllm-args` prints it; it checks the installed vLLM's release with compat); the rest runs
 # only inside vLLM
-PLUGIN_API = {"mori.vllm_plugin", "mori.vllm_plugin.protocol",
+PLUGIN_API = {"mori.vllm_plugin", "mori.plugin_channel", "mori.plugin_channel.protocol",
               "mori.vllm_plugin.connector_config", "mori.vllm_plugin.compat",
               "mori.sglang_plugin", "mori.sglang_plugin.order"}
 HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
@@ -103,8 +103,9 @@ def test_vllm_plugin_imports_without_vllm() -> None:
     """The gateway side imports the plug-in's protocol where vLLM is not installed; the
     label tables, the typed queue and the release check need no vLLM either (only
     ``scheduler``, ``cpu_tier`` and ``host_tier`` do)."""
-    code = ("import sys, mori.vllm_plugin, mori.vllm_plugin.protocol, "
-            "mori.vllm_plugin.labels, mori.vllm_plugin.typed_queue, "
+    code = ("import sys, mori.vllm_plugin, mori.plugin_channel.protocol, "
+            "mori.plugin_channel.labels, mori.plugin_channel.server, "
+            "mori.vllm_plugin.typed_queue, "
             "mori.vllm_plugin.connector_config, mori.vllm_plugin.compat; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

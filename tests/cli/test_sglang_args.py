@@ -16,7 +16,7 @@ import pytest
 from mori.cli import sglang_args_cmd
 from mori.cli.main import main
 from mori.cli.sglang_args_cmd import TESTED_SGLANG, release_warning, sglang_flags
-from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
+from mori.plugin_channel.protocol import DEFAULT_LABEL_ENDPOINT
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",

@@ -14,8 +14,8 @@ import pytest
 
 from mori.cli.main import main
 from mori.cli.vllm_args_cmd import SCHEDULER_CPU, SCHEDULER_GPU, vllm_flags
+from mori.plugin_channel.protocol import DEFAULT_LABEL_ENDPOINT
 from mori.vllm_plugin.connector_config import kv_transfer_config, tokens_per_chunk
-from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 BASE = {"--scheduling-policy": "priority", "--enable-prefix-caching": None,

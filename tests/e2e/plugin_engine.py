@@ -156,7 +156,7 @@ def ask_plugin(endpoint: str, messages: list[tuple[str, dict[str, Any]]]) -> dic
     """Send the plug-in each ``(op, fields)`` in turn; the replies by op."""
     import zmq
 
-    from mori.vllm_plugin import protocol
+    from mori.plugin_channel import protocol
 
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)

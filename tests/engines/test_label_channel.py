@@ -1,6 +1,6 @@
 """The gateway's side of the label channel: ``LabelChannel`` and the vLLM adapter's
 ``labels`` option, against a fake MORI plug-in (``support.fake_plugin``: a ZMQ ROUTER in
-the test's event loop that answers as ``mori.vllm_plugin.protocol`` says and records what
+the test's event loop that answers as ``mori.plugin_channel.protocol`` says and records what
 it receives)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mori.engines.base import NotSupportedError, RequestHints, UpstreamError
 from mori.engines.label_channel import LabelChannel, LabelChannelDown, LabelRefused
 from mori.engines.registry import parse_backend
 from mori.engines.vllm import VLLMAdapter
-from mori.vllm_plugin import protocol
+from mori.plugin_channel import protocol
 from support.fake_engine import FakeEngine
 from support.fake_plugin import FakePlugin, free_port
 

@@ -11,8 +11,8 @@ from sglang.srt.mem_cache.registry import registered_radix_cache_backends
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.server_args import ServerArgs
 
+from mori.plugin_channel.protocol import Message
 from mori.sglang_plugin import backend
-from mori.vllm_plugin.protocol import Message
 
 from .conftest import Tree, build_tree, seq
 

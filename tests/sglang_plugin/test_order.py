@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mori.plugin_channel.labels import LabelTable
 from mori.sglang_plugin.order import (
     MAX_OWNERS,
     WIDE,
@@ -15,7 +16,6 @@ from mori.sglang_plugin.order import (
     program_of,
     routing_key,
 )
-from mori.vllm_plugin.labels import LabelTable
 
 
 def table(**labels: str) -> LabelTable:

@@ -1,7 +1,7 @@
 """A fake MORI vLLM plug-in: the label channel's engine end, for the gateway's tests.
 
 A ZMQ ROUTER in the caller's event loop that answers every message as
-``mori.vllm_plugin.protocol`` says, keeps the label table it is sent, and records every
+``mori.plugin_channel.protocol`` says, keeps the label table it is sent, and records every
 message; it can go silent, answer late, or restart as another instance. ``residency`` is
 what it answers the op of that name (None: an older plug-in, which does not list the op).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mori.vllm_plugin import protocol
+from mori.plugin_channel import protocol
 
 
 def free_port() -> int:

@@ -53,7 +53,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request  # noqa: E402
 
-from mori.vllm_plugin.labels import LabelTable  # noqa: E402
+from mori.plugin_channel.labels import LabelTable  # noqa: E402
 from mori.vllm_plugin.typed_queue import TypedFreeBlockQueue  # noqa: E402
 
 BS = 4  # tokens per block in the pool tests

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mori.vllm_plugin.labels import LabelTable
+from mori.plugin_channel.labels import LabelTable
 
 
 def test_default_label_is_busy_and_labels_only_demote() -> None:

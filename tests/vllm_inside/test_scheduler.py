@@ -16,8 +16,8 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.structured_output import StructuredOutputManager
 
-from mori.vllm_plugin import protocol
-from mori.vllm_plugin.protocol import encode
+from mori.plugin_channel import protocol
+from mori.plugin_channel.protocol import encode
 from mori.vllm_plugin.scheduler import MoriAsyncScheduler, MoriScheduler
 from mori.vllm_plugin.typed_queue import TypedFreeBlockQueue
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import zmq
 
-from mori.vllm_plugin import protocol
-from mori.vllm_plugin.protocol import Message, encode
-from mori.vllm_plugin.server import LabelServer, label_endpoint
+from mori.plugin_channel import protocol
+from mori.plugin_channel.protocol import Message, encode
+from mori.plugin_channel.server import LabelServer, label_endpoint
 
 from .conftest import free_port
 

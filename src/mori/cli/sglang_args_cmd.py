@@ -16,8 +16,8 @@ from mori.cli.vllm_args_cmd import (
     _number,
     _word,
 )
+from mori.plugin_channel.protocol import DEFAULT_LABEL_ENDPOINT
 from mori.sglang_plugin.order import ROUTING_HEADER
-from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 

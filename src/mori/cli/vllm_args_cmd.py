@@ -8,9 +8,9 @@ import math
 import sys
 from typing import Any, TypeVar
 
+from mori.plugin_channel.protocol import DEFAULT_LABEL_ENDPOINT
 from mori.vllm_plugin import compat
 from mori.vllm_plugin.connector_config import GIB, kv_transfer_config
-from mori.vllm_plugin.protocol import DEFAULT_LABEL_ENDPOINT
 
 P = TypeVar("P", bound=argparse.ArgumentParser)
 

@@ -1,7 +1,7 @@
 """The gateway's end of the label channel to the MORI plug-in in one vLLM engine.
 
 The plug-in binds a ZMQ ``ROUTER`` at the label endpoint; ``LabelChannel`` connects a
-``DEALER`` and speaks the protocol of ``mori.vllm_plugin.protocol``: one JSON frame per
+``DEALER`` and speaks the protocol of ``mori.plugin_channel.protocol``: one JSON frame per
 message, one reply per message. One request is outstanding at a time (a lock), so each
 reply answers the request just sent.
 
@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mori.vllm_plugin import protocol
+from mori.plugin_channel import protocol
 
 
 class LabelChannelError(Exception):

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def plugin_residency(reply: dict[str, Any]) -> Residency:
-    """A ``residency`` reply of the plug-in (``mori.vllm_plugin.protocol``) as a
+    """A ``residency`` reply of the plug-in (``mori.plugin_channel.protocol``) as a
     ``Residency``; ``ValueError`` when it is not one."""
     def tokens(field: str) -> dict[str, int]:
         held = reply.get(field)

@@ -8,6 +8,5 @@ takes, on the GPU, unowned pages first, then the inactive programs', the idle, t
 (least recently used first within each); on HiCache's host tier, unowned, inactive,
 busy, then idle. ``order`` (the order itself) needs no SGLang, so the gateway, ``mori
 sglang-args`` and the tests read it anywhere. The labels come over the same channel as
-the vLLM plug-in's (``mori.vllm_plugin.protocol``, ``server``, ``labels``: those modules
-need neither engine).
+the vLLM plug-in's (``mori.plugin_channel``: its messages, server and label table).
 """

@@ -12,7 +12,7 @@ mori`` is accepted (``mori sglang-args`` prints the flags).
   checkpointed into the tree (every node on its path) and when it matches a prefix
   (the matched path); its eviction strategy (:class:`MoriEviction`) orders nodes by
   ``mori.sglang_plugin.order.eviction_key``, on the GPU and, with HiCache, on the host
-  tier. Labels arrive on the label channel (``mori.vllm_plugin.server.LabelServer``,
+  tier. Labels arrive on the label channel (``mori.plugin_channel.server.LabelServer``,
   bound at ``$MORI_LABEL_ENDPOINT`` or ``tcp://127.0.0.1:5558``) and are applied by the
   scheduler thread before each eviction. ``drop`` labels the program ``inactive`` (its
   nodes go first at the next eviction; SGLang gives no call that evicts one path now).
@@ -46,9 +46,9 @@ from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
 from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from mori.vllm_plugin.labels import LabelTable
-from mori.vllm_plugin.protocol import Message
-from mori.vllm_plugin.server import LabelServer, label_endpoint
+from mori.plugin_channel.labels import LabelTable
+from mori.plugin_channel.protocol import Message
+from mori.plugin_channel.server import LabelServer, label_endpoint
 
 from .order import WIDE, add_owner, eviction_key, program_of
 
@@ -108,7 +108,8 @@ class MoriRadixCache(UnifiedRadixCache):  # type: ignore[misc]
                            "eviction stays SGLang's LRU", tp_size)
             return False
         self.mori_server = LabelServer(endpoint or label_endpoint(), self._mori_info,
-                                       residency=self.mori_residency)
+                                       residency=self.mori_residency,
+                                       logger=logging.getLogger("sglang.mori_plugin.server"))
         if not self.mori_server.start():
             self.mori_server = None
             return False

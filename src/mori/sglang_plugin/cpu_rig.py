@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cac
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-from mori.vllm_plugin.protocol import Message
+from mori.plugin_channel.protocol import Message
 
 from . import backend
 from .order import routing_key

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from urllib.parse import quote, unquote
 
-from mori.vllm_plugin.labels import PROTECTION, LabelTable
+from mori.plugin_channel.labels import PROTECTION, LabelTable
 
 MAX_OWNERS = 64
 ROUTING_HEADER = "x-smg-routing-key"

@@ -5,7 +5,7 @@ vLLM's own processes (``--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler
 ``mori vllm-args``; ``cpu_tier``, the host tier's cache policy, and ``host_tier``, the CPU
 build's copy worker and offloading spec, through ``--kv-transfer-config``, see
 ``connector_config.kv_transfer_config``).
-``protocol`` (the label channel's messages), ``labels``, ``typed_queue`` and
-``connector_config`` need no vLLM, so the gateway's adapter speaks the protocol, ``mori
-vllm-args`` prints the flags, and the tests exercise the queue anywhere.
+``typed_queue`` and ``connector_config`` need no vLLM, so ``mori vllm-args`` prints the
+flags and the tests exercise the queue anywhere. The label channel (its messages, its
+server and the label table) is ``mori.plugin_channel``, shared with the SGLang plug-in.
 """

@@ -56,9 +56,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from mori.plugin_channel.labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
+
 from . import compat
 from .connector_config import PROGRAM_KEY
-from .labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
 logger = logging.getLogger("vllm.mori_plugin.cpu_tier")
 

@@ -12,7 +12,7 @@ What the mixin adds to vLLM's scheduler:
 - at construction, the block pool's ``free_block_queue`` is replaced by a
   :class:`~mori.vllm_plugin.typed_queue.TypedFreeBlockQueue` holding the same free blocks
   (in the same order within each list), and the label channel's server thread starts
-  (:mod:`mori.vllm_plugin.server`);
+  (:mod:`mori.plugin_channel.server`);
 - at the start of each ``schedule()``, the label operations received since the last step
   are applied (the free blocks whose label changed move between lists; a ``drop`` evicts
   the program's unshared, unheld cached blocks through ``BlockPool.evict_blocks``);
@@ -46,11 +46,12 @@ import vllm
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from mori.plugin_channel.labels import LabelTable
+from mori.plugin_channel.protocol import Message
+from mori.plugin_channel.server import LabelServer, label_endpoint
+
 from . import compat
 from .connector_config import PROGRAM_KEY, tokens_per_chunk
-from .labels import LabelTable
-from .protocol import Message
-from .server import LabelServer, label_endpoint
 from .typed_queue import QUEUE_METHODS, TypedFreeBlockQueue
 
 logger = logging.getLogger("vllm.mori_plugin.scheduler")
@@ -91,7 +92,8 @@ class MoriSchedulerMixin:
         extra = getattr(self.vllm_config, "additional_config", None)
         configured = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
         self.mori_server = LabelServer(label_endpoint(rank, configured=configured),
-                                       self._mori_info, residency=self._mori_residency)
+                                       self._mori_info, residency=self._mori_residency,
+                                       logger=logging.getLogger("vllm.mori_plugin.server"))
         self.mori_server.start()
         logger.info("MORI scheduler: typed free queue over %d blocks (%d free); labels "
                     "from %s; CPU tier: %s", pool.num_gpu_blocks,

@@ -15,7 +15,7 @@ With every hashed block labelled ``busy`` (what happens when no label ever arriv
 order is exactly vLLM's own: blocks without a hash first, then the cached blocks in LRU
 order.
 
-The label of a hashed block comes from ``label_of(block)`` (``mori.vllm_plugin.labels``).
+The label of a hashed block comes from ``label_of(block)`` (``mori.plugin_channel.labels``).
 It is read when the block enters the queue; a block's label (or its hash) can change while
 it sits in the queue, and :meth:`TypedFreeBlockQueue.reclassify` then moves it to the tail
 of its new list: **a relabelled block counts as used at the moment of the move** (not at its

@@ -1,4 +1,4 @@
-"""The engine's end of the label channel (``mori.vllm_plugin.protocol``).
+"""The engine's end of the label channel (``mori.plugin_channel.protocol``).
 
 A background thread owns a ZMQ ``ROUTER`` socket bound at the label endpoint and answers
 every message at once: ``hello`` with what the engine is (``info()``), ``residency`` with
@@ -44,8 +44,9 @@ from .protocol import (
     reply,
 )
 
-# A child of vLLM's logger, so that its lines go where vLLM's go.
-logger = logging.getLogger("vllm.mori_plugin.server")
+# By default a child of this package's logger; each plug-in passes a child of its
+# engine's logger, so that its lines go where the engine's go.
+_default_logger = logging.getLogger("mori.plugin_channel.server")
 
 ENDPOINT_ENV = "MORI_LABEL_ENDPOINT"
 MAX_PENDING = 10_000
@@ -80,8 +81,10 @@ class LabelServer:
 
     def __init__(self, endpoint: str, info: Callable[[], dict[str, Any]], *,
                  residency: Callable[[], dict[str, Any]] | None = None,
-                 max_pending: int = MAX_PENDING, poll_ms: int = POLL_MS) -> None:
+                 max_pending: int = MAX_PENDING, poll_ms: int = POLL_MS,
+                 logger: logging.Logger | None = None) -> None:
         self.endpoint = endpoint
+        self.log = logger or _default_logger
         self._info = info
         self._residency = residency
         self._max_pending = max_pending
@@ -106,7 +109,7 @@ class LabelServer:
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as e:
-            logger.error("MORI label channel: cannot bind %s (%s); running without labels",
+            self.log.error("MORI label channel: cannot bind %s (%s); running without labels",
                          self.endpoint, e)
             sock.close(0)
             ctx.term()
@@ -115,7 +118,7 @@ class LabelServer:
         self._thread = threading.Thread(target=self._run, name="mori-label-server",
                                         daemon=True)
         self._thread.start()
-        logger.info("MORI label channel listening on %s", self.endpoint)
+        self.log.info("MORI label channel listening on %s", self.endpoint)
         return True
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -125,7 +128,7 @@ class LabelServer:
         if thread is not None:
             thread.join(timeout_s)
             if thread.is_alive():
-                logger.warning("MORI label channel: the server thread did not stop")
+                self.log.warning("MORI label channel: the server thread did not stop")
                 return
         if self._ctx is not None:
             self._ctx.term()
@@ -166,7 +169,7 @@ class LabelServer:
             if len(p) > self._max_pending:
                 n = len(p) - self._max_pending
                 del p[:n]
-                logger.warning("MORI label channel: %d pending operations discarded "
+                self.log.warning("MORI label channel: %d pending operations discarded "
                                "(the engine has not stepped)", n)
 
     def residency(self) -> dict[str, Any]:
@@ -204,7 +207,7 @@ class LabelServer:
             msg = decode(frame)
         except ProtocolError as e:
             self.rejected += 1
-            logger.warning("MORI label channel: refused a message: %s", e)
+            self.log.warning("MORI label channel: refused a message: %s", e)
             return reply(_op_of(frame), ok=False, error=str(e))
         if msg.op == "hello":
             fields = dict(self._info())
@@ -235,7 +238,7 @@ class LabelServer:
                 except zmq.ZMQError as e:
                     if e.errno == zmq.ETERM:
                         break
-                    logger.warning("MORI label channel: receive failed: %s", e)
+                    self.log.warning("MORI label channel: receive failed: %s", e)
                     continue
                 if len(frames) < 2:
                     continue  # a ROUTER always sees [identity, ..., payload]
@@ -244,12 +247,12 @@ class LabelServer:
                     out = self.handle(frames[-1])
                 except Exception as e:  # never let the thread die on one message
                     self.rejected += 1
-                    logger.exception("MORI label channel: error handling a message")
+                    self.log.exception("MORI label channel: error handling a message")
                     out = reply("error", ok=False, error=f"internal error: {e}")
                 try:
                     sock.send_multipart([*frames[:-1], out], zmq.NOBLOCK)
                 except zmq.ZMQError as e:
-                    logger.warning("MORI label channel: reply not sent: %s", e)
+                    self.log.warning("MORI label channel: reply not sent: %s", e)
         finally:
             sock.close(0)
 
