@@ -1,6 +1,8 @@
 """Measure, on one GPU, the rates the simulator's cost model prices (docs/costmodel.md):
 HBM copy bandwidth, bf16 GEMM throughput over each preset model's linear shapes, attention
-over (new, cached) tokens, and host-device copies, pinned and not.
+over (new, cached) tokens, host-device copies, pinned and not, and whole prefill and
+decode steps at the presets' shapes (one layer's linear layers and attention, times the
+layer count).
 
 Needs only PyTorch with CUDA (no engine). Prints one table per measurement and writes
 every figure as JSON (``--out``); ``docs/costmodel.md`` sets them beside the presets'
@@ -42,6 +44,9 @@ MODELS: dict[str, dict[str, Any]] = {
                                       (14336, 8192)]},
 }
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
+LAYERS = {"Qwen2.5-7B": 28, "Qwen3-30B-A3B": 48, "Llama-3.1-70B-TP2": 80}
+PREFILL_STEPS = ((8192, 0), (8192, 32768), (2048, 100_000))  # (new, cached) tokens
+DECODE_STEPS = ((16, 8192), (64, 8192), (64, 32768), (256, 8192))  # (batch, context)
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -148,6 +153,74 @@ def attention(reps: int) -> list[dict[str, Any]]:
     return out
 
 
+def _layer(m: dict[str, Any], tokens: int) -> Callable[[], None]:
+    """One layer's linear layers (and routed experts) over ``tokens`` tokens."""
+    x = {k: torch.randn(tokens, k, dtype=torch.bfloat16, device="cuda") for k, _ in m["linears"]}
+    ws = [torch.randn(k, n, dtype=torch.bfloat16, device="cuda") for k, n in m["linears"]]
+    experts: tuple[torch.Tensor, ...] = ()
+    if "experts" in m:
+        count, top, hidden, width = m["experts"]
+        per = max(1, tokens * top // count)
+        experts = (torch.randn(count, per, hidden, dtype=torch.bfloat16, device="cuda"),
+                   torch.randn(count, hidden, 2 * width, dtype=torch.bfloat16, device="cuda"),
+                   torch.randn(count, per, width, dtype=torch.bfloat16, device="cuda"),
+                   torch.randn(count, width, hidden, dtype=torch.bfloat16, device="cuda"))
+
+    def run() -> None:
+        for w in ws:
+            torch.matmul(x[w.shape[0]], w)
+        if experts:
+            torch.bmm(experts[0], experts[1])
+            torch.bmm(experts[2], experts[3])
+    return run
+
+
+def steps(reps: int) -> list[dict[str, Any]]:
+    """Whole engine steps at each preset's shapes, as one layer's linear layers and
+    attention times the layer count (no norms, rotary, sampling or launch gaps between
+    layers: a lower bound of a real step)."""
+    out = []
+    f = torch.nn.functional.scaled_dot_product_attention
+    for name, m in MODELS.items():
+        q_heads, kv_heads, hd = m["q"], m["kv"], m["hd"]
+        for new, cached in PREFILL_STEPS:
+            lin = _layer(m, new)
+            q = torch.randn(1, q_heads, new, hd, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(1, kv_heads, new + cached, hd, dtype=torch.bfloat16,
+                            device="cuda")
+            v = torch.randn_like(k)  # not k again: its tiles would come from the cache
+            causal = cached == 0
+
+            def prefill(lin: Callable[[], None] = lin, q: torch.Tensor = q,
+                        k: torch.Tensor = k, v: torch.Tensor = v, causal: bool = causal
+                        ) -> None:
+                lin()
+                f(q, k, v, is_causal=causal, enable_gqa=True)
+
+            s = timed(prefill, reps)
+            out.append({"model": name, "kind": "prefill", "new": new, "cached": cached,
+                        "layer_s": s, "step_s": s * LAYERS[name]})
+            del q, k, v, lin
+            torch.cuda.empty_cache()
+        for batch, ctx in DECODE_STEPS:
+            lin = _layer(m, batch)
+            q = torch.randn(batch, q_heads, 1, hd, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(batch, kv_heads, ctx, hd, dtype=torch.bfloat16, device="cuda")
+            v = torch.randn_like(k)
+
+            def decode(lin: Callable[[], None] = lin, q: torch.Tensor = q,
+                       k: torch.Tensor = k, v: torch.Tensor = v) -> None:
+                lin()
+                f(q, k, v, enable_gqa=True)
+
+            s = timed(decode, reps)
+            out.append({"model": name, "kind": "decode", "batch": batch, "context": ctx,
+                        "layer_s": s, "step_s": s * LAYERS[name]})
+            del q, k, v, lin
+            torch.cuda.empty_cache()
+    return out
+
+
 def copies(reps: int) -> list[dict[str, Any]]:
     out = []
     for mib in (1, 16, 128, 1024):
@@ -194,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attention {r['model']:18} new {r['new']:5d} cached {r['cached']:6d} "
               f"{r['s'] * 1e3:8.3f} ms  {r['flops'] / r['s'] / 1e12:6.1f} TFLOP/s  "
               f"{r['kv_bytes'] / r['s'] / 1e12:5.2f} TB/s of KV", flush=True)
+    result["steps"] = st = steps(args.reps)
+    for r in st:
+        shape = (f"new {r['new']:5d} cached {r['cached']:6d}" if r["kind"] == "prefill"
+                 else f"batch {r['batch']:4d} context {r['context']:6d}")
+        print(f"step {r['model']:18} {r['kind']:7} {shape}  layer {r['layer_s'] * 1e3:7.3f} ms"
+              f"  x{LAYERS[r['model']]} = {r['step_s'] * 1e3:8.2f} ms", flush=True)
     result["wall_s"] = time.time() - t0
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
