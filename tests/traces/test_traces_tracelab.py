@@ -283,3 +283,12 @@ def test_progress_counts_the_bytes_on_disk_of_a_gzipped_file(tmp_path: Path) -> 
     # the progress bar is sized by the file on disk: its updates add up to that, not to
     # the decompressed bytes (several times more)
     assert sum(seen) == path.stat().st_size
+
+
+def test_a_line_nested_too_deep_is_a_bad_line_not_a_crash(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "t.jsonl", claude_session(),
+                      tail="[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TraceError, match=r"t\.jsonl: line 4: invalid JSON"):
+        _import(path)
+    programs, options = _import(path, skip_bad=True)
+    assert len(programs) == 1 and options.report.bad_lines == 1

@@ -168,7 +168,7 @@ def json_lines(file: Path, options: ImportOptions) -> Iterator[tuple[int, Fields
                 report.lines += 1
                 try:
                     value = json.loads(raw)
-                except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                except (ValueError, RecursionError) as exc:  # bad, undecodable, too deep
                     options.fail(TraceError(name, f"line {lineno}", f"invalid JSON: {exc}",
                                             SKIP_HINT))
                     continue
@@ -202,7 +202,7 @@ def first_objects(file: Path, max_lines: int = 20) -> Generator[dict[str, object
                 seen += 1
                 try:
                     value = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):
                     value = None
                 if isinstance(value, dict):
                     yield value

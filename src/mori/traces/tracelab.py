@@ -264,7 +264,7 @@ def _session_counts(file: Path) -> dict[str, int]:
                 continue
             try:
                 value = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # judged in the second pass
                 continue
             session = value.get("session_id") if isinstance(value, dict) else None
             if isinstance(session, str):
