@@ -1,17 +1,21 @@
 """Helpers the benchmark scripts share: free ports, the open-file limit, a process's RSS
-and CPU time, its children, percentiles, the end of a log file, a scratch folder. (Run
+and CPU time, its children, percentiles, the end of a log file, a scratch folder, a
+``mori sweep``'s runs. (Run
 from ``bench/``, so scripts import it by name.)"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -108,3 +112,15 @@ def hwm():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
 """
+
+
+def sweep_runs(folders: list[Path], script: str) -> Iterator[dict[str, Any]]:
+    """Every run record of the ``sweep.json`` of ``mori sweep`` output folders (or of the
+    files given), in order; exits naming ``script`` and the file if one is not a sweep's."""
+    for folder in folders:
+        path = folder / "sweep.json" if folder.is_dir() else folder
+        try:
+            runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"{script}: {path}: not a mori sweep's sweep.json ({e})")
+        yield from runs

@@ -15,12 +15,13 @@ throughput ties (within 2%); ``--plot`` draws the ratios as a heat map.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from benchutil import sweep_runs
 
 Cell = tuple[str, int, float, int]  # preset, replicas, cpu ratio, programs per replica
 
@@ -28,15 +29,9 @@ Cell = tuple[str, int, float, int]  # preset, replicas, cpu ratio, programs per 
 def load(folders: list[Path]) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Every run of the folders' ``sweep.json``, by cell and policy."""
     cells: dict[Cell, dict[str, dict[str, Any]]] = defaultdict(dict)
-    for folder in folders:
-        path = folder / "sweep.json" if folder.is_dir() else folder
-        try:
-            runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
-        except (OSError, ValueError, KeyError) as e:
-            sys.exit(f"never_loses: {path}: not a mori sweep's sweep.json ({e})")
-        for r in runs:
-            cell = (r["hardware"], r["replicas"], r["cpu_ratio"], r["programs_per_replica"])
-            cells[cell][r["policy"]] = r
+    for r in sweep_runs(folders, "never_loses"):
+        cell = (r["hardware"], r["replicas"], r["cpu_ratio"], r["programs_per_replica"])
+        cells[cell][r["policy"]] = r
     return cells
 
 

@@ -48,3 +48,30 @@ def test_never_loses_reads_a_sweep(tmp_path: Path) -> None:
     ratio = runs["mori"] / max(runs["thunderagent"], runs["lru-offload"])
     assert f"{ratio:8.3f}".strip() in res.stdout
     assert (tmp_path / "nl.png").stat().st_size > 0
+
+
+def test_disk_tier_reads_a_sweep(tmp_path: Path) -> None:
+    """bench/disk_tier.py on a custom sweep with a disk axis (also the sweep's
+    --disk-ratio): the ratio it prints is mori with the disk over mori without, and the
+    sweep wrote one setting per disk ratio."""
+    from mori.cli.main import main
+
+    out = tmp_path / "disk"
+    assert main(["sweep", "--out", str(out), "--policy", "mori,lru-offload",
+                 "--preset", "b200-llama3.1-70b-tp2", "--programs", "30",
+                 "--disk-ratio", "0,4", "--duration", "300", "--jobs", "1",
+                 "--quiet"]) == 0
+    import json
+
+    meta = json.loads((out / "sweep.json").read_text())
+    assert [s.get("disk_ratio", 0.0) for s in meta["settings"]] == [0.0, 4.0]
+    assert (out / "b200-llama3.1-70b-tp2_cpu1_disk4_dp1.json").exists()
+    res = subprocess.run([sys.executable, str(BENCH / "disk_tier.py"), str(out),
+                          "--target", "b200-llama3.1-70b-tp2,1,30",
+                          "--plot", str(tmp_path / "d.png")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    runs = {(r["policy"], r["disk_ratio"]): r["output_tokens_per_s"] for r in meta["runs"]}
+    ratio = runs[("mori", 4.0)] / runs[("mori", 0.0)]
+    assert f"disk ratio 4: {ratio:.3f}" in res.stdout
+    assert (tmp_path / "d.png").stat().st_size > 0

@@ -339,3 +339,37 @@ def test_former_spellings_still_work_and_warn(tmp_path: Path,
     assert "config key 'hardware'" in err and "use 'preset'" in err
     assert [(r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in rows] == [
         ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(rows)
+
+
+def test_disk_tier_flags_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--disk-ratio is a grid axis (one run per ratio), --disk picks the drive; the table
+    gains a disk column and the disk's figures only when a run has a disk tier; a config
+    file takes the same keys; bad values exit 2 with the reason."""
+    rows = run_json(tmp_path, "--disk-ratio", "0,4", "--disk", "nvme-gen5-raid0x4",
+                    "--preset", "b200-llama3.1-70b-tp2")
+    assert [(r["disk_ratio"], r["programs"], r["policy"]) for r in rows][:4] == [
+        (0.0, 2, "mori"), (0.0, 2, "smg"), (0.0, 3, "mori"), (0.0, 3, "smg")]
+    assert {r["disk"] for r in rows} == {"nvme-gen5-raid0x4"}
+    mori4 = next(r for r in rows if r["disk_ratio"] == 4.0 and r["policy"] == "mori")
+    assert mori4["disk_kv_capacity_tokens"] == 4 * mori4["gpu_kv_capacity_tokens"]
+    smg4 = next(r for r in rows if r["disk_ratio"] == 4.0 and r["policy"] == "smg")
+    assert smg4["disk_kv_capacity_tokens"] == 0  # smg's engine has no host tier
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.split()[:5] == ["policy", "programs", "hardware", "cpu", "disk"]
+    assert "disk hit %" in header and "disk written (TB)" in header
+    assert main([*SMALL]) == 0
+    assert "disk" not in capsys.readouterr().out.splitlines()[0]
+    cfg = tmp_path / "disk.toml"
+    cfg.write_text('policy = ["mori"]\nprograms = [2]\nduration = 60\n'
+                   'disk-ratio = [2]\ndisk = "nvme-gen5"\nquiet = true\n')
+    out = tmp_path / "cfg.json"
+    assert main(["simulate", "--config", str(cfg), "--json", str(out)]) == 0
+    assert [r["disk_ratio"] for r in json.loads(out.read_text())] == [2.0]
+    capsys.readouterr()
+    assert main([*SMALL, "--disk", "floppy"]) == 2
+    err = capsys.readouterr().err
+    assert "nvme-gen5" in err and "Traceback" not in err
+    assert main([*SMALL, "--disk-ratio", "-1"]) == 2
+    assert "disk ratio must be >= 0" in capsys.readouterr().err
+    assert main([*SMALL, "--preset", "b200-llama3.1-70b-tp2", "--disk-ratio", "100"]) == 2
+    assert "lower --disk-ratio or pick a larger --disk" in capsys.readouterr().err

@@ -69,6 +69,9 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
     def cpu_cap(r: int | None) -> int | None:
         return p.placement.cpu[r].capacity if r is not None else None
 
+    def disk_cap(r: int | None) -> int | None:
+        return p.placement.disk[r].capacity if r is not None else None
+
     def used(tier: Tier, r: int | None) -> int:
         return sum(s for t, rr, s in state.values() if t is tier and rr == r)
 
@@ -91,10 +94,14 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
         if isinstance(d, Demote):
             if (tier, replica) != (d.source, d.replica):
                 raise fail(i, f"program is in {tier.value}[{replica}]")
-            if d.source is Tier.NONE or d.to not in (Tier.CPU, Tier.NONE):
+            if d.source is Tier.NONE or d.to not in (Tier.CPU, Tier.DISK, Tier.NONE):
                 raise fail(i, "bad demotion tiers")
-            if d.source is Tier.CPU and d.to is not Tier.NONE:
-                raise fail(i, "CPU demotes only to NONE")
+            if d.source is Tier.CPU and d.to not in (Tier.DISK, Tier.NONE):
+                raise fail(i, "CPU demotes only to DISK or NONE")
+            if d.source is Tier.DISK and d.to is not Tier.NONE:
+                raise fail(i, "DISK demotes only to NONE")
+            if d.to is Tier.DISK and not p.cluster.disk_bytes:
+                raise fail(i, "demoted to a disk tier the cluster does not have")
             if d.program_id in reasoning:
                 raise fail(i, "demoted a Reasoning program")
             if d.to is Tier.CPU:
@@ -102,13 +109,18 @@ def replay(p: Policy, before: dict[str, Place], held: set[str], reasoning: set[s
                 cap = cpu_cap(d.replica)
                 if cap is not None and used(Tier.CPU, d.replica) > cap:
                     raise fail(i, "CPU over capacity after the demotion")
+            elif d.to is Tier.DISK:
+                state[d.program_id] = (Tier.DISK, d.replica, size)
+                cap = disk_cap(d.replica)
+                if cap is not None and used(Tier.DISK, d.replica) > cap:
+                    raise fail(i, "disk over capacity after the demotion")
             else:
                 state[d.program_id] = (Tier.NONE, None, size)
         elif isinstance(d, Promote):
             if tier is not d.source or (tier is Tier.GPU and replica == d.replica):
                 raise fail(i, f"program is in {tier.value}[{replica}]")
-            if d.source is Tier.CPU and replica != d.replica:
-                raise fail(i, "CPU promotion to another replica")
+            if d.source in (Tier.CPU, Tier.DISK) and replica != d.replica:
+                raise fail(i, f"{d.source.value} promotion to another replica")
             if not 0 <= d.replica < p.cluster.replicas:
                 raise fail(i, "bad replica")
             state[d.program_id] = (Tier.GPU, d.replica, size)
@@ -156,14 +168,15 @@ def checked_decide(p: Policy, now: float, reasoning: set[str] | None = None,
 
 def check_no_idle_replica(p: Policy, decisions: list[Decision]) -> None:
     """Work conservation: no ready program that fits stays held while a replica it may
-    use (its own for a CPU-queue program, any otherwise) has an empty GPU queue."""
+    use (its own for a CPU- or disk-queue program, any otherwise) has an empty GPU queue."""
     cap = p.cluster.gpu_bytes
     if cap is None:
         return
     for q in p.ready_programs:
         if q.kv_bytes > cap:
             continue
-        usable = [q.replica] if q.tier is Tier.CPU else range(p.cluster.replicas)
+        usable = ([q.replica] if q.tier in (Tier.CPU, Tier.DISK)
+                  else range(p.cluster.replicas))
         idle = [r for r in usable if r is not None and not p.placement.gpu[r].members
                 and r not in p.placement.down]
         if idle:
@@ -288,8 +301,8 @@ class FakeWorld:
                 self._at(self.now + st.service, "finish", d.program_id, run.attempt)
             elif isinstance(d, (Promote, Demote)):
                 run = self.runs[d.program_id]
-                run.replica = d.replica if (isinstance(d, Promote) or d.to is Tier.CPU) \
-                    else None
+                run.replica = d.replica if (isinstance(d, Promote)
+                                            or d.to in (Tier.CPU, Tier.DISK)) else None
             elif isinstance(d, Release):
                 assert self.runs[d.program_id].ended
 

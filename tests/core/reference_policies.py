@@ -26,6 +26,7 @@ class StraightMori(MoriPolicy):
 
     def _decide(self, now: float, out: list[Decision]) -> None:
         idleness = IdlenessAt(now)
+        self._idleness = idleness  # the disk tier's demotions read it
         if self.rebalancer is not None:
             self.rebalancer.rebalance(now, out, idleness)
         self._fix_overflow(out, idleness)
@@ -37,6 +38,12 @@ class StraightMori(MoriPolicy):
 
     def _fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
         pl = self.placement
+        for dq in pl.disk:  # a disk queue over capacity: its most idle to no tier
+            if dq.over():
+                for p in sorted((self.programs[pid] for pid in dq.members), key=idleness.desc):
+                    if not dq.over():
+                        break
+                    Policy._demote_to(self, p, Tier.NONE, None, out)
         for r, gq in enumerate(pl.gpu):
             if gq.over():
                 members = [self.programs[pid] for pid in gq.members]
@@ -111,7 +118,7 @@ class StraightMori(MoriPolicy):
                 blocked = True
                 self._make_room(c, now, out, idleness, reserve)
 
-        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
+        for c in (c for c in cands if c.tier in (Tier.CPU, Tier.DISK) and not fits_nowhere(c)):
             place_or_make_room(c)
         waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
         room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(pl.gpu))

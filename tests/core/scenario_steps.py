@@ -15,7 +15,7 @@ from mori.core.policies import POLICIES
 from mori.core.policy import Policy, PolicyConfig
 from mori.core.types import Tier
 
-GPU, CPU, NONE = Tier.GPU, Tier.CPU, Tier.NONE
+GPU, CPU, DISK, NONE = Tier.GPU, Tier.CPU, Tier.DISK, Tier.NONE
 # the scenarios that every policy plays (test_scenarios.py) use GPUs of ~100 tokens;
 # ThunderAgent reserves 100 tokens per program, so its own scenarios
 # (test_thunderagent_scenarios.py) use larger ones, and test_thunderagent_crosscheck.py
@@ -24,8 +24,8 @@ UNBUFFERED = [n for n in POLICIES.names() if not n.startswith("thunderagent")]
 
 
 def make(name: str, gpu: int | None = 100, cpu: int | None = 100, replicas: int = 1,
-         **cfg: object) -> Policy:
-    return POLICIES.get(name)(ClusterSpec(replicas, gpu, cpu), 1,
+         disk: int = 0, **cfg: object) -> Policy:
+    return POLICIES.get(name)(ClusterSpec(replicas, gpu, cpu, disk), 1,
                               PolicyConfig(page_tokens=1, **cfg))  # type: ignore[arg-type]
 
 

@@ -36,6 +36,7 @@ def crowded(draw: st.DrawFn) -> dict[str, object]:
     gpu = draw(st.integers(peak, max(peak, 2 * total // (3 * replicas))))
     return dict(programs=programs, batch=draw(st.booleans()), replicas=replicas, gpu=gpu,
                 cpu=draw(st.one_of(st.just(0), st.integers(0, total // replicas))),
+                disk=draw(st.one_of(st.just(0), st.integers(0, total // replicas))),
                 per_token=1, config=PolicyConfig(
                     tick_s=draw(st.sampled_from([0.5, 2.0, 5.0])),
                     idleness_window=draw(st.integers(1, 5)),
@@ -49,7 +50,8 @@ def trace(cls: type, w: dict[str, object]) -> list[tuple[float, object]]:
     programs = w["programs"]
     config = w["config"]
     assert isinstance(programs, list) and isinstance(config, PolicyConfig)
-    policy = cls(ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"])),  # type: ignore[arg-type]
+    policy = cls(ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"]),  # type: ignore[arg-type]
+                             int(w.get("disk", 0))),  # type: ignore[call-overload]
                  int(w["per_token"]), config)  # type: ignore[arg-type]
     world = FakeWorld(policy, programs, time_limit(programs, config.tick_s),
                       batch=bool(w.get("batch", False)))

@@ -5,8 +5,8 @@ shadow ledger (``driver.replay``: Forward only for a GPU-resident program that h
 request, Promote only into room, Demote never of a Reasoning program, nothing placed on
 a replica that is down). At the end every request was forwarded exactly once (once more
 for each time it failed with its replica) and every program ended: no request lost.
-Some worlds lose replicas for a while, and some start with programs found on the
-engines (a restarted gateway).
+Some worlds have a disk tier, some lose replicas for a while, and some start with
+programs found on the engines (a restarted gateway).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
     total = sum(-(-p.peak() // page) * page * per_token for p in programs)
     gpu = draw(st.one_of(st.just(peak), st.integers(peak, max(peak, total))))
     cpu = draw(st.one_of(st.just(0), st.integers(0, 2 * total)))
+    disk = draw(st.one_of(st.just(0), st.just(0), st.integers(0, 2 * total)))
     replicas = draw(st.integers(1, 3))
     outages = draw(st.lists(st.tuples(st.one_of(TENTHS, TENTHS.map(lambda t: 10 * t)),
                                       st.integers(0, 600),
@@ -77,6 +78,7 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
         replicas=replicas,
         gpu=gpu,
         cpu=cpu,
+        disk=disk,
         per_token=per_token,
         config=PolicyConfig(
             tick_s=draw(st.sampled_from([0.5, 2.0, 5.0])),
@@ -102,7 +104,8 @@ def run_world(name: str, w: dict[str, object]) -> FakeWorld:
     config = w["config"]
     assert isinstance(programs, list) and isinstance(config, PolicyConfig)
     policy = POLICIES.get(name)(
-        ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"])),  # type: ignore[arg-type]
+        ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"]),  # type: ignore[arg-type]
+                    int(w.get("disk", 0))),  # type: ignore[call-overload]
         int(w["per_token"]), config)  # type: ignore[arg-type]
     outages = list(w.get("outages", []))  # type: ignore[call-overload]
     limit = time_limit(programs, config.tick_s) + sum(up - down for down, up, _ in outages)

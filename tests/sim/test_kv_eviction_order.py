@@ -10,16 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mori.core.types import KVLabel
-from mori.sim.kvcache import _CPU_RANK, _GPU_RANK, KVEntry, KVPools
+from mori.sim.kvcache import _CPU_RANK, _DISK_RANK, _GPU_RANK, KVEntry, KVPools
+
+_RANKS = {"gpu": _GPU_RANK, "cpu": _CPU_RANK, "disk": _DISK_RANK}
 
 
 class SortingPools(KVPools):
     """The reference: the eviction order sorted afresh from every entry each time."""
 
-    def _victims(self, gpu: bool) -> Iterator[KVEntry]:
-        rank = (_GPU_RANK if gpu else _CPU_RANK) if self.typed else None
+    def _victims(self, tier: str) -> Iterator[KVEntry]:
+        rank = _RANKS[tier] if self.typed else None
         held = [e for e in self.entries.values()
-                if (e.gpu if gpu else e.cpu) > 0 and not e.pinned]
+                if self._pages(e, tier) > 0 and not e.pinned]
         return iter(sorted(held, key=lambda e: ((rank[e.label] if rank else 0),
                                                  e.last_access)))
 
@@ -71,7 +73,7 @@ def apply(pools: KVPools, o: tuple[object, ...], now: float) -> object:
     elif kind == "end" and e is not None:
         pools.set_label(e, KVLabel.INACTIVE)
         pools.end(e)
-        if not e.gpu and not e.cpu and not e.pinned:
+        if not e.gpu and not e.cpu and not e.disk and not e.pinned:
             pools.remove(e.program_id)
     elif kind == "room":
         n = o[1]
@@ -81,17 +83,20 @@ def apply(pools: KVPools, o: tuple[object, ...], now: float) -> object:
 
 
 def state(pools: KVPools) -> object:
-    return (pools.gpu_used, pools.cpu_used, pools.dropped_pages, pools.evicted_gpu_pages,
-            sorted((e.program_id, e.gpu, e.cpu, e.label, e.last_access, e.pinned, e.ended)
-                   for e in pools.entries.values()))
+    return (pools.gpu_used, pools.cpu_used, pools.disk_used, pools.dropped_pages,
+            pools.evicted_gpu_pages, pools.disk_written,
+            sorted((e.program_id, e.gpu, e.cpu, e.disk, e.label, e.last_access, e.pinned,
+                    e.ended) for e in pools.entries.values()))
 
 
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(op, max_size=60), typed=st.booleans(), cpu=st.sampled_from([0, 7, 20]),
-       same_time=st.booleans())
+       disk=st.sampled_from([0, 0, 9, 40]), same_time=st.booleans())
 def test_heaps_evict_as_the_full_sort_does(ops: list[tuple[object, ...]], typed: bool,
-                                          cpu: int, same_time: bool) -> None:
-    fast, ref = KVPools(24, cpu, typed), SortingPools(24, cpu, typed)
+                                          cpu: int, disk: int, same_time: bool) -> None:
+    """The same with a disk pool under the CPU pool (or, with no CPU pool, under the
+    GPU): its heap against the sort too."""
+    fast, ref = KVPools(24, cpu, typed, disk), SortingPools(24, cpu, typed, disk)
     for i, o in enumerate(ops):
         now = 0.0 if same_time else float(i // 3)  # ties in last access, or not
         assert apply(fast, o, now) == apply(ref, o, now), o
@@ -108,4 +113,50 @@ def test_the_order_is_readable() -> None:
         pools.set_label(e, label)
         pools.touch(e, t)
     assert [e.program_id for e in pools.eviction_order(gpu=True)] == ["x", "i2", "i", "b"]
+    pools.check()
+
+
+def test_evicted_host_pages_go_to_disk_and_come_back_as_a_prefix() -> None:
+    """GPU 4 pages, CPU 2, disk 10: a program's 6 pages pushed out land 2 on the CPU and
+    4 on the disk (the tail), counted as written; its next request takes both back."""
+    pools = KVPools(4, 2, typed=True, disk_pages=10)
+    a = pools.entry("a")
+    pools.pin(a)
+    pools.take_for_request(a, 4)
+    pools.unpin(a, 0.0)
+    pools.set_label(a, KVLabel.COLD)
+    pools.evict_program_gpu("a", 1.0)
+    assert (a.gpu, a.cpu, a.disk) == (0, 2, 2) and pools.disk_written == 2
+    b = pools.entry("b")
+    pools.pin(b)
+    assert pools.make_gpu_room(4, 2.0)
+    pools.take_for_request(b, 4)
+    pools.unpin(b, 2.0)
+    pools.set_label(b, KVLabel.IDLE)
+    pools.evict_program_gpu("b", 3.0)  # b's 4 pages: the CPU makes room by writing a's
+    assert (a.cpu, a.disk) == (0, 4) and (b.cpu, b.disk) == (2, 2)
+    assert pools.disk_written == 2 + 2 + 2 and pools.disk_write_backlog == 6
+    pools.pin(a)
+    assert pools.make_gpu_room(4, 4.0)
+    assert pools.take_for_request(a, 4) == (0, 4)  # all of a from the disk
+    pools.check()
+
+
+def test_inactive_pages_are_not_written_and_a_full_disk_loses_the_least_kept() -> None:
+    pools = KVPools(8, 0, typed=True, disk_pages=4)
+    for pid, label in (("x", KVLabel.INACTIVE), ("c", KVLabel.COLD), ("i", KVLabel.IDLE)):
+        e = pools.entry(pid)
+        pools.take_for_request(e, 2)
+        pools.set_label(e, label)
+    pools.evict_program_gpu("x", 1.0)
+    assert pools.entries["x"].disk == 0 and pools.disk_written == 0  # dropped
+    pools.evict_program_gpu("c", 2.0)
+    pools.evict_program_gpu("i", 3.0)
+    assert pools.disk_used == 4
+    b = pools.entry("b")
+    pools.take_for_request(b, 2)
+    pools.set_label(b, KVLabel.BUSY)
+    pools.evict_program_gpu("b", 4.0)  # full: the disk drops busy, then idle, then cold
+    assert [pools.entries[p].disk for p in ("c", "i", "b")] == [2, 2, 0]
+    assert [e.program_id for e in pools.eviction_order("disk")] == ["i", "c"]
     pools.check()

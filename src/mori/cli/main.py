@@ -29,6 +29,7 @@ from mori.cli.trace_cmd import add_trace_parser, run_trace
 from mori.cli.traces_cmd import add_traces_parser, run_traces
 from mori.cli.vllm_args_cmd import add_vllm_args_parser, run_vllm_args
 from mori.core.costmodel import PRESETS
+from mori.core.hardware import DISKS
 from mori.core.policies import PAPER_POLICIES, POLICIES
 
 _NO_CPU_TIER = [n for n in POLICIES.names() if not POLICIES.get(n).engine_profile.cpu_tier]
@@ -106,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sglang_args_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
-    sub.add_parser("presets", help="list the hardware presets",
-                   description="List the hardware presets (one engine replica each).")
+    sub.add_parser("presets", help="list the hardware presets and the disk tiers",
+                   description="List the hardware presets (one engine replica each) and the "
+                               "drives a disk tier can be simulated on (--disk).")
     return parser
 
 
@@ -127,7 +129,13 @@ def list_presets() -> str:
         rows.append((name, p.gpu.name, p.model.name, str(p.tp),
                      f"{p.gpu_kv_capacity_tokens:,}", f"{p.model.context_window:,}"))
     headers = ("preset", "GPU", "model", "TP", "GPU KV (tokens)", "context (tokens)")
-    return format_table(headers, rows, (False, False, False, True, True, True))
+    presets = format_table(headers, rows, (False, False, False, True, True, True))
+    disks = [(name, f"{d.capacity_bytes / 1e12:.1f}", f"{d.read_bw / 1e9:g}",
+              f"{d.write_bw / 1e9:g}", f"{d.latency_s * 1e6:g}")
+             for name, d in ((n, DISKS.get(n)) for n in DISKS.names())]
+    disk_table = format_table(("disk (--disk)", "capacity (TB)", "read (GB/s)", "write (GB/s)",
+                               "read latency (us)"), disks, (False, True, True, True, True))
+    return f"{presets}\n\n{disk_table}"
 
 
 def _simulate(args: argparse.Namespace) -> int:

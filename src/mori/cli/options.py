@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mori.core.costmodel import PRESETS
+from mori.core.hardware import DISKS
 from mori.core.policies import PAPER_POLICIES, POLICIES
 from mori.core.policy import PolicyConfig
 from mori.gateway.config import GatewaySettings
@@ -194,6 +195,14 @@ OPTIONS: tuple[Option, ...] = (
                 f"valid: {', '.join(PRESETS.names())}"),
     Option("cpu_ratio", float, (_SIM.cpu_ratio,), metavar="R,...", multi=True,
            help="CPU KV tier size as a multiple of the GPU KV capacity (see below)"),
+    Option("disk_ratio", float, (_SIM.disk_ratio,), metavar="R,...", multi=True,
+           help="disk KV tier of each replica as a multiple of its GPU KV capacity, under "
+                "the CPU tier (0: none; policies whose engine has no CPU tier get none)"),
+    Option("disk_kv_tokens", int, _SIM.disk_kv_tokens, metavar="TOKENS",
+           help="disk KV tier of each replica in tokens; replaces --disk-ratio"),
+    Option("disk", str, _SIM.disk, choices=tuple(DISKS.names()), metavar="DRIVE",
+           help=f"the drive(s) of the disk tier: {', '.join(DISKS.names())} (see "
+                "`mori presets`)"),
     Option("replicas", int, _SIM.replicas, metavar="N",
            help="engine replicas, each with the preset's GPUs and --programs programs"),
     Option("duration", float, _SIM.duration_s, metavar="SECONDS", field="duration_s",

@@ -47,14 +47,19 @@ def _series(runs: Sequence[RunResult], metric: Callable[[RunResult], float], per
     return [p for p, _ in pts], [v for _, v in pts]
 
 
+def _setting(r: RunResult) -> tuple[str, float, int, float]:
+    """A plot row: (hardware, CPU ratio, replicas, disk ratio)."""
+    c = r.config
+    return c.hardware, c.cpu_ratio, c.replicas, c.disk_ratio
+
+
 def plot_results(results: Sequence[RunResult], path: Path, per_replica: bool = False) -> None:
     """Draw ``results`` (any grid order) and save them as a PNG at ``path`` (dpi 120).
 
     One row per (hardware, CPU ratio, replicas). ``per_replica``: the x axis counts
     programs per replica (the title says so where replicas > 1).
     """
-    settings = list(dict.fromkeys((r.config.hardware, r.config.cpu_ratio, r.config.replicas)
-                                  for r in results))
+    settings = list(dict.fromkeys(_setting(r) for r in results))
     policies = list(dict.fromkeys(r.config.policy for r in results))
     colors = plt.get_cmap("tab10")
     style = {p: (colors(i % 10), _MARKERS[i % len(_MARKERS)]) for i, p in enumerate(policies)}
@@ -63,10 +68,9 @@ def plot_results(results: Sequence[RunResult], path: Path, per_replica: bool = F
                              squeeze=False)
     try:
         for row, setting in enumerate(settings):
-            hw, cpu, dp = setting
-            here = [r for r in results
-                    if (r.config.hardware, r.config.cpu_ratio, r.config.replicas) == setting]
-            where = hw
+            hw, cpu, dp, disk = setting
+            here = [r for r in results if _setting(r) == setting]
+            where = hw if not disk else f"{hw} disk {disk:g}x"
             if per_replica and dp > 1:
                 where += f" DP={dp} (programs per replica)"
             for col, (label, metric) in enumerate(_PANELS):

@@ -60,6 +60,9 @@ class Settings:
     share_prefix: bool
     gpu_kv_tokens: int | None
     cpu_kv_tokens: int | None
+    disk_ratio: tuple[float, ...]
+    disk_kv_tokens: int | None
+    disk: str
     token_scale: float
     time_scale: float
     reload_gbps: float | None
@@ -106,8 +109,10 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   max_context=s.max_context, share_prefix=s.share_prefix,
                   gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
                   token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.reload_gbps,
+                  disk_ratio=disk, disk_kv_tokens=s.disk_kv_tokens, disk=s.disk,
                   policy_config=knobs)
-        for hw in s.preset for cpu in s.cpu_ratio for n in s.programs for pol in s.policy
+        for hw in s.preset for cpu in s.cpu_ratio for disk in s.disk_ratio
+        for n in s.programs for pol in s.policy
     ]
 
 
@@ -181,6 +186,7 @@ def timeline_paths(path: Path, configs: list[SimConfig]) -> list[Path]:
         return [path]
     presets = len({c.hardware for c in configs}) > 1
     ratios = len({c.cpu_ratio for c in configs}) > 1
+    disks = len({c.disk_ratio for c in configs}) > 1
     out = []
     for c in configs:
         tag = f"{c.policy}-{c.programs_per_replica}"
@@ -188,6 +194,8 @@ def timeline_paths(path: Path, configs: list[SimConfig]) -> list[Path]:
             tag += f"-{c.hardware}"
         if ratios:
             tag += f"-cpu{c.cpu_ratio:g}"
+        if disks:
+            tag += f"-disk{c.disk_ratio:g}"
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in tag)
         out.append(path.with_name(f"{path.stem}-{safe}{path.suffix or '.html'}"))
     return out

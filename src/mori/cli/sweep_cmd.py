@@ -31,16 +31,16 @@ from mori.sweep.run import execute, partition, validate
 from mori.sweep.store import RunStore, result_row, write_setting, write_sweep
 from mori.traces import TraceError, default_traces, load_traces
 
-GRID_KEYS = ("policy", "programs", "preset", "cpu_ratio", "replicas")
+GRID_KEYS = ("policy", "programs", "preset", "cpu_ratio", "disk_ratio", "replicas")
 """Options that define a custom grid (not allowed with a named sweep)."""
 SHARED_KEYS = ("duration", "seed", "human_gap", "human_gap_cap", "max_context",
-               "share_prefix", "tick", "idleness_window")
+               "share_prefix", "tick", "idleness_window", "disk")
 """The options every run of a sweep shares (SimConfig fields and policy knobs)."""
 
 SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.replace(
     " (see below)", "")) for o in (
     BY_KEY["policy"], BY_KEY["programs"], BY_KEY["preset"], BY_KEY["cpu_ratio"],
-    dataclasses.replace(BY_KEY["replicas"], multi=True, default=(1,), metavar="N,...",
+    BY_KEY["disk_ratio"], dataclasses.replace(BY_KEY["replicas"], multi=True, default=(1,), metavar="N,...",
                         help="engine replica counts (DP), one setting each"),
     *(BY_KEY[k] for k in SHARED_KEYS), BY_KEY["traces"], BY_KEY["quiet"],
 ))
@@ -113,7 +113,8 @@ def build_sweep(args: argparse.Namespace) -> SweepDef:
         return dataclasses.replace(named, base=with_shared(named.base, shared),
                                    traces=traces if traces is not None else named.traces)
     v = {o.key: given.get(o.key, o.default) for o in SWEEP_OPTIONS}
-    block = Block(v["preset"], v["cpu_ratio"], v["replicas"], v["programs"], v["policy"])
+    block = Block(v["preset"], v["cpu_ratio"], v["replicas"], v["programs"], v["policy"],
+                  disk_ratio=v["disk_ratio"])
     base = with_shared(SimConfig(), {k: v[k] for k in SHARED_KEYS})
     return SweepDef(None, "custom sweep", (block,), base, traces)
 
@@ -148,9 +149,12 @@ def write_outputs(out: Path, sweep: SweepDef, runs: list[Run], results: list[Run
         png = out / f"{setting.stem}.png"
         plot_results([r for _, r in pairs], png, per_replica=True)
         written.append(png)
-        settings.append({"hardware": setting.hardware, "cpu_ratio": setting.cpu_ratio,
-                         "replicas": setting.replicas, "json": f"{setting.stem}.json",
-                         "png": png.name})
+        entry: dict[str, object] = {"hardware": setting.hardware,
+                                    "cpu_ratio": setting.cpu_ratio,
+                                    "replicas": setting.replicas}
+        if setting.disk_ratio:
+            entry["disk_ratio"] = setting.disk_ratio
+        settings.append({**entry, "json": f"{setting.stem}.json", "png": png.name})
     scaling = []  # settings run on several replica counts: how they scale
     for (hw, cpu), group in scaling_groups(results).items():
         png = out / f"{hw}_cpu{cpu:g}_scaling.png"
@@ -171,6 +175,8 @@ def summary(runs: list[Run], results: list[RunResult]) -> str:
     for setting in settings_of(runs):
         here = [r for a, r in zip(runs, results, strict=True) if a.setting == setting]
         title = f"{setting.hardware}, cpu ratio {setting.cpu_ratio:g}, DP={setting.replicas}"
+        if setting.disk_ratio:
+            title += f", disk ratio {setting.disk_ratio:g}"
         if setting.replicas > 1:
             title += " (programs column: per replica)"
         parts.append(f"{title}\n{results_table(here, per_replica=True)}")

@@ -51,6 +51,9 @@ def _num(value: float | None, fmt: str, scale: float = 1.0) -> str:
 RESULT_HEADERS = ("policy", "programs", "hardware", "cpu", "tok/s", "steps/s", "TTFT mean (s)",
                   "TTFT p90 (s)", "TTFT p99 (s)", "GPU busy %", "GPU hit %", "CPU hit %",
                   "recomputed (M tok)", "reloaded (M tok)")
+DISK_HEADERS = ("disk hit %", "disk read (M tok)", "disk written (TB)")
+"""The columns a results table adds (with a ``disk`` ratio column after ``cpu``) when a
+run has a disk tier."""
 
 
 def shown_programs(r: RunResult, per_replica: bool) -> int:
@@ -64,19 +67,27 @@ def results_table(results: Sequence[RunResult], per_replica: bool = False) -> st
     """One row per run, in the order given; ``per_replica``: the programs column counts
     programs per replica."""
     short = short_hardware(r.config.hardware for r in results)
-    rows = [
-        (r.config.policy, str(shown_programs(r, per_replica)), short[r.config.hardware],
-         format(r.config.cpu_ratio, "g"),
-         _num(r.output_tokens_per_s, ".1f"), _num(r.steps_per_s, ".3f"),
-         _num(r.ttft_mean_s, ".2f"), _num(r.ttft_p90_s, ".2f"),
-         _num(r.ttft_p99_s, ".2f"),
-         _num(r.gpu_busy_frac, ".1f", 100), _num(r.gpu_hit_rate, ".1f", 100),
-         _num(r.cpu_hit_rate, ".1f", 100), _num(r.recomputed_tokens, ".2f", 1e-6),
-         _num(r.reloaded_tokens, ".2f", 1e-6))
-        for r in results
-    ]
-    right = [False, True, False] + [True] * (len(RESULT_HEADERS) - 3)
-    return format_table(RESULT_HEADERS, rows, right)
+    disk = any(r.config.disk_ratio or r.config.disk_kv_tokens for r in results)
+    rows = []
+    for r in results:
+        row = [r.config.policy, str(shown_programs(r, per_replica)), short[r.config.hardware],
+               format(r.config.cpu_ratio, "g"),
+               _num(r.output_tokens_per_s, ".1f"), _num(r.steps_per_s, ".3f"),
+               _num(r.ttft_mean_s, ".2f"), _num(r.ttft_p90_s, ".2f"),
+               _num(r.ttft_p99_s, ".2f"),
+               _num(r.gpu_busy_frac, ".1f", 100), _num(r.gpu_hit_rate, ".1f", 100),
+               _num(r.cpu_hit_rate, ".1f", 100), _num(r.recomputed_tokens, ".2f", 1e-6),
+               _num(r.reloaded_tokens, ".2f", 1e-6)]
+        if disk:
+            row[4:4] = [format(r.config.disk_ratio, "g") if r.config.disk_kv_tokens is None
+                        else f"{r.disk_kv_capacity_tokens:,} tok"]
+            row += [_num(r.disk_hit_rate, ".1f", 100), _num(r.disk_read_tokens, ".2f", 1e-6),
+                    _num(r.disk_written_bytes, ".2f", 1e-12)]
+        rows.append(tuple(row))
+    headers = (RESULT_HEADERS if not disk else
+               (*RESULT_HEADERS[:4], "disk", *RESULT_HEADERS[4:], *DISK_HEADERS))
+    right = [False, True, False] + [True] * (len(headers) - 3)
+    return format_table(headers, rows, right)
 
 
 def left_out_note(results: Sequence[RunResult], trace_set: str, total: int,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from mori.core.hardware import (
     PRESETS,
+    DiskSpec,
     GPUSpec,
     HardwarePreset,
     ModelSpec,
@@ -242,3 +243,28 @@ class CostModel:
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         return tokens * self._kv_bytes_gpu / self.preset.gpu.pcie_bw * self.time_scale
+
+    def disk_read_time(self, tokens: int, disk: DiskSpec) -> float:
+        """Seconds to bring ``tokens`` tokens of KV from ``disk`` to the GPU(s).
+
+        Pipelined through host memory, as vLLM's offloading connector and LMCache read a
+        file tier (chunk by chunk, each chunk copied to the GPU while the next is read):
+        the slower of the disk (the replica's whole KV, every TP rank's shard, comes off
+        one array) and each GPU's PCIe link, plus one read latency.
+        """
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        if tokens == 0:
+            return 0.0
+        p = self.preset
+        disk_s = tokens * p.kv_bytes_per_token_per_gpu * p.tp / disk.read_bw
+        return (disk.latency_s + max(disk_s, self.reload_time(tokens) / self.time_scale)) \
+            * self.time_scale
+
+    def disk_write_time(self, tokens: int, disk: DiskSpec) -> float:
+        """Seconds ``disk`` takes to write ``tokens`` tokens of the replica's KV (from
+        host memory: the copy off the GPU is the host tier's)."""
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
+        p = self.preset
+        return tokens * p.kv_bytes_per_token_per_gpu * p.tp / disk.write_bw * self.time_scale

@@ -3,7 +3,8 @@
 Order matters within one ``decide()`` result: a ``Promote`` precedes the ``Forward`` of
 the same program, and the ``Demote`` decisions that made room precede the ``Promote``.
 The engine's type label (docs/system.md, "Typed offloading in the engine") follows from these decisions: ``Promote`` ->
-busy, ``Demote(to=CPU)`` -> idle, ``Demote(to=NONE)`` and ``Release`` -> inactive.
+busy, ``Demote(to=CPU)`` -> idle, ``Demote(to=DISK)`` -> cold, ``Demote(to=NONE)`` and
+``Release`` -> inactive.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ class Forward:
 @dataclass(frozen=True, slots=True)
 class Promote:
     """The program joins the GPU queue of ``replica``; ``source`` is where its KV was
-    (CPU: reload over PCIe; NONE: recompute; GPU: it was on another replica's GPU and is
+    (CPU: reload over PCIe; DISK: read back from the replica's disk; NONE: recompute;
+    GPU: it was on another replica's GPU and is
     re-routed here, leaving that copy behind, so it recomputes)."""
 
     program_id: str
@@ -34,7 +36,8 @@ class Promote:
 
 @dataclass(frozen=True, slots=True)
 class Demote:
-    """The program leaves the GPU (or CPU) queue of ``replica`` for ``to`` (CPU or NONE).
+    """The program leaves the GPU, CPU or disk queue of ``replica`` for ``to`` (CPU, DISK
+    or NONE).
 
     ``source`` is the tier it leaves.
     """

@@ -11,6 +11,8 @@ decision               engine actions
 ``Promote``            typed engine with ``LABELS``: label the program busy
 ``Demote`` to CPU      typed engine with ``LABELS``: label it idle; otherwise, leaving
                        the GPU: ``Offload`` its GPU KV (engine with ``OFFLOAD``)
+``Demote`` to DISK     typed engine with ``LABELS``: label it cold (the engine keeps it
+                       on its disk tier); otherwise as to CPU
 ``Demote`` to NONE     typed engine with ``LABELS``: label it inactive; otherwise,
                        leaving the GPU: ``Offload`` (engine with ``OFFLOAD``: the host
                        tier keeps it if there is one) or else ``Drop`` (with ``DROP``);
@@ -82,7 +84,7 @@ class ReleaseKV:
 
 EngineAction = Submit | SetLabel | Offload | Drop | ReleaseKV
 
-_DEMOTE_LABEL = {Tier.CPU: KVLabel.IDLE, Tier.NONE: KVLabel.INACTIVE}
+_DEMOTE_LABEL = {Tier.CPU: KVLabel.IDLE, Tier.DISK: KVLabel.COLD, Tier.NONE: KVLabel.INACTIVE}
 
 
 def engine_actions(d: Decision, profile: EngineProfile, caps: frozenset[Capability],

@@ -16,6 +16,7 @@ from mori.core.registry import Registry
 __all__ = [
     "B200",
     "CPU_VLLM",
+    "DISKS",
     "CPU_VLLM_POOL_TOKENS",
     "H100_SXM",
     "H200",
@@ -25,10 +26,12 @@ __all__ = [
     "QWEN2_5_7B",
     "QWEN3_30B_A3B",
     "TINY_LLAMA",
+    "DiskSpec",
     "GPUSpec",
     "HardwarePreset",
     "ModelSpec",
     "allreduce_estimate_s",
+    "get_disk",
     "get_preset",
 ]
 
@@ -405,3 +408,56 @@ PRESETS: Registry[HardwarePreset] = _build_presets()
 def get_preset(name: str) -> HardwarePreset:
     """The preset called ``name``; ``UnknownNameError`` lists the valid names."""
     return PRESETS.get(name)
+
+
+# --- Disk tiers (NVMe under the host tier) -----------------------------------------
+@dataclass(frozen=True, slots=True)
+class DiskSpec:
+    """A replica's local NVMe, as a third KV tier under the host (CPU) tier.
+
+    ``read_bw`` and ``write_bw`` are sequential bytes/s (KV chunks are written and read
+    whole, megabytes at a time); ``latency_s`` a typical read's latency at queue depth
+    1, paid once per reload. Figures from the drive's data sheet as a review measured
+    it (docs/costmodel.md, "The disk tier").
+    """
+
+    name: str
+    capacity_bytes: int
+    read_bw: float
+    write_bw: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0 or self.read_bw <= 0 or self.write_bw <= 0:
+            raise ValueError(f"{self.name}: capacity and bandwidths must be positive")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"{self.name}: latency_s must be a finite number >= 0")
+
+
+# Micron 9550 MAX 12.8 TB (PCIe Gen5 x4, NVMe 2.0): 14,000 MB/s sequential read,
+# 10,000 MB/s sequential write, 60 us typical read latency (Micron's specifications
+# as StorageReview's review of the drive lists them, 2025).
+NVME_GEN5 = DiskSpec("nvme-gen5", capacity_bytes=12_800 * 10**9, read_bw=14.0e9,
+                     write_bw=10.0e9, latency_s=60e-6)
+# Four of them striped (RAID-0): four times the capacity and, at best, the bandwidth
+# (an upper bound: software RAID and the host's PCIe lanes take some of it); striping
+# does not shorten a read's latency.
+NVME_GEN5_RAID0X4 = DiskSpec("nvme-gen5-raid0x4", capacity_bytes=4 * 12_800 * 10**9,
+                             read_bw=4 * 14.0e9, write_bw=4 * 10.0e9, latency_s=60e-6)
+
+
+def _build_disks() -> Registry[DiskSpec]:
+    registry: Registry[DiskSpec] = Registry("disk")
+    for disk in (NVME_GEN5, NVME_GEN5_RAID0X4):
+        registry.register(disk.name, disk)
+    registry.freeze()
+    return registry
+
+
+DISKS: Registry[DiskSpec] = _build_disks()
+"""The disk tiers the simulator models, by name (one drive, and four striped)."""
+
+
+def get_disk(name: str) -> DiskSpec:
+    """The disk called ``name``; ``UnknownNameError`` lists the valid names."""
+    return DISKS.get(name)

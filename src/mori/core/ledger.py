@@ -1,7 +1,8 @@
 """Tier ledgers: who is where, and how many bytes each tier holds.
 
-Per replica a GPU queue and a CPU queue with capacities in bytes; one global Waiting
-queue (tier NONE) for programs that hold no cache. ``check_integrity()`` asserts every
+Per replica a GPU queue, a CPU queue and a disk queue with capacities in bytes (the disk
+queue's is 0 unless the cluster has a disk tier); one global Waiting queue (tier NONE)
+for programs that hold no cache. ``check_integrity()`` asserts every
 invariant: each program in exactly one place, byte totals equal to the members' sizes,
 no tier over capacity. A capacity of ``None`` means the tier is not managed by the
 scheduler (a program-unaware baseline lets the engine decide).
@@ -16,11 +17,13 @@ from mori.core.types import Tier
 
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
-    """Scheduler-side capacities: ``replicas`` identical replicas."""
+    """Scheduler-side capacities: ``replicas`` identical replicas (``disk_bytes``: each
+    replica's disk tier; 0, the default, for none)."""
 
     replicas: int
     gpu_bytes: int | None
     cpu_bytes: int | None
+    disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -29,6 +32,8 @@ class ClusterSpec:
             raise ValueError(f"GPU KV capacity must be positive, got {self.gpu_bytes} bytes")
         if self.cpu_bytes is not None and self.cpu_bytes < 0:
             raise ValueError(f"CPU KV capacity must be >= 0, got {self.cpu_bytes} bytes")
+        if self.disk_bytes < 0:
+            raise ValueError(f"disk KV capacity must be >= 0, got {self.disk_bytes} bytes")
 
 
 class IntegrityError(AssertionError):
@@ -56,12 +61,13 @@ class TierQueue:
 
 
 class Placement:
-    """The GPU and CPU queues of every replica plus the global Waiting queue."""
+    """The GPU, CPU and disk queues of every replica plus the global Waiting queue."""
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.gpu = [TierQueue(spec.gpu_bytes) for _ in range(spec.replicas)]
         self.cpu = [TierQueue(spec.cpu_bytes) for _ in range(spec.replicas)]
+        self.disk = [TierQueue(spec.disk_bytes) for _ in range(spec.replicas)]
         self.down: set[int] = set()  # replicas out of service: capacity 0, no members
         self.waiting: dict[str, int] = {}
         self._where: dict[str, tuple[Tier, int | None]] = {}
@@ -80,26 +86,35 @@ class Placement:
         if tier is Tier.NONE:
             return self.waiting
         assert replica is not None
-        return (self.gpu if tier is Tier.GPU else self.cpu)[replica].members
+        return self.tier_queue(tier, replica).members
 
     def tier_queue(self, tier: Tier, replica: int) -> TierQueue:
-        return (self.gpu if tier is Tier.GPU else self.cpu)[replica]
+        if tier is Tier.GPU:
+            return self.gpu[replica]
+        return (self.cpu if tier is Tier.CPU else self.disk)[replica]
 
     # -- changes --------------------------------------------------------------------
     def set_down(self, replica: int, down: bool) -> None:
-        """Take a replica out of service (both its tiers' capacity becomes 0: nothing
-        fits there; it must be empty) or back in (the spec's capacities again)."""
+        """Take a replica out of service (its tiers' capacities become 0: nothing fits
+        there; it must be empty) or back in (the spec's capacities again)."""
         if not 0 <= replica < self.spec.replicas:
             raise ValueError(f"bad replica {replica!r}")
         if down:
-            if self.gpu[replica].members or self.cpu[replica].members:
+            if self.holds(replica):
                 raise ValueError(f"replica {replica} still holds programs")
             self.down.add(replica)
             self.gpu[replica].capacity = self.cpu[replica].capacity = 0
+            self.disk[replica].capacity = 0
         else:
             self.down.discard(replica)
             self.gpu[replica].capacity = self.spec.gpu_bytes
             self.cpu[replica].capacity = self.spec.cpu_bytes
+            self.disk[replica].capacity = self.spec.disk_bytes
+
+    def holds(self, replica: int) -> bool:
+        """Whether any tier of ``replica`` holds a program."""
+        return bool(self.gpu[replica].members or self.cpu[replica].members
+                    or self.disk[replica].members)
 
     def add(self, program_id: str, nbytes: int) -> None:
         """A new program enters the Waiting queue."""
@@ -158,7 +173,8 @@ class Placement:
 
         for pid in self.waiting:
             claim(pid, (Tier.NONE, None))
-        for tier, queues in ((Tier.GPU, self.gpu), (Tier.CPU, self.cpu)):
+        for tier, queues in ((Tier.GPU, self.gpu), (Tier.CPU, self.cpu),
+                             (Tier.DISK, self.disk)):
             for r, q in enumerate(queues):
                 for pid in q.members:
                     claim(pid, (tier, r))
@@ -172,5 +188,5 @@ class Placement:
         if seen != self._where:
             raise IntegrityError("membership index disagrees with the queues")
         for r in self.down:
-            if self.gpu[r].members or self.cpu[r].members:
+            if self.holds(r):
                 raise IntegrityError(f"replica {r} is down but holds programs")

@@ -39,6 +39,10 @@ paper's one-hour runs cost MORI throughput there (docs/results.md, "Bounded wait
 DEFAULT_RELOAD_GBPS = 25.0
 """GB/s assumed for a KV reload when the world gives none (PCIe 4/5 x16, pinned)."""
 
+DEFAULT_DISK_READ_GBPS = 14.0
+"""GB/s assumed for a reload from the disk tier when the world gives none (one PCIe
+Gen5 NVMe drive's sequential read, docs/costmodel.md, "The disk tier")."""
+
 DEFAULT_RECOMPUTE_TOK_S = 20_000.0
 """Tokens a second assumed for recomputing a context when the world gives no rate (the
 cost model's presets prefill a 32k context at 15-30k tokens/s per replica)."""
@@ -73,6 +77,10 @@ class PolicyConfig:
     engines report beyond the gateway's requests, i.e. other clients'), then the most
     room; off (the default), or with no loads told, the most room alone. The policy's
     own programs are already weighed by the room they take.
+    ``disk_read_gbps``: the rate of a reload from a replica's disk tier as the policies
+    estimate it, GB/s of policy time (None: the simulator gives its modelled disk;
+    elsewhere ``DEFAULT_DISK_READ_GBPS``); ``disk_latency_s`` is added once per reload.
+    Used only where the cluster has a disk tier.
     """
 
     tick_s: float = 5.0
@@ -86,6 +94,8 @@ class PolicyConfig:
     recompute_tok_s: float | None = None
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
     spread_by_load: bool = False
+    disk_read_gbps: float | None = None
+    disk_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -107,6 +117,13 @@ class PolicyConfig:
                                                 and math.isfinite(self.max_wait_s)):
             raise ValueError("max_wait_s must be a finite number of seconds >= 0, got "
                              f"{self.max_wait_s}")
+        if self.disk_read_gbps is not None and not (self.disk_read_gbps > 0
+                                                    and math.isfinite(self.disk_read_gbps)):
+            raise ValueError("disk_read_gbps must be a positive number, got "
+                             f"{self.disk_read_gbps}")
+        if not (self.disk_latency_s >= 0 and math.isfinite(self.disk_latency_s)):
+            raise ValueError("disk_latency_s must be a finite number of seconds >= 0, got "
+                             f"{self.disk_latency_s}")
         if not (self.acting_token_weight >= 0 and math.isfinite(self.acting_token_weight)):
             raise ValueError("acting_token_weight must be a finite number >= 0, got "
                              f"{self.acting_token_weight}")
@@ -141,6 +158,8 @@ class Policy(ABC):
     description: ClassVar[str]
     engine_profile: ClassVar[EngineProfile]
     uses_cpu_queue: ClassVar[bool] = False  # whether the scheduler keeps a CPU queue
+    uses_disk_queue: ClassVar[bool] = False  # whether it keeps a disk queue (when the
+    # cluster has a disk tier)
 
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None) -> None:
@@ -309,7 +328,9 @@ class Policy(ABC):
     def _ledger_spec(self, cluster: ClusterSpec) -> ClusterSpec:
         """The capacities this policy schedules against (a subclass may drop a tier)."""
         if self.uses_cpu_queue:
-            return cluster
+            if self.uses_disk_queue or not cluster.disk_bytes:
+                return cluster
+            return ClusterSpec(cluster.replicas, cluster.gpu_bytes, cluster.cpu_bytes)
         return ClusterSpec(cluster.replicas, cluster.gpu_bytes, 0)
 
     def reload_s(self, p: Program) -> float:
@@ -317,6 +338,12 @@ class Policy(ABC):
         0 GB/s: no usable link)."""
         gbps = DEFAULT_RELOAD_GBPS if self.config.reload_gbps is None else self.config.reload_gbps
         return p.kv_bytes / (gbps * 1e9) if gbps > 0 else math.inf
+
+    def disk_reload_s(self, p: Program) -> float:
+        """Seconds a reload of ``p``'s KV from its replica's disk tier is estimated to
+        take (``disk_read_gbps`` plus ``disk_latency_s``)."""
+        gbps = self.config.disk_read_gbps or DEFAULT_DISK_READ_GBPS
+        return self.config.disk_latency_s + p.kv_bytes / (gbps * 1e9)
 
     def recompute_s(self, p: Program) -> float:
         """Seconds a recompute of ``p``'s context is estimated to take
@@ -330,9 +357,12 @@ class Policy(ABC):
 
     def return_cost(self, p: Program, to: Tier, replica: int) -> float:
         """What ``p``'s return will cost, in policy seconds, having left ``replica``'s
-        GPU for ``to``: a reload where it was parked, else a recompute (the policy's
-        estimates, ``reload_s`` and ``recompute_s``; a policy may count more)."""
-        return self.reload_s(p) if to is Tier.CPU else self.recompute_s(p)
+        GPU for ``to``: a reload where it was parked (from the CPU tier or the disk
+        tier), else a recompute (the policy's estimates, ``reload_s``, ``disk_reload_s``
+        and ``recompute_s``; a policy may count more)."""
+        if to is Tier.CPU:
+            return self.reload_s(p)
+        return self.disk_reload_s(p) if to is Tier.DISK else self.recompute_s(p)
 
     def bytes_for(self, tokens: int) -> int:
         page = self.config.page_tokens
@@ -417,7 +447,8 @@ class Policy(ABC):
         if down == (replica in self.placement.down):
             return
         if down:
-            for q in (self.placement.gpu[replica], self.placement.cpu[replica]):
+            for q in (self.placement.gpu[replica], self.placement.cpu[replica],
+                      self.placement.disk[replica]):
                 for pid in list(q.members):
                     p = self.programs[pid]
                     self._move(p, Tier.NONE, None)

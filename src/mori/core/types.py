@@ -18,6 +18,7 @@ class Tier(StrEnum):
 
     GPU = "gpu"
     CPU = "cpu"
+    DISK = "disk"  # the replica's disk tier (NVMe): a return reads it back from disk
     NONE = "none"  # the global Waiting queue: no cache, a return means recompute
 
 
@@ -26,6 +27,7 @@ class KVLabel(StrEnum):
 
     BUSY = "busy"  # GPU queue
     IDLE = "idle"  # CPU queue
+    COLD = "cold"  # disk queue: keep it on the replica's disk, leave the faster tiers
     INACTIVE = "inactive"  # not scheduled anywhere (Waiting, or ended)
 
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from mori.core.costmodel import PRESETS
+from mori.core.hardware import DISKS
 from mori.core.policies import POLICIES
 from mori.core.policy import PolicyConfig
 from mori.sim.workload import workload_problems
@@ -45,6 +46,14 @@ class SimConfig:
     - ``pcie_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
       the preset's (None: the preset's; 0: no usable link, so no CPU tier is simulated,
       as at CPU ratio 0).
+
+    The disk tier (a third pool per replica, under the CPU tier; ``mori.sim.kvcache``):
+
+    - ``disk_ratio`` R: each replica's disk tier holds R x its GPU KV pool (0: none);
+      ``disk_kv_tokens``, given, replaces it (in tokens, whole pages). Only where the
+      policy's engine has a CPU tier (the disk sits under it) and a link to reload over.
+    - ``disk``: the drive(s) simulated, a name of ``mori.core.hardware.DISKS`` (their
+      bandwidths and latency; the tier may not exceed their capacity).
     """
 
     policy: str = "mori"
@@ -64,6 +73,9 @@ class SimConfig:
     token_scale: float = 1.0
     time_scale: float = 1.0
     pcie_gbps: float | None = None
+    disk_ratio: float = 0.0
+    disk_kv_tokens: int | None = None
+    disk: str = "nvme-gen5"
     policy_config: PolicyConfig = PolicyConfig()
 
     def __post_init__(self) -> None:
@@ -75,7 +87,7 @@ class SimConfig:
                             f"valid: {', '.join(PRESETS.names())}")
         if not isinstance(self.policy_config, PolicyConfig):  # its own fields checked it
             problems.append(f"policy_config must be a PolicyConfig (got {self.policy_config!r})")
-        for name in ("cpu_ratio", "duration_s", "human_gap_cap_s", "stagger_s", "token_scale",
+        for name in ("cpu_ratio", "disk_ratio", "duration_s", "human_gap_cap_s", "stagger_s", "token_scale",
                      "time_scale"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
@@ -112,4 +124,10 @@ class SimConfig:
                                 f"(got {self.gpu_kv_tokens})")
         if self.cpu_kv_tokens is not None and self.cpu_kv_tokens < 0:
             problems.append(f"cpu_kv_tokens must be >= 0 (got {self.cpu_kv_tokens})")
+        if self.disk_ratio < 0:
+            problems.append(f"disk ratio must be >= 0 (got {self.disk_ratio})")
+        if self.disk_kv_tokens is not None and self.disk_kv_tokens < 0:
+            problems.append(f"disk_kv_tokens must be >= 0 (got {self.disk_kv_tokens})")
+        if self.disk not in DISKS:
+            problems.append(f"unknown disk {self.disk!r}; valid: {', '.join(DISKS.names())}")
         return problems

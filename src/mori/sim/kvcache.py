@@ -1,9 +1,10 @@
-"""KV residency of one engine replica: a GPU pool and a CPU pool of pages.
+"""KV residency of one engine replica: a GPU pool, a CPU pool and a disk pool of pages.
 
 A program's cached KV is a prefix of its context (block hashes are chained, and a
 radix-tree or paged cache evicts from the leaves, i.e. the tail). So per program we keep
 ``gpu`` pages (the prefix on the GPU) and ``cpu`` pages (the pages right after it, held
-only on the CPU). All pages of a program are touched together by each request, so LRU at
+only on the CPU), then ``disk`` pages (the pages after those, held only on the replica's
+disk, when it has a disk tier). All pages of a program are touched together by each request, so LRU at
 program granularity equals page-level LRU here.
 
 The CPU pool is *exclusive*: it counts only pages not on the GPU. With write-through the
@@ -11,9 +12,15 @@ engine's host pool also mirrors what is on the GPU, so ``cpu_pages`` here is the
 pool minus the mirror; evicting a page from the GPU moves it to the CPU at no transfer
 cost (its copy was written while it was computed).
 
+The disk pool sits under the CPU pool: pages evicted from the CPU pool are written to
+disk (a write the replica charges on its disk link, ``disk_written``) instead of being
+lost, except those labelled inactive; pages evicted from the disk pool are lost. With no
+CPU pool, pages evicted from the GPU go to disk directly (through a host buffer).
+
 Eviction order: with ``typed`` (MORI), by type label first, reversed per tier
-(GPU: inactive, idle, busy; CPU: inactive, busy, idle), then least recently used;
-otherwise plain LRU. Pinned programs (a request running) are never evicted.
+(GPU: inactive, cold, idle, busy; CPU: inactive, cold, busy, idle; disk: inactive, busy,
+idle, cold), then least recently used; otherwise plain LRU. Pinned programs (a request
+running) are never evicted.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from heapq import heapify, heappop, heappush
 
 from mori.core.types import KVLabel
 
-_GPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.IDLE: 1, KVLabel.BUSY: 2}
-_CPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.BUSY: 1, KVLabel.IDLE: 2}
-_NO_RANK = {KVLabel.INACTIVE: 0, KVLabel.IDLE: 0, KVLabel.BUSY: 0}  # plain LRU
+_GPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.COLD: 1, KVLabel.IDLE: 2, KVLabel.BUSY: 3}
+_CPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.COLD: 1, KVLabel.BUSY: 2, KVLabel.IDLE: 3}
+_DISK_RANK = {KVLabel.INACTIVE: 0, KVLabel.BUSY: 1, KVLabel.IDLE: 2, KVLabel.COLD: 3}
+_NO_RANK = dict.fromkeys(KVLabel, 0)  # plain LRU
 
 # an eviction-order record: (tier rank, last access, entry seq, entry version, entry)
 _Record = tuple[int, float, int, int, "KVEntry"]
@@ -42,6 +50,7 @@ class KVEntry:
     seq: int = 0  # creation order among the pool's entries (ties in the eviction order)
     gpu: int = 0
     cpu: int = 0
+    disk: int = 0
     ended: bool = False  # the program is gone; drop the entry once it holds nothing
     _label: KVLabel = KVLabel.BUSY
     _last_access: float = 0.0
@@ -64,14 +73,17 @@ class KVEntry:
 class KVPools:
     """Page accounting and eviction for one replica."""
 
-    def __init__(self, gpu_pages: int, cpu_pages: int, typed: bool) -> None:
+    def __init__(self, gpu_pages: int, cpu_pages: int, typed: bool,
+                 disk_pages: int = 0) -> None:
         if gpu_pages <= 0:
             raise ValueError(f"GPU pool must hold at least one page, got {gpu_pages}")
         self.gpu_cap = gpu_pages
         self.cpu_cap = max(0, cpu_pages)
+        self.disk_cap = max(0, disk_pages)
         self.typed = typed
         self.gpu_used = 0
         self.cpu_used = 0
+        self.disk_used = 0
         self.entries: dict[str, KVEntry] = {}
         # entries that lost pages or ended since the last sweep: the only ones a sweep
         # can find empty and ended (instead of looking at every entry)
@@ -83,11 +95,15 @@ class KVPools:
         # access) would give, ties in creation order (the entries' dict order).
         self._gpu_rank = _GPU_RANK if typed else _NO_RANK
         self._cpu_rank = _CPU_RANK if typed else _NO_RANK
+        self._disk_rank = _DISK_RANK if typed else _NO_RANK
         self._gpu_heap: list[_Record] = []
         self._cpu_heap: list[_Record] = []
+        self._disk_heap: list[_Record] = []
         self._created = 0
         self.evicted_gpu_pages = 0
         self.dropped_pages = 0
+        self.disk_written = 0  # pages written to the disk pool, in all
+        self.disk_write_backlog = 0  # of those, pages the replica has not charged yet
 
     def entry(self, program_id: str) -> KVEntry:
         e = self.entries.get(program_id)
@@ -128,17 +144,26 @@ class KVPools:
             heap = self._gpu_heap
             heappush(heap, (self._gpu_rank[e._label], e._last_access, e.seq, e._ver, e))
             if len(heap) > 2 * len(self.entries) + 64:
-                self._gpu_heap = self._compact(heap, True)
+                self._gpu_heap = self._compact(heap, "gpu")
         if e.cpu > 0:
             heap = self._cpu_heap
             heappush(heap, (self._cpu_rank[e._label], e._last_access, e.seq, e._ver, e))
             if len(heap) > 2 * len(self.entries) + 64:
-                self._cpu_heap = self._compact(heap, False)
+                self._cpu_heap = self._compact(heap, "cpu")
+        if e.disk > 0:
+            heap = self._disk_heap
+            heappush(heap, (self._disk_rank[e._label], e._last_access, e.seq, e._ver, e))
+            if len(heap) > 2 * len(self.entries) + 64:
+                self._disk_heap = self._compact(heap, "disk")
 
     @staticmethod
-    def _compact(heap: list[_Record], gpu: bool) -> list[_Record]:
+    def _pages(e: KVEntry, tier: str) -> int:
+        return e.gpu if tier == "gpu" else e.cpu if tier == "cpu" else e.disk
+
+    @staticmethod
+    def _compact(heap: list[_Record], tier: str) -> list[_Record]:
         live = [r for r in heap if r[3] == r[4]._ver and not r[4]._pinned
-                and (r[4].gpu if gpu else r[4].cpu) > 0]
+                and KVPools._pages(r[4], tier) > 0]
         heapify(live)
         return live
 
@@ -150,11 +175,13 @@ class KVPools:
         """Forget pages past ``valid_pages`` (a context that changed: stale branch)."""
         keep_gpu = min(e.gpu, valid_pages)
         keep_cpu = min(e.cpu, max(0, valid_pages - keep_gpu))
+        keep_disk = min(e.disk, max(0, valid_pages - keep_gpu - keep_cpu))
         self.gpu_used -= e.gpu - keep_gpu
         self.cpu_used -= e.cpu - keep_cpu
-        if (keep_gpu, keep_cpu) != (e.gpu, e.cpu):
+        self.disk_used -= e.disk - keep_disk
+        if (keep_gpu, keep_cpu, keep_disk) != (e.gpu, e.cpu, e.disk):
             self._track(e)
-        e.gpu, e.cpu = keep_gpu, keep_cpu
+        e.gpu, e.cpu, e.disk = keep_gpu, keep_cpu, keep_disk
 
     def end(self, e: KVEntry) -> None:
         """Mark ``e``'s program as gone: the entry is dropped once it holds nothing."""
@@ -170,7 +197,7 @@ class KVPools:
         """Evict unpinned pages until ``pages`` are free on the GPU; False if impossible."""
         if self.gpu_free() >= pages:
             return True
-        for e in self._victims(gpu=True):
+        for e in self._victims("gpu"):
             short = pages - self.gpu_free()
             if short <= 0:
                 break
@@ -191,9 +218,10 @@ class KVPools:
         e.gpu -= n
         self._track(e)
         if self.cpu_cap == 0:
-            self.dropped_pages += n + e.cpu
+            self.dropped_pages += e.cpu
             self.cpu_used -= e.cpu
             e.cpu = 0
+            self._to_disk(e, n)
             return
         # the moved pages sit right before e's CPU-only pages
         e.cpu += n
@@ -208,58 +236,102 @@ class KVPools:
             self.dropped_pages += lose
 
     def _shrink_cpu(self, pages: int) -> None:
-        for e in self._victims(gpu=False):
+        for e in self._victims("cpu"):
             if pages <= 0:
                 break
             n = min(pages, e.cpu)
             e.cpu -= n
             self._track(e)
             self.cpu_used -= n
-            self.dropped_pages += n
             pages -= n
+            self._to_disk(e, n)
         self._sweep()
 
-    def _victims(self, gpu: bool) -> Iterator[KVEntry]:
-        """The entries holding pages in a tier, first to evict first, as the caller
-        evicts: each is given while it heads the order, so the caller must take all its
-        pages in the tier or stop (a partly evicted entry would be given again)."""
+    def _to_disk(self, e: KVEntry, n: int) -> None:
+        """``n`` pages evicted from ``e``'s host copy: written to disk, where there is a
+        disk pool and ``e`` is not inactive, placed right before its disk-only pages;
+        else lost (with the disk-only pages after them: a prefix must stay whole)."""
+        if n <= 0:
+            return
+        if self.disk_cap == 0 or (self.typed and e._label is KVLabel.INACTIVE):
+            self.dropped_pages += n + e.disk
+            self.disk_used -= e.disk
+            e.disk = 0
+            return
+        e.disk += n
+        self.disk_used += n
+        self.disk_written += n
+        self.disk_write_backlog += n
+        self._push(e)  # now evictable from the disk
+        if self.disk_used > self.disk_cap:
+            self._shrink_disk(self.disk_used - self.disk_cap)
+        if self.disk_used > self.disk_cap:  # only pinned pages left to drop: lose these
+            lose = min(e.disk, self.disk_used - self.disk_cap)
+            e.disk -= lose
+            self.disk_used -= lose
+            self.dropped_pages += lose
+
+    def _shrink_disk(self, pages: int) -> None:
+        for e in self._victims("disk"):
+            if pages <= 0:
+                break
+            n = min(pages, e.disk)
+            e.disk -= n
+            self._track(e)
+            self.disk_used -= n
+            self.dropped_pages += n
+            pages -= n
+
+    def _victims(self, tier: str) -> Iterator[KVEntry]:
+        """The entries holding pages in a tier ("gpu", "cpu", "disk"), first to evict
+        first, as the caller evicts: each is given while it heads the order, so the
+        caller must take all its pages in the tier or stop (a partly evicted entry would
+        be given again)."""
         while True:
-            heap = self._gpu_heap if gpu else self._cpu_heap  # (a push may compact it)
+            heap = self._heap(tier)  # (a push may compact it)
             if not heap:
                 return
             _, _, _, ver, e = heap[0]
-            if ver != e._ver or e._pinned or (e.gpu if gpu else e.cpu) <= 0:
+            if ver != e._ver or e._pinned or self._pages(e, tier) <= 0:
                 heappop(heap)  # stale
                 continue
             yield e
 
-    def eviction_order(self, gpu: bool) -> list[KVEntry]:
-        """The entries holding pages in a tier, first to evict first (read only)."""
-        heap = self._gpu_heap if gpu else self._cpu_heap
-        return [r[4] for r in sorted(self._compact(heap, gpu))]
+    def _heap(self, tier: str) -> list[_Record]:
+        return (self._gpu_heap if tier == "gpu" else self._cpu_heap if tier == "cpu"
+                else self._disk_heap)
+
+    def eviction_order(self, gpu: bool | str) -> list[KVEntry]:
+        """The entries holding pages in a tier, first to evict first (read only):
+        ``gpu`` True or "gpu", False or "cpu", or "disk"."""
+        tier = ("gpu" if gpu else "cpu") if isinstance(gpu, bool) else gpu
+        return [r[4] for r in sorted(self._compact(self._heap(tier), tier))]
 
     def _sweep(self) -> None:
         """Drop the entries of ended programs that hold no page."""
         maybe, self._maybe_dead = self._maybe_dead, []
         for e in maybe:
-            if (e.ended and not e.gpu and not e.cpu
+            if (e.ended and not e.gpu and not e.cpu and not e.disk
                     and self.entries.get(e.program_id) is e):
                 del self.entries[e.program_id]
 
-    def take_for_request(self, e: KVEntry, total_pages: int) -> int:
-        """Bring all of ``e``'s CPU pages onto the GPU and grow it to ``total_pages``.
+    def take_for_request(self, e: KVEntry, total_pages: int) -> tuple[int, int]:
+        """Bring all of ``e``'s CPU and disk pages onto the GPU and grow it to
+        ``total_pages``.
 
-        The caller has made room. Returns the pages that moved from the CPU (reloaded).
+        The caller has made room. Returns the pages that moved from the CPU and from
+        the disk (reloaded).
         """
-        reload = e.cpu
+        reload, read = e.cpu, e.disk
         self.cpu_used -= e.cpu
-        e.cpu = 0
+        self.disk_used -= e.disk
+        e.cpu = e.disk = 0
         grow = total_pages - e.gpu
         e.gpu = total_pages
         self.gpu_used += grow
         if not e._pinned:
             self._push(e)
-        return reload
+        return reload, read
 
     def remove(self, program_id: str) -> None:
         e = self.entries.pop(program_id, None)
@@ -267,20 +339,25 @@ class KVPools:
             e._ver += 1  # its records are stale
             self.gpu_used -= e.gpu
             self.cpu_used -= e.cpu
+            self.disk_used -= e.disk
 
     def check(self) -> None:
-        swept = {pid for pid, e in self.entries.items() if e.ended and not e.gpu and not e.cpu}
+        swept = {pid for pid, e in self.entries.items()
+                 if e.ended and not e.gpu and not e.cpu and not e.disk}
         tracked = {e.program_id for e in self._maybe_dead}
         assert swept <= tracked, f"ended, empty and not to be swept: {swept - tracked}"
         assert self.gpu_used == sum(e.gpu for e in self.entries.values())
         assert self.cpu_used == sum(e.cpu for e in self.entries.values())
+        assert self.disk_used == sum(e.disk for e in self.entries.values())
         assert 0 <= self.gpu_used <= self.gpu_cap, (self.gpu_used, self.gpu_cap)
         assert 0 <= self.cpu_used <= self.cpu_cap, (self.cpu_used, self.cpu_cap)
-        for gpu, rank in ((True, self._gpu_rank), (False, self._cpu_rank)):
-            heap = self._gpu_heap if gpu else self._cpu_heap
+        assert 0 <= self.disk_used <= self.disk_cap, (self.disk_used, self.disk_cap)
+        for tier, rank in (("gpu", self._gpu_rank), ("cpu", self._cpu_rank),
+                           ("disk", self._disk_rank)):
+            heap = self._heap(tier)
             current = {r[2] for r in heap if r[3] == r[4]._ver
                        and r[:2] == (rank[r[4]._label], r[4]._last_access)}
             evictable = {e.seq for e in self.entries.values()
-                         if not e._pinned and (e.gpu if gpu else e.cpu) > 0}
+                         if not e._pinned and self._pages(e, tier) > 0}
             assert evictable <= current, (
-                f"{'GPU' if gpu else 'CPU'} eviction order misses {evictable - current}")
+                f"{tier.upper()} eviction order misses {evictable - current}")

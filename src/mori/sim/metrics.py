@@ -109,7 +109,10 @@ class RunResult(RunTotals):
     ``output_tokens``, ...) are the engine's, after the token scale; times are simulated
     seconds, engine durations multiplied by ``config.time_scale``.
     ``gpu_hit_rate`` and ``cpu_hit_rate``: the shares of ``prompt_tokens`` found in the
-    GPU pool and reloaded from the CPU tier (their sum is the prefix-cached share).
+    GPU pool and reloaded from the CPU tier, ``disk_hit_rate`` the share read back from
+    the disk tier (the three sum to the prefix-cached share); ``reloaded_tokens`` counts
+    the tokens reloaded from the CPU tier, ``disk_read_tokens`` those read from disk, and
+    ``disk_written_bytes`` the KV written to disk.
     The TTFT figures count only requests answered within the run. A request still
     without its first token at the end is counted in ``requests_waiting_at_end``;
     ``wait_max_at_end_s`` is the longest such wait so far, and ``ttft_p99_with_waiting_s``
@@ -131,17 +134,22 @@ class RunResult(RunTotals):
     switch_recomputed_tokens: int
     gpu_hit_rate: float
     cpu_hit_rate: float
+    disk_hit_rate: float
     prompt_tokens: int
     prefill_tokens: int
     recomputed_tokens: int
     reloaded_tokens: int
+    disk_read_tokens: int
+    disk_written_bytes: int
     promotions: int
     demotions_to_cpu: int
+    demotions_to_disk: int
     demotions_to_none: int
     decisions: int
     policy_time_per_decision_us: float
     gpu_kv_capacity_tokens: int
     cpu_kv_capacity_tokens: int
+    disk_kv_capacity_tokens: int
     events: int
     sim_seconds_per_wall_second: float
 
@@ -170,7 +178,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
     are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
-    reload bandwidth asked for (None: the preset's).
+    reload bandwidth asked for (None: the preset's); ``disk_ratio``, ``disk_kv_tokens``
+    and ``disk`` the disk tier asked for.
     """
     c, p = config, config.policy_config
     return {"policy": c.policy, "programs": c.programs,
@@ -181,7 +190,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "share_prefix": c.share_prefix, "stagger_s": c.stagger_s,
             "gpu_kv_tokens": c.gpu_kv_tokens, "cpu_kv_tokens": c.cpu_kv_tokens,
             "token_scale": c.token_scale, "time_scale": c.time_scale,
-            "pcie_gbps": c.pcie_gbps, "tick_s": p.tick_s,
+            "pcie_gbps": c.pcie_gbps, "disk_ratio": c.disk_ratio,
+            "disk_kv_tokens": c.disk_kv_tokens, "disk": c.disk, "tick_s": p.tick_s,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold,
             "acting_token_weight": p.acting_token_weight,
             "acting_token_decay": p.acting_token_decay, "reload_gbps": p.reload_gbps,

@@ -8,8 +8,15 @@ What it models (docs/costmodel.md; the names follow SGLang):
   hold them by evicting unpinned pages, admission stops (head-of-line), as SGLang does.
 - Prefix reuse: only the step's reusable prefix (from the trace's block hashes) can hit;
   hits on the GPU are free, hits on the CPU are reloaded over PCIe (one host-to-device
-  link per replica, first come first served; it overlaps with compute), the rest of the
-  prompt is prefilled. At least one token is always computed.
+  link per replica, first come first served; it overlaps with compute), hits on the disk
+  are read back over the replica's disk link (pipelined through host memory to the GPU,
+  ``CostModel.disk_read_time``), the rest of the prompt is prefilled. At least one token
+  is always computed.
+- The disk link (a replica with a disk tier): one queue for reads and writes, first come
+  first served: pages the CPU pool evicts to disk take it for their write, a read waits
+  behind the writes before it. An approximation: an NVMe drive serves reads and writes
+  concurrently, sharing its bandwidth; the write is charged when the pages leave the host
+  pool, whose room is taken back at once (as if a staging buffer held them).
 - Iterations: a prefill chunk (``chunk_size`` tokens, first come first served across
   requests) plus one decode token for every running request, timed by the cost model.
   Pure-decode stretches are advanced in one event to the next change (a request ends, or
@@ -23,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mori.core.costmodel import CostModel, prefill_attn_ctx
+from mori.core.hardware import DiskSpec
 from mori.core.types import KVLabel
 from mori.sim.clock import PRIO_ENGINE, EventLoop
 from mori.sim.kvcache import KVEntry, KVPools
@@ -65,6 +73,8 @@ class EngineStats:
     reusable_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_hit_tokens: int = 0  # reloaded from the CPU pool
+    disk_hit_tokens: int = 0  # read back from the disk pool
+    disk_written_tokens: int = 0  # written to the disk pool
     recomputed_tokens: int = 0  # reusable tokens that had been lost and were prefilled again
     prefill_tokens: int = 0
     admitted: int = 0
@@ -74,7 +84,8 @@ class EngineStats:
 
 class EngineReplica:
     def __init__(self, index: int, cost: CostModel, loop: EventLoop, pools: KVPools,
-                 listener: EngineListener, typed_admission: bool) -> None:
+                 listener: EngineListener, typed_admission: bool,
+                 disk: DiskSpec | None = None) -> None:
         self.index = index
         self.cost = cost
         self.loop = loop
@@ -93,6 +104,8 @@ class EngineReplica:
         self._dleft: int | None = None
         self.loading = 0
         self._link_free = 0.0
+        self.disk = disk  # the disk tier's drive(s), when pools has a disk pool
+        self._disk_free = 0.0  # when the disk link is next free
         self._busy = False
         self._version = 0
         self._seg: tuple[float, int, int, int] | None = None  # decode run: start, B, S0, n
@@ -111,6 +124,7 @@ class EngineReplica:
     def evict(self, program_id: str) -> None:
         """Drop a program's GPU pages now (to the CPU pool if the engine has one)."""
         self.pools.evict_program_gpu(program_id, self.loop.now)
+        self._charge_writes(self.loop.now)
 
     def drop(self, program_id: str) -> None:
         """Forget a program's KV in both tiers now (not pages a running request holds)."""
@@ -125,7 +139,7 @@ class EngineReplica:
         if e is not None:
             self.pools.set_label(e, KVLabel.INACTIVE)
             self.pools.end(e)
-            if not e.gpu and not e.cpu and not e.pinned:
+            if not e.gpu and not e.cpu and not e.disk and not e.pinned:
                 self.pools.remove(program_id)
 
     def abort(self, req: SimRequest) -> bool:
@@ -149,7 +163,7 @@ class EngineReplica:
         e = req.entry
         self.pools.unpin(e, self.loop.now)
         self.pools.truncate(e, (req.cached + req.decoded) // self.page)  # free the reserve
-        if e.ended and not e.gpu and not e.cpu:
+        if e.ended and not e.gpu and not e.cpu and not e.disk:
             self.pools.remove(e.program_id)
         self._kick()  # admit what now fits; a decode run ends at its next boundary
         return True
@@ -312,16 +326,19 @@ class EngineReplica:
         pools.truncate(e, r.reuse // page)
         total = -(-(r.prompt + r.output) // page)
         pools.pin(e)
-        if not pools.make_gpu_room(total - e.gpu, now):
+        room = pools.make_gpu_room(total - e.gpu, now)
+        self._charge_writes(now)
+        if not room:
             pools.unpin(e)
             return False
-        gpu_hit, cpu_hit = e.gpu * page, e.cpu * page
-        if r.shared > gpu_hit + cpu_hit:  # the shared tools + system prefix is hot
-            gpu_hit, cpu_hit = r.shared, 0
-        reload_pages = pools.take_for_request(e, total)
+        gpu_hit, cpu_hit, disk_hit = e.gpu * page, e.cpu * page, e.disk * page
+        if r.shared > gpu_hit + cpu_hit + disk_hit:  # the shared tools + system prefix is hot
+            gpu_hit, cpu_hit, disk_hit = r.shared, 0, 0
+        reload_pages, read_pages = pools.take_for_request(e, total)
         pools.touch(e, now)
         r.entry = e
-        r.cached = min(r.prompt - 1, gpu_hit + cpu_hit)  # at least one token is computed
+        hit = gpu_hit + cpu_hit + disk_hit
+        r.cached = min(r.prompt - 1, hit)  # at least one token is computed
         r.remaining = r.prompt - r.cached
         st = self.stats
         st.admitted += 1
@@ -329,19 +346,38 @@ class EngineReplica:
         st.reusable_tokens += r.reuse
         st.gpu_hit_tokens += gpu_hit
         st.cpu_hit_tokens += cpu_hit
-        st.recomputed_tokens += max(0, r.reuse - gpu_hit - cpu_hit)
+        st.disk_hit_tokens += disk_hit
+        st.recomputed_tokens += max(0, r.reuse - hit)
         if r.switched:
-            st.switch_recomputed_tokens += max(0, r.reuse - gpu_hit - cpu_hit)
+            st.switch_recomputed_tokens += max(0, r.reuse - hit)
         st.prefill_tokens += r.remaining
+        ready = now
         if reload_pages:
             start = max(now, self._link_free)
             self._link_free = start + self.cost.reload_time(reload_pages * page)
+            ready = self._link_free
+        if read_pages and self.disk is not None:
+            start = max(now, self._disk_free)
+            self._disk_free = start + self.cost.disk_read_time(read_pages * page, self.disk)
+            ready = max(ready, self._disk_free)
+        if ready > now:
             self.loading += 1
-            self.loop.at(self._link_free, PRIO_ENGINE, self._loaded, r)
+            self.loop.at(ready, PRIO_ENGINE, self._loaded, r)
         else:
             self.prefill.append(r)
             self.listener.kv_ready(r, now)
         return True
+
+    def _charge_writes(self, now: float) -> None:
+        """Put the pages the pools wrote to disk since the last charge on the disk link."""
+        pools = self.pools
+        n = pools.disk_write_backlog
+        if n and self.disk is not None:
+            pools.disk_write_backlog = 0
+            tokens = n * self.page
+            self.stats.disk_written_tokens += tokens
+            self._disk_free = (max(now, self._disk_free)
+                               + self.cost.disk_write_time(tokens, self.disk))
 
     def _loaded(self, r: SimRequest) -> None:
         self.loading -= 1

@@ -19,7 +19,7 @@ from mori.core.costmodel import CostModel, get_preset
 from mori.core.decision_log import DecisionLog
 from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.execution import DecisionExecutor
-from mori.core.hardware import HardwarePreset
+from mori.core.hardware import HardwarePreset, get_disk
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, build_policy
 from mori.core.policy import Policy
@@ -58,6 +58,27 @@ def kv_pages(config: SimConfig, cpu_tier: bool) -> tuple[int, int]:
     if config.cpu_kv_tokens is not None:
         return gpu_pages, config.cpu_kv_tokens // page
     return gpu_pages, int(gpu_pages * config.cpu_ratio)
+
+
+def disk_pages(config: SimConfig, cpu_tier: bool, gpu_pages: int) -> int:
+    """The disk pages of one replica: ``config.disk_kv_tokens``, else ``disk_ratio`` x
+    the GPU pool; none where the policy's engine has no CPU tier (the disk tier sits
+    under it) or no link to reload over. Raises ``SettingsError`` when the tier exceeds
+    the drive's capacity."""
+    preset = get_preset(config.hardware)
+    page = preset.page_tokens
+    if not cpu_tier or config.pcie_gbps == 0:
+        return 0
+    pages = (config.disk_kv_tokens // page if config.disk_kv_tokens is not None
+             else int(gpu_pages * config.disk_ratio))
+    disk = get_disk(config.disk)
+    need = pages * page * preset.kv_bytes_per_token_per_gpu * preset.tp
+    if need > disk.capacity_bytes:
+        raise SettingsError(
+            f"a disk tier of {pages * page:,} tokens takes {need / 1e12:.2f} TB of KV on "
+            f"{preset.name}, more than {disk.name} holds ({disk.capacity_bytes / 1e12:.1f} "
+            "TB); lower --disk-ratio or pick a larger --disk")
+    return pages
 
 
 def sim_preset(config: SimConfig) -> HardwarePreset:
@@ -99,6 +120,9 @@ class Simulation:
         self.cost = CostModel(preset, time_scale=config.time_scale)
         page = preset.page_tokens
         self.gpu_pages, self.cpu_pages = kv_pages(config, policy_cls.engine_profile.cpu_tier)
+        self.disk_pages = disk_pages(config, policy_cls.engine_profile.cpu_tier,
+                                     self.gpu_pages)
+        self.disk = get_disk(config.disk) if self.disk_pages else None
         max_ctx = context_cut(config)
         # the replay rules: prepared traces, seeded order and slot start times
         self.plan = ReplayPlan.build(traces.programs, slots=config.programs, seed=config.seed,
@@ -126,12 +150,20 @@ class Simulation:
         kv_bytes = preset.kv_bytes_per_token_per_gpu * preset.tp
         self.kv_bytes = kv_bytes
         cluster = ClusterSpec(config.replicas, self.gpu_pages * page * kv_bytes,
-                              self.cpu_pages * page * kv_bytes)
+                              self.cpu_pages * page * kv_bytes,
+                              self.disk_pages * page * kv_bytes)
         knobs = config.policy_config
         if knobs.reload_gbps is None:  # the link this run models, in policy time
             knobs = dataclasses.replace(
                 knobs, reload_gbps=0.0 if config.pcie_gbps == 0
                 else preset.gpu.pcie_bw / 1e9 / config.time_scale)
+        if self.disk is not None and knobs.disk_read_gbps is None:
+            # the disk this run models, in policy time: its read, or the PCIe links
+            # it is pipelined through where those are slower
+            bw = min(self.disk.read_bw, preset.gpu.pcie_bw * preset.tp)
+            knobs = dataclasses.replace(
+                knobs, disk_read_gbps=bw / 1e9 / config.time_scale,
+                disk_latency_s=self.disk.latency_s * config.time_scale)
         if knobs.recompute_tok_s is None:  # this run's prefill rate (scaled durations)
             knobs = dataclasses.replace(
                 knobs, recompute_tok_s=self.cost.prefill_rate())
@@ -140,8 +172,9 @@ class Simulation:
         self.loop = EventLoop()
         typed = policy_cls.engine_profile.typed_eviction
         self.engines = [
-            EngineReplica(i, self.cost, self.loop, KVPools(self.gpu_pages, self.cpu_pages, typed),
-                          self, typed_admission=typed)
+            EngineReplica(i, self.cost, self.loop,
+                          KVPools(self.gpu_pages, self.cpu_pages, typed, self.disk_pages),
+                          self, typed_admission=typed, disk=self.disk)
             for i in range(config.replicas)
         ]
         self.executor = DecisionExecutor(
@@ -301,15 +334,20 @@ class Simulation:
             switch_recomputed_tokens=sum(s.switch_recomputed_tokens for s in st),
             gpu_hit_rate=sum(s.gpu_hit_tokens for s in st) / prompt if prompt else 0.0,
             cpu_hit_rate=sum(s.cpu_hit_tokens for s in st) / prompt if prompt else 0.0,
+            disk_hit_rate=sum(s.disk_hit_tokens for s in st) / prompt if prompt else 0.0,
+            disk_read_tokens=sum(s.disk_hit_tokens for s in st),
+            disk_written_bytes=sum(s.disk_written_tokens for s in st) * self.kv_bytes,
             prompt_tokens=prompt, prefill_tokens=sum(s.prefill_tokens for s in st),
             recomputed_tokens=sum(s.recomputed_tokens for s in st),
             reloaded_tokens=sum(s.cpu_hit_tokens for s in st),
             promotions=sum(done.promotions.values()),
             demotions_to_cpu=done.demotions[Tier.CPU],
+            demotions_to_disk=done.demotions[Tier.DISK],
             demotions_to_none=done.demotions[Tier.NONE], decisions=c.decisions,
             policy_time_per_decision_us=1e6 * c.policy_time_s / max(1, c.decisions),
             gpu_kv_capacity_tokens=self.gpu_pages * page,
             cpu_kv_capacity_tokens=self.cpu_pages * page,
+            disk_kv_capacity_tokens=self.disk_pages * page,
             programs_left_out=self.left_out, events=self.loop.events_run, wall_s=wall,
             sim_seconds_per_wall_second=dur / wall if wall > 0 else float("inf"),
         )

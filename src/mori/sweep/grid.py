@@ -1,9 +1,10 @@
 """Sweep definitions: grids of simulation runs, and the registry of named sweeps.
 
 A sweep is a union of *blocks*; a block is the cartesian product hardware presets x CPU
-ratios x replica counts x programs x policies, sharing the simulation options of the
-sweep (duration, seed, human-gap rule, ...). A *setting* is one (preset, CPU ratio,
-replicas); within it, runs go over programs x policies, policy varying fastest.
+ratios x disk ratios x replica counts x programs x policies, sharing the simulation
+options of the sweep (duration, seed, human-gap rule, ...). A *setting* is one (preset,
+CPU ratio, disk ratio, replicas); within it, runs go over programs x policies, policy
+varying fastest. A block's disk ratios default to (0,): no disk tier.
 
 ``programs`` is per replica (the paper's convention at DP > 1): a run of a setting with
 N replicas simulates ``programs x N`` programs in total.
@@ -29,11 +30,12 @@ class Block:
     replicas: tuple[int, ...]
     programs: tuple[int, ...]
     policy: tuple[str, ...]
+    disk_ratio: tuple[float, ...] = (0.0,)
 
     def size(self) -> int:
         """The number of runs in the block."""
-        return (len(self.hardware) * len(self.cpu_ratio) * len(self.replicas)
-                * len(self.programs) * len(self.policy))
+        return (len(self.hardware) * len(self.cpu_ratio) * len(self.disk_ratio)
+                * len(self.replicas) * len(self.programs) * len(self.policy))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +59,20 @@ class SweepDef:
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """One (preset, CPU ratio, replicas): one JSON file and one figure in the output."""
+    """One (preset, CPU ratio, replicas, disk ratio): one JSON file and one figure in the
+    output."""
 
     hardware: str
     cpu_ratio: float
     replicas: int
+    disk_ratio: float = 0.0
 
     @property
     def stem(self) -> str:
-        """The output file name without its suffix: ``<preset>_cpu<R>_dp<N>``."""
-        return f"{self.hardware}_cpu{self.cpu_ratio:g}_dp{self.replicas}"
+        """The output file name without its suffix: ``<preset>_cpu<R>_dp<N>``, with
+        ``_disk<D>`` where there is a disk tier."""
+        disk = f"_disk{self.disk_ratio:g}" if self.disk_ratio else ""
+        return f"{self.hardware}_cpu{self.cpu_ratio:g}{disk}_dp{self.replicas}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +89,8 @@ class DuplicateRunError(ValueError):
 
 
 def expand(sweep: SweepDef) -> list[Run]:
-    """Every run of ``sweep`` in grid order: block by block, then preset, CPU ratio,
-    replicas, programs, policy (fastest).
+    """Every run of ``sweep`` in grid order: block by block, then preset, CPU ratio, disk
+    ratio, replicas, programs, policy (fastest).
 
     Builds each run's :class:`SimConfig` (``programs`` = per-replica programs x
     replicas), so a bad value raises ``ValueError`` here;
@@ -95,21 +101,23 @@ def expand(sweep: SweepDef) -> list[Run]:
     for b in sweep.blocks:
         for hw in b.hardware:
             for cpu in b.cpu_ratio:
-                for dp in b.replicas:
-                    setting = Setting(hw, cpu, dp)
-                    for n in b.programs:
-                        if n < 1:
-                            raise ValueError(f"programs must be >= 1 per replica (got {n})")
-                        for pol in b.policy:
-                            config = dataclasses.replace(
-                                sweep.base, policy=pol, hardware=hw, cpu_ratio=cpu,
-                                replicas=dp, programs=n * dp)
-                            if config in seen:
-                                raise DuplicateRunError(
-                                    f"the sweep lists a run twice: {pol} at {n} programs per "
-                                    f"replica on {setting.stem}")
-                            seen.add(config)
-                            runs.append(Run(setting, n, config))
+                for disk in b.disk_ratio:
+                    for dp in b.replicas:
+                        setting = Setting(hw, cpu, dp, disk)
+                        for n in b.programs:
+                            if n < 1:
+                                raise ValueError(
+                                    f"programs must be >= 1 per replica (got {n})")
+                            for pol in b.policy:
+                                config = dataclasses.replace(
+                                    sweep.base, policy=pol, hardware=hw, cpu_ratio=cpu,
+                                    disk_ratio=disk, replicas=dp, programs=n * dp)
+                                if config in seen:
+                                    raise DuplicateRunError(
+                                        f"the sweep lists a run twice: {pol} at {n} programs "
+                                        f"per replica on {setting.stem}")
+                                seen.add(config)
+                                runs.append(Run(setting, n, config))
     return runs
 
 
@@ -126,6 +134,10 @@ NEVER_LOSES_POLICIES = ("thunderagent", "thunderagent+offload", "lru-offload", "
                         "mori-paper")
 """The ``never-loses`` sweep's policies: the default MORI, the paper's, and the
 baselines it must not lose to (``bench/never_loses.py`` reads the ratios)."""
+
+DISK_POLICIES = ("mori", "lru-offload")
+"""The ``disk`` sweep's policies: MORI's idleness order over three tiers, and the LRU
+order peers keep over theirs (the engine's disk tier under ``lru-offload``'s host tier)."""
 
 FLEET_REPLICAS = (13, 38, 125)
 """The ``fleet`` sweep's replica counts: 80 programs each makes about 1,000, 3,000 and
@@ -151,6 +163,14 @@ def _build() -> Registry[SweepDef]:
         "mori-paper; 1 h, seed 0 (bench/never_loses.py draws the ratios)",
         (Block(PAPER_PRESETS, (0.0, 0.25, 0.5, 1.0, 2.0), (1, 3), (5, 10, 20, 50, 80),
                NEVER_LOSES_POLICIES),),
+        SimConfig(duration_s=3600.0, seed=0)))
+    reg.register("disk", SweepDef(
+        "disk",
+        "the disk tier: 30B and 70B presets x cpu 0.5,1,2 x disk 0,2,8,32 (x the GPU pool, "
+        "one nvme-gen5 drive) x 50/80/160 programs x mori and lru-offload; DP=1, 1 h, "
+        "seed 0 (bench/disk_tier.py draws the ratios to two-tier mori)",
+        (Block(("h200-qwen3-30b-a3b", "b200-llama3.1-70b-tp2"), (0.5, 1.0, 2.0), (1,),
+               (50, 80, 160), DISK_POLICIES, disk_ratio=(0.0, 2.0, 8.0, 32.0)),),
         SimConfig(duration_s=3600.0, seed=0)))
     reg.register("fleet", SweepDef(
         "fleet",

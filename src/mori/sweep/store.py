@@ -58,6 +58,10 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
     if isinstance(policy, dict) and "recompute_tok_s" in policy and \
             policy["recompute_tok_s"] is None:
         del policy["recompute_tok_s"]  # added later: earlier runs keep their keys
+    if isinstance(policy, dict):
+        for name, default in (("disk_read_gbps", None), ("disk_latency_s", 0.0)):
+            if name in policy and policy[name] == default:
+                del policy[name]  # added with the disk tier: earlier runs keep their keys
     if isinstance(policy, dict) and policy.get("spread_by_load") is False:
         # a gateway knob (the simulator has no other clients' load to weigh): runs are
         # keyed as before it existed
@@ -67,8 +71,16 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
 
 OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1.0,
                                      "acting_token_decay": False, "reload_gbps": None,
-                                     "max_wait_s": None, "recompute_tok_s": None}
+                                     "max_wait_s": None, "recompute_tok_s": None,
+                                     "disk_ratio": 0.0, "disk_kv_tokens": None,
+                                     "disk": "nvme-gen5"}
 """Settings a record written before they existed lacks, with the value it meant."""
+
+OPTIONAL_MEASURES: dict[str, Any] = {"disk_hit_rate": 0.0, "disk_read_tokens": 0,
+                                     "disk_written_bytes": 0, "demotions_to_disk": 0,
+                                     "disk_kv_capacity_tokens": 0}
+"""Measurements a record written before they existed lacks, with the value a run of
+that time had (no disk tier)."""
 
 
 def _fields_dict(obj: Any) -> dict[str, Any]:
@@ -112,7 +124,7 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
     """
     hints = typing.get_type_hints(RunResult)
     measured = set(hints) - set(RESULT_CONTEXT)
-    data = {**OPTIONAL_SETTINGS, **data}
+    data = {**OPTIONAL_SETTINGS, **OPTIONAL_MEASURES, **data}
     if set(data) | {_DERIVED} != measured | set(RESULT_SETTINGS):
         raise ValueError("the record's fields are not those of RunResult")
     values: dict[str, Any] = {}

@@ -35,6 +35,11 @@ Every rule of section 4, and where a detail is ours:
   leave is the most idle (``RoomMaker.plan``, ``mori_room``): the lowest index among equals
   alone sent every newcomer to replica 0 once all GPU tiers were full, and pushed
   programs from its full CPU tier to no tier while replica 1's stayed empty.
+- A disk tier (ours; the paper names it future work): where a replica has one, a
+  program that would go to no tier is kept on the replica's disk where that pays, and
+  programs more idle than it are pushed off a full disk for it; a held program on disk
+  goes back to its own replica, promoted after the CPU-queue programs and before those
+  in Waiting (``mori_disk``).
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
   the promotions above, requests held ``max_wait_s`` or longer are served oldest first
   (``mori_aged``), Acting programs demoted for them; one that must wait for running
@@ -50,6 +55,8 @@ from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_aged import WaitBound
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_disk import DiskTier
+from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_ranking import Ranking, ReturnCost
 from mori.core.policies.mori_room import RoomMaker
@@ -83,7 +90,8 @@ class MoriPolicy(Policy):
     - ``aged`` (``mori_aged``): the bound on waiting (None without one);
     - ``round``: the promotions, from the index (``mori_round``), or by scanning every
       held request where the index cannot serve (``mori_scan_round``);
-    - ``rebalancer``: a variant's moves on every round (None for MORI).
+    - ``rebalancer``: a variant's moves on every round (None for MORI);
+    - ``disk`` (``mori_disk``): who is kept on a replica's disk tier (None without one).
 
     The parts change the table only through ``moves`` (``moves``), the policy's own
     moves, so the book stays exact.
@@ -93,6 +101,7 @@ class MoriPolicy(Policy):
     description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
+    uses_disk_queue = True
     spreads: ClassVar[bool] = True
     """Whether cacheless programs are spread while memory does not bind (else packed)."""
 
@@ -101,8 +110,12 @@ class MoriPolicy(Policy):
         super().__init__(cluster, kv_bytes_per_token, config)
         self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
                              self.config)
+        self.disk = (DiskTier(self.placement, self.programs, self.disk_reload_s,
+                              self.recompute_s, super()._demote_to)
+                     if self.cluster.disk_bytes else None)
+        self._idleness: IdlenessAt | None = None  # the round's, while it decides
         self.ranking = ranking or ReturnCost(self.placement, self.book, self.reload_s,
-                                             self.recompute_s)
+                                             self.recompute_s, self.disk)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
         self.moves = Moves(self._promote, self._forward, self._demote_to)
@@ -130,7 +143,7 @@ class MoriPolicy(Policy):
         if p.tier is Tier.GPU:
             return "its KV is on a GPU: the request goes on at the next round"
         gpus = self.placement.gpu
-        replicas = ([p.replica] if p.tier is Tier.CPU and p.replica is not None
+        replicas = ([p.replica] if p.tier in AFFINE and p.replica is not None
                     else [r for r in range(len(gpus)) if r not in self.placement.down])
         idleness = IdlenessAt(now)
         best: tuple[float, str] | None = None
@@ -168,7 +181,10 @@ class MoriPolicy(Policy):
         if self.ranking.displaceable(q, idleness):
             return 0.0
         if isinstance(self.ranking, ReturnCost):
-            return max(0.0, self.ranking.drop_s(q) - self.ranking.away_s(q, idleness.now))
+            price = self.ranking.drop_s(q)
+            if self.disk is not None and self.disk.lands(q, idleness):
+                price = min(price, self.disk_reload_s(q))
+            return max(0.0, price - self.ranking.away_s(q, idleness.now))
         return math.inf
 
     def return_cost(self, p: Program, to: Tier, replica: int) -> float:
@@ -176,11 +192,28 @@ class MoriPolicy(Policy):
         program on that GPU now, as ``ReturnCost.drop_s`` counts them."""
         if to is Tier.CPU:
             return self.reload_s(p)
+        if to is Tier.DISK:
+            return self.disk_reload_s(p)
         n = len(self.placement.gpu[replica].members) if isinstance(self.ranking, ReturnCost) else 1
         return self.recompute_s(p) * max(1, n)
 
     def _spread_loads(self) -> tuple[int, ...] | None:
         return self.replica_loads if self.config.spread_by_load else None
+
+    # -- the disk tier: where a program that would go to no tier goes instead -----------
+    def _demote_to(self, p: Program, to: Tier, replica: int | None,
+                   out: list[Decision]) -> None:
+        idleness = self._idleness
+        if (to is Tier.NONE and self.disk is not None and idleness is not None
+                and self.disk.take(p, out, idleness)):
+            return
+        super()._demote_to(p, to, replica, out)
+
+    def _promote(self, p: Program, replica: int, out: list[Decision]) -> None:
+        if p.tier is Tier.DISK and p.replica != replica:
+            # its KV is on another replica's disk: that copy is dropped, it recomputes here
+            super()._demote_to(p, Tier.NONE, None, out)
+        super()._promote(p, replica, out)
 
     # -- the book kept up to date around every change of a program ----------------------
     def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
@@ -222,8 +255,11 @@ class MoriPolicy(Policy):
                 self.book.flush()
             return
         idleness = IdlenessAt(now)
+        self._idleness = idleness
         if self.rebalancer is not None:
             self.rebalancer.rebalance(now, out, idleness)
+        if self.disk is not None and self.book.grown:
+            self.disk.fix_overflow(self.book.grown, out, idleness)
         self.room.fix_overflow(out, idleness)
         held_for = self.aged.serve(now, out, idleness) if self.aged is not None else None
         if self._ready_gpu:

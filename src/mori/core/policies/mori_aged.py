@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_room import RoomMaker
 from mori.core.policies.moves import Moves
@@ -65,7 +66,7 @@ class WaitBound:
         a cacheless one where it fits now (the tightest), else where its room can be made
         by demoting Acting programs (the most such room), else where it waited last
         round (its Acting programs are gone already), else the most room then."""
-        if c.tier is Tier.CPU:
+        if c.tier in AFFINE:
             return c.replica
         if self.cluster.gpu_bytes is None:
             return self.choice.best_fit(c, [0] * len(self.placement.gpu))

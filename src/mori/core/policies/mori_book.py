@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.policies.mori_index import (
+    AFFINE,
     CandidateIndex,
     IdlenessOrder,
     ReplicaOrder,
@@ -177,12 +178,12 @@ class MoriBook:
             return
         self.flush()
         want = {pid: (priority(p, p.tracker.idleness(0.0)),
-                      p.replica if p.tier is Tier.CPU else None)
+                      p.replica if p.tier in AFFINE else None)
                 for pid, p in self.ready.items()
                 if p.tier is not Tier.GPU and p.kv_bytes <= self.cap}
         assert self.index.entries() == want, "candidate index disagrees with the programs"
         for r, order in enumerate(self.index.cpu):
-            assert all(c.tier is Tier.CPU and c.replica == r and kv == c.kv_bytes
+            assert all(c.tier in AFFINE and c.replica == r and kv == c.kv_bytes
                        for _, kv, c in order)
             gq = self.placement.gpu[r]
             assert self.avail[r] == self.cap_of(r) - gq.used, f"room of replica {r}"

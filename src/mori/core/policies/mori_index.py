@@ -28,15 +28,23 @@ from mori.core.types import Status, Tier
 _TOP = (3,)  # sorts after every priority key (levels are 0, 1, 2)
 
 
+AFFINE = (Tier.CPU, Tier.DISK)
+"""The tiers whose programs go back to their own replica (affinity): the KV they return
+to is there, in its CPU or its disk queue."""
+
+
 def priority(p: Program, idleness: float) -> Key:
-    """The promotion order (``mori`` module docstring): (0) CPU queue, (1) returning,
-    (2) new programs smallest context first; lowest idleness first; then arrival."""
+    """The promotion order (``mori`` module docstring): (0) CPU queue, (1) returning
+    (a program on disk is one, and goes before those in Waiting: it is promoted with the
+    CPU-queue programs, onto its own replica), (2) new programs smallest context first;
+    lowest idleness first; then arrival."""
     level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
     return (level, p.tokens if level == 2 else 0, idleness, p.ready_seq)
 
 
 class CandidateIndex:
-    """Held programs in a CPU queue (per replica) or in Waiting, by priority."""
+    """Held programs in a CPU or disk queue (per replica: ``cpu``, ``cpu_all``, named for
+    the CPU queue that came first) or in Waiting, by priority."""
 
     __slots__ = ("cpu", "cpu_all", "waiting", "waiting_by_size", "_entry", "_cpu_nonempty")
 
@@ -66,7 +74,7 @@ class CandidateIndex:
 
     def put(self, p: Program, key: Key) -> None:
         assert p.program_id not in self._entry, f"{p.program_id} indexed twice"
-        if p.tier is Tier.CPU:
+        if p.tier in AFFINE:
             assert p.replica is not None
             self.cpu[p.replica].add(key, p.kv_bytes, p)
             self.cpu_all.add(key, p.kv_bytes, p)

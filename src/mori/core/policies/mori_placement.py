@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from mori.core.ledger import Placement
 from mori.core.policies.mori_book import MoriBook
+from mori.core.policies.mori_index import AFFINE
 from mori.core.program import Program
-from mori.core.types import Tier
 
 __all__ = ["ReplicaChoice"]
 
@@ -45,8 +45,8 @@ class ReplicaChoice:
         self.spreads = spreads
 
     def replicas_for(self, c: Program) -> list[int]:
-        if c.tier is Tier.CPU and c.replica is not None:
-            return [c.replica]  # affinity: reload locally
+        if c.tier in AFFINE and c.replica is not None:
+            return [c.replica]  # affinity: reload locally (from its CPU or disk queue)
         return list(range(len(self.placement.gpu)))
 
     def spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
@@ -117,6 +117,7 @@ class ReplicaChoice:
         return out
 
     def best_fit(self, c: Program, reserve: list[int]) -> int | None:
+        """The replica ``c`` fits tightest (beyond ``reserve``), of those it may go to."""
         best: tuple[float, int] | None = None
         for r in self.replicas_for(c):
             left = self.placement.gpu[r].free() - reserve[r] - c.kv_bytes

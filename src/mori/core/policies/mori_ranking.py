@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from mori.core.ledger import Placement
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_disk import DiskTier
 from mori.core.program import Program
 
 
@@ -128,6 +129,12 @@ class ReturnCost(Ranking):
       to ThunderAgent with offloading by up to 17% at CPU ratio 0.25; never pushing out
       in a large one lost to the paper's MORI by up to 10% at CPU ratio 2.
 
+    - Kept on disk (a replica with a disk tier, ``mori_disk``): a program that would be
+      dropped goes to its replica's disk where that pays; its return reads it back, which
+      costs the replica no GPU time but delays the program's own step by the read. It
+      may leave once it has been away at least as long as that read
+      (``disk_reload_s``): the ski-rental rule on the read's price.
+
     With no CPU tier, or a full one, the admitted working set stays put while newcomers
     wait, as ThunderAgent keeps it.
     """
@@ -136,11 +143,13 @@ class ReturnCost(Ranking):
 
     def __init__(self, placement: Placement, book: MoriBook,
                  reload_s: Callable[[Program], float],
-                 recompute_s: Callable[[Program], float]) -> None:
+                 recompute_s: Callable[[Program], float],
+                 disk: DiskTier | None = None) -> None:
         self.placement = placement
         self.book = book
         self.reload_s = reload_s
         self.recompute_s = recompute_s
+        self.disk = disk
 
     def drop_s(self, p: Program) -> float:
         """What dropping ``p`` costs its replica, in seconds: its recompute, for each
@@ -191,8 +200,16 @@ class ReturnCost(Ranking):
                 need -= q.kv_bytes
         return need <= 0
 
+    def stores(self, p: Program, idleness: IdlenessAt) -> bool:
+        """Whether ``p``, demoted now, goes to its replica's disk and has been away as
+        long as its read back from there will take."""
+        disk = self.disk
+        return (disk is not None and disk.lands(p, idleness)
+                and self.away_s(p, idleness.now) >= disk.disk_reload_s(p))
+
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
-        return self.pays(p, idleness.now) or self.parks(p, idleness)
+        return (self.pays(p, idleness.now) or self.parks(p, idleness)
+                or self.stores(p, idleness))
 
     def cpu_droppable(self, q: Program, idleness: IdlenessAt) -> bool:
         assert q.replica is not None

@@ -17,6 +17,7 @@ from mori.core.decisions import Decision, Demote
 from mori.core.ledger import Placement
 from mori.core.ordered import Key
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_room import RoomMaker
 from mori.core.policies.moves import Moves
@@ -113,7 +114,7 @@ class IndexedRound:
             # what still fits behind the first miss, on the replicas where some can
             for rc in sorted(self.book.open | {fr}):
                 for k2, _, c2 in idx.cpu[rc].walk(lambda: self.book.avail[rc]):  # noqa: B023
-                    if c2.tier is Tier.CPU and c2 is not fc:
+                    if c2.tier in AFFINE and c2 is not fc:
                         buf = []
                         self.moves.place(c2, rc, now, buf)
                         chunks.append((k2, buf))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.policies.mori_book import IdlenessAt
+from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_room import RoomMaker
 from mori.core.policies.moves import Moves
@@ -85,7 +86,7 @@ class ScanRound:
                 most = None
 
         # (0) CPU-queue programs: their own replica (affinity), in priority order
-        for c in (c for c in cands if c.tier is Tier.CPU and not fits_nowhere(c)):
+        for c in (c for c in cands if c.tier in AFFINE and not fits_nowhere(c)):
             place_or_make_room(c)
         # (1, 2) cacheless programs: *who* is admitted follows the priority order, as
         # long as the free space of all replicas together holds them; *where*: the
