@@ -133,3 +133,29 @@ def test_a_disk_tier_larger_than_the_drive_is_refused(traces) -> None:  # type: 
 def test_disk_kv_tokens_replace_the_ratio(traces) -> None:  # type: ignore[no-untyped-def]
     sim = Simulation(SimConfig(disk_ratio=8.0, disk_kv_tokens=64_000), traces)
     assert sim.disk_pages * get_preset("h200-qwen3-30b-a3b").page_tokens == 64_000
+
+
+def test_decisions_to_and_from_disk_read_as_such() -> None:
+    from mori.core.decisions import Demote, Promote
+    from mori.core.explain import DecisionContext, reason
+    from mori.core.types import Status, Tier
+
+    ctx = DecisionContext(Status.ACTING, 0.9, 60_000, 0.0, 12.0, 1.5)
+    why = reason(Demote("a", 0, Tier.GPU, Tier.DISK), ctx)
+    assert "to the disk tier" in why and "a read from disk, about 1.50 s" in why
+    assert "CPU tier needed room" in reason(Demote("a", 0, Tier.CPU, Tier.DISK), ctx)
+    assert "DISK tier needed room" in reason(Demote("a", 0, Tier.DISK, Tier.NONE), ctx)
+    assert "reads its KV back from the replica's disk tier" in reason(
+        Promote("a", 0, Tier.DISK), ctx)
+
+
+def test_a_timeline_of_a_run_with_a_disk_tier_draws_its_lane(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from mori.cli.main import main
+
+    page = tmp_path / "t.html"
+    assert main(["simulate", "--policy", "mori", "--programs", "80", "--preset", B70,
+                 "--disk-ratio", "8", "--duration", "600", "--timeline", str(page),
+                 "--timeline-frames", "20", "--quiet"]) == 0
+    html = page.read_text()
+    assert ">DISK\\u003c/text>" in html  # the spectrum's lane, in the page's JSON
+    assert "disk tier" in html  # a decision's reason

@@ -68,6 +68,7 @@ def context_reader(programs: Mapping[str, Program],
 
 
 _SOURCE = {Tier.CPU: "reloads its KV from the CPU tier",
+           Tier.DISK: "reads its KV back from the replica's disk tier",
            Tier.NONE: "recomputes its context (no cached KV)",
            Tier.GPU: "re-routed from another replica's GPU (recomputes there)"}
 
@@ -85,8 +86,9 @@ def reason(d: Decision, ctx: DecisionContext | None) -> str:
     if isinstance(d, Promote):
         return f"a request is ready: onto replica {d.replica}'s GPU; {_SOURCE[d.source]} ({state})"
     assert isinstance(d, Demote)
-    where = "GPU" if d.source is Tier.GPU else "CPU"
-    dest = "the CPU tier" if d.to is Tier.CPU else "no tier (its KV may be lost)"
+    where = d.source.value.upper()
+    dest = {Tier.CPU: "the CPU tier", Tier.DISK: "the disk tier"}.get(
+        d.to, "no tier (its KV may be lost)")
     why = (f"replica {d.replica}'s {where} tier needed room and this program ranks among "
            f"the most idle there: to {dest} ({ctx.status.value}, {state})")
     if ctx.return_s is None:
@@ -95,5 +97,8 @@ def reason(d: Decision, ctx: DecisionContext | None) -> str:
     if d.to is Tier.CPU:
         return (f"{why}; {away}its return is a reload, about {ctx.return_s:.2f} s of the "
                 f"link, no GPU time")
+    if d.to is Tier.DISK:
+        return (f"{why}; {away}its return is a read from disk, about {ctx.return_s:.2f} s "
+                f"of its own wait, no GPU time")
     return (f"{why}; {away}its return is a recompute, about {ctx.return_s:.1f} s of the "
             f"replica's GPU time for its programs")

@@ -16,7 +16,8 @@ from mori.core.types import Status, Tier
 PALETTE = ("#2563eb", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#0891b2", "#db2777",
            "#65a30d", "#ea580c", "#475569")
 STATUS_COLOUR = {Status.REASONING: "#2563eb", Status.ACTING: "#f59e0b", Status.GATED: "#ef4444"}
-TIER_LANES = (Tier.GPU, Tier.CPU, Tier.NONE)
+TIER_LANES = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.NONE)
+"""The spectrum's lanes, top to bottom (the disk's only where a program is on a disk)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +129,12 @@ def spectrum(points: Sequence[tuple[float, Status, Tier]], width: int = 940) -> 
     in a lane per tier, coloured by status. Marks of a colour and lane are one path."""
     ml, mr, lane = 48, 12, 22
     pw = width - ml - mr
-    height = 24 + lane * len(TIER_LANES) + 20
+    disk = any(tier is Tier.DISK for _, _, tier in points)
+    lanes = [t for t in TIER_LANES if disk or t is not Tier.DISK]
+    height = 24 + lane * len(lanes) + 20
     paths: dict[tuple[int, Status], list[str]] = {}
     for idleness, status, tier in points:
-        i = TIER_LANES.index(tier)
+        i = lanes.index(tier)
         x = ml + min(max(idleness, 0.0), 1.0) * pw
         y = 24 + i * lane
         paths.setdefault((i, status), []).append(f"M{x:.1f} {y + 3}v{lane - 6}")
@@ -144,7 +147,7 @@ def spectrum(points: Sequence[tuple[float, Status, Tier]], width: int = 940) -> 
         parts.append(f'<rect x="{lx:.0f}" y="6" width="10" height="8" fill="{colour}"/>'
                      f'<text x="{lx + 13:.0f}" y="14" class="lg">{status.value}</text>')
         lx += 30 + 7 * len(status.value)
-    for i, tier in enumerate(TIER_LANES):
+    for i, tier in enumerate(lanes):
         y = 24 + i * lane
         parts.append(f'<rect x="{ml}" y="{y + 1}" width="{pw}" height="{lane - 2}" '
                      f'class="lane"/><text x="{ml - 6}" y="{y + lane / 2 + 4:.0f}" class="tk" '
