@@ -1,5 +1,5 @@
 """Where MORI puts an admitted program (``mori`` module docstring): its own replica for a
-CPU-queue program (affinity); for the cacheless ones a round admits (the batch, largest
+CPU-queue or disk-queue program (affinity: its KV is there); for the cacheless ones a round admits (the batch, largest
 first), each onto the replica with the most free GPU room, as long as that places the
 whole batch (memory does not bind); else Best-Fit-Decreasing, each onto the replica
 where it fits most tightly, which leaves the largest holes for the rest.
