@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -51,11 +52,16 @@ def metric(url: str, name: str, headers: dict[str, str] | None = None) -> dict[s
 
 
 def run_programs(url: str, n: int, steps: int, key: str = "none",
-                 synthetic: int | None = None) -> None:
-    """``n`` programs of ``steps`` steps each, one thread (and connection) a program."""
+                 synthetic: int | None = None, together: bool = False) -> None:
+    """``n`` programs of ``steps`` steps each, one thread (and connection) a program;
+    ``together``: every program sends its first request at once (a barrier)."""
+    start = threading.Barrier(n) if together else None
+
     def one(i: int) -> None:
         c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
         model = c.models.list().data[0].id
+        if start is not None:
+            start.wait(timeout=60)
         for _ in range(steps):
             extra: dict[str, object] = {"program_id": f"p{i}"}
             if synthetic is not None:
@@ -103,11 +109,13 @@ def test_every_step_reaches_the_one_policy_whichever_process_served_it(three: st
 
 
 def test_held_requests_are_admitted_across_processes() -> None:
-    # a GPU tier that holds about two of the six programs: most requests are held
-    proc, url = start_serve("--workers", "2", "--time-scale", "200", "--gpu-kv-tokens",
+    # a GPU tier that holds about two of the six programs, the six first requests sent at
+    # once and steps slow enough (time scale 2000) that four of them find it full: held
+    # (at time scale 200 a loaded machine could serialize the threads, and hold none)
+    proc, url = start_serve("--workers", "2", "--time-scale", "2000", "--gpu-kv-tokens",
                             "20000")
     try:
-        run_programs(url, 6, 3, synthetic=8000)
+        run_programs(url, 6, 3, synthetic=8000, together=True)
         progs = httpx.get(url + "/v1/programs").json()["data"]
         assert sorted(p["steps"] for p in progs) == [3] * 6
         assert all(p["status"] != Status.REASONING.value for p in progs)
