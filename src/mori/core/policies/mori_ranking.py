@@ -203,9 +203,9 @@ class ReturnCost(Ranking):
     def stores(self, p: Program, idleness: IdlenessAt) -> bool:
         """Whether ``p``, demoted now, goes to its replica's disk and has been away as
         long as its read back from there will take."""
-        disk = self.disk
-        return (disk is not None and disk.lands(p, idleness)
-                and self.away_s(p, idleness.now) >= disk.disk_reload_s(p))
+        disk = self.disk  # the cheap test first: ``lands`` may sort a full disk queue
+        return (disk is not None and self.away_s(p, idleness.now) >= disk.disk_reload_s(p)
+                and disk.lands(p, idleness))
 
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
         return (self.pays(p, idleness.now) or self.parks(p, idleness)
