@@ -18,7 +18,8 @@
 # (default PORT+2000); without it vLLM runs plain (--no-plugin). MORI_VLLM_CPU_GIB=N adds
 # a host KV tier of N GiB (`--cpu-gib`: vLLM's OffloadingConnector with MORI's copy
 # worker; evicted in MORI's order with the plug-in, by vLLM's LRU without; src/ goes on
-# the vLLM process's PYTHONPATH for it too).
+# the vLLM process's PYTHONPATH for it too). MORI_VLLM_DISK_GIB=N with MORI_VLLM_DISK_DIR=PATH
+# (and MORI_VLLM_CPU_GIB) puts MORI's disk tier of N GiB behind it (`--disk-gib --disk-dir`).
 #
 # Settings (environment): MORI_VLLM_BLOCK_SIZE (32; must be a multiple of 32 on the CPU),
 # MORI_VLLM_MAX_MODEL_LEN (what the pool holds, at most 4096), MORI_VLLM_MAX_NUM_SEQS (16).
@@ -58,6 +59,9 @@ else
 fi
 if [ -n "${MORI_VLLM_CPU_GIB:-}" ]; then
     MORI_ARGS+=(--cpu-gib "$MORI_VLLM_CPU_GIB")
+fi
+if [ -n "${MORI_VLLM_DISK_GIB:-}" ]; then
+    MORI_ARGS+=(--disk-gib "$MORI_VLLM_DISK_GIB" --disk-dir "${MORI_VLLM_DISK_DIR:?set MORI_VLLM_DISK_DIR with MORI_VLLM_DISK_GIB}")
 fi
 if ! MORI_FLAGS_LINE="$(PYTHONPATH="$SRC_PATH" "$MORI_PYTHON" -m mori "${MORI_ARGS[@]}")"; then
     echo "'$MORI_PYTHON -m mori ${MORI_ARGS[*]}' failed (set MORI_PYTHON to a Python with" \

@@ -50,10 +50,12 @@ class Engine:
 
 
 def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | None = None,
-                 name: str | None = None, release: str = CPU_BUILD
+                 name: str | None = None, release: str = CPU_BUILD,
+                 disk: tuple[float, Path] | None = None
                  ) -> tuple[Engine, subprocess.Popen[bytes]]:
-    """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier), running
-    vLLM ``release`` (``conftest.VLLM_RELEASES``)."""
+    """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier; ``disk``:
+    GiB and directory of a disk tier behind it), running vLLM ``release``
+    (``conftest.VLLM_RELEASES``)."""
     venv = _install_venv()
     model = _build_model(venv)
     port, kv_port, label_port = free_port(), free_port(), free_port()
@@ -63,6 +65,8 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
            "MORI_VLLM_PLUGIN": "1" if plugin else "0", **release_env(release)}
     if cpu_gib is not None:
         env["MORI_VLLM_CPU_GIB"] = repr(cpu_gib)
+    if disk is not None:
+        env["MORI_VLLM_DISK_GIB"], env["MORI_VLLM_DISK_DIR"] = repr(disk[0]), str(disk[1])
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(model), str(port), str(kv_port),

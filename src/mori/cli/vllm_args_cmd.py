@@ -53,6 +53,15 @@ what it prints:
   --kv-offloading-size; on the CPU build through MORI's copy worker, which needs mori
   importable by vLLM's Python).
 
+  --disk-gib N --disk-dir PATH (with --cpu-gib) put a disk tier of N GiB behind the host
+  tier: vLLM's tiering spec writes every host chunk through to it and reads a chunk back
+  from it when the host tier no longer holds it. The tier is MORI's
+  (mori.vllm_plugin.disk_tier): one file per chunk under PATH/mori-kv-<engine>/, with a
+  checksum (a torn file is a miss, never served), evicted in MORI's order with the
+  plug-in (inactive, busy, idle, then cold: the programs MORI parked on disk), least
+  recently used first without it. PATH must exist, be writable and have N GiB free: the
+  engine refuses to start otherwise. The handshake tells the gateway the tier's size.
+
 using the output:
   The flags are printed on one line, separated by single spaces. No flag or value holds
   a space, a single quote or a backslash, and none is shell-quoted: the line is meant to
@@ -71,6 +80,7 @@ using the output:
 examples:
   mori vllm-args --gpu --cpu-gib 64
   mori vllm-args --cpu-build --cpu-gib 0.25 --label-endpoint tcp://127.0.0.1:6558
+  mori vllm-args --gpu --cpu-gib 64 --disk-gib 1024 --disk-dir /mnt/nvme0/kv
   mori vllm-args --no-plugin
 """
 
@@ -107,6 +117,12 @@ def add_vllm_args_parser(sub: argparse._SubParsersAction[P]) -> P:
     p.add_argument("--cpu-gib", type=_gib, metavar="N",
                    help="GiB of host memory for a CPU KV tier (fractions allowed), "
                         "evicted in MORI's order with the plug-in (see below)")
+    p.add_argument("--disk-gib", type=_gib, metavar="N",
+                   help="GiB of a disk KV tier behind the CPU tier (needs --cpu-gib and "
+                        "--disk-dir; see below)")
+    p.add_argument("--disk-dir", metavar="PATH",
+                   help="directory the disk tier's files go in (must exist, be writable "
+                        "and have --disk-gib free)")
     build = p.add_mutually_exclusive_group()
     build.add_argument("--gpu", dest="build", action="store_const", const="gpu",
                        help=f"vLLM on GPUs (the default): the scheduler is {SCHEDULER_GPU}")
@@ -126,8 +142,8 @@ def _compact(obj: dict[str, Any]) -> str:
 def _word(name: str, value: str) -> str:
     bad = sorted(set(value) & _NOT_IN_A_WORD)
     if not value or bad:
-        raise VLLMArgsError(f"{name} {value!r}: an endpoint holds no spaces, quotes or "
-                            "backslashes (the flags are split on spaces)")
+        raise VLLMArgsError(f"{name} {value!r}: an endpoint or path holds no spaces, quotes "
+                            "or backslashes (the flags are split on spaces)")
     return value
 
 
@@ -138,10 +154,21 @@ def _number(v: float) -> str:
 def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
                kv_events_endpoint: str = DEFAULT_KV_EVENTS_ENDPOINT,
                cpu_gib: float | None = None, build: str = "gpu",
-               plugin: bool = True) -> list[str]:
+               plugin: bool = True, disk_gib: float | None = None,
+               disk_dir: str | None = None) -> list[str]:
     """The vLLM flags, one list item per word (see the command's help)."""
     if build not in ("gpu", "cpu"):
         raise VLLMArgsError(f"build is gpu or cpu, got {build!r}")
+    if (disk_gib is None) != (disk_dir is None):
+        raise VLLMArgsError("a disk tier needs both --disk-gib N and --disk-dir PATH")
+    if disk_gib is not None and cpu_gib is None:
+        raise VLLMArgsError("a disk tier sits behind the CPU tier: give --cpu-gib N too")
+    disk_bytes = None
+    if disk_gib is not None and disk_dir is not None:
+        _word("--disk-dir", disk_dir)
+        disk_bytes = int(disk_gib * GIB)
+        if disk_bytes <= 0:
+            raise VLLMArgsError(f"--disk-gib {disk_gib} is less than one byte")
     flags: list[str] = []
     if plugin:
         flags += ["--scheduler-cls", SCHEDULER_GPU if build == "gpu" else SCHEDULER_CPU,
@@ -154,7 +181,7 @@ def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
     flags += ["--scheduling-policy", "priority", "--enable-prefix-caching",
               "--enable-prompt-tokens-details"]
     if cpu_gib is not None:
-        if build == "gpu" and not plugin:
+        if build == "gpu" and not plugin and disk_bytes is None:
             flags += ["--kv-offloading-size", _number(cpu_gib), "--kv-offloading-backend",
                       "native"]
         else:
@@ -162,7 +189,8 @@ def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
             if cpu_bytes <= 0:
                 raise VLLMArgsError(f"--cpu-gib {cpu_gib} is less than one byte")
             flags += ["--kv-transfer-config", _compact(kv_transfer_config(
-                cpu_bytes, host_spec=build == "cpu", mori_order=plugin))]
+                cpu_bytes, host_spec=build == "cpu", mori_order=plugin,
+                disk_bytes=disk_bytes, disk_dir=disk_dir))]
     return flags
 
 
@@ -170,7 +198,8 @@ def run_vllm_args(args: argparse.Namespace) -> int:
     try:
         flags = vllm_flags(label_endpoint=args.label_endpoint,
                            kv_events_endpoint=args.kv_events_endpoint, cpu_gib=args.cpu_gib,
-                           build=args.build, plugin=not args.no_plugin)
+                           build=args.build, plugin=not args.no_plugin,
+                           disk_gib=args.disk_gib, disk_dir=args.disk_dir)
     except VLLMArgsError as e:
         print(f"mori vllm-args: error: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
 vLLM's ``KVCacheBlock`` has ``__slots__``, so nothing can be attached to a block; these
 tables hold what MORI knows instead:
 
-- program -> label, as the gateway sent it (``busy``, ``idle``, ``inactive``); bounded
+- program -> label, as the gateway sent it (``busy``, ``idle``, ``cold``, ``inactive``:
+  on the GPU, parked on the CPU tier, parked on the disk tier, on no tier); bounded
   (``max_programs``, the least recently set label is forgotten first);
 - block id -> the programs whose requests used the block, learned from running requests
   (``Request.session_id`` is the program id; the scheduler reads each running request's
@@ -12,7 +13,7 @@ tables hold what MORI knows instead:
   *widely shared* and kept busy (which one of them runs next is anyone's guess).
 
 A block's label is the most protective label of its programs (``busy`` > ``idle`` >
-``inactive``): a prefix that a busy program shares with an inactive one is still needed.
+``cold`` > ``inactive``): a prefix that a busy program shares with an inactive one is still needed.
 
 The default label — of a program the gateway has not labelled, and of a block no known
 program used (requests without ``session_id``) — is ``busy``, the most protective one:
@@ -28,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-PROTECTION = {"inactive": 0, "idle": 1, "busy": 2}
+PROTECTION = {"inactive": 0, "cold": 1, "idle": 2, "busy": 3}
 DEFAULT_LABEL = "busy"
 MAX_PROGRAMS = 65536
 MAX_PROGRAMS_PER_BLOCK = 64

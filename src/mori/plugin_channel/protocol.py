@@ -45,7 +45,7 @@ from typing import Any
 PROTOCOL_VERSION = 1
 PLUGIN_VERSION = "0.1.0"
 DEFAULT_LABEL_ENDPOINT = "tcp://127.0.0.1:5558"
-LABELS = ("busy", "idle", "inactive")
+LABELS = ("busy", "idle", "cold", "inactive")
 OPS = ("hello", "set", "replace", "drop", "clear", "residency")
 MAX_PROGRAM_ID = 1024  # characters; longer ids are refused
 

@@ -26,8 +26,8 @@ from mori.plugin_channel.labels import PROTECTION, LabelTable
 
 MAX_OWNERS = 64
 ROUTING_HEADER = "x-smg-routing-key"
-DEVICE_RANK = {"unowned": 0, "inactive": 1, "idle": 2, "busy": 3}
-HOST_RANK = {"unowned": 0, "inactive": 1, "busy": 2, "idle": 3}
+DEVICE_RANK = {"unowned": 0, "inactive": 1, "cold": 2, "idle": 3, "busy": 4}
+HOST_RANK = {"unowned": 0, "inactive": 1, "cold": 2, "busy": 3, "idle": 4}
 WIDE = "\x00wide"  # the owner set of a widely shared node holds only this mark
 
 

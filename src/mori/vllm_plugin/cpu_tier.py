@@ -13,12 +13,13 @@ installed ``vllm`` package, lines as of 0.32 unless a release is named.
 This module provides :class:`MoriCachePolicy`, that ``CachePolicy`` (the CPU build's copy
 worker and host spec are in ``host_tier``; ``connector_config.kv_transfer_config`` is the
 flag that loads them). It evicts host chunks by class, in this order: ``inactive`` first,
-then ``busy``, then ``idle`` (kept longest: an idle program's next turn is the one the host
+then ``cold`` (a program MORI parked on the disk tier, which holds its chunks), then
+``busy``, then ``idle`` (kept longest: an idle program's next turn is the one the host
 tier saves; a busy program's KV is on the GPU anyway), least recently used first within a
 class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
 (``v1/kv_offload/cpu/policies/lru.py``; see :class:`MoriCachePolicy` for what changed in
 0.33). A chunk's class is the most protective (``idle`` >
-``busy`` > ``inactive``) label among the programs whose requests used it; a chunk no known
+``busy`` > ``cold`` > ``inactive``) label among the programs whose requests used it; a chunk no known
 program used is ``busy``, as is a program without a label. So an unbound policy, or one
 whose gateway is silent, evicts exactly as vLLM's LRU does. A chunk whose every program was
 dropped (:meth:`MoriCachePolicy.drop`) is ``inactive`` until a request uses it again.
@@ -64,8 +65,8 @@ from .connector_config import PROGRAM_KEY
 logger = logging.getLogger("vllm.mori_plugin.cpu_tier")
 
 # Protection of a host chunk by label (higher is evicted later).
-CPU_PROTECTION = {"inactive": 0, "busy": 1, "idle": 2}
-EVICT_ORDER = ("inactive", "busy", "idle")  # evicted first .. last
+CPU_PROTECTION = {"inactive": 0, "cold": 1, "busy": 2, "idle": 3}
+EVICT_ORDER = ("inactive", "cold", "busy", "idle")  # evicted first .. last
 WIDE_CLASS = "idle"  # a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs
 COMPACT_MIN = 64  # heaps are rebuilt when they hold > max(this, 4 x evictable) entries
 

@@ -4,7 +4,9 @@ vLLM's own ``CPUOffloadingWorker`` is CUDA/XPU only (``v1/kv_offload/cpu/spec.py
 refuses the CPU platform). :class:`HostCopyOffloadingWorker` copies between the engine's
 KV cache tensors and host chunks with plain synchronous torch copies, in the byte layout
 of vLLM's worker (direct layout); :class:`MoriHostOffloadingSpec` is vLLM's
-``CPUOffloadingSpec`` with that worker. This exercises the CPU tier's control path on the
+``CPUOffloadingSpec`` with that worker, and :class:`MoriTieringOffloadingSpec` vLLM's
+``TieringOffloadingSpec`` with it (a host tier with secondary tiers behind it: MORI's disk
+tier, ``mori.vllm_plugin.disk_tier``). This exercises the CPU tier's control path on the
 CPU build (it says nothing of transfer speed); on GPUs vLLM's own spec and worker are used.
 The eviction order of the tier is ``mori.vllm_plugin.cpu_tier``'s.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,7 +31,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from . import compat
 
@@ -51,6 +56,10 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     once per layer reference, un-padded — the same bytes); ``transfer_size`` is counted as
     vLLM counts it (per reference, un-padded page).
 
+    ``host_view(bytes_per_chunk)``, when given, supplies each tensor's host tensor (rows
+    may be strided: the tiering spec's shared region, one row per chunk holding every
+    tensor); without it each tensor gets a private zeroed one.
+
     A submit copies at once and returns ``True``; ``get_finished`` hands back the results
     since the last call; ``wait`` has nothing to wait for. The connector submits a step's
     stores at the start of the next step, after the forward pass that wrote those blocks,
@@ -60,24 +69,34 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int,
-                 num_chunks: int) -> None:
+                 num_chunks: int, host_view: Callable[[int], Any] | None = None) -> None:
         if blocks_per_chunk < 1 or num_chunks < 0:
             raise ValueError(f"blocks_per_chunk={blocks_per_chunk}, num_chunks={num_chunks}")
         self.blocks_per_chunk = blocks_per_chunk
         self.num_chunks = num_chunks
         self.engine: list[Any] = []  # (num_blocks, page) int8 views of the KV tensors
         self.host: list[Any] = []  # (num_chunks, page * blocks_per_chunk) int8
-        self._host_sub: list[Any] = []  # the same, as (num_chunks * bpc, page)
+        self._host_sub: list[Any] = []  # the same, as (num_chunks, bpc, page)
         for t in kv_caches.tensors:
             page = int(t.page_size_bytes)
             engine = t.tensor.view(torch.int8).view(-1, page)
             if engine.device.type != "cpu":
                 raise ValueError(f"KV cache tensor on {engine.device}: the host copy worker "
                                  "is for KV caches in host memory (vLLM's CPU build)")
-            host = torch.zeros((num_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            if host_view is None:
+                host = torch.zeros((num_chunks, page * blocks_per_chunk), dtype=torch.int8)
+            else:
+                host = host_view(page * blocks_per_chunk)
+                if tuple(host.shape) != (num_chunks, page * blocks_per_chunk) \
+                        or host.stride(1) != 1:
+                    raise ValueError(f"host view of shape {tuple(host.shape)}, strides "
+                                     f"{host.stride()}: wanted ({num_chunks}, "
+                                     f"{page * blocks_per_chunk}) with unit column stride")
             self.engine.append(engine)
             self.host.append(host)
-            self._host_sub.append(host.view(num_chunks * blocks_per_chunk, page))
+            self._host_sub.append(torch.as_strided(
+                host, (num_chunks, blocks_per_chunk, page), (host.stride(0), page, 1),
+                host.storage_offset()))
         self._group_tensors = [sorted({r.tensor_idx for r in refs})
                                for refs in kv_caches.group_data_refs]
         self._group_bytes = [sum(int(r.page_size_bytes) for r in refs)
@@ -119,14 +138,16 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             raise TypeError(f"not a host chunk spec: {type(host_spec).__name__}")
         start = time.perf_counter()
         nbytes = 0
+        bpc = self.blocks_per_chunk
         for g, engine_ids, host_ids in self._plan(engine_spec, host_spec):
-            e_idx, h_idx = torch.from_numpy(engine_ids), torch.from_numpy(host_ids)
+            e_idx = torch.from_numpy(engine_ids)
+            at = (torch.from_numpy(host_ids // bpc), torch.from_numpy(host_ids % bpc))
             for t in self._group_tensors[g]:
                 engine, host = self.engine[t], self._host_sub[t]
                 if store:
-                    host.index_copy_(0, h_idx, engine.index_select(0, e_idx))
+                    host[at] = engine.index_select(0, e_idx)
                 else:
-                    engine.index_copy_(0, e_idx, host.index_select(0, h_idx))
+                    engine.index_copy_(0, e_idx, host[at])
             nbytes += len(engine_ids) * self._group_bytes[g]
         self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                                          transfer_time=time.perf_counter() - start))
@@ -175,12 +196,61 @@ class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     def cpu_tier_tokens(self) -> int:
         """Tokens the tier holds (of the first KV cache group: for a model with one
         group, the tier's size in tokens)."""
-        if not self.tokens_per_block:
-            return 0
-        return int(self.num_chunks * self.blocks_per_chunk * self.tokens_per_block[0])
+        return tier_tokens(self)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyOffloadingWorker:
         if self._host_worker is None:
             self._host_worker = HostCopyOffloadingWorker(
                 kv_caches, int(self.blocks_per_chunk), int(self.num_chunks))
+        return self._host_worker
+
+
+def tier_tokens(spec: CPUOffloadingSpec) -> int:
+    """Tokens a host tier of ``spec`` holds (of the first KV cache group)."""
+    if not spec.tokens_per_block:
+        return 0
+    return int(spec.num_chunks * spec.blocks_per_chunk * spec.tokens_per_block[0])
+
+
+class MoriTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
+    """vLLM's ``TieringOffloadingSpec`` (``v1/kv_offload/tiering/spec.py``: a CPU primary
+    tier and secondary tiers behind it, MORI's disk tier among them) with
+    :class:`HostCopyOffloadingWorker` as its worker, for the CPU build.
+
+    vLLM's tiering spec keeps the primary tier in a ``SharedOffloadRegion`` (an mmap of
+    ``/dev/shm``) that the scheduler process maps too: secondary tiers read and write
+    chunks there (``primary_kv_view``), in the scheduler's process. Its worker is vLLM's
+    CUDA copy worker, refused on the CPU platform; this spec maps the same region in the
+    worker (as vLLM's ``create_worker`` does) and copies between it and the engine's KV
+    caches with the plain copy worker, one strided view per KV tensor
+    (``SharedOffloadRegion.create_next_worker_view``). Everything else is vLLM's.
+    """
+
+    _host_worker: HostCopyOffloadingWorker | None = None
+    _worker_region: SharedOffloadRegion | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        compat.check(vllm.__version__, compat.hook_problems(
+            OffloadingWorker, HostCopyOffloadingWorker, OffloadingWorker.__abstractmethods__))
+        super().__init__(*args, **kwargs)
+
+    @property
+    def cpu_tier_tokens(self) -> int:
+        return tier_tokens(self)
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyOffloadingWorker:
+        if self._host_worker is None:
+            region = SharedOffloadRegion(
+                engine_id=self.config.engine_id, num_chunks=self.num_chunks,
+                rank=0 if self.replicated_layout else self.config.parallel.rank,
+                kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                cpu_page_size=self.cpu_page_size_per_worker)
+            try:
+                self._host_worker = HostCopyOffloadingWorker(
+                    kv_caches, int(self.blocks_per_chunk), int(self.num_chunks),
+                    host_view=region.create_next_worker_view)
+            except Exception:
+                region.cleanup()
+                raise
+            self._worker_region = region
         return self._host_worker

@@ -33,6 +33,11 @@ offloading connector), the mixin also:
   request, before vLLM's ``add_request`` hands the request to the connector;
 - reports the tier's size in tokens in the handshake (``cpu_tier_tokens``).
 
+With MORI's disk tier behind it (``mori vllm-args --disk-gib N --disk-dir PATH``: vLLM's
+tiering spec with ``disk_tier.MoriDiskTier`` as a secondary tier), the mixin binds each
+disk tier to the same label table, passes drops on to it, reports its size in the
+handshake (``disk_tier_tokens``) and its chunks per program in ``residency`` (``disk``).
+
 An error in MORI's own bookkeeping is logged and never stops the engine.
 """
 
@@ -73,6 +78,7 @@ class MoriSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         _check_vllm()  # refuse a vLLM whose internals the plug-in does not know
         before = set(_cpu_policies())
+        disks_before = set(_disk_tiers())
         super().__init__(*args, **kwargs)
         self.mori_labels = LabelTable()
         # the CPU tier's cache policies built by this scheduler's connector (none without)
@@ -80,6 +86,10 @@ class MoriSchedulerMixin:
         for policy in self.mori_cpu_policies:
             policy.bind(self.mori_labels.label)
         self.mori_cpu_tier_tokens = self._mori_cpu_tier_tokens()
+        # the disk tiers built by this scheduler's connector (none without)
+        self.mori_disk_tiers = [t for t in _disk_tiers() if t not in disks_before]
+        for tier in self.mori_disk_tiers:
+            tier.bind(self.mori_labels.label)
         self._mori_learned: dict[tuple[str, int], tuple[int, int]] = {}
         self._mori_log_at = 0.0
         self._mori_counts: dict[str, int] = {}
@@ -100,6 +110,9 @@ class MoriSchedulerMixin:
                     self.mori_queue.num_free_blocks, self.mori_server.endpoint,
                     f"{self.mori_cpu_tier_tokens} tokens in MORI's order"
                     if self.mori_cpu_policies else "none")
+        if self.mori_disk_tiers:
+            logger.info("MORI scheduler: disk tier of %d tokens in MORI's order",
+                        self._mori_disk_tier_tokens())
 
     # -- hooks into vLLM's scheduler ----------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -144,6 +157,7 @@ class MoriSchedulerMixin:
         return {"block_size": int(self.block_size),
                 "gpu_blocks": int(self.kv_cache_config.num_blocks),
                 "cpu_tier_tokens": int(self.mori_cpu_tier_tokens),
+                "disk_tier_tokens": self._mori_disk_tier_tokens(),
                 "programs": len(self.mori_labels)}
 
     def _mori_residency(self) -> dict[str, Any]:
@@ -156,7 +170,19 @@ class MoriSchedulerMixin:
         for policy in self.mori_cpu_policies:
             for p, n in policy.chunks_held().items():
                 cpu[p] = cpu.get(p, 0) + n * self.mori_chunk_tokens
-        return {"gpu": gpu, "cpu": cpu, "inactive": self.mori_labels.labelled("inactive")}
+        out: dict[str, Any] = {"gpu": gpu, "cpu": cpu,
+                               "inactive": self.mori_labels.labelled("inactive")}
+        if self.mori_disk_tiers:
+            disk: dict[str, int] = {}
+            for tier in self.mori_disk_tiers:
+                for p, n in tier.chunks_held().items():
+                    disk[p] = disk.get(p, 0) + n * self.mori_chunk_tokens
+            out["disk"] = disk
+        return out
+
+    def _mori_disk_tier_tokens(self) -> int:
+        """The disk tiers' size in tokens (0 without one)."""
+        return sum(int(t.max_chunks) for t in self.mori_disk_tiers) * self.mori_chunk_tokens
 
     def _mori_cpu_tier_tokens(self) -> int:
         """The CPU tier's size in tokens (0 without one)."""
@@ -206,6 +232,10 @@ class MoriSchedulerMixin:
         moved = self.mori_queue.reclassify(pool.blocks[b] for b in affected)
         if self.mori_cpu_policies:
             self._mori_relabel_cpu(msgs)
+        for msg in msgs:
+            if msg.op == "drop" and msg.program is not None:
+                for tier in self.mori_disk_tiers:
+                    tier.drop(msg.program)
         c = self._mori_counts
         for msg in msgs:
             c[msg.op] = c.get(msg.op, 0) + 1
@@ -278,6 +308,15 @@ def _check_vllm() -> None:
     problems += compat.hook_problems(FreeKVCacheBlockQueue, TypedFreeBlockQueue,
                                      QUEUE_METHODS)
     compat.check(vllm.__version__, problems)
+
+
+def _disk_tiers() -> list[Any]:
+    """The disk tiers alive in this process (none when the module cannot load)."""
+    try:
+        from .disk_tier import live_tiers
+    except Exception:
+        return []
+    return live_tiers()
 
 
 def _cpu_policies() -> list[Any]:

@@ -43,7 +43,9 @@ from typing import Any, Protocol
 
 UNHASHED, INACTIVE, IDLE, BUSY = 0, 1, 2, 3
 CLASS_NAMES = ("unhashed", "inactive", "idle", "busy")  # eviction order: first is evicted first
-LABEL_CLASS = {"inactive": INACTIVE, "idle": IDLE, "busy": BUSY}
+# ``cold`` (parked on the disk tier) shares the inactive list: its GPU blocks go first, as
+# an inactive program's, its KV being on disk (LRU between the two)
+LABEL_CLASS = {"inactive": INACTIVE, "cold": INACTIVE, "idle": IDLE, "busy": BUSY}
 
 # The methods of vLLM 0.32's FreeKVCacheBlockQueue that code outside it calls (BlockPool:
 # popleft, popleft_n, remove, append, append_n, prepend_n, num_free_blocks; the simple
