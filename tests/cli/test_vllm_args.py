@@ -107,6 +107,55 @@ def test_cpu_gib_without_the_plugin_is_vllms_lru_tier(
     assert extra["spec_name"] == "MoriHostOffloadingSpec"
 
 
+DISK_TIER = {"type": "MoriDiskTier", "module_path": "mori.vllm_plugin.disk_tier"}
+
+
+def test_disk_gib_puts_moris_disk_tier_behind_the_cpu_tier(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    extra = parse(printed(capsys, "--cpu-build", "--cpu-gib", "0.5", "--disk-gib", "2",
+                          "--disk-dir", "/mnt/nvme/kv"))["--kv-transfer-config"][
+        "kv_connector_extra_config"]
+    # the CPU build: vLLM's tiering spec with MORI's copy worker
+    assert (extra["spec_name"], extra["spec_module_path"]) == (
+        "MoriTieringOffloadingSpec", "mori.vllm_plugin.host_tier")
+    assert extra["eviction_policy"] == "MoriCachePolicy"
+    assert extra["secondary_tiers"] == [
+        {**DISK_TIER, "path": "/mnt/nvme/kv", "capacity_bytes": 2 << 30}]
+    gpu = parse(printed(capsys, "--gpu", "--cpu-gib", "64", "--disk-gib", "1024",
+                        "--disk-dir", "/kv"))["--kv-transfer-config"][
+        "kv_connector_extra_config"]
+    assert gpu["spec_name"] == "TieringOffloadingSpec" and "spec_module_path" not in gpu
+    assert gpu["secondary_tiers"][0]["capacity_bytes"] == 1024 << 30
+    # without the plug-in: the same tiers, vLLM's LRU on the CPU tier (and the disk
+    # tier unbound: LRU too), not --kv-offloading-size
+    plain = parse(printed(capsys, "--gpu", "--no-plugin", "--cpu-gib", "64", "--disk-gib",
+                          "128", "--disk-dir", "/kv"))
+    assert "--kv-offloading-size" not in plain
+    extra = plain["--kv-transfer-config"]["kv_connector_extra_config"]
+    assert extra["eviction_policy"] == "lru" and extra["secondary_tiers"][0]["path"] == "/kv"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--disk-gib", "1", "--disk-dir", "/kv"], "give --cpu-gib"),
+    (["--cpu-gib", "1", "--disk-gib", "1"], "both --disk-gib N and --disk-dir"),
+    (["--cpu-gib", "1", "--disk-dir", "/kv"], "both --disk-gib N and --disk-dir"),
+    (["--cpu-gib", "1", "--disk-gib", "1", "--disk-dir", "/my kv"], "--disk-dir"),
+    (["--cpu-gib", "1", "--disk-gib", "1e-12", "--disk-dir", "/kv"], "less than one byte"),
+])
+def test_disk_tier_errors(argv: list[str], says: str,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and says in captured.err
+
+
+def test_kv_transfer_config_refuses_half_a_disk_tier() -> None:
+    with pytest.raises(ValueError, match="both"):
+        kv_transfer_config(1 << 20, disk_bytes=1 << 30)
+    with pytest.raises(ValueError, match="> 0"):
+        kv_transfer_config(1 << 20, disk_bytes=0, disk_dir="/kv")
+
+
 def test_a_cpu_tier_under_one_byte_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["vllm-args", "--cpu-build", "--cpu-gib", "1e-12"]) == 2
     captured = capsys.readouterr()

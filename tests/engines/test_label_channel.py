@@ -23,6 +23,8 @@ from mori.engines.base import NotSupportedError, RequestHints, UpstreamError
 from mori.engines.label_channel import LabelChannel, LabelChannelDown, LabelRefused
 from mori.engines.registry import parse_backend
 from mori.engines.vllm import VLLMAdapter
+from mori.gateway.app import policy_for
+from mori.gateway.config import GatewaySettings
 from mori.plugin_channel import protocol
 from support.fake_engine import FakeEngine
 from support.fake_plugin import FakePlugin, free_port
@@ -196,6 +198,23 @@ def test_a_host_tier_no_larger_than_the_gpu_pool_gives_no_cpu_tier() -> None:
             await a.start()
             assert (await a.capacity()).cpu_tokens == 0
             assert not a.supports(Capability.PREFETCH)
+    run(go)
+
+
+def test_a_disk_tier_in_the_handshake_sizes_the_policys_disk_and_takes_cold_labels(
+        ) -> None:
+    async def go(eng: FakeEngine) -> None:
+        async with plugged(eng, plugin=dict(cpu_tier_tokens=8192, disk_tier_tokens=40000),
+                           **FAST) as (a, plug):
+            await a.start()
+            cap = await a.capacity()
+            # the disk tier is written through from the host tier: the policy's disk is
+            # what it holds beyond the host tier
+            assert (cap.cpu_tokens, cap.disk_tokens) == (8192 - 2016, 40000 - 8192)
+            policy = policy_for(GatewaySettings(policy="mori"), [cap, cap])
+            assert policy.cluster.disk_bytes == (40000 - 8192) // 32 * 32 * 1
+            await a.set_label("p1", KVLabel.COLD)
+            await until(lambda: plug.labels.get("p1") == "cold")
     run(go)
 
 

@@ -32,11 +32,12 @@ class FakePlugin:
     protocol says (``silent``: receives and answers nothing), keeps the label table."""
 
     def __init__(self, port: int | None = None, cpu_tier_tokens: int = 0,
-                 residency: dict[str, Any] | None = None) -> None:
+                 residency: dict[str, Any] | None = None, disk_tier_tokens: int = 0) -> None:
         self.instance = uuid.uuid4().hex
         self.port = port or free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.cpu_tier_tokens = cpu_tier_tokens
+        self.disk_tier_tokens = disk_tier_tokens
         self.residency = residency
         self.received: list[dict[str, Any]] = []
         self.labels: dict[str, str] = {}
@@ -106,6 +107,7 @@ class FakePlugin:
             return protocol.reply("hello", plugin_version=protocol.PLUGIN_VERSION,
                                   instance=self.instance, block_size=32, gpu_blocks=64,
                                   cpu_tier_tokens=self.cpu_tier_tokens,
+                                  disk_tier_tokens=self.disk_tier_tokens,
                                   programs=len(self.labels), ops=ops)
         if m.op == "residency":
             if self.residency is None:

@@ -109,7 +109,19 @@ def test_evicts_inactive_then_busy_then_idle_lru_within() -> None:
     # then busy, LRU: B (older than D; a prefix's tail before its head), then D's tail
     assert store(mgr, "E", keys("E", 3)) == [key("B1"), key("B0"), key("D1")]
     assert hits(mgr, keys("A", 2)) == [True, True]  # idle kept longest
-    assert policy_of(mgr).evicted_by_class == {"inactive": 2, "busy": 3, "idle": 0}
+    assert policy_of(mgr).evicted_by_class == {"inactive": 2, "cold": 0, "busy": 3, "idle": 0}
+
+
+def test_a_cold_programs_chunks_go_after_the_inactive_before_the_busy() -> None:
+    # cold: MORI parked the program on the disk tier, which holds its chunks
+    mgr = make_manager(6)
+    policy_of(mgr).bind(labelled({"A": "cold", "B": "busy", "C": "inactive"}))
+    for p in "CAB":  # C oldest, B newest
+        assert store(mgr, p, keys(p, 2)) == []
+    assert set(store(mgr, "D", keys("D", 2))) == set(keys("C", 2))
+    assert set(store(mgr, "E", keys("E", 2))) == set(keys("A", 2))
+    assert hits(mgr, keys("B", 2)) == [True, True]
+    assert policy_of(mgr).evicted_by_class["cold"] == 2
 
 
 def test_unlabelled_chunks_count_as_busy() -> None:
@@ -121,7 +133,7 @@ def test_unlabelled_chunks_count_as_busy() -> None:
     store(mgr, "U", keys("U", 2))  # a program without a label: the newest
     for k in keys("N", 2) + keys("U", 2):
         assert pol.class_of(k) == "busy"
-    assert pol.sizes() == {"inactive": 0, "busy": 4, "idle": 2}
+    assert pol.sizes() == {"inactive": 0, "cold": 0, "busy": 4, "idle": 2}
     assert set(store(mgr, "Y", keys("Y", 4))) == set(keys("N", 2) + keys("U", 2))
     assert hits(mgr, keys("X", 2)) == [True, True]
 
@@ -330,7 +342,7 @@ def test_evict_is_atomic_and_skips_protected_chunks() -> None:
     store(mgr, "A", keys("A", 2))
     store(mgr, "B", keys("B", 1))
     assert pol.evict(3, {key("A0")}) is None  # only 2 candidates left: nothing changes
-    assert pol.num_chunks == 3 and pol.sizes() == {"inactive": 2, "busy": 0, "idle": 1}
+    assert pol.num_chunks == 3 and pol.sizes() == {"inactive": 2, "cold": 0, "busy": 0, "idle": 1}
     got = pol.evict(2, {key("A0")})
     assert got is not None and [k for k, _ in got] == [key("A1"), key("B0")]
     assert pol.evict(0, set()) == []

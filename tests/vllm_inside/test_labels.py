@@ -30,6 +30,17 @@ def test_most_protective_label_wins() -> None:
     assert t.label_of_block(2) == "busy"
 
 
+def test_cold_protects_above_inactive_below_idle() -> None:
+    t = LabelTable()
+    t.learn("a", [1, 2])
+    t.learn("b", [2, 3])
+    t.learn("c", [3])
+    t.set_labels({"a": "inactive", "b": "cold", "c": "idle"})
+    assert [t.label_of_block(b) for b in (1, 2, 3)] == ["inactive", "cold", "idle"]
+    with pytest.raises(ValueError, match="not one of"):
+        t.set_labels({"a": "frozen"})
+
+
 def test_replace_and_clear_report_every_changed_program() -> None:
     t = LabelTable()
     t.learn("a", [1])

@@ -60,6 +60,17 @@ def test_eviction_order_unhashed_inactive_idle_busy() -> None:
     assert p.cached(toks(0, 2)) == p.cached(toks(3, 2)) == p.cached(toks(4, 2)) == 2
 
 
+def test_a_cold_programs_blocks_share_the_inactive_list() -> None:
+    # cold: parked on the disk tier; its GPU blocks go with the inactive ones, LRU between
+    p = make_pool(16)
+    cold = p.serve("cold", toks(0, 2))
+    idle = p.serve("idle", toks(1, 2))
+    inactive = p.serve("inactive", toks(2, 2))
+    p.set({"cold": "cold", "idle": "idle", "inactive": "inactive"})
+    assert p.queue.sizes()["inactive"] == 4
+    assert p.hashed_order()[:6] == cold[::-1] + inactive[::-1] + idle[::-1]
+
+
 def test_lru_within_a_label() -> None:
     p = make_pool(16)
     a = p.serve("a", toks(0, 2))

@@ -40,12 +40,14 @@ class UpstreamError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class KVCapacity:
-    """KV capacity of one replica in tokens (``cpu_tokens`` 0: no host tier)."""
+    """KV capacity of one replica in tokens (``cpu_tokens`` 0: no host tier;
+    ``disk_tokens`` 0: no disk tier)."""
 
     gpu_tokens: int
     cpu_tokens: int = 0
     page_tokens: int = 16
     kv_bytes_per_token: int = 1  # 1 when unknown: the policy then counts tokens
+    disk_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

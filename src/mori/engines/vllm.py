@@ -46,7 +46,10 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
   policy's CPU tier. That host tier is write-through (vLLM's offloading connector copies
   every block as it is computed), so it also mirrors what is on the GPU: the policy's CPU
   tier is what it holds beyond the GPU pool, ``cpu_tier_tokens - gpu_tokens`` (0 when
-  the host tier is no larger than the GPU pool), the simulator's write-through model. When it does not answer, the adapter works as without the option
+  the host tier is no larger than the GPU pool), the simulator's write-through model. The
+  handshake's ``disk_tier_tokens`` (MORI's disk tier behind the host tier, also written
+  through) sizes the policy's disk tier the same way: what it holds beyond the host tier.
+  When it does not answer, the adapter works as without the option
   (the engine's eviction is plain LRU) and says so once. A check every
   ``labels_check_s`` (5) re-handshakes: a plug-in that stops answering (a request or a
   handshake gets no reply within ``labels_timeout_s``, 2) takes ``LABELS`` and ``DROP``
@@ -158,6 +161,7 @@ class VLLMAdapter(KVEventsAdapter):
             caps.add(Capability.PREFETCH)
         self.capabilities = self.capabilities | caps
         self._plugin_cpu_tokens = 0
+        self._plugin_disk_tokens = 0
         self.link = PluginLink(labels, timeout_s=labels_timeout_s, check_s=labels_check_s,
                                name=f"vLLM {url}", fallback="plain LRU",
                                on_up=self._plugin_up, on_down=self._plugin_down,
@@ -194,6 +198,18 @@ class VLLMAdapter(KVEventsAdapter):
                 self._capacity = dataclasses.replace(cap, cpu_tokens=cpu)
             if cpu > 0 and self.prefetch_opt is None:
                 self.capabilities = self.capabilities | {Capability.PREFETCH}
+        self._take_disk_tier(hello)
+
+    def _take_disk_tier(self, hello: dict[str, Any]) -> None:
+        """The plug-in's disk tier (``disk_tier_tokens``), written through from the host
+        tier: the policy's disk tier is what it holds beyond the host tier."""
+        tokens = hello.get("disk_tier_tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0:
+            return
+        self._plugin_disk_tokens = disk = beyond_mirror(tokens, self._plugin_cpu_tokens)
+        cap = self._capacity
+        if cap is not None and cap.disk_tokens != disk:
+            self._capacity = dataclasses.replace(cap, disk_tokens=disk)
 
     # -- request shaping ----------------------------------------------------------------
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
@@ -241,7 +257,8 @@ class VLLMAdapter(KVEventsAdapter):
             cpu = beyond_mirror(self._plugin_cpu_tokens, gpu)
         else:
             cpu = (_label_int(labels, "num_cpu_blocks") or 0) * block
-        self._capacity = KVCapacity(gpu_tokens=gpu, cpu_tokens=cpu, page_tokens=block)
+        self._capacity = KVCapacity(gpu_tokens=gpu, cpu_tokens=cpu, page_tokens=block,
+                                    disk_tokens=self._plugin_disk_tokens)
         if cpu > 0 and self.prefetch_opt is None:
             self.capabilities = self.capabilities | {Capability.PREFETCH}
         return self._capacity

@@ -57,8 +57,9 @@ def policy_for(settings: GatewaySettings, capacities: list[KVCapacity]) -> Polic
     kvb = capacities[0].kv_bytes_per_token
     gpu_tokens = min(c.gpu_tokens for c in capacities)
     cpu_tokens = min(c.cpu_tokens for c in capacities)
+    disk_tokens = min(c.disk_tokens for c in capacities)
     cluster = ClusterSpec(len(capacities), gpu_tokens // page * page * kvb,
-                          cpu_tokens // page * page * kvb)
+                          cpu_tokens // page * page * kvb, disk_tokens // page * page * kvb)
     config = dataclasses.replace(settings.policy_config, page_tokens=page)
     return build_policy(settings.policy, cluster, kvb, config)
 
