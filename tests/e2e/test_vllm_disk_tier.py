@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import BLOCK_SIZE, CPU_BUILD, stop_group
+from .conftest import BLOCK_SIZE, VLLM_RELEASES, stop_group
 from .plugin_engine import Engine, ask, ask_plugin, fit_prompt, label, metric, post, start_engine
 
 pytestmark = pytest.mark.e2e
@@ -96,9 +96,13 @@ def _scenario(engine: Engine, root: Path) -> Outcome:
     return Outcome(sizes, cached, disk, read1 - read0, metric(url, WRITTEN), files, handshake)
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
+@pytest.fixture(scope="module", params=VLLM_RELEASES)
+def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[dict[str, Outcome]]:
+    """The scenario on each supported vLLM release (the tiering spec's interface is the
+    same in 0.32 and 0.33)."""
     import os
+    release: str = request.param
     if os.environ.get("MORI_SKIP_VLLM") == "1":
         pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
     out: dict[str, Outcome] = {}
@@ -109,7 +113,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Out
         key = "plugin" if plugin else "plain"
         engine, proc = start_engine(tmp, plugin=plugin, num_blocks=NUM_BLOCKS,
                                     cpu_gib=CPU_GIB, disk=(DISK_GIB, root),
-                                    name=f"disk-tier-{key}", release=CPU_BUILD)
+                                    name=f"disk-tier-{release}-{key}", release=release)
         try:
             # a killed engine leaves its files; the next tier to start removes them
             assert len(list(root.glob("mori-kv-*"))) == 1, list(root.iterdir())
@@ -117,9 +121,10 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Out
             log = engine.log.read_text(errors="replace")
             assert "Traceback" not in log, log[-3000:]
             assert "MORI disk tier:" in log, log[-3000:]
+            assert f"LLM engine (v{release}" in log, log[-3000:]
         finally:
             stop_group(proc)
-    print("disk tier:", {k: (v.cached, v.disk_before, v.read_bytes, v.files)
+    print(f"disk tier, vLLM {release}:", {k: (v.cached, v.disk_before, v.read_bytes, v.files)
                          for k, v in out.items()}, file=sys.stderr)
     yield out
 

@@ -229,12 +229,6 @@ class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
         parent = check_directory(path, int(capacity_bytes))
         engine = str(getattr(getattr(offloading_spec, "config", None), "engine_id", "") or
                      os.getpid())
-        self.root = parent / f"{DIR_PREFIX}{engine}"
-        self._lock_fd = hold_directory(self.root)
-        removed = remove_stale(parent, keep=self.root)
-        if removed:
-            logger.info("MORI disk tier: removed %d directories of engines no longer "
-                        "running in %s", removed, parent)
         self.chunk_bytes = int(self.block_size_bytes)
         self.file_bytes = HEADER.size + self.chunk_bytes
         self.capacity_bytes = int(capacity_bytes)
@@ -243,6 +237,12 @@ class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
             raise DiskTierError(
                 f"MORI disk tier: {self.capacity_bytes} bytes hold no chunk of "
                 f"{self.file_bytes} bytes: raise --disk-gib")
+        self.root = parent / f"{DIR_PREFIX}{engine}"
+        self._lock_fd: int | None = hold_directory(self.root)
+        removed = remove_stale(parent, keep=self.root)
+        if removed:
+            logger.info("MORI disk tier: removed %d directories of engines no longer "
+                        "running in %s", removed, parent)
         self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 \
             else primary_kv_view
         self._chunks: dict[OffloadKey, _Chunk] = {}
@@ -469,8 +469,11 @@ class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        if self._lock_fd is None:
+            return  # shut down already
         shutil.rmtree(self.root, ignore_errors=True)
         os.close(self._lock_fd)
+        self._lock_fd = None
 
     def _shrink(self) -> None:
         held = len(self._chunks)
