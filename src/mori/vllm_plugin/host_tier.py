@@ -188,8 +188,7 @@ class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     _host_worker: HostCopyOffloadingWorker | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        compat.check(vllm.__version__, compat.hook_problems(
-            OffloadingWorker, HostCopyOffloadingWorker, OffloadingWorker.__abstractmethods__))
+        check_worker_hooks()
         super().__init__(*args, **kwargs)
 
     @property
@@ -203,6 +202,12 @@ class MoriHostOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
             self._host_worker = HostCopyOffloadingWorker(
                 kv_caches, int(self.blocks_per_chunk), int(self.num_chunks))
         return self._host_worker
+
+
+def check_worker_hooks() -> None:
+    """Refuse (one line) a vLLM whose ``OffloadingWorker`` the copy worker does not fit."""
+    compat.check(vllm.__version__, compat.hook_problems(
+        OffloadingWorker, HostCopyOffloadingWorker, OffloadingWorker.__abstractmethods__))
 
 
 def tier_tokens(spec: CPUOffloadingSpec) -> int:
@@ -230,8 +235,7 @@ class MoriTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
     _worker_region: SharedOffloadRegion | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        compat.check(vllm.__version__, compat.hook_problems(
-            OffloadingWorker, HostCopyOffloadingWorker, OffloadingWorker.__abstractmethods__))
+        check_worker_hooks()
         super().__init__(*args, **kwargs)
 
     @property
