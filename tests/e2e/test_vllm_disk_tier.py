@@ -60,6 +60,7 @@ class Outcome:
     read_bytes: float  # bytes read from the disk tier for A's return
     written_bytes: float  # bytes written to it in the whole run
     files: int  # chunk files in the tier's directory after D
+    shm_left: bool  # the host tier's /dev/shm file still has a name while the engine runs
     handshake: dict[str, Any] | None
 
 
@@ -89,11 +90,14 @@ def _scenario(engine: Engine, root: Path) -> Outcome:
         res = ask_plugin(engine.labels, [("residency", {})])["residency"]
         disk = dict(res.get("disk", {}))
     files = _files(root)
+    engine_id = next(root.glob("mori-kv-*")).name.removeprefix("mori-kv-")
+    shm_left = Path(f"/dev/shm/vllm_offload_{engine_id}.mmap").exists()
     read0 = metric(url, READ)
     cached = {"A": ask(url, "prog-A", prompts["A"])}
     read1 = metric(url, READ)
     cached["C"] = ask(url, "prog-C", prompts["C"])
-    return Outcome(sizes, cached, disk, read1 - read0, metric(url, WRITTEN), files, handshake)
+    return Outcome(sizes, cached, disk, read1 - read0, metric(url, WRITTEN), files, shm_left,
+                   handshake)
 
 
 @pytest.fixture(scope="module", params=VLLM_RELEASES)
@@ -142,6 +146,12 @@ def test_every_chunk_is_written_through_to_the_disk_and_the_disk_stays_full(
         # A, B, C and D: more chunks than the tier holds were written; it holds 48
         assert o.written_bytes >= (3 * (PROGRAM_BLOCKS - 1) + PRESSURE_BLOCKS - 1) * CHUNK_BYTES
         assert o.files == DISK_CHUNKS, (name, o)
+
+
+def test_the_host_tiers_shared_memory_is_unlinked_once_mapped(
+        outcomes: dict[str, Outcome]) -> None:
+    # the kernel frees it when the engine exits, even when the engine is killed
+    assert not any(o.shm_left for o in outcomes.values()), outcomes
 
 
 def test_a_cold_programs_return_is_read_from_the_disk(outcomes: dict[str, Outcome]) -> None:

@@ -15,7 +15,9 @@ This module imports vLLM (and torch); it is imported inside vLLM's processes onl
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -229,6 +231,12 @@ class MoriTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
     worker (as vLLM's ``create_worker`` does) and copies between it and the engine's KV
     caches with the plain copy worker, one strided view per KV tensor
     (``SharedOffloadRegion.create_next_worker_view``). Everything else is vLLM's.
+
+    The region's file in ``/dev/shm`` is unlinked once both sides have mapped it (the
+    worker maps it first, when the engine registers its KV caches; the scheduler joins
+    when it builds the manager), so that the kernel frees the tier's memory when the
+    engine's processes exit, killed or not. vLLM's own tiering spec keeps the file until
+    its creator cleans up, which a killed engine never does.
     """
 
     _host_worker: HostCopyOffloadingWorker | None = None
@@ -241,6 +249,16 @@ class MoriTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]
     @property
     def cpu_tier_tokens(self) -> int:
         return tier_tokens(self)
+
+    def get_manager(self) -> Any:
+        manager = super().get_manager()
+        region = getattr(self, "_scheduler_mmap", None)
+        # joined (not created) by the scheduler: the worker has mapped it already
+        if region is not None and not getattr(region, "_creator", True) \
+                and int(self.config.parallel.world_size) == 1:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(region.mmap_path)
+        return manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> HostCopyOffloadingWorker:
         if self._host_worker is None:
