@@ -16,6 +16,7 @@ from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
 from mori.gateway.held import GateRejected
 from mori.gateway.metrics import GatewayMetrics
+from mori.gateway.replicas import Replicas
 
 PAGE = 16
 
@@ -232,3 +233,52 @@ def test_a_second_request_in_flight_and_a_released_program_get_409() -> None:
         assert "p" not in ctl.policy.programs
         assert not ctl.release("p")
     run(body)
+
+
+class SlowLabelAdapter(RecordingAdapter):
+    """Labels that take until ``release`` is set (a plug-in slow to answer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release_labels = asyncio.Event()
+
+    async def set_label(self, program_id: str, label: KVLabel) -> None:
+        await self.release_labels.wait()
+        await super().set_label(program_id, label)
+
+
+def test_a_client_leaving_does_not_cancel_the_replicas_controls() -> None:
+    """A request waits for its replica's controls (``controls_done``); its client leaves
+    (the handler is cancelled). The controls still run, in order, and a second request
+    waiting on them is answered, not cancelled."""
+    async def go() -> None:
+        a = SlowLabelAdapter()
+        reps = Replicas([a], health_interval_s=60.0)
+        reps.set_label("p1", 0, KVLabel.IDLE)
+        reps.set_label("p2", 0, KVLabel.BUSY)
+        leaving = asyncio.ensure_future(reps.controls_done(0))
+        staying = asyncio.ensure_future(reps.controls_done(0))
+        await asyncio.sleep(0.01)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        a.release_labels.set()
+        await asyncio.wait_for(staying, 5.0)
+        assert a.controls == [("label", "p1", "idle"), ("label", "p2", "busy")]
+    asyncio.run(go())
+
+
+def test_a_cancelled_control_does_not_cancel_the_ones_after_it() -> None:
+    async def go() -> None:
+        a = SlowLabelAdapter()
+        reps = Replicas([a], health_interval_s=60.0)
+        reps.set_label("p1", 0, KVLabel.IDLE)
+        first = reps.all[0].chain
+        reps.set_label("p2", 0, KVLabel.BUSY)
+        await asyncio.sleep(0.01)
+        assert first is not None
+        first.cancel()  # e.g. a label request given up on
+        a.release_labels.set()
+        await asyncio.wait_for(reps.controls_done(0), 5.0)
+        assert a.controls == [("label", "p2", "busy")]
+    asyncio.run(go())

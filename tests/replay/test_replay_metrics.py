@@ -43,6 +43,13 @@ def test_gateway_counters_from_a_prometheus_page() -> None:
     assert is_gateway_metrics(GATEWAY_PAGE)
 
 
+def test_demotions_to_a_disk_tier_are_counted_where_the_gateway_has_one() -> None:
+    page = GATEWAY_PAGE + 'mori_demotions_total{to="disk"} 9.0\n'
+    counters = gateway_counters(page)
+    assert (counters.demotions_to_cpu, counters.demotions_to_disk) == (4, 9)
+    assert gateway_counters(GATEWAY_PAGE).demotions_to_disk is None  # no disk tier
+
+
 def test_an_engine_page_is_not_a_gateway() -> None:
     assert not is_gateway_metrics(ENGINE_PAGE)
     assert gateway_counters(ENGINE_PAGE) == GatewayCounters()

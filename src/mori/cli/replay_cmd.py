@@ -150,6 +150,7 @@ GATEWAY_HEADERS = ("promotions", "demotions cpu", "demotions none", "gated")
 def result_table(results: Sequence[ReplayResult]) -> str:
     """One row per replay; the gateway's counters when any target was a MORI gateway."""
     gateway = any(r.gateway for r in results)
+    disk = gateway and any(r.demotions_to_disk for r in results)
 
     def count(v: int | None) -> str:
         return "-" if v is None else str(v)
@@ -163,8 +164,11 @@ def result_table(results: Sequence[ReplayResult]) -> str:
         if gateway:
             row += [count(r.promotions), count(r.demotions_to_cpu), count(r.demotions_to_none),
                     count(r.gated_requests)]
+            if disk:
+                row.append(count(r.demotions_to_disk))
         rows.append(row)
-    headers = RESULT_HEADERS + (GATEWAY_HEADERS if gateway else ())
+    headers = (RESULT_HEADERS + (GATEWAY_HEADERS if gateway else ())
+               + (("demotions disk",) if disk else ()))
     return format_table(headers, rows, [False] + [True] * (len(headers) - 1))
 
 

@@ -200,7 +200,9 @@ class Gateway:
             gated=ctl.policy.held_count, replicas=rows,
             oldest_wait_s=(now - oldest.ready_at) / ctl.settings.time_scale if oldest else 0.0,
             promotions={t.value: counts.promotions[t] for t in Tier},
-            demotions={t.value: counts.demotions[t] for t in (Tier.CPU, Tier.NONE)},
+            demotions={t.value: counts.demotions[t]
+                       for t in (Tier.CPU, Tier.DISK, Tier.NONE)
+                       if t is not Tier.DISK or ctl.policy.cluster.disk_bytes},
             idleness=idleness, context=context)
 
     def gpu_tokens(self) -> int:

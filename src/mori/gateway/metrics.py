@@ -154,7 +154,8 @@ class _StateCollector(Collector):
             promo.add_metric([tier], n)
         yield promo
         demo = CounterMetricFamily("mori_demotions", "Programs moved off a GPU or CPU tier, by "
-                                   "destination", labels=["to"])
+                                   "destination (cpu, disk where replicas have a disk tier, "
+                                   "none)", labels=["to"])
         for tier, n in sorted(s.demotions.items()):
             demo.add_metric([tier], n)
         yield demo

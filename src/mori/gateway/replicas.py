@@ -217,8 +217,9 @@ class Replicas:
 
         async def run() -> None:
             if prev is not None and not prev.done():
-                with contextlib.suppress(Exception):
-                    await prev
+                # waits without taking part: a control before it that failed or was
+                # cancelled does not cancel this one (awaiting it would)
+                await asyncio.wait((prev,))
             try:
                 await coro
             except UpstreamError as e:
@@ -235,8 +236,12 @@ class Replicas:
         self._tasks.pop(task, None)
 
     async def controls_done(self, replica: int) -> None:
-        """Wait until the KV controls issued so far to ``replica`` have run."""
+        """Wait until the KV controls issued so far to ``replica`` have run (or failed).
+
+        The chain is waited on, not awaited: a request whose client leaves (its handler
+        is cancelled here) must not cancel the replica's controls, which other requests
+        wait on too, and a control that was cancelled must not cancel the requests
+        waiting for it."""
         tail = self.all[replica].chain
         if tail is not None and not tail.done():
-            with contextlib.suppress(Exception):
-                await tail
+            await asyncio.wait((tail,))

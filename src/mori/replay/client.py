@@ -315,6 +315,7 @@ def _result(cfg: ReplayConfig, traces: TraceSet, plan: ReplayPlan, r: _Replayer,
         demotions_to_cpu=_delta(end.demotions_to_cpu, start.demotions_to_cpu),
         demotions_to_none=_delta(end.demotions_to_none, start.demotions_to_none),
         gated_requests=_delta(end.gated_requests, start.gated_requests),
+        demotions_to_disk=_delta(end.demotions_to_disk, start.demotions_to_disk),
         programs_left_out=plan.left_out, wall_s=wall,
         events=tuple(sorted(r.events, key=lambda e: (e.sent_s, e.program_id, e.step))),
     )

@@ -47,6 +47,7 @@ class GatewayCounters:
     demotions_to_cpu: int | None = None
     demotions_to_none: int | None = None
     gated_requests: int | None = None
+    demotions_to_disk: int | None = None  # None also where the replicas have no disk tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class ReplayResult(RunTotals):
     demotions_to_cpu: int | None
     demotions_to_none: int | None
     gated_requests: int | None
+    demotions_to_disk: int | None = None
     events: tuple[RequestRecord, ...] = field(default=(), repr=False)
 
     def to_dict(self, events: bool = False) -> dict[str, Any]:
@@ -135,4 +137,5 @@ def gateway_counters(text: str) -> GatewayCounters:
         demotions_to_cpu=total("mori_demotions_total", to="cpu"),
         demotions_to_none=total("mori_demotions_total", to="none"),
         gated_requests=total("mori_gated_requests_total"),
+        demotions_to_disk=total("mori_demotions_total", to="disk") or None,
     )
