@@ -149,9 +149,11 @@ def block_bytes() -> int:
 
 
 def start_engine(procs: Processes, logs: Path, blocks: int, cpu_blocks: int, plugin: bool,
-                 arm: str, cpus: frozenset[int] | None = None) -> Engine:
+                 arm: str, cpus: frozenset[int] | None = None,
+                 disk: tuple[float, Path] | None = None) -> Engine:
     """The vLLM CPU engine; ``cpus``: the CPUs it runs on, its compute threads bound to
-    them (else all, as vLLM binds by default)."""
+    them (else all, as vLLM binds by default); ``disk``: GiB and directory of MORI's disk
+    tier behind the host tier."""
     if not (VLLM_VENV / "bin" / "python").exists():
         raise ArmFailed(f"no vLLM venv at {VLLM_VENV}: run scripts/vllm_cpu_env.sh")
     if not (MODEL / "config.json").exists():
@@ -165,6 +167,8 @@ def start_engine(procs: Processes, logs: Path, blocks: int, cpu_blocks: int, plu
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cpus)))
         if cpu_blocks > 0:
             env["MORI_VLLM_CPU_GIB"] = repr(cpu_blocks * block_bytes() / (1 << 30))
+        if disk is not None:
+            env["MORI_VLLM_DISK_GIB"], env["MORI_VLLM_DISK_DIR"] = repr(disk[0]), str(disk[1])
         log = logs / f"{arm}-vllm.log"
         proc = procs.start("vllm", ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(MODEL),
                                     str(port), str(kv_port), str(blocks), str(label_port)],

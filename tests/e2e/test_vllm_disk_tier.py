@@ -173,3 +173,26 @@ def test_an_unbound_disk_tier_loses_the_oldest_whatever_its_label(
     assert plain.cached["A"] <= BLOCK_SIZE, plain
     assert plain.read_bytes < CHUNK_BYTES * 2, plain
     assert typed.cached["A"] > plain.cached["A"], (typed, plain)
+
+
+def test_the_disk_tier_benchmark_runs_through_mori_serve(tmp_path: Path) -> None:
+    """``bench/bench_vllm_disk.py`` on a tiny setting: both arms run behind ``mori serve``;
+    with the disk tier the gateway parks programs on disk and the engine reads them back."""
+    import json
+    import os
+    import subprocess
+
+    if os.environ.get("MORI_SKIP_VLLM") == "1":
+        pytest.skip("MORI_SKIP_VLLM=1: the real-vLLM tests are skipped")
+    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_vllm_disk.py"
+    out = subprocess.run(
+        [sys.executable, str(bench), "--programs", "6", "--duration", "600", "--blocks", "64",
+         "--cpu-blocks", "96", "--disk-chunks", "512", "--rounds", "1", "--logs",
+         str(tmp_path / "logs"), "--json", str(tmp_path / "rows.json")],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "disk / two-tier steps per second" in out.stdout
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "rows.json").read_text())["rows"]}
+    assert rows["two-tier"]["disk_read_bytes"] == 0, rows
+    assert rows["disk"]["demotions_to_disk"] > 0 and rows["disk"]["disk_read_bytes"] > 0, rows
+    assert rows["disk"]["recomputed_share"] <= rows["two-tier"]["recomputed_share"], rows
