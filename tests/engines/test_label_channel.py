@@ -478,3 +478,16 @@ def test_demote_without_labels_uses_drop_when_the_plugin_answers() -> None:
     acts = engine_actions(Demote("p", 0, Tier.GPU, Tier.NONE), untyped,
                           frozenset(PLUGIN_CAPS))
     assert [type(x).__name__ for x in acts] == ["Drop"]
+
+
+def test_serve_takes_the_disk_read_rate_the_policy_prices_with() -> None:
+    from mori.cli.main import build_parser
+    from mori.cli.serve_cmd import ServeUsageError, build_config
+
+    def config(*argv: str) -> Any:
+        return build_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config("--disk-read-gbps", "2.5").settings.policy_config.disk_read_gbps == 2.5
+    assert config().settings.policy_config.disk_read_gbps is None  # the default drive's
+    with pytest.raises(ServeUsageError, match="--disk-read-gbps"):
+        config("--disk-read-gbps", "-1")

@@ -22,7 +22,7 @@ from typing import Any
 from mori.core.costmodel import PRESETS
 from mori.core.hardware import DISKS
 from mori.core.policies import PAPER_POLICIES, POLICIES
-from mori.core.policy import PolicyConfig
+from mori.core.policy import DEFAULT_DISK_READ_GBPS, PolicyConfig
 from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig
 from mori.sim.config import SimConfig
@@ -301,6 +301,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("binary_threshold", float, _POLICY.binary_threshold, metavar="X",
            help="idleness threshold of mori-binary"),
     *_VARIANT_KNOBS,
+    Option("disk_read_gbps", float, _POLICY.disk_read_gbps, metavar="GB/S",
+           help="the engines' KV read bandwidth from their disk tier (the vLLM plug-in's "
+                "--disk-gib), GB/s, as mori prices a move to disk with (default: one "
+                f"data-centre NVMe drive's, {DEFAULT_DISK_READ_GBPS:g})"),
     Option("time_scale", float, _GATEWAY.time_scale, metavar="X",
            help="policy and simulated-engine seconds per wall second (> 1 runs traces "
                 "faster than real time)"),
