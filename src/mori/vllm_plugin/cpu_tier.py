@@ -114,6 +114,37 @@ def _unbound_label(_program: str) -> str:
     return DEFAULT_LABEL
 
 
+class TierLabels:
+    """Programs' labels as one tier reads them (a part of :class:`MoriCachePolicy` and of
+    ``disk_tier.MoriDiskTier``): ``label(program)`` once :meth:`bind` gave it (the MORI
+    scheduler's ``LabelTable.label``), the default label before. A label outside the
+    tier's ``known`` ones, or an error in the lookup (logged once), counts as the
+    default."""
+
+    def __init__(self, known: Iterable[str], tier: str) -> None:
+        self.known = frozenset(known)
+        self.tier = tier
+        self.lookup: Callable[[str], str] = _unbound_label
+        self.bound = False
+        self._failed = False
+
+    def bind(self, label: Callable[[str], str]) -> None:
+        self.lookup = label
+        self.bound = True
+        self._failed = False
+
+    def __call__(self, program: str) -> str:
+        try:
+            label = self.lookup(program)
+        except Exception:
+            if not self._failed:
+                self._failed = True
+                logger.exception("MORI %s: the label lookup failed; such chunks count as "
+                                 "%s", self.tier, DEFAULT_LABEL)
+            return DEFAULT_LABEL
+        return label if label in self.known else DEFAULT_LABEL
+
+
 class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     """vLLM's ``CachePolicy`` (``v1/kv_offload/cpu/policies/base.py:48-142``) evicting by
     MORI's labels.
@@ -161,9 +192,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._wide: set[OffloadKey] = set()
         self._dropped: set[OffloadKey] = set()  # every owner dropped: inactive
         self._pending_owner: dict[OffloadKey, str] = {}  # on_store_miss -> insert
-        self._label: Callable[[str], str] = _unbound_label
-        self._label_failed = False
-        self.bound = False
+        self.labels = TierLabels(CPU_PROTECTION, "CPU tier")
         self.evicted_by_class: dict[str, int] = dict.fromkeys(EVICT_ORDER, 0)
         _POLICIES.add(self)
 
@@ -171,10 +200,16 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     def bind(self, label: Callable[[str], str]) -> None:
         """Read programs' labels from ``label(program)`` from now on; re-files every
         evictable chunk."""
-        self._label = label
-        self._label_failed = False
-        self.bound = True
+        self.labels.bind(label)
         self.relabel_all()
+
+    @property
+    def bound(self) -> bool:
+        return self.labels.bound
+
+    @property
+    def _label(self) -> Callable[[str], str]:
+        return self.labels.lookup
 
     def relabel(self, programs: Iterable[str]) -> int:
         """These programs' labels may have changed: move their evictable chunks to their
@@ -251,15 +286,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
 
     # -- attribution ----------------------------------------------------------------------
     def _label_of(self, program: str) -> str:
-        try:
-            label = self._label(program)
-        except Exception:
-            if not self._label_failed:
-                self._label_failed = True
-                logger.exception("MORI CPU tier: the label lookup failed; such chunks "
-                                 "count as %s", DEFAULT_LABEL)
-            return DEFAULT_LABEL
-        return label if label in CPU_PROTECTION else DEFAULT_LABEL
+        return self.labels(program)
 
     def _program(self, req_context: ReqContext) -> str | None:
         state = req_context.get_state(_Program)

@@ -77,7 +77,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from mori.plugin_channel.labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
-from .cpu_tier import program_of
+from .cpu_tier import TierLabels, program_of
 
 logger = logging.getLogger("vllm.mori_plugin.disk_tier")
 
@@ -205,10 +205,6 @@ class _Done:
     nbytes: int
 
 
-def _unbound_label(_program: str) -> str:
-    return DEFAULT_LABEL
-
-
 class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
     """A secondary tier of chunk files evicted in MORI's order (module doc).
 
@@ -252,9 +248,7 @@ class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
         self._done: list[_Done] = []
         self._lock = threading.Lock()  # guards _done (appended by the I/O thread)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mori-disk")
-        self._label: Callable[[str], str] = _unbound_label
-        self._label_failed = False
-        self.bound = False
+        self.labels = TierLabels(DISK_PROTECTION, "disk tier")
         self.evicted_by_class: dict[str, int] = dict.fromkeys(EVICT_ORDER, 0)
         self.stats: dict[str, int] = dict.fromkeys(
             ("stored_chunks", "loaded_chunks", "torn_chunks", "dropped_chunks",
@@ -268,9 +262,11 @@ class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
     def bind(self, label: Callable[[str], str]) -> None:
         """Read programs' labels from ``label(program)`` from now on (looked up when the
         tier evicts: nothing to re-file)."""
-        self._label = label
-        self._label_failed = False
-        self.bound = True
+        self.labels.bind(label)
+
+    @property
+    def bound(self) -> bool:
+        return self.labels.bound
 
     def drop(self, program: str) -> int:
         """The gateway dropped ``program``: its chunks lose it as an owner; those it alone
@@ -316,15 +312,7 @@ class MoriDiskTier(SecondaryTierManager):  # type: ignore[misc]
         return best
 
     def _label_of(self, program: str) -> str:
-        try:
-            label = self._label(program)
-        except Exception:
-            if not self._label_failed:
-                self._label_failed = True
-                logger.exception("MORI disk tier: the label lookup failed; such chunks "
-                                 "count as %s", DEFAULT_LABEL)
-            return DEFAULT_LABEL
-        return label if label in DISK_PROTECTION else DEFAULT_LABEL
+        return self.labels(program)
 
     def path_of(self, key: OffloadKey) -> Path:
         return self.root / (bytes(key).hex() + SUFFIX)
