@@ -188,5 +188,5 @@ def test_return_cost_of_a_program_on_disk_is_its_read() -> None:
     p = make("mori", gpu=100, cpu=0, disk=100, **RATE)
     step(p, 0.0, arrive("A", 60))
     a = p.programs["A"]
-    assert p.return_cost(a, DISK, 0) == pytest.approx(2.0 + 60 / 1e9)
-    assert p.return_cost(a, NONE, 0) == pytest.approx(6.0)
+    assert p.return_cost(a, DISK, 0, 0.0) == pytest.approx(2.0 + 60 / 1e9)
+    assert p.return_cost(a, NONE, 0, 0.0) == pytest.approx(6.0)

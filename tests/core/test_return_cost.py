@@ -59,6 +59,23 @@ def test_the_price_of_a_drop_counts_every_program_on_the_gpu() -> None:
                              Forward("B", 0)]
 
 
+def test_a_drop_is_cheaper_on_a_replica_that_has_been_idle() -> None:
+    """A and S both in tool calls from t = 1, the engine idle since: dropping A (6 s of
+    recompute) is priced for the two programs on the GPU times the replica's busy share
+    (e^-(t-1)/60), never below one. It pays once A has been away 12 e^-x/60 s (x about
+    10.1 s), where the price for an always-busy engine (``load_window_s=None``) waits for
+    12 s. (S's drop pays sooner, but its room alone is not enough for B.)"""
+    for window, at in ((60.0, 11.2), (None, 13.0)):
+        p = make("mori", gpu=100, cpu=0, load_window_s=window, **RATE)
+        step(p, 0.0, arrive("A", 60), arrive("S", 20))
+        step(p, 1.0, fin("A", 60), fin("S", 20))
+        assert step(p, 2.0, arrive("B", 50)) == []
+        assert step(p, at - 0.2) == []
+        out = step(p, at)
+        assert Demote("A", 0, GPU, NONE) in out and out[-2:] == [Promote("B", 0, NONE),
+                                                                 Forward("B", 0)]
+
+
 def _c_parked_a_acting(cpu: int) -> object:
     """C (60) parked in the CPU tier, in a tool call since t = 1; A (60) on the GPU, in
     a tool call since t = 2; B (60) arrives at t = 3: A can park only if C goes."""

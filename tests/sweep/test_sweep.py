@@ -249,7 +249,8 @@ def test_config_dict_nests_the_policy_knobs_with_floats_as_floats() -> None:
     assert d["policy_config"] == {"tick_s": 5.0, "idleness_window": 5, "exclude_gated": True,
                                   "binary_threshold": 0.5, "page_tokens": 64,
                                   "acting_token_weight": 1.0, "acting_token_decay": False,
-                                  "reload_gbps": None, "max_wait_s": 3600.0}
+                                  "reload_gbps": None, "max_wait_s": 3600.0,
+                                  "load_window_s": 60.0}
     assert isinstance(d["cpu_ratio"], float) and isinstance(d["policy_config"]["tick_s"], float)
     assert json.loads(json.dumps(d)) == d
     other = SimConfig(duration_s=60, policy_config=PolicyConfig(idleness_window=4))

@@ -178,6 +178,10 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
            help="mori and its variants: a request held this many seconds goes ahead of "
                 "every other promotion, Acting programs demoted for it (bounded "
                 "waiting); 0: no bound, the paper's rule"),
+    Option("load_window", float, _POLICY.load_window_s, metavar="S", field="load_window_s",
+           help="mori: the time constant of each replica's recent busy share, which "
+                "scales the price of a drop (a recompute delays others only while the "
+                "engine has work); 0: price drops as if the engine were always busy"),
 )
 """The knobs of single policies that `mori simulate` and `mori serve` both take."""
 

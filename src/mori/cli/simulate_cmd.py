@@ -72,6 +72,7 @@ class Settings:
     acting_token_decay: bool
     recompute_tok_s: float | None
     max_wait: float | None
+    load_window: float | None
     jobs: int
     quiet: bool
 

@@ -42,9 +42,9 @@ class DecisionContext:
 
 ContextReader = Callable[[Decision, float], "DecisionContext | None"]
 
-ReturnCostOf = Callable[[Program, Tier, int], float]
+ReturnCostOf = Callable[[Program, Tier, int, float], float]
 """What a program's return will cost, in policy seconds, having left the GPU of the
-given replica for the given tier (``MoriPolicy.return_cost``)."""
+given replica for the given tier at the given time (``MoriPolicy.return_cost``)."""
 
 
 def context_reader(programs: Mapping[str, Program],
@@ -59,7 +59,7 @@ def context_reader(programs: Mapping[str, Program],
         arrived = p.history[-1].arrived if p.history else now
         last = p.history[-1].finished if p.history else None
         away = max(0.0, now - last) if last is not None else None
-        cost = (return_cost(p, d.to, d.replica) if return_cost is not None
+        cost = (return_cost(p, d.to, d.replica, now) if return_cost is not None
                 and isinstance(d, Demote) and d.source is Tier.GPU else None)
         return DecisionContext(p.status, p.idleness(now), p.tokens, max(0.0, now - arrived),
                                away, cost)

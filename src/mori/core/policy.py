@@ -29,6 +29,7 @@ from mori.core.events import (
 )
 from mori.core.idleness import IdlenessHistory, IdlenessTracker
 from mori.core.ledger import ClusterSpec, Placement
+from mori.core.load import ReplicaLoad
 from mori.core.program import Program, ProgramView, StepRecord
 from mori.core.types import Status, Tier
 
@@ -46,6 +47,10 @@ Gen5 NVMe drive's sequential read, docs/costmodel.md, "The disk tier")."""
 DEFAULT_RECOMPUTE_TOK_S = 20_000.0
 """Tokens a second assumed for recomputing a context when the world gives no rate (the
 cost model's presets prefill a 32k context at 15-30k tokens/s per replica)."""
+
+DEFAULT_LOAD_WINDOW_S = 60.0
+"""``PolicyConfig.load_window_s`` unless set: a replica's busy share follows the last
+minute or so of policy time (``mori.core.load``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,10 @@ class PolicyConfig:
     estimate it, GB/s of policy time (None: the simulator gives its modelled disk;
     elsewhere ``DEFAULT_DISK_READ_GBPS``); ``disk_latency_s`` is added once per reload.
     Used only where the cluster has a disk tier.
+    ``load_window_s``: the time constant, in policy seconds, of each replica's recent
+    busy share (``mori.core.load``), by which ``mori`` scales the price of a drop (a
+    recompute delays others only while the engine has work); None or 0: the price
+    assumes an engine that is always busy.
     """
 
     tick_s: float = 5.0
@@ -96,6 +105,7 @@ class PolicyConfig:
     spread_by_load: bool = False
     disk_read_gbps: float | None = None
     disk_latency_s: float = 0.0
+    load_window_s: float | None = DEFAULT_LOAD_WINDOW_S
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -124,6 +134,10 @@ class PolicyConfig:
         if not (self.disk_latency_s >= 0 and math.isfinite(self.disk_latency_s)):
             raise ValueError("disk_latency_s must be a finite number of seconds >= 0, got "
                              f"{self.disk_latency_s}")
+        if self.load_window_s is not None and not (self.load_window_s >= 0
+                                                   and math.isfinite(self.load_window_s)):
+            raise ValueError("load_window_s must be a finite number of seconds >= 0, got "
+                             f"{self.load_window_s}")
         if not (self.acting_token_weight >= 0 and math.isfinite(self.acting_token_weight)):
             raise ValueError("acting_token_weight must be a finite number >= 0, got "
                              f"{self.acting_token_weight}")
@@ -179,6 +193,8 @@ class Policy(ABC):
         self._seq = 0
         self.decisions_taken = 0
         self.replica_loads: tuple[int, ...] | None = None  # see set_replica_loads
+        self.load = ReplicaLoad(self.cluster.replicas,
+                                self.config.load_window_s or DEFAULT_LOAD_WINDOW_S)
 
     # -- the interface ----------------------------------------------------------------
     @property
@@ -194,7 +210,7 @@ class Policy(ABC):
                 p.tracker.started(now)  # the interval since the forward becomes gated
             return
         if isinstance(event, ReplicaDown | ReplicaUp):
-            self._on_replica(event.replica, isinstance(event, ReplicaDown))
+            self._on_replica(event.replica, isinstance(event, ReplicaDown), now)
             return
         if isinstance(event, ProgramRestored):
             self._on_restored(event, now)
@@ -355,9 +371,9 @@ class Policy(ABC):
         the policy does not say). A reading of the state now, not a promise."""
         return None
 
-    def return_cost(self, p: Program, to: Tier, replica: int) -> float:
+    def return_cost(self, p: Program, to: Tier, replica: int, now: float) -> float:
         """What ``p``'s return will cost, in policy seconds, having left ``replica``'s
-        GPU for ``to``: a reload where it was parked (from the CPU tier or the disk
+        GPU for ``to`` at ``now``: a reload where it was parked (from the CPU tier or the disk
         tier), else a recompute (the policy's estimates, ``reload_s``, ``disk_reload_s``
         and ``recompute_s``; a policy may count more)."""
         if to is Tier.CPU:
@@ -375,6 +391,7 @@ class Policy(ABC):
         del self._ready[p.program_id]
         del self._ready_gpu[p.program_id]
         p.tracker.started(now)  # status: REASONING
+        self.load.started(p.program_id, p.replica, now)
         self._hook(p, was)
         if p.history:
             p.history[-1].forwarded = now
@@ -432,13 +449,14 @@ class Policy(ABC):
         if p.status is not Status.REASONING:
             raise ValueError(f"program {ev.program_id!r} finished while {p.status.value}")
         p.tracker.finished(now)  # status: ACTING
+        self.load.finished(p.program_id, now)
         p.returning = True
         p.steps_done += 1
         self._resize(p, ev.context_tokens)
         if p.history:
             p.history[-1].finished = now
 
-    def _on_replica(self, replica: int, down: bool) -> None:
+    def _on_replica(self, replica: int, down: bool, now: float) -> None:
         """``ReplicaDown``: every program on the replica goes to Waiting (its KV there is
         lost: its next step recomputes), then the replica takes nothing until
         ``ReplicaUp``. No decision is issued for the moves: the engine is gone."""
@@ -447,6 +465,7 @@ class Policy(ABC):
         if down == (replica in self.placement.down):
             return
         if down:
+            self.load.lost(replica, now)
             for q in (self.placement.gpu[replica], self.placement.cpu[replica],
                       self.placement.disk[replica]):
                 for pid in list(q.members):
@@ -478,6 +497,7 @@ class Policy(ABC):
 
     def _on_end(self, ev: ProgramEnded, now: float) -> None:
         p = self.programs.pop(ev.program_id)
+        self.load.finished(p.program_id, now)
         self._ready.pop(p.program_id, None)
         self._ready_gpu.pop(p.program_id, None)
         self.placement.remove(p.program_id)

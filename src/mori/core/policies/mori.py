@@ -114,8 +114,9 @@ class MoriPolicy(Policy):
                               self.recompute_s, super()._demote_to)
                      if self.cluster.disk_bytes else None)
         self._idleness: IdlenessAt | None = None  # the round's, while it decides
-        self.ranking = ranking or ReturnCost(self.placement, self.book, self.reload_s,
-                                             self.recompute_s, self.disk)
+        self.ranking = ranking or ReturnCost(
+            self.placement, self.book, self.reload_s, self.recompute_s, self.disk,
+            self.load if self.config.load_window_s is not None else None)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
         self.moves = Moves(self._promote, self._forward, self._demote_to)
@@ -181,21 +182,22 @@ class MoriPolicy(Policy):
         if self.ranking.displaceable(q, idleness):
             return 0.0
         if isinstance(self.ranking, ReturnCost):
-            price = self.ranking.drop_s(q)
+            price = self.ranking.drop_s(q, idleness.now)
             if self.disk is not None and self.disk.lands(q, idleness):
                 price = min(price, self.disk_reload_s(q))
             return max(0.0, price - self.ranking.away_s(q, idleness.now))
         return math.inf
 
-    def return_cost(self, p: Program, to: Tier, replica: int) -> float:
+    def return_cost(self, p: Program, to: Tier, replica: int, now: float) -> float:
         """``Policy.return_cost``; under ``ReturnCost`` a recompute counts for every
-        program on that GPU now, as ``ReturnCost.drop_s`` counts them."""
+        program it delays on that replica, as ``ReturnCost.drop_s`` counts them."""
         if to is Tier.CPU:
             return self.reload_s(p)
         if to is Tier.DISK:
             return self.disk_reload_s(p)
-        n = len(self.placement.gpu[replica].members) if isinstance(self.ranking, ReturnCost) else 1
-        return self.recompute_s(p) * max(1, n)
+        if isinstance(self.ranking, ReturnCost):
+            return self.recompute_s(p) * self.ranking.delayed(replica, now)
+        return self.recompute_s(p)
 
     def _spread_loads(self) -> tuple[int, ...] | None:
         return self.replica_loads if self.config.spread_by_load else None

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 
 from mori.core.ledger import Placement
+from mori.core.load import ReplicaLoad
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
 from mori.core.policies.mori_disk import DiskTier
 from mori.core.program import Program
@@ -144,19 +145,30 @@ class ReturnCost(Ranking):
     def __init__(self, placement: Placement, book: MoriBook,
                  reload_s: Callable[[Program], float],
                  recompute_s: Callable[[Program], float],
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, load: ReplicaLoad | None = None) -> None:
         self.placement = placement
         self.book = book
         self.reload_s = reload_s
         self.recompute_s = recompute_s
         self.disk = disk
+        self.load = load
 
-    def drop_s(self, p: Program) -> float:
+    def delayed(self, replica: int | None, now: float) -> float:
+        """How many programs a recompute on ``replica`` is priced as delaying: those on
+        its GPU, scaled by its recent busy share where the policy follows load (a
+        recompute on an engine that would otherwise idle delays no one but the program
+        itself), never fewer than one."""
+        if replica is None:
+            return 1.0
+        n = float(len(self.placement.gpu[replica].members))
+        if self.load is not None:
+            n *= self.load.share(replica, now)
+        return max(1.0, n)
+
+    def drop_s(self, p: Program, now: float) -> float:
         """What dropping ``p`` costs its replica, in seconds: its recompute, for each
-        program on the replica's GPU."""
-        r = p.replica
-        n = len(self.placement.gpu[r].members) if r is not None else 1
-        return self.recompute_s(p) * max(1, n)
+        program the recompute delays (``delayed``)."""
+        return self.recompute_s(p) * self.delayed(p.replica, now)
 
     @staticmethod
     def away_s(p: Program, now: float) -> float:
@@ -168,7 +180,7 @@ class ReturnCost(Ranking):
 
     def pays(self, p: Program, now: float) -> bool:
         """Whether dropping ``p`` now pays for its return (``drop_s``)."""
-        return self.away_s(p, now) >= self.drop_s(p)
+        return self.away_s(p, now) >= self.drop_s(p, now)
 
     def large_tier(self, replica: int) -> bool:
         """Whether ``replica``'s CPU tier is at least as large as its GPU tier."""

@@ -163,10 +163,10 @@ class ThunderAgentPolicy(Policy):
         if not known:  # it ran before the restart: one request counted, as for a program
             self.requests[ev.program_id] = 1  # between two steps
 
-    def _on_replica(self, replica: int, down: bool) -> None:
+    def _on_replica(self, replica: int, down: bool, now: float) -> None:
         pl = self.placement
         moved = [*pl.gpu[replica].members, *pl.cpu[replica].members] if down else []
-        super()._on_replica(replica, down)
+        super()._on_replica(replica, down, now)
         for pid in moved:  # now in Waiting: no pause to make, a held request to admit
             self.marked.discard(pid)
             if self.programs[pid].status is Status.GATED and pid not in self.paused:
