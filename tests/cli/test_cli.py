@@ -373,3 +373,17 @@ def test_disk_tier_flags_and_config(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "disk ratio must be >= 0" in capsys.readouterr().err
     assert main([*SMALL, "--preset", "b200-llama3.1-70b-tp2", "--disk-ratio", "100"]) == 2
     assert "lower --disk-ratio or pick a larger --disk" in capsys.readouterr().err
+
+
+def test_load_window_flag_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--load-window sets the time constant of the busy share mori prices drops by (0:
+    an engine always busy); the record keeps it; a negative one is refused by name."""
+    rows = run_json(tmp_path, "--load-window", "0")
+    assert {r["load_window_s"] for r in rows} == {0.0}
+    cfg = tmp_path / "lw.toml"
+    cfg.write_text("load-window = 30\n")
+    assert {r["load_window_s"] for r in run_json(tmp_path, "--config", str(cfg))} == {30.0}
+    assert {r["load_window_s"] for r in run_json(tmp_path)} == {60.0}
+    capsys.readouterr()
+    assert main([*SMALL, "--load-window", "-1"]) == 2
+    assert "load_window_s" in capsys.readouterr().err
