@@ -64,8 +64,9 @@ def test_a_drop_is_cheaper_on_a_replica_that_has_been_idle() -> None:
     recompute) is priced for the two programs on the GPU times the replica's busy share
     (e^-(t-1)/60), never below one. It pays once A has been away 12 e^-x/60 s (x about
     10.1 s), where the price for an always-busy engine (``load_window_s=None``) waits for
-    12 s. (S's drop pays sooner, but its room alone is not enough for B.)"""
-    for window, at in ((60.0, 11.2), (None, 13.0)):
+    12 s, as with ``load_window_s=0``. (S's drop pays sooner, but its room alone is not
+    enough for B.)"""
+    for window, at in ((60.0, 11.2), (None, 13.0), (0.0, 13.0)):
         p = make("mori", gpu=100, cpu=0, load_window_s=window, **RATE)
         step(p, 0.0, arrive("A", 60), arrive("S", 20))
         step(p, 1.0, fin("A", 60), fin("S", 20))

@@ -116,7 +116,7 @@ class MoriPolicy(Policy):
         self._idleness: IdlenessAt | None = None  # the round's, while it decides
         self.ranking = ranking or ReturnCost(
             self.placement, self.book, self.reload_s, self.recompute_s, self.disk,
-            self.load if self.config.load_window_s is not None else None)
+            self.load if self.config.load_window_s else None)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
         self.moves = Moves(self._promote, self._forward, self._demote_to)
