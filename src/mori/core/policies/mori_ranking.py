@@ -121,6 +121,12 @@ class ReturnCost(Ranking):
       sooner never paid for its return; one that stays away longer has held its room
       idle for as long as its return costs, so dropping it costs at most twice what
       knowing the future would have.
+    - Only while the engine has work: a recompute delays the others only while they
+      have steps to run, so the programs on the GPU count as far as the replica has been
+      busy lately (``delayed``: times its busy share, ``mori.core.load``, never below
+      one; ``load``, None: always busy). Measured (docs/benchmarks.md, the bottleneck
+      benchmark): on an engine idle most of the time the old count held requests the
+      engine had room for.
     - Room to park made by dropping: where the CPU tier is at least as large as the GPU
       tier, a program may park by pushing out of the CPU tier programs more idle than it
       whose drop pays (``cpu_droppable``). Where it is smaller, only free room parks; a
