@@ -315,6 +315,49 @@ def test_a_dropped_programs_own_chunks_go_first() -> None:
     assert "A" in pol.programs_of(key("A2"))
 
 
+def test_a_mirror_only_tier_keeps_demoted_programs_chunks_by_recency() -> None:
+    # a host tier no larger than the GPU pool: the gateway parks nothing there, and a
+    # program it demoted (inactive) is the one whose host copy can save a recompute
+    mgr = make_manager(6)
+    pol = policy_of(mgr)
+    labels = {"A": "busy", "B": "busy", "C": "busy", "X": "busy"}
+    pol.bind(labelled(labels))
+    pol.set_mirror_only(True)
+    for p in "ABC":  # A oldest, C newest
+        store(mgr, p, keys(p, 2))
+    labels["A"] = "inactive"
+    pol.relabel(["A"])  # A turned inactive: its chunks are renewed, not sent first
+    assert pol.class_of(key("A0")) == "busy"
+    assert set(store(mgr, "D", keys("D", 2))) == set(keys("B", 2))  # now the oldest
+    pol.relabel(["A"])  # still inactive: renewed once only
+    assert set(store(mgr, "E", keys("E", 2))) == set(keys("C", 2))
+    assert set(store(mgr, "F", keys("F", 2))) == set(keys("A", 2))
+    # a chunk no program owns any more (drop) still goes first
+    store(mgr, "X", keys("X", 1))
+    assert pol.drop("X") == 1
+    assert store(mgr, "G", keys("G", 1)) == [key("X0")]
+    # the same tier not mirror-only: the inactive program's chunks go first
+    pol.set_mirror_only(False)
+    labels["F"] = "inactive"
+    pol.relabel(["F"])
+    assert set(store(mgr, "H", keys("H", 2))) == set(keys("F", 2))
+
+
+def test_a_mirror_only_tier_renews_a_program_each_time_it_turns_inactive() -> None:
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    labels = {"A": "inactive", "B": "busy"}
+    pol.bind(labelled(labels))
+    pol.set_mirror_only(True)
+    store(mgr, "A", keys("A", 2))
+    store(mgr, "B", keys("B", 2))
+    labels["A"] = "busy"
+    pol.relabel(["A"])
+    labels["A"] = "inactive"  # demoted again: renewed again
+    pol.relabel(["A"])
+    assert set(store(mgr, "C", keys("C", 2))) == set(keys("B", 2))
+
+
 def test_a_chunk_being_loaded_is_never_evicted() -> None:
     mgr = make_manager(4)
     pol = policy_of(mgr)

@@ -199,6 +199,9 @@ def test_the_scheduler_drives_moris_cpu_tier(configs: Any, endpoint: str, dealer
         hello = dealer("hello")
         assert hello["cpu_tier_tokens"] == pol.cache_capacity * 2 * BLOCK > 0
         assert s.mori_chunk_tokens == 2 * BLOCK
+        # larger than the pool: the gateway parks programs there, in MORI's order
+        assert hello["cpu_tier_tokens"] > NUM_BLOCKS * BLOCK
+        assert not s.mori_cpu_mirror_only and not pol.mirror_only
 
         req = request("ra", "a", 3, 1000)
         req.kv_transfer_params = {"other": 1}
@@ -225,6 +228,29 @@ def test_the_scheduler_drives_moris_cpu_tier(configs: Any, endpoint: str, dealer
         assert calls == [("drop", "a"), ("all", None)]
     finally:
         s.shutdown()
+
+
+def test_a_cpu_tier_no_larger_than_the_pool_is_mirror_only(
+        configs: Any, endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.config import KVTransferConfig
+
+    from mori.vllm_plugin.connector_config import kv_transfer_config
+
+    vc, kvc = configs
+    sizes: dict[int, tuple[int, bool, bool]] = {}
+    for cpu_bytes in (1 << 20, 1 << 14):
+        kvt = KVTransferConfig(**kv_transfer_config(cpu_bytes, block_size=2 * BLOCK))
+        monkeypatch.setattr(vc, "kv_transfer_config", kvt)
+        s = build(MoriScheduler, (vc, kvc))
+        try:
+            pol = s.mori_cpu_policies[0]
+            sizes[cpu_bytes] = (s.mori_cpu_tier_tokens, s.mori_cpu_mirror_only,
+                                pol.mirror_only)
+        finally:
+            s.shutdown()
+    big, small = sizes[1 << 20], sizes[1 << 14]
+    assert 0 < small[0] <= NUM_BLOCKS * BLOCK < big[0]
+    assert small[1:] == (True, True) and big[1:] == (False, False)
 
 
 def test_without_a_cpu_tier_nothing_is_tagged(configs: Any, endpoint: str) -> None:

@@ -22,7 +22,10 @@ class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
 ``busy`` > ``cold`` > ``inactive``) label among the programs whose requests used it; a chunk no known
 program used is ``busy``, as is a program without a label. So an unbound policy, or one
 whose gateway is silent, evicts exactly as vLLM's LRU does. A chunk whose every program was
-dropped (:meth:`MoriCachePolicy.drop`) is ``inactive`` until a request uses it again.
+dropped (:meth:`MoriCachePolicy.drop`) is ``inactive`` until a request uses it again. In a
+tier no larger than the GPU pool (:meth:`MoriCachePolicy.set_mirror_only`), an ``inactive``
+program's chunks are kept by recency with the ``busy`` ones instead, renewed when the
+program turns ``inactive``: there they are the only copies that can save a recompute.
 
 How the policy learns a chunk's program and that program's label:
 
@@ -68,6 +71,7 @@ logger = logging.getLogger("vllm.mori_plugin.cpu_tier")
 CPU_PROTECTION = {"inactive": 0, "cold": 1, "busy": 2, "idle": 3}
 EVICT_ORDER = ("inactive", "cold", "busy", "idle")  # evicted first .. last
 WIDE_CLASS = "idle"  # a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs
+MIRROR_INACTIVE_CLASS = "busy"  # an inactive program's chunk in a mirror-only tier
 COMPACT_MIN = 64  # heaps are rebuilt when they hold > max(this, 4 x evictable) entries
 
 # The policies built in this process. vLLM builds the policy deep inside the scheduler's
@@ -194,6 +198,8 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._pending_owner: dict[OffloadKey, str] = {}  # on_store_miss -> insert
         self.labels = TierLabels(CPU_PROTECTION, "CPU tier")
         self.evicted_by_class: dict[str, int] = dict.fromkeys(EVICT_ORDER, 0)
+        self.mirror_only = False
+        self._turned_inactive: set[str] = set()  # renewed once (mirror_only)
         _POLICIES.add(self)
 
     # -- binding (by the MORI scheduler, in the engine-core process) ---------------------
@@ -211,19 +217,57 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
     def _label(self) -> Callable[[str], str]:
         return self.labels.lookup
 
+    def set_mirror_only(self, mirror_only: bool) -> None:
+        """Whether the tier is no larger than the GPU pool. vLLM's host tier is written
+        through, so such a tier holds nothing beyond a mirror of the GPU and the gateway
+        parks no program on it (``mori.engines.vllm.beyond_mirror``): every demotion is
+        to no tier. The chunks of a program demoted so (label ``inactive``) are then the
+        ones whose host copy can still save a recompute, while a busy program's copy
+        duplicates its GPU blocks. So in such a tier an ``inactive`` program's chunks are
+        evicted by recency with the busy ones (vLLM's LRU) rather than first, and they
+        are renewed when the program turns ``inactive``, as if used then: its return
+        finds them unless a tier's worth of newer chunks came since. A chunk whose every
+        program was dropped (:meth:`drop`) still goes first. (A program that ended is
+        labelled ``inactive`` too; its chunks are renewed as well and age out by
+        recency.)"""
+        self.mirror_only = mirror_only
+        self._turned_inactive.clear()
+        self.relabel_all()
+
     def relabel(self, programs: Iterable[str]) -> int:
         """These programs' labels may have changed: move their evictable chunks to their
-        new class (keeping their recency). Returns how many chunks moved."""
+        new class (keeping their recency; in a ``mirror_only`` tier, renewing that of a
+        program that turned ``inactive``). Returns how many chunks moved."""
+        programs = list(programs)
+        if self.mirror_only:
+            self._renew_turned_inactive(programs)
         keys: set[OffloadKey] = set()
         for program in programs:
             keys |= self._keys_of.get(program, set())
         return self._refile_all(keys)
+
+    def _renew_turned_inactive(self, programs: Iterable[str]) -> None:
+        """Give the chunks of each program that turned ``inactive`` fresh recency, in
+        their present order (:meth:`set_mirror_only`)."""
+        for program in programs:
+            if self._label_of(program) != "inactive":
+                self._turned_inactive.discard(program)
+                continue
+            if program in self._turned_inactive:
+                continue
+            self._turned_inactive.add(program)
+            keys = self._keys_of.get(program)
+            if keys:
+                self._update_recency(sorted(keys, key=lambda k: self._rank.get(k, (0, 0))))
+        if len(self._turned_inactive) > max(COMPACT_MIN, 2 * len(self._keys_of)):
+            self._turned_inactive &= self._keys_of.keys()
 
     def drop(self, program: str) -> int:
         """The gateway dropped ``program``: its chunks lose it as an owner, and those it
         alone owned become ``inactive`` (evicted first) until a request uses them again.
         Returns how many chunks became ``inactive``."""
         orphaned = 0
+        self._turned_inactive.discard(program)
         for key in self._keys_of.pop(program, set()):
             owners = self._owners.get(key)
             if owners is None:
@@ -275,6 +319,8 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
                 best = label
                 if best == EVICT_ORDER[-1]:
                     break
+        if best == EVICT_ORDER[0] and self.mirror_only:
+            return MIRROR_INACTIVE_CLASS
         return best
 
     def sizes(self) -> dict[str, int]:
@@ -479,6 +525,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._wide.clear()
         self._dropped.clear()
         self._pending_owner.clear()
+        self._turned_inactive.clear()
 
     def evict(self, n: int, protected: set[OffloadKey]
               ) -> list[tuple[OffloadKey, ChunkStatus]] | None:

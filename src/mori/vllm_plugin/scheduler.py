@@ -27,7 +27,8 @@ offloading connector), the mixin also:
 
 - binds that policy to its label table (``LabelTable.label``), relabels the host chunks of
   the programs a label message names (all of them for ``replace`` and ``clear``) and marks
-  a dropped program's host chunks ``inactive``;
+  a dropped program's host chunks ``inactive``; tells it whether the tier is no larger
+  than the GPU pool (``MoriCachePolicy.set_mirror_only``);
 - copies each arriving request's ``session_id`` into its ``kv_transfer_params``
   (``connector_config.PROGRAM_KEY``), which is all the connector shows the policy of a
   request, before vLLM's ``add_request`` hands the request to the connector;
@@ -86,6 +87,12 @@ class MoriSchedulerMixin:
         for policy in self.mori_cpu_policies:
             policy.bind(self.mori_labels.label)
         self.mori_cpu_tier_tokens = self._mori_cpu_tier_tokens()
+        # a host tier no larger than the GPU pool only mirrors it: the gateway parks
+        # nothing there, and the chunks of programs it demoted are kept by recency
+        pool_tokens = int(self.kv_cache_config.num_blocks) * int(self.block_size)
+        self.mori_cpu_mirror_only = 0 < self.mori_cpu_tier_tokens <= pool_tokens
+        for policy in self.mori_cpu_policies:
+            policy.set_mirror_only(self.mori_cpu_mirror_only)
         # the disk tiers built by this scheduler's connector (none without)
         self.mori_disk_tiers = [t for t in _disk_tiers() if t not in disks_before]
         for tier in self.mori_disk_tiers:
@@ -109,6 +116,8 @@ class MoriSchedulerMixin:
                     "from %s; CPU tier: %s", pool.num_gpu_blocks,
                     self.mori_queue.num_free_blocks, self.mori_server.endpoint,
                     f"{self.mori_cpu_tier_tokens} tokens in MORI's order"
+                    + (" (no larger than the GPU pool: demoted programs' chunks kept by "
+                       "recency)" if self.mori_cpu_mirror_only else "")
                     if self.mori_cpu_policies else "none")
         if self.mori_disk_tiers:
             logger.info("MORI scheduler: disk tier of %d tokens in MORI's order",
