@@ -1,7 +1,9 @@
 """MORI's CPU tier on the real engine: vLLM's offloading connector, evicting in MORI's order.
 
 Two fresh engines with the same GPU pool (64 blocks of 32 tokens) and the same host tier
-(64 chunks of one block: ``MORI_VLLM_CPU_GIB`` = 1 MiB; the CPU build's copy worker,
+(65 chunks of one block: ``MORI_VLLM_CPU_GIB`` = 1 MiB + one chunk, larger than the pool,
+so that the plug-in keeps MORI's full order there rather than a mirror-only tier's; the
+CPU build's copy worker,
 ``mori.vllm_plugin.host_tier``): one with MORI's plug-in (its scheduler binds the tier's
 ``MoriCachePolicy`` to the labels), one without (vLLM's ``lru`` policy over the same tier).
 
@@ -43,9 +45,9 @@ from .plugin_engine import (
 pytestmark = pytest.mark.e2e
 
 NUM_BLOCKS = 64
-CPU_CHUNKS = 64
+CPU_CHUNKS = 65  # one more than the pool: not a mirror-only tier
 CHUNK_BYTES = 2 * 2 * 1 * 64 * 2 * BLOCK_SIZE  # layers x (K, V) x KV heads x head dim x bf16
-CPU_GIB = CPU_CHUNKS * CHUNK_BYTES / (1 << 30)  # exact in binary: 1 MiB
+CPU_GIB = CPU_CHUNKS * CHUNK_BYTES / (1 << 30)  # exact in binary: 1 MiB + a chunk
 PROGRAM_BLOCKS = 12  # A, B and C each
 PRESSURE_BLOCKS = 50  # D
 HITS = "vllm:external_prefix_cache_hits_total"
