@@ -18,10 +18,13 @@ Each figure is the median of ``--reps`` requests, after two warm-up requests. Fi
 prefill seconds = a + b x tokens (least squares over the sizes; a quadratic fit is
 printed too, as attention makes long prefills superlinear) and decode seconds per step
 = c. Then the preset constants that reproduce them: ``tau`` (per-iteration overhead)
-is the decode step less its (tiny) weight and KV read, the linear and attention FLOP
-rates are fitted to the prefill times less ``tau`` (non-negative least squares over the
-cost model's own prefill terms, chunks of 2,048 tokens included), and the effective
-FLOP/s is the larger of the two rates, so that one efficiency is 1 and the other below.
+is the decode step less its (tiny) weight and KV read; the linear and attention FLOP
+rates and ``request_overhead_s`` (a fixed time per request outside the engine's
+iterations: HTTP, tokenization, the output path, which the decode step's difference
+cancels) are fitted to the prefill times less ``tau`` (non-negative least squares over
+the cost model's own prefill terms, chunks of 2,048 tokens included, and a constant);
+the effective FLOP/s is the larger of the two rates, so that one efficiency is 1 and the
+other below.
 The modelled times are checked with :class:`~mori.core.costmodel.CostModel` directly.
 
 The engine runs in its own process group, stopped at the end (on failure too). Needs the
@@ -58,7 +61,7 @@ from bench_vllm_agents import split_cpus  # noqa: E402
 from vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
-from mori.core.costmodel import CostModel, get_preset  # noqa: E402
+from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx  # noqa: E402
 from mori.core.hardware import HardwarePreset  # noqa: E402
 
 CACHE = Path(os.environ.get("MORI_CACHE", Path.home() / ".cache" / "mori"))
@@ -271,46 +274,67 @@ def prefill_terms(preset: HardwarePreset, tokens: int) -> tuple[int, float, floa
     return iters, float(tokens), attn
 
 
-def _nnls2(rows: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = p u + q v with p, q >= 0 (two unknowns: try both, then each)."""
-    suu = sum(u * u for u, _ in rows)
-    svv = sum(v * v for _, v in rows)
-    suv = sum(u * v for u, v in rows)
-    suy = sum(u * y for (u, _), y in zip(rows, ys, strict=True))
-    svy = sum(v * y for (_, v), y in zip(rows, ys, strict=True))
-    det = suu * svv - suv * suv
-    if det > 0:
-        p, q = (suy * svv - svy * suv) / det, (svy * suu - suy * suv) / det
-        if p >= 0 and q >= 0:
-            return p, q
-    only_u = (max(0.0, suy / suu), 0.0)
-    only_v = (0.0, max(0.0, svy / svv))
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [[*row, y] for row, y in zip(a, b, strict=True)]
+    for c in range(n):
+        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[piv][c]) < 1e-300:
+            return None
+        m[c], m[piv] = m[piv], m[c]
+        for r in range(n):
+            if r != c:
+                f = m[r][c] / m[c][c]
+                m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
+    return [m[r][n] / m[r][r] for r in range(n)]
 
-    def sse(pq: tuple[float, float]) -> float:
-        return sum((y - pq[0] * u - pq[1] * v) ** 2 for (u, v), y in zip(rows, ys, strict=True))
 
-    return min(only_u, only_v, key=sse)
+def _nnls(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    """Least squares ``y = sum_j x_j row_j`` with every ``x_j >= 0``: the best of the
+    unconstrained fits over each subset of the columns whose solution is non-negative
+    (the columns are few)."""
+    k = len(rows[0])
+    best: tuple[float, list[float]] = (
+        sum(y * y for y in ys), [0.0] * k)
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        ata = [[sum(r[i] * r[j] for r in rows) for j in cols] for i in cols]
+        aty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in cols]
+        sol = _solve(ata, aty)
+        if sol is None or min(sol) < 0:
+            continue
+        x = [0.0] * k
+        for j, v in zip(cols, sol, strict=True):
+            x[j] = v
+        sse = sum((y - sum(xj * rj for xj, rj in zip(x, r, strict=True))) ** 2
+                  for r, y in zip(rows, ys, strict=True))
+        if sse < best[0]:
+            best = (sse, x)
+    return best[1]
 
 
 def _prefill_rates(base: HardwarePreset, points: list[tuple[int, float]], tau: float
-                   ) -> tuple[float, float]:
-    """Seconds per linear token and per attention unit that fit the prefill times less
-    ``tau`` per iteration; attention keeps a floor (the model cannot make it free)."""
+                   ) -> tuple[float, float, float]:
+    """Seconds per linear token, per attention unit, and per request (the fixed
+    overhead beyond the tokens' compute) that fit the prefill times less ``tau`` per
+    iteration; attention keeps a floor (the model cannot make it free)."""
     rows, ys = [], []
     for tokens, seconds in points:
         iters, lin, attn = prefill_terms(base, tokens)
-        rows.append((lin, attn))
+        rows.append((lin, attn, 1.0))
         ys.append(seconds - iters * tau)
-    s_lin, s_attn = _nnls2(rows, ys)
+    s_lin, s_attn, overhead = _nnls(rows, ys)
     _, lin2k, attn2k = prefill_terms(base, base.chunk_size)
     floor = ATTN_FLOOR * (s_lin * lin2k + s_attn * attn2k) / attn2k
     if s_attn < floor:
         s_lin, s_attn = max(s_lin - (floor - s_attn) * attn2k / lin2k, 1e-12), floor
-    return max(s_lin, 1e-12), s_attn
+    return max(s_lin, 1e-12), s_attn, overhead
 
 
 def preset_constants(points: list[tuple[int, float]], step: float) -> dict[str, float]:
-    """tau, flops, eta_gemm, eta_attn, mem_bw and eta_mem that reproduce the timings.
+    """tau, flops, eta_gemm, eta_attn, mem_bw, eta_mem and request_overhead_s that
+    reproduce the timings.
 
     A decode step is ``tau`` plus the larger of one token's linear work and the weight and
     KV read, so ``tau`` and the prefill rates are fitted in turn until they agree.
@@ -321,24 +345,55 @@ def preset_constants(points: list[tuple[int, float]], step: float) -> dict[str, 
     s_lin = 0.0
     for _ in range(20):
         tau = max(0.0, step - max(decode_read, s_lin))
-        s_lin, s_attn = _prefill_rates(base, points, tau)
+        s_lin, s_attn, overhead = _prefill_rates(base, points, tau)
     lin_rate = m.linear_flops_per_token / s_lin  # effective FLOP/s of each kind
     attn_rate = m.attn_flops_per_token_per_ctx / s_attn
     flops = max(lin_rate, attn_rate)
     return {"tau": tau, "flops": flops, "eta_gemm": lin_rate / flops,
-            "eta_attn": attn_rate / flops, "mem_bw": NOMINAL_MEM_BW, "eta_mem": 1.0}
+            "eta_attn": attn_rate / flops, "mem_bw": NOMINAL_MEM_BW, "eta_mem": 1.0,
+            "request_overhead_s": overhead}
+
+
+def copy_bandwidth(c: dict[str, float], reloads: list[dict[str, float]]) -> float | None:
+    """The host-to-engine copy rate (bytes/s) that fits the reload timings: each one's
+    time less the request overhead and the one-token iteration that follows the copy is
+    the copy (least squares through the origin over the bytes copied); None if no
+    reload was timed or the fit is not positive."""
+    cost = CostModel(calibrated_preset(c))
+    kv = cost.preset.kv_bytes_per_token_per_gpu
+    sbb = sby = 0.0
+    for r in reloads:
+        tokens = int(r["tokens"])
+        rest = cost.request_overhead + cost.iteration_time(1, prefill_attn_ctx(1, tokens - 1),
+                                                          0, 0)
+        copied = tokens * kv * float(r["host_tier_share"])
+        sbb += copied * copied
+        sby += copied * (float(r["host_tier_s"]) - rest)
+    if sbb <= 0 or sby <= 0:
+        return None
+    return sbb / sby
+
+
+def modelled_reload(cost: CostModel, tokens: int, share: float) -> float:
+    """One request served from the host tier, as the model times it: the request
+    overhead, the copy of ``share`` of its tokens, and one token computed."""
+    return (cost.request_overhead + cost.reload_time(round(tokens * share))
+            + cost.iteration_time(1, prefill_attn_ctx(1, tokens - 1), 0, 0))
 
 
 def calibrated_preset(c: dict[str, float]) -> HardwarePreset:
     base = get_preset(PRESET)
-    gpu = dataclasses.replace(base.gpu, flops=c["flops"], mem_bw=c["mem_bw"])
+    gpu = dataclasses.replace(base.gpu, flops=c["flops"], mem_bw=c["mem_bw"],
+                              pcie_bw=c.get("copy_bw", base.gpu.pcie_bw))
     return dataclasses.replace(base, gpu=gpu, tau=c["tau"], eta_gemm=c["eta_gemm"],
-                               eta_attn=c["eta_attn"], eta_mem=c["eta_mem"])
+                               eta_attn=c["eta_attn"], eta_mem=c["eta_mem"],
+                               request_overhead_s=c["request_overhead_s"])
 
 
 def modelled_prefill(cost: CostModel, tokens: int) -> float:
-    """The cost model's prefill of ``tokens`` fresh tokens, chunk by chunk."""
-    chunk, done, total = cost.preset.chunk_size, 0, 0.0
+    """The cost model's prefill of ``tokens`` fresh tokens, chunk by chunk, with the
+    request overhead: one request's time, as measured."""
+    chunk, done, total = cost.preset.chunk_size, 0, cost.request_overhead
     while done < tokens:
         n = min(chunk, tokens - done)
         total += cost.prefill_chunk_time(n, done)
@@ -353,11 +408,12 @@ def report(points: list[tuple[int, float]], a: float, b: float, step: float,
     for tokens, seconds in points:
         model = modelled_prefill(cost, tokens)
         rows.append([f"prefill {tokens}", f"{1e3 * seconds:.1f}", f"{1e3 * (a + b * tokens):.1f}",
-                     f"{1e3 * model:.1f}", f"{model / (a + b * tokens) - 1:+.0%}"])
+                     f"{1e3 * model:.1f}", f"{model / seconds - 1:+.0%}"])
     model_step = cost.decode_run_time(1, DECODE_PROMPT, 1)
     rows.append(["decode step", f"{1e3 * step:.2f}", f"{1e3 * step:.2f}",
                  f"{1e3 * model_step:.2f}", f"{model_step / step - 1:+.0%}"])
-    return format_table(("what", "measured ms", "fit ms", "model ms", "model vs fit"), rows,
+    return format_table(("what", "measured ms", "line fit ms", "model ms", "model vs measured"),
+                        rows,
                         (False, True, True, True, True))
 
 
@@ -421,17 +477,22 @@ def main(argv: list[str] | None = None) -> int:
     a, b = fit_line(points)
     qa, qb, qq = fit_quadratic(points) if len(points) >= 3 else (a, b, 0.0)
     constants = preset_constants(points, step)
+    copy_bw = copy_bandwidth(constants, reloads)
+    if copy_bw is not None:
+        constants["copy_bw"] = copy_bw
     print(f"fit: prefill seconds = {a:.4f} + {b:.3e} x tokens; decode step = {step:.4f} s")
     print(f"(quadratic: prefill seconds = {qa:.4f} + {qb:.3e} x tokens + {qq:.3e} x tokens^2)")
     print("preset constants: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))
     print(report(points, a, b, step, constants))
     if reloads:
+        cost = CostModel(calibrated_preset(constants))
         print(format_table(
             ("prompt tokens", "fresh ms", "from host tier ms", "host tier served",
-             "host tier / fresh"),
+             "host tier / fresh", "model ms"),
             [[str(r["tokens"]), f"{1e3 * r['fresh_s']:.1f}", f"{1e3 * r['host_tier_s']:.1f}",
-              f"{r['host_tier_share']:.0%}", f"{r['host_tier_s'] / r['fresh_s']:.2f}"]
-             for r in reloads], (True,) * 5))
+              f"{r['host_tier_share']:.0%}", f"{r['host_tier_s'] / r['fresh_s']:.2f}",
+              f"{1e3 * modelled_reload(cost, int(r['tokens']), r['host_tier_share']):.1f}"]
+             for r in reloads], (True,) * 6))
     if args.json is not None:
         doc = {"prefill": points, "fit": {"a": a, "b": b, "decode_step": step},
                "quadratic_fit": {"a": qa, "b": qb, "q": qq},

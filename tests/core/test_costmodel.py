@@ -415,16 +415,33 @@ def test_bad_time_scale_is_refused(scale: float) -> None:
         CostModel(get_preset("h200-qwen3-30b-a3b"), time_scale=scale)
 
 
-# bench/calibrate_cpu_engine.py --reps 3 --reload, 2026-12-04 (the engine on one CPU of its
-# own): the recorded fit the preset reproduces
-CPU_FIT_A, CPU_FIT_B = 0.0019, 3.433e-5  # prefill seconds = a + b x tokens
-CPU_PREFILL_2048_S = 0.0587  # measured median
-CPU_DECODE_STEP_S = 0.00252
+# bench/calibrate_cpu_engine.py --reps 5 --reload, 2026-12-05 (the engine on one CPU of its
+# own): the recorded medians the preset reproduces, one request each (its overhead included)
+CPU_PREFILL_S = {63: 0.0101, 513: 0.0140, 1_023: 0.0229, 2_048: 0.0496, 3_500: 0.1179}
+CPU_DECODE_STEP_S = 0.00246
+CPU_FROM_HOST_TIER_S = {512: 0.0120, 1_024: 0.0137, 2_048: 0.0159, 3_500: 0.0209}
+
+
+def _one_request(cm: CostModel, tokens: int) -> float:
+    chunk, done, total = cm.preset.chunk_size, 0, cm.request_overhead
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        total += cm.prefill_chunk_time(n, done)
+        done += n
+    return total
 
 
 def test_cpu_tiny_llama_matches_its_recorded_calibration() -> None:
     cm = CostModel(get_preset("cpu-tiny-llama"))
-    prefill = cm.prefill_chunk_time(2_048, 0)  # one chunk of 2,048
-    assert prefill == pytest.approx(CPU_FIT_A + CPU_FIT_B * 2_048, rel=0.20)
-    assert prefill == pytest.approx(CPU_PREFILL_2048_S, rel=0.20)
-    assert cm.decode_run_time(1, 200, 1) == pytest.approx(CPU_DECODE_STEP_S, rel=0.20)
+    for tokens, seconds in CPU_PREFILL_S.items():
+        assert _one_request(cm, tokens) == pytest.approx(seconds, rel=0.10), tokens
+    assert cm.decode_run_time(1, 200, 1) == pytest.approx(CPU_DECODE_STEP_S, rel=0.10)
+    for tokens, seconds in CPU_FROM_HOST_TIER_S.items():
+        served = (cm.request_overhead + cm.reload_time(tokens)
+                  + cm.iteration_time(1, prefill_attn_ctx(1, tokens - 1), 0, 0))
+        assert served == pytest.approx(seconds, rel=0.10), tokens
+
+
+def test_only_the_cpu_engine_has_a_request_overhead() -> None:
+    assert get_preset("cpu-tiny-llama").request_overhead_s > 0
+    assert all(PRESETS.get(name).request_overhead_s == 0 for name in PRESET_NAMES)

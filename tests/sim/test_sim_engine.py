@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx
@@ -150,3 +152,45 @@ def test_pinned_pages_are_never_evicted() -> None:
     pools.pin(e)
     assert not pools.make_gpu_room(1, 0.0)
     assert e.gpu == 10
+
+
+def with_overhead(overhead_s: float, time_scale: float = 1.0):
+    preset = dataclasses.replace(get_preset("h200-qwen3-30b-a3b"),
+                                 request_overhead_s=overhead_s)
+    cost = CostModel(preset, time_scale=time_scale)
+    loop = EventLoop()
+    rec = Recorder()
+    eng = EngineReplica(0, cost, loop, KVPools(10_000, 10_000, True), rec, True)
+    return cost, loop, rec, eng
+
+
+def test_the_request_overhead_is_charged_once_scaled_by_the_time_scale() -> None:
+    cost, loop, rec, eng = with_overhead(0.01, time_scale=100.0)
+    assert cost.request_overhead == pytest.approx(1.0)
+    chunk = cost.preset.chunk_size
+    eng.submit(SimRequest("a", prompt=chunk + 100, reuse=0, output=3, arrived=0.0))
+    loop.run(1_000.0)
+    t1 = cost.iteration_time(chunk, prefill_attn_ctx(chunk, 0), 0, 0)
+    t2 = cost.iteration_time(100, prefill_attn_ctx(100, chunk), 0, 0)
+    # on its first chunk only; the decode steps after carry none
+    assert rec.first == [("a", pytest.approx(1.0 + t1 + t2))]
+    assert rec.done == [("a", pytest.approx(1.0 + t1 + t2
+                                            + cost.decode_run_time(1, chunk + 101, 2)))]
+    assert eng.stats.busy_s == pytest.approx(rec.done[0][1])
+
+
+def test_the_request_overhead_takes_the_engines_time() -> None:
+    cost, loop, rec, eng = with_overhead(0.5)
+    eng.submit(SimRequest("a", prompt=1000, reuse=0, output=1, arrived=0.0))
+    eng.submit(SimRequest("b", prompt=500, reuse=0, output=1, arrived=0.0))
+    loop.run(100.0)
+    t_a = cost.iteration_time(1000, prefill_attn_ctx(1000, 0), 0, 0)
+    t_b = cost.iteration_time(500, prefill_attn_ctx(500, 0), 0, 0)
+    # b, queued behind a, waits for a's overhead as well as its compute
+    assert rec.first == [("a", pytest.approx(0.5 + t_a)), ("b", pytest.approx(1.0 + t_a + t_b))]
+    assert eng.stats.busy_s == pytest.approx(1.0 + t_a + t_b)
+
+
+def test_a_negative_request_overhead_is_refused() -> None:
+    with pytest.raises(ValueError, match="request_overhead_s"):
+        dataclasses.replace(get_preset("h200-qwen3-30b-a3b"), request_overhead_s=-0.001)

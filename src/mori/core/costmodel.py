@@ -235,6 +235,12 @@ class CostModel:
                 hi = mid
         return lo
 
+    @property
+    def request_overhead(self) -> float:
+        """Seconds each request costs the engine beyond its tokens' compute (the
+        preset's ``request_overhead_s``: HTTP, tokenization, the output path)."""
+        return self.preset.request_overhead_s * self.time_scale
+
     def reload_time(self, tokens: int) -> float:
         """Seconds to copy ``tokens`` tokens of KV from host to GPU over PCIe.
 

@@ -184,6 +184,10 @@ class HardwarePreset:
     tau: float = 0.002  # fixed per-iteration overhead, seconds
     allreduce_s: float = 0.0  # per iteration when tp > 1, seconds
     activation_reserve_bytes: int = 0
+    # fixed time each request costs beyond its tokens' compute (the API server's HTTP,
+    # tokenization and output path), seconds, charged to the engine: on the CPU build
+    # they share the engine's CPU (0: not modelled, as for the GPU presets)
+    request_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -196,8 +200,10 @@ class HardwarePreset:
                 raise ValueError(f"{self.name}: {field_name} must be in (0, 1]")
         if self.chunk_size <= 0 or self.page_tokens <= 0:
             raise ValueError(f"{self.name}: chunk_size and page_tokens must be positive")
-        if self.tau < 0 or self.allreduce_s < 0 or self.activation_reserve_bytes < 0:
-            raise ValueError(f"{self.name}: tau, allreduce_s and reserve must be >= 0")
+        if (self.tau < 0 or self.allreduce_s < 0 or self.activation_reserve_bytes < 0
+                or not 0.0 <= self.request_overhead_s < math.inf):
+            raise ValueError(
+                f"{self.name}: tau, allreduce_s, reserve and request_overhead_s must be >= 0")
         if self.gpu_kv_capacity_tokens <= 0:
             raise ValueError(f"{self.name}: the model leaves no room for a KV pool")
 
@@ -313,27 +319,29 @@ B200 = GPUSpec("B200", hbm_bytes=178 * _GiB, mem_bw=8.0e12, flops=2_250e12)
 CPU_VLLM_POOL_TOKENS = 127 * 32
 """The KV pool of the benchmark's vLLM CPU engine: 128 blocks of 32 tokens, less one."""
 
-# Calibrated 2026-12-04 with bench/calibrate_cpu_engine.py --reps 3 --reload (vLLM 0.32.0
+# Calibrated 2026-12-05 with bench/calibrate_cpu_engine.py --reps 5 --reload (vLLM 0.32.0
 # CPU build on a 2-core machine, the engine on one CPU of its own as the real-engine
-# benchmark runs it; medians of 3 requests): prefill of 63 / 512 / 1,024 / 2,048 / 3,501
-# fresh tokens took 14.0 / 20.5 / 29.7 / 58.7 / 131.7 ms over HTTP, fit prefill s = 0.0019
-# + 3.433e-5 x tokens (quadratic: 0.0144 + 6.221e-6 x + 7.766e-9 x^2; attention makes it
-# superlinear), and one decode step of one request 2.52 ms. The same day, unpinned:
-# 14.3 / 15.1 / 26.8 / 52.6 / 127.3 ms and 1.39 ms. The first calibration (2026-12-01, on
-# a busier machine) measured 17.7 / 68.3 / 149.0 / 308.7 / 585.2 ms and 2.30 ms: the same
-# engine ran up to 5x slower when the machine was shared, so a real-engine run should be
-# compared with a calibration of the same day. tau is the decode step less its weight
-# read; the linear and attention rates are fitted to the prefill times (the attention one
-# sets the effective FLOP/s, eta_attn = 1); the memory figures are nominal (the tiny
-# model's reads take microseconds). A reload from the host tier took a fixed 15-29 ms
-# whatever its size, which the copy rate below does not model.
-_CPU_VLLM_TAU = 0.00247  # seconds per engine iteration (scheduling, sampling, output)
-_CPU_VLLM_FLOPS = 1.238e11  # effective FLOP/s of the attention kernels
+# benchmark runs it; medians of 5 requests): prefill of 63 / 513 / 1,023 / 2,048 / 3,500
+# fresh tokens took 10.1 / 14.0 / 22.9 / 49.6 / 117.9 ms over HTTP (the model gives 10.2 /
+# 14.2 / 22.3 / 50.0 / 117.8), one decode step of one request 2.46 ms. tau is the decode
+# step less its weight read; the linear and attention rates and the request overhead (the
+# fixed time every request costs beyond its tokens' compute) are fitted to the
+# prefill times (the linear rate sets the effective FLOP/s, eta_gemm = 1); the memory
+# figures are nominal (the tiny model's reads take microseconds). The day before: 14.0 /
+# 20.5 / 29.7 / 58.7 / 131.7 ms and 2.52 ms; the first calibration (2026-12-01, on a busier
+# machine) measured up to 5x slower: the same engine runs slower when the machine is
+# shared, so a real-engine run should be compared with a calibration of the same day. A
+# prompt of 512 / 1,024 / 2,048 / 3,500 tokens served from the host tier took 12.0 / 13.7 /
+# 15.9 / 20.9 ms (the model: 11.5 / 13.1 / 16.3 / 20.9), whence the copy rate below: an
+# effective one, the engine's load path, not the memory's bandwidth.
+_CPU_VLLM_TAU = 0.002408  # seconds per engine iteration (scheduling, sampling, output)
+_CPU_VLLM_FLOPS = 1.257e11  # effective FLOP/s of the linear layers
 _CPU_VLLM_MEM_BW = 2.0e10  # bytes/s, nominal
-_CPU_VLLM_ETA_GEMM = 0.2239  # the linear layers run at 22% of the attention's rate
-_CPU_VLLM_ETA_ATTN = 1.0
+_CPU_VLLM_ETA_GEMM = 1.0
+_CPU_VLLM_ETA_ATTN = 0.56  # the attention kernels run at 56% of the linear layers' rate
 _CPU_VLLM_ETA_MEM = 1.0
-_CPU_VLLM_COPY_BW = 10e9  # host-tier copies are memory copies on the CPU build (not measured)
+_CPU_VLLM_REQUEST_OVERHEAD_S = 0.00746  # HTTP, tokenization, output path, per request
+_CPU_VLLM_COPY_BW = 1.634e8  # bytes/s from the host tier, fitted to the reload timings
 
 CPU_VLLM = GPUSpec(
     "CPU (vLLM CPU build)",
@@ -392,6 +400,7 @@ def _build_presets() -> Registry[HardwarePreset]:
             eta_gemm=_CPU_VLLM_ETA_GEMM,
             eta_attn=_CPU_VLLM_ETA_ATTN,
             tau=_CPU_VLLM_TAU,
+            request_overhead_s=_CPU_VLLM_REQUEST_OVERHEAD_S,
         ),
     )
     for preset in presets:

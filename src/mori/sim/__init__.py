@@ -1,6 +1,6 @@
 """The discrete-event simulator: engine replicas, closed-loop replay, metrics."""
 
-MODEL_VERSION = 5
+MODEL_VERSION = 6
 """Bumped whenever a change to the simulator or a policy changes results for the same
 settings, so stored sweep results from an older model are not reused.
 
@@ -12,4 +12,8 @@ does not bind (``mori-pack`` keeps the paper's packing).
 round's whole batch, and packs by Best-Fit-Decreasing only when it does not (it had
 packed above 70% full, overfilling the fullest replica).
 5: the ``cpu-tiny-llama`` preset is calibrated again (2026-12-04, the engine on one CPU
-of its own as the real-engine benchmark runs it): its prefills are up to 5x faster."""
+of its own as the real-engine benchmark runs it): its prefills are up to 5x faster.
+6: a preset may charge a fixed overhead per request (``request_overhead_s``); the
+``cpu-tiny-llama`` preset is calibrated again (2026-12-05) with one fitted (7.5 ms: HTTP,
+tokenization and the output path share the engine's CPU) and a host-tier copy rate
+fitted to timed reloads (163 MB/s, not a nominal 10 GB/s)."""

@@ -17,6 +17,11 @@ What it models (docs/costmodel.md; the names follow SGLang):
   behind the writes before it. An approximation: an NVMe drive serves reads and writes
   concurrently, sharing its bandwidth; the write is charged when the pages leave the host
   pool, whose room is taken back at once (as if a staging buffer held them).
+- Request overhead: the iteration that starts a request's prefill takes the preset's
+  ``request_overhead_s`` longer for it (the API server's HTTP, tokenization and output
+  path, which on the CPU engine share the engine's CPU; 0 for the GPU presets, whose API
+  server runs beside the GPU). An approximation: the real path runs partly before the
+  request is queued and partly after its last token.
 - Iterations: a prefill chunk (``chunk_size`` tokens, first come first served across
   requests) plus one decode token for every running request, timed by the cost model.
   Pure-decode stretches are advanced in one event to the next change (a request ends, or
@@ -52,6 +57,7 @@ class SimRequest:
     decoded: int = 0
     first_token_at: float | None = None
     switched: bool = False  # forwarded to another replica than the program's last step
+    started: bool = False  # its prefill has begun (its request overhead is charged)
     aborted: bool = False  # the client went away (real-time engine only; see abort())
     entry: KVEntry | None = field(default=None, repr=False)
 
@@ -270,6 +276,12 @@ class EngineReplica:
         batch = len(self.decode)
         ctx = self._dctx
         dt = self.cost.iteration_time(new, attn, batch, ctx)
+        overhead = self.cost.request_overhead
+        if overhead:
+            for r, _ in parts:
+                if not r.started:
+                    r.started = True
+                    dt += overhead
         self._schedule(now + dt, self._end_mixed, parts, dt)
 
     def _end_mixed(self, parts: list[tuple[SimRequest, int]], dt: float) -> None:
