@@ -621,7 +621,10 @@ def main(argv: list[str] | None = None) -> int:
                             "rounds": args.rounds, "setting": args.setting,
                             "engine_cpus": None if engine_cpus is None else sorted(engine_cpus),
                             "front_cpus": None if front_cpus is None else sorted(front_cpus),
-                            "traces": traces.name, "block_size": BLOCK_SIZE, "arms": arms},
+                            "traces": traces.name, "block_size": BLOCK_SIZE, "arms": arms,
+                            "policy_rates": dict(zip(("recompute_tok_s", "reload_gbps"),
+                                                     policy_rates(args.time_scale),
+                                                     strict=True))},
                "arms": rows}
         args.json.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n",
                              encoding="utf-8")

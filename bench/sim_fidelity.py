@@ -19,6 +19,11 @@ and the engine's pool of ``(blocks - 1) x 32`` tokens (vLLM keeps one block asid
                                 less the GPU pool (the host tier is write-through: it also
                                 mirrors the GPU; the gateway's vLLM adapter sizes it so)
 
+The simulated ``mori`` prices recomputes and reloads with the rates the bench told
+``mori serve`` (``--recompute-tok-s``, ``--reload-gbps``): as the bench file records
+them, or for a file from before it did, as the bench computes them from today's
+``cpu-tiny-llama`` preset.
+
 Arm (c), MORI's decisions on an engine that evicts by its own LRU, has no simulator
 policy and is left out. The table compares the cached share of prompt tokens, real ((GPU
 hits + host-tier hits) / prompt tokens, from vLLM's counters) against simulated (GPU hits
@@ -41,8 +46,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_vllm_agents import policy_rates  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
+from mori.core.policy import PolicyConfig  # noqa: E402
 from mori.sim.config import SimConfig  # noqa: E402
 from mori.sim.metrics import RunResult  # noqa: E402
 from mori.sim.runner import simulate  # noqa: E402
@@ -73,20 +82,33 @@ def arm_policy(name: str, settings: dict[str, Any]) -> str:
     return ARM_POLICY[name]
 
 
+def rates_of(settings: dict[str, Any]) -> tuple[float, float]:
+    """The recompute rate (tokens/s) and reload bandwidth (GB/s), in policy time, that the
+    bench told ``mori serve``: as its file records them, or (a file from before it did)
+    as ``bench_vllm_agents.policy_rates`` gives them from today's preset."""
+    rates = settings.get("policy_rates")
+    if rates is not None:
+        return float(rates["recompute_tok_s"]), float(rates["reload_gbps"])
+    return policy_rates(float(settings["time_scale"]))
+
+
 def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str) -> SimConfig:
-    """The simulation of one bench arm: its workload and the engine's pools."""
+    """The simulation of one bench arm: its workload and the engine's pools, and the
+    policy priced with the rates the real gateway was told."""
     block = int(settings.get("block_size", DEFAULT_BLOCK_SIZE))
     gpu = (int(settings["blocks"]) - 1) * block  # vLLM keeps one block aside
     # the host tier is write-through: the policy's CPU tier is what it holds beyond the
     # GPU pool's mirror, as the gateway's vLLM adapter sizes it
     cpu = max(0, int(settings.get("cpu_blocks", 0)) * block - gpu)
+    recompute, reload = rates_of(settings)
     return SimConfig(
         policy=policy, programs=int(settings["programs"]), hardware=PRESET,
         duration_s=float(settings["duration_s"]), seed=int(settings["seed"]),
         max_context=int(arm["max_context"]), gpu_kv_tokens=gpu,
         # smg and thunderagent: an engine without a host tier
         cpu_kv_tokens=cpu if policy not in ("smg", "thunderagent") else 0,
-        token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]))
+        token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
+        policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
 
 
 def real_cached_share(arm: dict[str, Any]) -> float | None:

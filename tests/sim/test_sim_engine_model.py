@@ -151,3 +151,14 @@ def test_a_reload_bandwidth_of_zero_is_no_cpu_tier() -> None:
         a, b = simulate(cut, default_traces()), simulate(none, default_traces())
         assert a.cpu_kv_capacity_tokens == 0 and a.reloaded_tokens == 0
         assert (a.steps, a.output_tokens) == (b.steps, b.output_tokens), policy
+
+
+def test_a_recompute_is_priced_at_a_context_the_model_holds() -> None:
+    # the tiny CPU model holds 4,064 tokens: its rate, not one at 32k it cannot reach
+    cfg = SimConfig(policy="mori", programs=1, duration_s=10, hardware=TINY, time_scale=100)
+    sim = Simulation(cfg, one_step())
+    cost = sim.cost
+    assert sim.policy.config.recompute_tok_s == pytest.approx(cost.prefill_rate(4_064))
+    assert cost.prefill_rate(4_064) > 5 * cost.prefill_rate(32_768)
+    big = Simulation(SimConfig(policy="mori", programs=1, duration_s=10), one_step())
+    assert big.policy.config.recompute_tok_s == pytest.approx(big.cost.prefill_rate(32_768))

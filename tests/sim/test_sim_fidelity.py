@@ -98,3 +98,18 @@ def test_fidelity_main_writes_json(fidelity_mod: ModuleType, tmp_path: Path,
     data = json.loads(out.read_text())
     assert [r["arm"] for r in data["rows"]] == ["a", "b", "d"]
     assert data["rows"][2]["sim_cpu_kv_tokens"] == 0  # the bench ran without a host tier
+
+
+def test_the_simulated_policy_gets_the_rates_the_gateway_was_told(
+        fidelity_mod: ModuleType) -> None:
+    doc = bench_doc(cpu_blocks=256)
+    arm = doc["arms"][3]
+    bench = load_bench("bench_vllm_agents")
+    # a file from before the bench recorded them: today's preset, as the bench computes
+    cfg = fidelity_mod.sim_config(doc["settings"], arm, "mori")
+    expect = bench.policy_rates(10.0)
+    assert (cfg.policy_config.recompute_tok_s, cfg.policy_config.reload_gbps) == expect
+    # a file that records them: those
+    doc["settings"]["policy_rates"] = {"recompute_tok_s": 123.0, "reload_gbps": 0.5}
+    cfg = fidelity_mod.sim_config(doc["settings"], arm, "mori")
+    assert (cfg.policy_config.recompute_tok_s, cfg.policy_config.reload_gbps) == (123.0, 0.5)

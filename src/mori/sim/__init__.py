@@ -16,4 +16,6 @@ of its own as the real-engine benchmark runs it): its prefills are up to 5x fast
 6: a preset may charge a fixed overhead per request (``request_overhead_s``); the
 ``cpu-tiny-llama`` preset is calibrated again (2026-12-05) with one fitted (7.5 ms: HTTP,
 tokenization and the output path share the engine's CPU) and a host-tier copy rate
-fitted to timed reloads (163 MB/s, not a nominal 10 GB/s)."""
+fitted to timed reloads (163 MB/s, not a nominal 10 GB/s); a policy not told a recompute
+rate prices one at a context the model holds (the tiny CPU model's 4,064 tokens, not
+32k)."""

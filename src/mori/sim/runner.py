@@ -104,6 +104,11 @@ SIM_ENGINE_CAPABILITIES = frozenset({Capability.LABELS, Capability.OFFLOAD, Capa
 """The KV controls of a simulated engine replica (``EngineReplica``)."""
 
 
+RECOMPUTE_RATE_CONTEXT = 32_768
+"""The context whose prefill rate a policy prices a recompute at unless told one (the
+model's window where that is shorter)."""
+
+
 class Simulation:
     """Build with ``Simulation(config, traces)``, then ``run()`` once.
 
@@ -165,8 +170,10 @@ class Simulation:
                 knobs, disk_read_gbps=bw / 1e9 / config.time_scale,
                 disk_latency_s=self.disk.latency_s * config.time_scale)
         if knobs.recompute_tok_s is None:  # this run's prefill rate (scaled durations)
-            knobs = dataclasses.replace(
-                knobs, recompute_tok_s=self.cost.prefill_rate())
+            # of a context the model can hold (the default 32k is past the tiny CPU
+            # model's window, where the rate would be a tenth of any real recompute's)
+            knobs = dataclasses.replace(knobs, recompute_tok_s=self.cost.prefill_rate(
+                min(RECOMPUTE_RATE_CONTEXT, preset.model.context_window)))
         self.policy: Policy = build_policy(config.policy, cluster, kv_bytes,
                                            dataclasses.replace(knobs, page_tokens=page))
         self.loop = EventLoop()
