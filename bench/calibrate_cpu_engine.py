@@ -19,13 +19,14 @@ prefill seconds = a + b x tokens (least squares over the sizes; a quadratic fit 
 printed too, as attention makes long prefills superlinear) and decode seconds per step
 = c. Then the preset constants that reproduce them: ``tau`` (per-iteration overhead)
 is the decode step less its (tiny) weight and KV read; the linear and attention FLOP
-rates and ``request_overhead_s`` (a fixed time per request outside the engine's
-iterations: HTTP, tokenization, the output path, which the decode step's difference
-cancels) are fitted to the prefill times less ``tau`` (non-negative least squares over
-the cost model's own prefill terms, chunks of 2,048 tokens included, and a constant);
-the effective FLOP/s is the larger of the two rates, so that one efficiency is 1 and the
-other below.
-The modelled times are checked with :class:`~mori.core.costmodel.CostModel` directly.
+rates and ``request_overhead_s`` (a fixed time per request beyond its tokens' compute:
+HTTP, tokenization, the output path, which the decode step's difference cancels) are
+fitted to the prefill times less ``tau`` (non-negative least squares over the cost
+model's own prefill terms, chunks of 2,048 tokens included, and a constant); the
+effective FLOP/s is the larger of the two rates, so that one efficiency is 1 and the
+other below. With ``--reload``, the host tier's copy rate is fitted to the reload
+timings too (``copy_bandwidth``). The modelled times are checked with
+:class:`~mori.core.costmodel.CostModel` directly.
 
 The engine runs in its own process group, stopped at the end (on failure too). Needs the
 vLLM CPU venv and the tiny model (``scripts/vllm_cpu_env.sh``,
@@ -51,13 +52,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchutil import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_vllm_agents import split_cpus  # noqa: E402
+from benchutil import free_port  # noqa: E402
 from vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402

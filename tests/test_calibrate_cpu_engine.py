@@ -1,0 +1,56 @@
+"""The fits of ``bench/calibrate_cpu_engine.py``: they recover the constants that made
+the timings, so a calibration's preset reproduces what was measured."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+
+from mori.core.costmodel import CostModel, prefill_attn_ctx
+from support.bench_module import load_bench
+
+
+@pytest.fixture(scope="module")
+def cal() -> ModuleType:
+    return load_bench("calibrate_cpu_engine")
+
+
+def test_nnls_recovers_non_negative_coefficients(cal: ModuleType) -> None:
+    rows = [(1.0, 0.0, 1.0), (2.0, 1.0, 1.0), (3.0, 4.0, 1.0), (5.0, 2.0, 1.0)]
+    ys = [0.5 * u + 0.25 * v + 2.0 * w for u, v, w in rows]
+    assert cal._nnls(rows, ys) == pytest.approx([0.5, 0.25, 2.0])
+    # a fit that wants a negative coefficient gets 0 there instead
+    ys = [-1.0 * u + 3.0 * w for u, _, w in rows]
+    x = cal._nnls(rows, ys)
+    assert min(x) >= 0 and x[0] == 0.0
+
+
+def test_the_constants_reproduce_timings_made_by_a_known_preset(cal: ModuleType) -> None:
+    truth = {"tau": 0.0024, "flops": 1.2e11, "eta_gemm": 1.0, "eta_attn": 0.5,
+             "mem_bw": cal.NOMINAL_MEM_BW, "eta_mem": 1.0, "request_overhead_s": 0.008}
+    cost = CostModel(cal.calibrated_preset(truth))
+    points = [(n, cal.modelled_prefill(cost, n)) for n in (63, 512, 1_024, 2_048, 3_500)]
+    step = cost.decode_run_time(1, cal.DECODE_PROMPT, 1)
+    fitted = cal.preset_constants(points, step)
+    assert fitted["request_overhead_s"] == pytest.approx(0.008, rel=0.02)
+    assert fitted["tau"] == pytest.approx(0.0024, rel=0.02)
+    refit = CostModel(cal.calibrated_preset(fitted))
+    for n, seconds in points:
+        assert cal.modelled_prefill(refit, n) == pytest.approx(seconds, rel=0.02)
+
+
+def test_the_copy_rate_is_fitted_to_the_reloads(cal: ModuleType) -> None:
+    c = {"tau": 0.0024, "flops": 1.2e11, "eta_gemm": 1.0, "eta_attn": 0.5,
+         "mem_bw": cal.NOMINAL_MEM_BW, "eta_mem": 1.0, "request_overhead_s": 0.008,
+         "copy_bw": 2.0e8}
+    cost = CostModel(cal.calibrated_preset(c))
+    reloads = [{"tokens": n, "host_tier_share": 1.0,
+                "host_tier_s": cal.modelled_reload(cost, n, 1.0)} for n in (512, 2_048, 3_500)]
+    assert cal.copy_bandwidth(c, reloads) == pytest.approx(2.0e8, rel=1e-6)
+    # the copy is what is left after the overhead and the one token computed
+    n = 2_048
+    left = reloads[1]["host_tier_s"] - cost.request_overhead - cost.iteration_time(
+        1, prefill_attn_ctx(1, n - 1), 0, 0)
+    assert left == pytest.approx(n * cost.preset.kv_bytes_per_token_per_gpu / 2.0e8)
+    assert cal.copy_bandwidth(c, []) is None
