@@ -393,12 +393,7 @@ def calibrated_preset(c: dict[str, float]) -> HardwarePreset:
 def modelled_prefill(cost: CostModel, tokens: int) -> float:
     """The cost model's prefill of ``tokens`` fresh tokens, chunk by chunk, with the
     request overhead: one request's time, as measured."""
-    chunk, done, total = cost.preset.chunk_size, 0, cost.request_overhead
-    while done < tokens:
-        n = min(chunk, tokens - done)
-        total += cost.prefill_chunk_time(n, done)
-        done += n
-    return total
+    return cost.request_overhead + cost.prefill_time(tokens)
 
 
 def report(points: list[tuple[int, float]], a: float, b: float, step: float,

@@ -422,19 +422,11 @@ CPU_DECODE_STEP_S = 0.00246
 CPU_FROM_HOST_TIER_S = {512: 0.0120, 1_024: 0.0137, 2_048: 0.0159, 3_500: 0.0209}
 
 
-def _one_request(cm: CostModel, tokens: int) -> float:
-    chunk, done, total = cm.preset.chunk_size, 0, cm.request_overhead
-    while done < tokens:
-        n = min(chunk, tokens - done)
-        total += cm.prefill_chunk_time(n, done)
-        done += n
-    return total
-
-
 def test_cpu_tiny_llama_matches_its_recorded_calibration() -> None:
     cm = CostModel(get_preset("cpu-tiny-llama"))
     for tokens, seconds in CPU_PREFILL_S.items():
-        assert _one_request(cm, tokens) == pytest.approx(seconds, rel=0.10), tokens
+        assert cm.request_overhead + cm.prefill_time(tokens) == pytest.approx(seconds,
+                                                                   rel=0.10), tokens
     assert cm.decode_run_time(1, 200, 1) == pytest.approx(CPU_DECODE_STEP_S, rel=0.10)
     for tokens, seconds in CPU_FROM_HOST_TIER_S.items():
         served = (cm.request_overhead + cm.reload_time(tokens)

@@ -145,13 +145,20 @@ class CostModel:
         preset's chunks, alone (what a recompute of it costs)."""
         if context < 1:
             raise ValueError("context must be >= 1")
+        return context / self.prefill_time(context)
+
+    def prefill_time(self, tokens: int) -> float:
+        """Seconds to prefill ``tokens`` tokens from nothing in the preset's chunks,
+        alone (the request overhead not included)."""
+        if tokens < 0:
+            raise ValueError("tokens must be >= 0")
         chunk = self.preset.chunk_size
         total, done = 0.0, 0
-        while done < context:
-            n = min(chunk, context - done)
+        while done < tokens:
+            n = min(chunk, tokens - done)
             total += self.prefill_chunk_time(n, done)
             done += n
-        return context / total
+        return total
 
     def decode_run_time(self, batch: int, ctx_sum0: int, n: int) -> float:
         """Seconds for ``n`` pure-decode iterations of a fixed batch, in O(1).
