@@ -437,3 +437,14 @@ def test_cpu_tiny_llama_matches_its_recorded_calibration() -> None:
 def test_only_the_cpu_engine_has_a_request_overhead() -> None:
     assert get_preset("cpu-tiny-llama").request_overhead_s > 0
     assert all(PRESETS.get(name).request_overhead_s == 0 for name in PRESET_NAMES)
+
+
+def test_prefill_time_sums_the_chunks_and_gives_the_recompute_rate() -> None:
+    cm = CostModel(get_preset("cpu-tiny-llama"))
+    chunk = cm.preset.chunk_size
+    two = cm.prefill_chunk_time(chunk, 0) + cm.prefill_chunk_time(100, chunk)
+    assert cm.prefill_time(chunk + 100) == pytest.approx(two)
+    assert cm.prefill_time(0) == 0.0
+    assert cm.prefill_rate(chunk + 100) == pytest.approx((chunk + 100) / two)
+    with pytest.raises(ValueError, match="tokens"):
+        cm.prefill_time(-1)
