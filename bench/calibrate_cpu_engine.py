@@ -364,8 +364,7 @@ def copy_bandwidth(c: dict[str, float], reloads: list[dict[str, float]]) -> floa
     sbb = sby = 0.0
     for r in reloads:
         tokens = int(r["tokens"])
-        rest = cost.request_overhead + cost.iteration_time(1, prefill_attn_ctx(1, tokens - 1),
-                                                          0, 0)
+        rest = modelled_reload(cost, tokens, 0.0)  # all but the copy
         copied = tokens * kv * float(r["host_tier_share"])
         sbb += copied * copied
         sby += copied * (float(r["host_tier_s"]) - rest)

@@ -87,9 +87,14 @@ def rates_of(settings: dict[str, Any]) -> tuple[float, float]:
     bench told ``mori serve``: as its file records them, or (a file from before it did)
     as ``bench_vllm_agents.policy_rates`` gives them from today's preset."""
     rates = settings.get("policy_rates")
-    if rates is not None:
-        return float(rates["recompute_tok_s"]), float(rates["reload_gbps"])
-    return policy_rates(float(settings["time_scale"]))
+    if rates is None:
+        return policy_rates(float(settings["time_scale"]))
+    try:
+        recompute, reload = float(rates["recompute_tok_s"]), float(rates["reload_gbps"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError("settings.policy_rates must hold the numbers recompute_tok_s and "
+                         f"reload_gbps, got {rates!r}") from e
+    return recompute, reload
 
 
 def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str) -> SimConfig:
@@ -252,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim_fidelity: cannot read {args.bench_json}: {e}", file=sys.stderr)
         return 2
     traces = load_traces(args.traces) if args.traces else default_traces()
-    report = fidelity(doc, traces)
+    try:
+        report = fidelity(doc, traces)
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"sim_fidelity: {args.bench_json} is not a file bench_vllm_agents.py wrote "
+              f"as this script reads it: {e!r}", file=sys.stderr)
+        return 2
     s = doc["settings"]
     sizes = s.get("cpu_blocks_runs", [s.get("cpu_blocks", 0)])
     print(f"{s['programs']} programs of {traces.name!r}, {s['duration_s']:g} s at time scale "

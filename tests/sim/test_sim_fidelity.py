@@ -113,3 +113,15 @@ def test_the_simulated_policy_gets_the_rates_the_gateway_was_told(
     doc["settings"]["policy_rates"] = {"recompute_tok_s": 123.0, "reload_gbps": 0.5}
     cfg = fidelity_mod.sim_config(doc["settings"], arm, "mori")
     assert (cfg.policy_config.recompute_tok_s, cfg.policy_config.reload_gbps) == (123.0, 0.5)
+
+
+def test_malformed_rates_are_a_clear_error(fidelity_mod: ModuleType, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    doc = bench_doc(cpu_blocks=256)
+    doc["settings"]["policy_rates"] = {"recompute_tok_s": "fast"}
+    with pytest.raises(ValueError, match="policy_rates must hold"):
+        fidelity_mod.rates_of(doc["settings"])
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    assert fidelity_mod.main([str(path)]) == 2
+    assert "policy_rates must hold" in capsys.readouterr().err
