@@ -27,7 +27,9 @@ from mori.gateway.server import ServeConfig, sim_backend_spec, start_simulated_b
 PRESET = "h200-80g-qwen2.5-7b"
 MODEL = get_preset(PRESET).model.name
 TOKEN = "tok-3b9f0c2e7a"
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+# a prompt of a few pages: the engine keeps a request's whole pages only
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 200}],
+        "max_tokens": 2}
 
 
 def run(fn: Callable[[EngineSimServer], Awaitable[None]], token: str | None = TOKEN) -> None:

@@ -30,13 +30,14 @@ def test_kv_controls_change_residency() -> None:
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                 extra_body={"program_id": "p", **synthetic(5000)})
             _, res = await http(srv, "GET", "/mori/v1/residency")
-            assert res["gpu_tokens"]["p"] == math.ceil(5004 / PAGE) * PAGE
+            # whole pages only: the last partial page of 5,000 + 4 tokens is not kept
+            assert res["gpu_tokens"]["p"] == 5004 // PAGE * PAGE
             assert "p" not in res["cpu_tokens"]
             status, state = await http(srv, "POST", "/mori/v1/programs/p/offload")
             assert status == 200 and state["gpu_tokens"] == 0
             _, res = await http(srv, "GET", "/mori/v1/residency")
             assert "p" not in res["gpu_tokens"]
-            assert res["cpu_tokens"]["p"] == math.ceil(5004 / PAGE) * PAGE
+            assert res["cpu_tokens"]["p"] == 5004 // PAGE * PAGE
             # the next step extends the conversation: its prefix is reloaded from the CPU
             r = await c.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
@@ -72,9 +73,10 @@ def test_small_pool_evicts_under_pressure() -> None:
                 await c.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                            extra_body={"program_id": pid, **synthetic(2500)})
             _, res = await http(srv, "GET", "/mori/v1/residency")
-            pages = math.ceil(2504 / PAGE)
+            pages = math.ceil(2504 / PAGE)  # what a request of 2,504 tokens holds
             kept = 4096 // PAGE - pages  # b took what a had to give up (LRU, page by page)
-            assert res["gpu_tokens"] == {"a": kept * PAGE, "b": pages * PAGE}
+            # each keeps its whole pages once done
+            assert res["gpu_tokens"] == {"a": kept * PAGE, "b": 2504 // PAGE * PAGE}
             assert res["cpu_tokens"] == {}  # no CPU tier: evicted pages are gone
             # a's next step finds only what was left of it; the rest is recomputed
             r = await c.completions.create(model=MODEL, prompt="x", max_tokens=4,

@@ -215,10 +215,13 @@ def test_garbage_bodies_are_400(served: Served, raw: bytes) -> None:
 def test_a_non_ascii_id_reaches_the_engine_and_its_kv_controls(served: Served,
                                                                how: str) -> None:
     pid = f"程序-é-{how} /%?#"
+    # a prompt of a few pages: the engine keeps a request's whole pages only
+    long = {"messages": [{"role": "user", "content": "hello " * 100}]}
     if how == "body":
-        r = httpx.post(served.url + CHAT, json=chat_body(served, program_id=pid), timeout=30)
+        r = httpx.post(served.url + CHAT, json=chat_body(served, program_id=pid, **long),
+                       timeout=30)
     else:
-        r = httpx.post(served.url + CHAT, json=chat_body(served), timeout=30,
+        r = httpx.post(served.url + CHAT, json=chat_body(served, **long), timeout=30,
                        headers={"X-Program-Id": pid.encode()})
     assert r.status_code == 200, r.text
     assert pid in {p["program_id"] for p in programs(served)}

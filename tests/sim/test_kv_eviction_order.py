@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +33,7 @@ LABELS = list(KVLabel)
 op = st.one_of(
     st.tuples(st.just("admit"), st.sampled_from(IDS), st.integers(0, 8), st.integers(1, 12)),
     st.tuples(st.just("finish"), st.sampled_from(IDS)),
+    st.tuples(st.just("write"), st.sampled_from(IDS), st.integers(0, 6)),
     st.tuples(st.just("label"), st.sampled_from(IDS), st.sampled_from(LABELS)),
     st.tuples(st.just("evict"), st.sampled_from(IDS)),
     st.tuples(st.just("drop"), st.sampled_from(IDS)),
@@ -59,7 +61,11 @@ def apply(pools: KVPools, o: tuple[object, ...], now: float) -> object:
         return got
     e = pools.entries.get(str(o[1])) if kind != "room" else None
     if kind == "finish" and e is not None and e.pinned:
-        pools.unpin(e, now)
+        pools.unpin(e, now)  # writes what it reserved
+    elif kind == "write" and e is not None and e.pinned:
+        n = o[2]
+        assert isinstance(n, int)
+        pools.written(e, min(n, e.reserved))  # part of its prompt computed
     elif kind == "label" and e is not None:
         lab = o[2]
         assert isinstance(lab, KVLabel)
@@ -117,28 +123,40 @@ def test_the_order_is_readable() -> None:
 
 
 def test_evicted_host_pages_go_to_disk_and_come_back_as_a_prefix() -> None:
-    """GPU 4 pages, CPU 2, disk 10: a program's 6 pages pushed out land 2 on the CPU and
-    4 on the disk (the tail), counted as written; its next request takes both back."""
+    """GPU 4 pages, CPU 2 beyond them (a host tier of 6), disk 10. A program's 4 pages
+    pushed out of an empty GPU all fit the host tier; once another program's 4 reserved
+    pages are written, the host tier holds 2 of them beside the GPU's copies, so the
+    first program's tail goes to disk (counted as written); its next request takes both
+    parts back."""
     pools = KVPools(4, 2, typed=True, disk_pages=10)
     a = pools.entry("a")
     pools.pin(a)
     pools.take_for_request(a, 4)
-    pools.unpin(a, 0.0)
+    assert a.reserved == 4 and pools.cpu_room() == 2 + 0 + 4
+    pools.unpin(a, 0.0)  # its request is over: its pages are written
+    assert a.reserved == 0 and pools.unmirrored == 0
     pools.set_label(a, KVLabel.COLD)
     pools.evict_program_gpu("a", 1.0)
-    assert (a.gpu, a.cpu, a.disk) == (0, 2, 2) and pools.disk_written == 2
+    assert (a.gpu, a.cpu, a.disk) == (0, 4, 0) and pools.disk_written == 0
     b = pools.entry("b")
     pools.pin(b)
     assert pools.make_gpu_room(4, 2.0)
-    pools.take_for_request(b, 4)
-    pools.unpin(b, 2.0)
+    pools.take_for_request(b, 4)  # reserved: no copy in the host tier yet
+    assert (a.cpu, a.disk) == (4, 0)
+    pools.written(b, 3)  # three of b's pages computed: the host tier stores them
+    assert (a.cpu, a.disk) == (3, 1) and pools.disk_written == 1
+    pools.unpin(b, 2.0)  # the last one too
+    assert (a.cpu, a.disk) == (2, 2) and pools.disk_written == 2
     pools.set_label(b, KVLabel.IDLE)
-    pools.evict_program_gpu("b", 3.0)  # b's 4 pages: the CPU makes room by writing a's
-    assert (a.cpu, a.disk) == (0, 4) and (b.cpu, b.disk) == (2, 2)
-    assert pools.disk_written == 2 + 2 + 2 and pools.disk_write_backlog == 6
+    pools.evict_program_gpu("b", 3.0)  # the GPU is empty again: b's 4 pages fit
+    assert (b.cpu, b.disk) == (4, 0) and pools.cpu_used == 6
     pools.pin(a)
     assert pools.make_gpu_room(4, 4.0)
-    assert pools.take_for_request(a, 4) == (0, 4)  # all of a from the disk
+    assert pools.take_for_request(a, 4) == (2, 2)  # its prefix from the CPU, tail from disk
+    # a's pages read from disk now have a copy in the host tier: b's tail makes room
+    assert (b.cpu, b.disk) == (2, 2) and pools.disk_written == 4
+    with pytest.raises(ValueError, match="reserved"):
+        pools.written(a, 1)  # a reserved nothing: all its pages held KV
     pools.check()
 
 

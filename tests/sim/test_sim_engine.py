@@ -91,7 +91,8 @@ def test_cpu_hit_is_reloaded_over_pcie_before_prefill() -> None:
     eng.submit(SimRequest("a", prompt=6400, reuse=0, output=1, arrived=0.0))
     loop.run(10.0)
     eng.evict("a")  # to the CPU pool
-    assert eng.pools.entries["a"].gpu == 0 and eng.pools.entries["a"].cpu == 101
+    # 100 whole pages (its answer's one token is a partial page: not kept)
+    assert eng.pools.entries["a"].gpu == 0 and eng.pools.entries["a"].cpu == 100
     loop.at(20.0, 1, eng.submit, SimRequest("a", prompt=7000, reuse=6400, output=1, arrived=20.0))
     loop.run(100.0)
     ready_at = rec.ready[-1][1]
@@ -112,25 +113,36 @@ def test_without_cpu_tier_evicted_kv_is_recomputed() -> None:
     assert eng.stats.recomputed_tokens == 6400
 
 
+def _served(pools: KVPools, pid: str, pages: int, t: float) -> None:
+    """A request of ``pid`` ran on ``pages`` pages and ended at ``t`` (written through)."""
+    e = pools.entry(pid)
+    pools.pin(e)
+    assert pools.make_gpu_room(pages - e.gpu, t)
+    pools.take_for_request(e, pages)
+    pools.unpin(e, t)
+
+
 def test_typed_eviction_order_is_reversed_between_tiers() -> None:
-    pools = KVPools(gpu_pages=30, cpu_pages=20, typed=True)
+    pools = KVPools(gpu_pages=30, cpu_pages=10, typed=True)  # a host tier of 40 pages
     for pid, label, t in (("busy", KVLabel.BUSY, 0.0), ("idle", KVLabel.IDLE, 1.0),
                           ("gone", KVLabel.INACTIVE, 2.0)):
-        e = pools.entry(pid)
-        pools.take_for_request(e, 10)
-        pools.set_label(e, label)
-        pools.touch(e, t)
+        _served(pools, pid, 10, t)
+        pools.set_label(pools.entries[pid], label)
     # GPU: inactive first, then idle, and busy last although it is the least recent
     assert pools.make_gpu_room(10, 3.0)
     assert pools.entries["gone"].gpu == 0 and pools.entries["busy"].gpu == 10
     assert pools.make_gpu_room(20, 3.0)
     assert pools.entries["idle"].gpu == 0 and pools.entries["busy"].gpu == 10
-    # CPU holds gone(10) + idle(10); pushing busy out overflows it: inactive goes first,
-    # and idle is kept last on the CPU
-    assert pools.make_gpu_room(30, 3.0)
-    assert pools.entries["idle"].cpu == 10
-    assert pools.entries["busy"].cpu == 10
+    assert pools.cpu_used == 20  # the free GPU pages have no copy: room for both
+    # a new program's 20 pages written: the host tier keeps idle, drops inactive first
+    _served(pools, "new", 20, 4.0)
     assert "gone" not in pools.entries or pools.entries["gone"].cpu == 0
+    assert pools.entries["idle"].cpu == 10
+    # busy pushed out, then 10 more pages written: busy goes before idle on the CPU
+    assert pools.make_gpu_room(10, 5.0)
+    assert pools.entries["busy"].cpu == 10
+    _served(pools, "newer", 10, 6.0)
+    assert pools.entries["busy"].cpu == 0 and pools.entries["idle"].cpu == 10
     pools.check()
 
 
@@ -194,3 +206,44 @@ def test_the_request_overhead_takes_the_engines_time() -> None:
 def test_a_negative_request_overhead_is_refused() -> None:
     with pytest.raises(ValueError, match="request_overhead_s"):
         dataclasses.replace(get_preset("h200-qwen3-30b-a3b"), request_overhead_s=-0.001)
+
+
+def test_a_long_prefill_writes_its_pages_through_as_it_goes() -> None:
+    """While a prompt is prefilled in chunks, the host tier holds CPU-only pages in the
+    room of its pages not computed yet; each chunk written takes that room back, and
+    the CPU pool evicts as the host tier does when it stores a block."""
+    cost, loop, rec, eng = make(gpu_pages=400, cpu_pages=100, typed=False)
+    chunk, page = cost.preset.chunk_size, cost.preset.page_tokens  # 8,192 and 64
+    eng.submit(SimRequest("old", prompt=300 * page, reuse=0, output=1, arrived=0.0))
+    loop.run(100.0)
+    eng.evict("old")  # its 300 pages to the CPU pool: the empty GPU leaves room for all
+    pools = eng.pools
+    assert pools.entries["old"].cpu == 300 and pools.cpu_room() == 100 + 400
+    eng.submit(SimRequest("new", prompt=3 * chunk, reuse=0, output=1, arrived=loop.now))
+    seen: list[tuple[int, int, int]] = []  # (new's reserved, new's GPU, old's CPU pages)
+    while not rec.done or rec.done[-1][0] != "new":
+        loop.run(loop.now + 1e-3)
+        new = pools.entries.get("new")
+        if new is not None:
+            state = (new.reserved, new.gpu, pools.entries["old"].cpu)
+            if not seen or seen[-1] != state:
+                seen.append(state)
+            assert pools.cpu_used <= pools.cpu_room()
+            pools.check()
+    assert seen == [
+        (385, 385, 300),  # admitted: 3 chunks of 128 pages and 1 for its answer, reserved
+        (257, 385, 300),  # a chunk written: room 100 + 15 + 257 still holds the old 300
+        (129, 385, 244),  # another: 100 + 15 + 129
+        (0, 384, 116),  # done: its partial last page freed, the rest written: 100 + 16
+    ]
+    assert eng.stats.cpu_hit_tokens == 0
+
+
+def test_a_finished_request_keeps_only_whole_pages() -> None:
+    """Engines cache whole blocks: the last partial page of a request is not kept."""
+    cost, loop, rec, eng = make()
+    page = cost.preset.page_tokens
+    eng.submit(SimRequest("a", prompt=3 * page + 10, reuse=0, output=5, arrived=0.0))
+    loop.run(100.0)
+    assert rec.done and eng.pools.entries["a"].gpu == 3  # 3 pages + 15 tokens computed
+    eng.pools.check()

@@ -38,8 +38,9 @@ class EngineCollector(Collector):
                     eng.waiting)
         yield gauge("mori_engine_kv_usage_ratio", "Fraction of the GPU KV pool in use.",
                     eng.kv_usage())
-        yield gauge("mori_engine_cpu_kv_usage_ratio", "Fraction of the CPU KV pool in use "
-                    "(0 without one).", eng.cpu_kv_usage())
+        yield gauge("mori_engine_cpu_kv_usage_ratio", "Fraction of the host (CPU) KV tier in use, "
+                    "its copies of the GPU's computed KV included (0 without one).",
+                    eng.cpu_kv_usage())
         cap = GaugeMetricFamily("mori_engine_kv_capacity_tokens", "KV pool size in tokens.",
                                 labels=["model_name", "tier"])
         cap.add_metric([eng.model_name, "gpu"], eng.gpu_pages * eng.page)

@@ -1,6 +1,6 @@
 """The discrete-event simulator: engine replicas, closed-loop replay, metrics."""
 
-MODEL_VERSION = 6
+MODEL_VERSION = 7
 """Bumped whenever a change to the simulator or a policy changes results for the same
 settings, so stored sweep results from an older model are not reused.
 
@@ -18,4 +18,8 @@ of its own as the real-engine benchmark runs it): its prefills are up to 5x fast
 tokenization and the output path share the engine's CPU) and a host-tier copy rate
 fitted to timed reloads (163 MB/s, not a nominal 10 GB/s); a policy not told a recompute
 rate prices one at a context the model holds (the tiny CPU model's 4,064 tokens, not
-32k)."""
+32k).
+7: the write-through host tier copies only GPU pages whose KV is computed: while pages are
+reserved for KV not computed yet (a running request's prompt tail and output), the CPU
+pool may hold that much more (``KVPools.cpu_room``), and it evicts when they are written;
+a request that ends keeps only its whole pages (engines cache whole blocks)."""

@@ -9,8 +9,16 @@ program granularity equals page-level LRU here.
 
 The CPU pool is *exclusive*: it counts only pages not on the GPU. With write-through the
 engine's host pool also mirrors what is on the GPU, so ``cpu_pages`` here is the host
-pool minus the mirror; evicting a page from the GPU moves it to the CPU at no transfer
-cost (its copy was written while it was computed).
+pool minus the mirror of a full GPU pool; evicting a page from the GPU moves it to the CPU
+at no transfer cost (its copy was written while it was computed). Only GPU pages whose KV
+has been computed have that copy: a page reserved for KV not computed yet (the rest of a
+running request's prompt, its output) or free has none, and until it is written the host
+pool's room for it holds CPU-only pages. So the CPU pool holds up to ``cpu_room()``:
+``cpu_pages`` plus the GPU pages free or reserved (``unmirrored``), and pages evicted from
+it when reserved pages are written (``written``), as the engine's host tier evicts when it
+stores a newly computed block. The host tier then holds at most ``cpu_pages`` + the GPU
+pool, whatever the GPU reserves (measured on vLLM's offloading connector: a 16,384-token
+host tier keeps the last 16,384 tokens computed, docs/costmodel.md).
 
 The disk pool sits under the CPU pool: pages evicted from the CPU pool are written to
 disk (a write the replica charges on its disk link, ``disk_written``) instead of being
@@ -51,6 +59,7 @@ class KVEntry:
     gpu: int = 0
     cpu: int = 0
     disk: int = 0
+    reserved: int = 0  # of the GPU pages, those reserved for KV not computed yet
     ended: bool = False  # the program is gone; drop the entry once it holds nothing
     _label: KVLabel = KVLabel.BUSY
     _last_access: float = 0.0
@@ -83,6 +92,7 @@ class KVPools:
         self.typed = typed
         self.gpu_used = 0
         self.cpu_used = 0
+        self.unmirrored = 0  # GPU pages reserved for KV not computed yet (no host copy)
         self.disk_used = 0
         self.entries: dict[str, KVEntry] = {}
         # entries that lost pages or ended since the last sweep: the only ones a sweep
@@ -130,7 +140,9 @@ class KVPools:
         e._pinned = True
 
     def unpin(self, e: KVEntry, now: float | None = None) -> None:
-        """The request is over (used at ``now``, if given)."""
+        """The request is over (used at ``now``, if given): what it reserved is written."""
+        if e.reserved:
+            self.written(e, e.reserved)
         e._pinned = False
         if now is not None:
             e._last_access = now
@@ -167,6 +179,35 @@ class KVPools:
         heapify(live)
         return live
 
+    def cpu_room(self) -> int:
+        """Pages the CPU pool may hold now: ``cpu_cap`` plus the host tier's room for the
+        GPU pages that have no copy there (free, or reserved for KV not computed yet);
+        0 without a CPU pool."""
+        if self.cpu_cap == 0:
+            return 0
+        return self.cpu_cap + self.gpu_cap - self.gpu_used + self.unmirrored
+
+    def written(self, e: KVEntry, pages: int) -> None:
+        """``pages`` of the GPU pages ``e`` reserved (``take_for_request``) now hold
+        computed KV, written through to the host tier: the CPU pool gives up their room,
+        evicting as the host tier does when it stores a computed block."""
+        if not 0 <= pages <= e.reserved:
+            raise ValueError(f"{pages} pages written, {e.reserved} reserved")
+        e.reserved -= pages
+        self.unmirrored -= pages
+        self._fit_cpu()
+
+    def _unreserve(self, e: KVEntry) -> None:
+        """``e`` lost GPU pages: the reserved ones go first (they are its tail)."""
+        if e.reserved > e.gpu:
+            self.unmirrored -= e.reserved - e.gpu
+            e.reserved = e.gpu
+
+    def _fit_cpu(self) -> None:
+        over = self.cpu_used - self.cpu_room()
+        if over > 0:
+            self._shrink_cpu(over)
+
     def gpu_free(self) -> int:
         return self.gpu_cap - self.gpu_used
 
@@ -182,6 +223,7 @@ class KVPools:
         if (keep_gpu, keep_cpu, keep_disk) != (e.gpu, e.cpu, e.disk):
             self._track(e)
         e.gpu, e.cpu, e.disk = keep_gpu, keep_cpu, keep_disk
+        self._unreserve(e)
 
     def end(self, e: KVEntry) -> None:
         """Mark ``e``'s program as gone: the entry is dropped once it holds nothing."""
@@ -216,6 +258,7 @@ class KVPools:
         self.evicted_gpu_pages += n
         self.gpu_used -= n
         e.gpu -= n
+        self._unreserve(e)
         self._track(e)
         if self.cpu_cap == 0:
             self.dropped_pages += e.cpu
@@ -227,10 +270,11 @@ class KVPools:
         e.cpu += n
         self.cpu_used += n
         self._push(e)  # now evictable from the CPU
-        if self.cpu_used > self.cpu_cap:
-            self._shrink_cpu(self.cpu_used - self.cpu_cap)
-        if self.cpu_used > self.cpu_cap:  # only pinned pages left to drop: lose these
-            lose = min(e.cpu, self.cpu_used - self.cpu_cap)
+        room = self.cpu_room()
+        if self.cpu_used > room:
+            self._shrink_cpu(self.cpu_used - room)
+        if self.cpu_used > room:  # only pinned pages left to drop: lose these
+            lose = min(e.cpu, self.cpu_used - room)
             e.cpu -= lose
             self.cpu_used -= lose
             self.dropped_pages += lose
@@ -319,8 +363,9 @@ class KVPools:
         """Bring all of ``e``'s CPU and disk pages onto the GPU and grow it to
         ``total_pages``.
 
-        The caller has made room. Returns the pages that moved from the CPU and from
-        the disk (reloaded).
+        The caller has made room. The pages grown beyond those holding KV are reserved
+        (``unmirrored``) until the caller reports them ``written``. Returns the pages that
+        moved from the CPU and from the disk (reloaded).
         """
         reload, read = e.cpu, e.disk
         self.cpu_used -= e.cpu
@@ -329,8 +374,13 @@ class KVPools:
         grow = total_pages - e.gpu
         e.gpu = total_pages
         self.gpu_used += grow
+        reserve = max(0, grow - reload - read)
+        e.reserved += reserve
+        self.unmirrored += reserve
         if not e._pinned:
             self._push(e)
+        if read:  # the pages read from disk now hold KV on the GPU, copied in the host
+            self._fit_cpu()
         return reload, read
 
     def remove(self, program_id: str) -> None:
@@ -340,6 +390,7 @@ class KVPools:
             self.gpu_used -= e.gpu
             self.cpu_used -= e.cpu
             self.disk_used -= e.disk
+            self.unmirrored -= e.reserved
 
     def check(self) -> None:
         swept = {pid for pid, e in self.entries.items()
@@ -350,7 +401,9 @@ class KVPools:
         assert self.cpu_used == sum(e.cpu for e in self.entries.values())
         assert self.disk_used == sum(e.disk for e in self.entries.values())
         assert 0 <= self.gpu_used <= self.gpu_cap, (self.gpu_used, self.gpu_cap)
-        assert 0 <= self.cpu_used <= self.cpu_cap, (self.cpu_used, self.cpu_cap)
+        assert self.unmirrored == sum(e.reserved for e in self.entries.values())
+        assert all(0 <= e.reserved <= e.gpu for e in self.entries.values())
+        assert 0 <= self.cpu_used <= self.cpu_room(), (self.cpu_used, self.cpu_room())
         assert 0 <= self.disk_used <= self.disk_cap, (self.disk_used, self.disk_cap)
         for tier, rank in (("gpu", self._gpu_rank), ("cpu", self._cpu_rank),
                            ("disk", self._disk_rank)):

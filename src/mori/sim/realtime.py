@@ -391,7 +391,13 @@ class RealtimeReplica:
         return self.pools.gpu_used / self.pools.gpu_cap
 
     def cpu_kv_usage(self) -> float:
-        return self.pools.cpu_used / self.pools.cpu_cap if self.pools.cpu_cap else 0.0
+        """The host tier's share in use: its CPU-only pages and its copies of the GPU
+        pages that hold computed KV, over its size (the CPU pool beyond a full GPU's
+        mirror, plus that mirror; ``mori.sim.kvcache``)."""
+        p = self.pools
+        if not p.cpu_cap:
+            return 0.0
+        return (p.cpu_used + p.gpu_used - p.unmirrored) / (p.cpu_cap + p.gpu_cap)
 
     def stats(self) -> dict[str, Any]:
         """The replica's ``EngineStats`` plus the live load and the server's counters."""

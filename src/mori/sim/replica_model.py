@@ -58,6 +58,8 @@ class SimRequest:
     first_token_at: float | None = None
     switched: bool = False  # forwarded to another replica than the program's last step
     started: bool = False  # its prefill has begun (its request overhead is charged)
+    pages: int = 0  # GPU pages it holds (prompt + output), set at admission
+    held: int = 0  # of those, the pages that held KV at admission
     aborted: bool = False  # the client went away (real-time engine only; see abort())
     entry: KVEntry | None = field(default=None, repr=False)
 
@@ -167,8 +169,8 @@ class EngineReplica:
             self._dleft = None
         # else: its KV is being reloaded; _loaded drops it
         e = req.entry
-        self.pools.unpin(e, self.loop.now)
         self.pools.truncate(e, (req.cached + req.decoded) // self.page)  # free the reserve
+        self.pools.unpin(e, self.loop.now)  # what it computed is written
         if e.ended and not e.gpu and not e.cpu and not e.disk:
             self.pools.remove(e.program_id)
         self._kick()  # admit what now fits; a decode run ends at its next boundary
@@ -295,6 +297,7 @@ class EngineReplica:
                 continue
             r.cached += n
             r.remaining -= n
+            self._written(r, r.cached // self.page)
             if r.remaining == 0:
                 self.prefill.remove(r)
                 r.decoded = 1
@@ -312,9 +315,21 @@ class EngineReplica:
                         self._dleft = rest
         self._start()
 
+    def _written(self, r: SimRequest, computed_pages: int) -> None:
+        """``r``'s first ``computed_pages`` pages hold computed KV now: those of the
+        pages it reserved are written through to the host tier (``KVPools.written``;
+        the rest are when it ends)."""
+        e = r.entry
+        assert e is not None
+        left = max(0, r.pages - max(r.held, computed_pages))
+        if left < e.reserved:
+            self.pools.written(e, e.reserved - left)
+
     def _finish(self, r: SimRequest, now: float) -> None:
         e = r.entry
         assert e is not None
+        # engines keep whole blocks only: the last partial page is freed, not written
+        self.pools.truncate(e, (r.prompt + r.decoded) // self.page)
         self.pools.unpin(e, now)
         self.listener.finished(r, now)
 
@@ -346,7 +361,9 @@ class EngineReplica:
         gpu_hit, cpu_hit, disk_hit = e.gpu * page, e.cpu * page, e.disk * page
         if r.shared > gpu_hit + cpu_hit + disk_hit:  # the shared tools + system prefix is hot
             gpu_hit, cpu_hit, disk_hit = r.shared, 0, 0
+        held = e.gpu + e.cpu + e.disk
         reload_pages, read_pages = pools.take_for_request(e, total)
+        r.pages, r.held = total, held
         pools.touch(e, now)
         r.entry = e
         hit = gpu_hit + cpu_hit + disk_hit
