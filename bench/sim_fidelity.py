@@ -22,7 +22,11 @@ and the engine's pool of ``(blocks - 1) x 32`` tokens (vLLM keeps one block asid
 The simulated ``mori`` prices recomputes and reloads with the rates the bench told
 ``mori serve`` (``--recompute-tok-s``, ``--reload-gbps``): as the bench file records
 them, or for a file from before it did, as the bench computes them from today's
-``cpu-tiny-llama`` preset.
+``cpu-tiny-llama`` preset. The simulated answers are as long as the engine's were: the
+tiny random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
+``max_tokens`` asks, so every step's output is cut at the arm's generated tokens per
+request (median over its rounds), rounded up (``max_output_tokens``); a file without
+those counts keeps the trace's lengths.
 
 Arm (c), MORI's decisions on an engine that evicts by its own LRU, has no simulator
 policy and is left out. The table compares the cached share of prompt tokens, real ((GPU
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -97,9 +102,21 @@ def rates_of(settings: dict[str, Any]) -> tuple[float, float]:
     return recompute, reload
 
 
-def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str) -> SimConfig:
-    """The simulation of one bench arm: its workload and the engine's pools, and the
-    policy priced with the rates the real gateway was told."""
+def output_cap(runs: list[dict[str, Any]]) -> int | None:
+    """The real answers' length: the arm's generated tokens per completed request, the
+    median over its rounds, rounded up (None where the file does not say)."""
+    per_request: list[float | None] = [
+        int(r["generation_tokens"]) / int(r["requests_completed"]) for r in runs
+        if r.get("generation_tokens") is not None and r.get("requests_completed")]
+    mid = _median(per_request)
+    return max(1, math.ceil(mid)) if mid is not None else None
+
+
+def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
+               max_output: int | None = None) -> SimConfig:
+    """The simulation of one bench arm: its workload and the engine's pools, the
+    answers cut at ``max_output`` tokens (None: the trace's), and the policy priced with
+    the rates the real gateway was told."""
     block = int(settings.get("block_size", DEFAULT_BLOCK_SIZE))
     gpu = (int(settings["blocks"]) - 1) * block  # vLLM keeps one block aside
     # the host tier is write-through: the policy's CPU tier is what it holds beyond the
@@ -113,6 +130,7 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str) -> Si
         # smg and thunderagent: an engine without a host tier
         cpu_kv_tokens=cpu if policy not in ("smg", "thunderagent") else 0,
         token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
+        max_output_tokens=max_output,
         policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
 
 
@@ -135,7 +153,8 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
     one arm at one host-tier size) next to its simulation's."""
     arm = runs[0]
     policy = arm_policy(arm["arm"], settings)
-    result: RunResult = simulate(sim_config(settings, arm, policy), traces)
+    cap = output_cap(runs)
+    result: RunResult = simulate(sim_config(settings, arm, policy, cap), traces)
     window_s = float(settings["duration_s"]) / float(settings["time_scale"])
 
     def share(r: dict[str, Any], key: str) -> float | None:
@@ -167,6 +186,7 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
         "sim_gpu_kv_tokens": result.gpu_kv_capacity_tokens,
         "sim_cpu_kv_tokens": result.cpu_kv_capacity_tokens,
         "max_context": result.max_context,
+        "sim_max_output_tokens": cap,
     }
 
 
@@ -224,7 +244,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a text table."""
     headers = ("host tier", "arm", "sim policy", "real cached", "(GPU / CPU)", "sim cached",
                "(GPU / CPU)", "diff (pp)", f"within {WITHIN_PP:g} pp", "req/s real",
-               "req/s sim")
+               "req/s sim", "sim answers")
     out = []
     for r in rows:
         diff = "-" if r["diff_pp"] is None else f"{r['diff_pp']:+.1f}"
@@ -237,7 +257,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             _pct(r["sim_cached_share"]),
             f"{_pct(r['sim_cached_share_gpu'])} / {_pct(r['sim_cached_share_cpu'])}",
             diff, within, "-" if real_req is None else f"{real_req:.2f}",
-            f"{r['sim_requests_per_s']:.2f}"])
+            f"{r['sim_requests_per_s']:.2f}",
+            "trace" if r.get("sim_max_output_tokens") is None else
+            f"<= {r['sim_max_output_tokens']} tok"])
     right = [True, False, False] + [True] * (len(headers) - 3)
     return format_table(headers, out, right)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -28,7 +29,7 @@ def one_step(prompt: int = 1_000, output: int = 8) -> TraceSet:
     dict(time_scale=0.0), dict(time_scale=math.inf), dict(time_scale=-2.0),
     dict(gpu_kv_tokens=0), dict(hardware=TINY, gpu_kv_tokens=31),
     dict(cpu_kv_tokens=-1), dict(pcie_gbps=-5.0),
-    dict(pcie_gbps=math.inf),
+    dict(pcie_gbps=math.inf), dict(max_output_tokens=0),
 ])
 def test_bad_engine_settings_are_refused(bad: dict[str, object]) -> None:
     name = next(k for k in bad if k != "hardware")
@@ -65,6 +66,20 @@ def test_the_engine_sees_scaled_tokens() -> None:
     assert r.steps >= 1
     assert r.prompt_tokens % 1_500 == 0 and r.prompt_tokens >= r.steps * 1_500
     assert r.output_tokens >= r.steps * 2  # round(2.5) == 2
+
+
+def test_answers_are_cut_at_max_output_tokens() -> None:
+    """An engine whose model ends its answers early: each request decodes at most the
+    cap (after the token scale), the prompts unchanged."""
+    cfg = SimConfig(policy="smg", programs=1, duration_s=100, stagger_s=0, hardware=TINY,
+                    token_scale=0.01)
+    full = simulate(cfg, one_step(prompt=150_000, output=900))
+    cut = simulate(dataclasses.replace(cfg, max_output_tokens=3),
+                   one_step(prompt=150_000, output=900))
+    assert full.steps >= 1 and full.output_tokens >= full.steps * 9
+    assert cut.steps >= full.steps and cut.output_tokens == cut.steps * 3
+    assert cut.prompt_tokens % 1_500 == 0 and cut.prompt_tokens >= cut.steps * 1_500
+    assert "max_output_tokens" in RESULT_SETTINGS
 
 
 def test_max_context_stays_in_trace_tokens() -> None:

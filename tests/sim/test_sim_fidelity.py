@@ -125,3 +125,20 @@ def test_malformed_rates_are_a_clear_error(fidelity_mod: ModuleType, tmp_path: P
     path.write_text(json.dumps(doc), encoding="utf-8")
     assert fidelity_mod.main([str(path)]) == 2
     assert "policy_rates must hold" in capsys.readouterr().err
+
+
+def test_the_simulated_answers_are_as_long_as_the_engines(fidelity_mod: ModuleType) -> None:
+    """The real arm's generated tokens per request (median over its rounds), rounded up,
+    cut every simulated step's output; a file without those counts keeps the trace's."""
+    doc = bench_doc(cpu_blocks=256)
+    rounds = [dict(doc["arms"][0], generation_tokens=g, requests_completed=n, round=i)
+              for i, (g, n) in enumerate([(30, 20), (25, 17), (40, 20)], start=1)]
+    assert fidelity_mod.output_cap(rounds) == 2  # 1.5, 1.47, 2.0: median 1.5
+    assert fidelity_mod.output_cap([dict(rounds[0], generation_tokens=20)]) == 1
+    assert fidelity_mod.output_cap(doc["arms"][:1]) is None
+    doc["arms"] = rounds
+    (row,) = fidelity_mod.fidelity(doc, default_traces()).rows
+    assert row["sim_max_output_tokens"] == 2
+    cfg = fidelity_mod.sim_config(doc["settings"], rounds[0], "lru-offload", 2)
+    assert cfg.max_output_tokens == 2
+    assert "<= 2 tok" in fidelity_mod.table([row])

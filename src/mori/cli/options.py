@@ -256,6 +256,9 @@ OPTIONS: tuple[Option, ...] = (
                 "host-to-GPU link, which the policies also estimate with (default: the "
                 "preset's, see `mori presets`; 0: no usable link, no CPU tier is "
                 "simulated)"),
+    Option("max_output_tokens", int, _SIM.max_output_tokens, metavar="TOKENS",
+           help="cut every step's output at this many tokens (after --token-scale), as a "
+                "model that ends its answers early (default: the trace's lengths)"),
     Option("tick", float, _POLICY.tick_s, metavar="S", field="tick_s",
            help="period of the policy's control loop, seconds"),
     Option("idleness_window", int, _POLICY.idleness_window, metavar="K",

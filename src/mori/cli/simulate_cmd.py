@@ -66,6 +66,7 @@ class Settings:
     token_scale: float
     time_scale: float
     reload_gbps: float | None
+    max_output_tokens: int | None
     tick: float
     idleness_window: int
     acting_token_weight: float
@@ -110,7 +111,8 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   max_context=s.max_context, share_prefix=s.share_prefix,
                   gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
                   token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.reload_gbps,
-                  disk_ratio=disk, disk_kv_tokens=s.disk_kv_tokens, disk=s.disk,
+                  max_output_tokens=s.max_output_tokens, disk_ratio=disk,
+                  disk_kv_tokens=s.disk_kv_tokens, disk=s.disk,
                   policy_config=knobs)
         for hw in s.preset for cpu in s.cpu_ratio for disk in s.disk_ratio
         for n in s.programs for pol in s.policy

@@ -46,6 +46,10 @@ class SimConfig:
     - ``pcie_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
       the preset's (None: the preset's; 0: no usable link, so no CPU tier is simulated,
       as at CPU ratio 0).
+    - ``max_output_tokens``: every step's output is cut at this many tokens (after
+      ``token_scale``), as by a model that ends its answers early: the benchmark's
+      random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
+      ``max_tokens`` asks (None: the trace's lengths).
 
     The disk tier (a third pool per replica, under the CPU tier; ``mori.sim.kvcache``):
 
@@ -73,6 +77,7 @@ class SimConfig:
     token_scale: float = 1.0
     time_scale: float = 1.0
     pcie_gbps: float | None = None
+    max_output_tokens: int | None = None
     disk_ratio: float = 0.0
     disk_kv_tokens: int | None = None
     disk: str = "nvme-gen5"
@@ -98,6 +103,8 @@ class SimConfig:
                                                and self.pcie_gbps >= 0):
             problems.append(f"pcie_gbps must be a finite number >= 0 (got {self.pcie_gbps})")
         problems += self._kv_problems()
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            problems.append(f"max_output_tokens must be >= 1 (got {self.max_output_tokens})")
         if self.replicas < 1:
             problems.append(f"replicas must be >= 1 (got {self.replicas})")
         if self.cpu_ratio < 0:

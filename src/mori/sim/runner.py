@@ -235,7 +235,9 @@ class Simulation:
         now = self.loop.now
         shared = (min(live.trace.shared_prefix_tokens, s.prompt_tokens)
                   if self.config.share_prefix else 0)
-        live.req = SimRequest(live.pid, s.prompt_tokens, s.reuse_tokens, s.output_tokens, now,
+        cap = self.config.max_output_tokens
+        output = s.output_tokens if cap is None else min(cap, s.output_tokens)
+        live.req = SimRequest(live.pid, s.prompt_tokens, s.reuse_tokens, output, now,
                               shared=shared)
         self.c.requests += 1
         self.policy.observe(RequestArrived(live.pid, s.prompt_tokens), now)

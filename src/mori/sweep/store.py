@@ -73,7 +73,8 @@ OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1
                                      "acting_token_decay": False, "reload_gbps": None,
                                      "max_wait_s": None, "recompute_tok_s": None,
                                      "disk_ratio": 0.0, "disk_kv_tokens": None,
-                                     "disk": "nvme-gen5", "load_window_s": None}
+                                     "disk": "nvme-gen5", "load_window_s": None,
+                                     "max_output_tokens": None}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 OPTIONAL_MEASURES: dict[str, Any] = {"disk_hit_rate": 0.0, "disk_read_tokens": 0,
