@@ -28,7 +28,6 @@ import argparse
 import json
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_vllm_agents import split_cpus  # noqa: E402
+from bench_vllm_agents import engine_counters, split_cpus  # noqa: E402
 from calibrate_cpu_engine import Prompts, post, start_engine  # noqa: E402
 from vllm_arms import BLOCK_SIZE, block_bytes, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
-
-
-def counters(url: str) -> tuple[float, float]:
-    """The engine's GPU and host-tier prefix-cache hits (tokens), cumulative."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10.0) as r:
-        text = r.read().decode("utf-8", "replace")
-
-    def total(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith((name + "{", name + " ")))
-
-    return (total("vllm:prefix_cache_hits_total"),
-            total("vllm:external_prefix_cache_hits_total"))
 
 
 def probe(url: str, prompts: Prompts, size: int, after: list[int]) -> list[dict[str, Any]]:
@@ -66,11 +52,12 @@ def probe(url: str, prompts: Prompts, size: int, after: list[int]) -> list[dict[
         for _ in range(k):
             out = post(url + "/v1/completions", {**body, "prompt": prompts.of(size)})
             fresh += int(out["usage"]["prompt_tokens"])
-        gpu0, host0 = counters(url)
+        before = engine_counters(url)
         post(url + "/v1/completions", body)
-        gpu1, host1 = counters(url)
+        later = engine_counters(url)
         rows.append({"after": k, "fresh_tokens": fresh, "prompt_tokens": tokens,
-                     "gpu_hit": int(gpu1 - gpu0), "host_hit": int(host1 - host0)})
+                     "gpu_hit": int(later["hits"] - before["hits"]),
+                     "host_hit": int(later["cpu_hits"] - before["cpu_hits"])})
         print(f"after {k} prompts ({fresh:,} fresh tokens): {rows[-1]['gpu_hit']} from the "
               f"GPU, {rows[-1]['host_hit']} from the host tier, of {tokens}",
               file=sys.stderr, flush=True)
