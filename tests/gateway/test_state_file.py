@@ -50,6 +50,35 @@ def test_a_state_file_round_trips_and_is_replaced_whole(tmp_path: Path) -> None:
     assert SavedState(1000.0, H).aged(1010.0)["a"] == IdlenessHistory(H["a"].cycles, 2.0, 14.0)
 
 
+def test_a_planted_symlink_is_never_followed(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Links planted at the temporary names the gateway draws (the old predictable one,
+    and the first random one) and at the state file itself: no target is written."""
+    import os
+
+    import mori.gateway.state as state_mod
+
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious")
+    path = tmp_path / "state.json"
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(state_mod.secrets, "token_hex", lambda n: next(names))
+    for name in (f".state.json.{os.getpid()}.tmp", ".state.json.planted.tmp"):
+        (tmp_path / name).symlink_to(target)
+    write_state(path, encode(H.items(), 1000.0))
+    assert target.read_bytes() == b"precious"
+    assert read_state(path) == SavedState(1000.0, H)
+    assert not (tmp_path / ".state.json.fresh.tmp").exists()  # renamed over the file
+    assert (tmp_path / ".state.json.planted.tmp").is_symlink()  # left as it was
+    # the state file itself a link: the link is replaced, its target untouched
+    path.unlink()
+    path.symlink_to(target)
+    monkeypatch.setattr(state_mod.secrets, "token_hex", lambda n: "again")
+    write_state(path, encode(H.items(), 1001.0))
+    assert target.read_bytes() == b"precious"
+    assert not path.is_symlink() and read_state(path).written_at == 1001.0
+
+
 @pytest.mark.parametrize("content, fault", [
     (b'{"format": "mori-gateway-state", "version": 1, "written_at": 1, "progr', "not JSON"),
     (b'{"traceEvents": []}', "not a MORI gateway state file"),

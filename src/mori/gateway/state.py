@@ -9,7 +9,10 @@ rank. The time the gateway was down counts as tool time of a program that was in
 call.
 
 The file is JSON, written whole to a temporary file beside it and renamed over it (an
-atomic replace), so a crash leaves the last whole snapshot. One that cannot be read (torn,
+atomic replace), so a crash leaves the last whole snapshot. The temporary file has a
+random name and is created exclusively, never through a symbolic link, so a link planted
+in the folder cannot make the gateway write elsewhere; renaming over ``FILE`` replaces a
+link there rather than writing to its target. One that cannot be read (torn,
 not JSON, another format or version) is ignored with a warning naming the file and the
 fault: programs then start with no history, as without ``--state``.
 
@@ -24,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -77,12 +81,24 @@ def encode(histories: Iterable[tuple[str, IdlenessHistory]], written_at: float) 
 
 
 def write_state(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically (a temporary file beside it, flushed to
-    disk, renamed over it)."""
+    """Replace ``path`` by ``data`` atomically: a temporary file beside it, with a random
+    name, created exclusively and never through a symbolic link (``O_CREAT | O_EXCL |
+    O_NOFOLLOW``, mode 0600), flushed to disk, renamed over it. A link planted at any
+    name the gateway might use is not followed: its target is never written."""
     p = Path(path)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = p.with_name(f".{p.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o600)
+            break
+        except FileExistsError:  # taken (planted, or a coincidence): another name
+            continue
+    else:  # pragma: no cover - 100 random names all taken
+        raise FileExistsError(f"{p}: no free temporary name beside it")
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
