@@ -7,11 +7,13 @@ import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import textwrap
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from mori.cli.config_file import ConfigError, load_config, valid_keys
@@ -129,6 +131,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     cfg = ServeConfig(settings=settings, **serve)
     try:
         cfg.settings = with_keys(cfg, os.environ)
+        cfg.policy_connections = policy_connections(os.environ, cfg.policy_connections)
     except ValueError as e:
         raise ServeUsageError(str(e)) from None
     if cfg.preset not in PRESETS:
@@ -201,6 +204,42 @@ def with_keys(cfg: ServeConfig, env: Mapping[str, str]) -> GatewaySettings:
                                admin_keys=tuple(dict.fromkeys(admin)))
 
 
+POLICY_CONNECTIONS_ENV = "MORI_POLICY_CONNECTIONS"
+"""With ``--workers`` > 1: how many connections the policy process serves itself before
+it hands new ones to the workers (default 2). ``0`` puts every connection on a worker,
+which is how the tests run the agents and the APIs through workers."""
+
+
+def policy_connections(env: Mapping[str, str], default: int) -> int:
+    """``MORI_POLICY_CONNECTIONS`` from ``env`` (``default`` if unset); ``ValueError``
+    for anything but an integer >= 0."""
+    raw = env.get(POLICY_CONNECTIONS_ENV, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{POLICY_CONNECTIONS_ENV} must be an integer >= 0 (got {raw!r}): "
+                         "the connections the policy process serves itself with --workers")
+    return int(raw)
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM stop the gateway as Ctrl-C (SIGINT) does. uvicorn shuts down
+    gracefully on either, then raises the signal again for the handler it found: for
+    SIGINT, the event loop runner's, which cancels the gateway's task so that its own
+    clean-up runs (workers stopped, the temp folder removed); SIGTERM's default action
+    would end the process there and skip it. So SIGTERM calls SIGINT's handler of the
+    moment."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 class EmbeddedServerFilter(logging.Filter):
     """Drops what the embedded engines' uvicorn servers log below WARNING.
 
@@ -255,6 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"mori serve: listening on {url} (policy {cfg.settings.policy}, {where})",
               flush=True)
 
+    terminate_as_interrupt()
     try:
         run_loop(run_gateway(cfg, ready))
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -77,6 +77,8 @@ class Gateway:
         self.capacities: list[KVCapacity] = []
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
+        self.model_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
+        """Called with the served models whenever the list changes (the workers' hub)."""
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
         self.aliases = ModelAliases.parse(settings.model_aliases)
         self.dashboard = LiveDashboard(self)
@@ -122,8 +124,9 @@ class Gateway:
         self.controller = Controller(policy, self.adapters, self.metrics, self.settings)
         if self.settings.record is not None:
             try:
-                self.controller.recorder = TraceRecorder(self.settings.record,
-                                                         keep_text=self.settings.record_text)
+                self.controller.recorder = TraceRecorder(
+                    self.settings.record, keep_text=self.settings.record_text,
+                    text_max_bytes=self.settings.record_text_max_bytes)
             except (TraceError, OSError) as e:
                 raise RuntimeError(f"--record: {e}") from e
         self.metrics.watch(self.state)
@@ -171,9 +174,11 @@ class Gateway:
 
     async def refresh_models(self) -> None:
         seen = await served_models(self.adapters)
-        if seen:
+        if seen and list(seen.values()) != self.models:
             self.models = list(seen.values())
             self.model_ids = frozenset(seen)
+            for tell in self.model_listeners:
+                tell(self.models)
 
     def state(self) -> GatewayState | None:
         """What ``/metrics`` reports of the current state (None before startup)."""

@@ -16,6 +16,14 @@ The messages (``W>`` from a worker, ``P>`` from the policy process):
   context, step}``: the lease's events (``mori.gateway.lease``); ``facts`` and ``step`` are ``mori.gateway.agents``'s
   ``RequestFacts`` and ``StepFacts`` as dicts.
 - ``W> counts {...}``: the worker's metric increments since its last report.
+- ``W> models {id}`` / ``P> models {id, models}``: the engines' served models, asked
+  again (a request named a model the worker's list lacks); the policy process also sends
+  ``P> models {models}`` (``id`` -1) whenever its list changes, and ``hello`` carries it.
+  The list is the policy process's: workers never ask the engines themselves.
+
+A frame may hold a request's text (``facts``, with ``--record-text``), so the largest one
+follows the gateway's ``max_body_bytes`` (``frame_limit``); a frame beyond it is refused
+where it is written (``FrameTooLarge``), so the link itself never breaks on one.
 """
 
 from __future__ import annotations
@@ -33,22 +41,41 @@ _LEN = struct.Struct(">I")
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(dict).decode
 MAX_FRAME = 64 * 1024 * 1024
+"""The least frame limit (``frame_limit``)."""
+FRAME_SLACK = 1024 * 1024
+"""Room in a frame beyond the request text it may carry: ids, counts, the map's keys."""
 
 
-def frame(msg: dict[str, Any]) -> bytes:
+def frame_limit(max_body_bytes: int) -> int:
+    """The largest frame of a gateway whose request bodies are at most ``max_body_bytes``:
+    a request's text (no longer than its JSON body) and ``FRAME_SLACK``, at least
+    ``MAX_FRAME``; both ends of a link use the same settings, so the same limit."""
+    return max(MAX_FRAME, max_body_bytes + FRAME_SLACK)
+
+
+class FrameTooLarge(ValueError):
+    """A message larger than the link's frame limit: refused before it is written."""
+
+
+def frame(msg: dict[str, Any], limit: int = MAX_FRAME) -> bytes:
     data = _encode(msg)
+    if len(data) > limit:
+        raise FrameTooLarge(f"an IPC message of {len(data)} bytes exceeds the link's limit "
+                            f"of {limit} bytes")
     return _LEN.pack(len(data)) + data
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    """The next message, None at the end of the stream."""
+async def read_frame(reader: asyncio.StreamReader,
+                     limit: int = MAX_FRAME) -> dict[str, Any] | None:
+    """The next message, None at the end of the stream; ``ValueError`` for a frame over
+    ``limit`` bytes (the peer is not a gateway process of the same settings)."""
     try:
         head = await reader.readexactly(4)
     except asyncio.IncompleteReadError:
         return None
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise ValueError(f"an IPC frame of {n} bytes exceeds {MAX_FRAME}")
+    if n > limit:
+        raise ValueError(f"an IPC frame of {n} bytes exceeds the limit of {limit} bytes")
     try:
         data = await reader.readexactly(n)
     except asyncio.IncompleteReadError:
@@ -59,18 +86,20 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
 
 class FrameWriter:
     """Writes frames to a stream, the frames of one turn of the event loop together (one
-    system call for many messages under load)."""
+    system call for many messages under load); ``FrameTooLarge`` for a message over
+    ``limit`` (nothing written)."""
 
-    __slots__ = ("writer", "_buf", "_scheduled", "_loop")
+    __slots__ = ("writer", "limit", "_buf", "_scheduled", "_loop")
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, limit: int = MAX_FRAME) -> None:
         self.writer = writer
+        self.limit = limit
         self._loop = asyncio.get_running_loop()
         self._buf: list[bytes] = []
         self._scheduled = False
 
     def write(self, msg: dict[str, Any]) -> None:
-        self._buf.append(frame(msg))
+        self._buf.append(frame(msg, self.limit))
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self._flush)
@@ -90,10 +119,12 @@ class WorkerLink:
     """A worker's connection to the policy process: ``call`` awaits an answer, ``send``
     does not."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 limit: int = MAX_FRAME) -> None:
         self.reader = reader
         self.writer = writer
-        self._out = FrameWriter(writer)
+        self.limit = limit
+        self._out = FrameWriter(writer, limit)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._pump: asyncio.Task[None] | None = None
@@ -102,9 +133,11 @@ class WorkerLink:
         """Called with each message that answers no call (the policy process's own)."""
 
     @classmethod
-    async def connect(cls, path: str) -> WorkerLink:
+    async def connect(cls, path: str, limit: int = MAX_FRAME) -> WorkerLink:
+        """A link to the policy process's hub at ``path``, frames up to ``limit`` bytes
+        (``frame_limit`` of the gateway's settings)."""
         reader, writer = await asyncio.open_unix_connection(path)
-        link = cls(reader, writer)
+        link = cls(reader, writer, limit)
         link._pump = asyncio.create_task(link._read_loop())
         return link
 
@@ -112,6 +145,8 @@ class WorkerLink:
         return next(self._ids)
 
     def send(self, msg: dict[str, Any]) -> None:
+        """Queue ``msg``; ``LinkClosed`` once the policy process is gone, ``FrameTooLarge``
+        for a message over the frame limit (the link goes on)."""
         if self.closed:
             raise LinkClosed("the policy process is gone")
         self._out.write(msg)
@@ -129,7 +164,7 @@ class WorkerLink:
 
     async def _read_loop(self) -> None:
         try:
-            while (msg := await read_frame(self.reader)) is not None:
+            while (msg := await read_frame(self.reader, self.limit)) is not None:
                 fut = self._waiting.get(msg.get("id", -1))
                 if fut is not None and not fut.done():
                     fut.set_result(msg)

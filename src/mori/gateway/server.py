@@ -35,7 +35,7 @@ from mori.engines.registry import parse_backend
 from mori.gateway.app import Gateway, create_app
 from mori.gateway.bounds import ConnectionBounds, ConnectionGuard
 from mori.gateway.config import GatewaySettings
-from mori.gateway.handoff import Dealer, Served, protocol_factory
+from mori.gateway.handoff import KEEP, Dealer, Served, protocol_factory
 from mori.gateway.worker_pool import (
     WorkerHub,
     WorkerSpec,
@@ -62,6 +62,9 @@ class ServeConfig:
     engine_script: Path | None = None  # the simulated engines' scripted answers
     log_level: str = "info"
     workers: int = 1  # gateway processes (1: the policy process alone)
+    # with workers, the connections the policy process serves itself before handing new
+    # ones on (mori.gateway.handoff; 0: every connection to a worker, as tests use)
+    policy_connections: int = KEEP
     api_key_file: Path | None = None
     admin_key_file: Path | None = None
     allow_unauthenticated: bool = False
@@ -163,8 +166,9 @@ async def run_gateway(cfg: ServeConfig,
         if cfg.workers > 1:
             backends = cfg.backends or [sim_backend_spec(a) for a in adapters]
             counted = app.state.gateway.metrics.connections
-            dealer = Dealer(sock, Served(protocol_factory(server)), on_dealt=lambda w: counted
-                            .labels("policy" if w == 0 else f"worker{w}").inc())
+            dealer = Dealer(sock, Served(protocol_factory(server)), cfg.policy_connections,
+                            on_dealt=lambda w: counted.labels(
+                                "policy" if w == 0 else f"worker{w}").inc())
             hub, procs, restart = await start_workers(cfg, app.state.gateway, backends,
                                                       dealer, sockets[1].getsockname()[1],
                                                       tmp)

@@ -7,8 +7,10 @@ serves the first itself and hands the others to ``N - 1`` worker processes
 checks keys and forwards to the engines itself; for admission it asks the policy process
 over a local socket (``mori.gateway.ipc``) and reports the lease's events back, so the
 policy sees every arrival, KV-ready and step end as it would in one process.
-``WorkerHub`` serves those requests with the local ``Controller``; ``spawn_worker``
-starts a process.
+``WorkerHub`` serves those requests with the local ``Controller`` and keeps the workers'
+list of served models the policy process's own (sent at ``hello`` and on every change,
+refreshed on a worker's asking), so a model name maps alike in every process;
+``spawn_worker`` starts a process.
 
 A worker that goes away has its admissions cancelled and its leases finished (context
 unchanged), so no program is left Reasoning; ``keep_workers`` starts it again (new
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from mori.engines.base import UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.held import GateRejected
-from mori.gateway.ipc import FrameWriter, read_frame
+from mori.gateway.ipc import FrameWriter, frame_limit, read_frame
 from mori.gateway.lease import RequestLease
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ log = logging.getLogger("mori.gateway")
 @dataclass(eq=False)
 class _Peer:
     writer: asyncio.StreamWriter
+    limit: int
     worker: str = "?"
     admitting: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     leases: dict[int, RequestLease] = field(default_factory=dict)
@@ -50,23 +53,43 @@ class _Peer:
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.out is None:
-            self.out = FrameWriter(self.writer)
+            self.out = FrameWriter(self.writer, self.limit)
         self.out.write(msg)
 
 
 class WorkerHub:
     """Serves the workers' admissions and lease events with the policy process's
-    controller; ``hellos`` counts the workers that have connected."""
+    controller, and its list of served models; ``hellos`` counts the workers that have
+    connected."""
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.server: asyncio.AbstractServer | None = None
         self.hellos = 0
+        self.limit = frame_limit(gw.settings.max_body_bytes)
         self._peers: set[_Peer] = set()
+        self._refresh: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, path: str) -> None:
         self.server = await asyncio.start_unix_server(self._serve, path)
         self.gw.ctl.replica_listeners.append(self._replica_changed)
+        self.gw.model_listeners.append(self._models_changed)
+
+    def _models_changed(self, models: list[dict[str, Any]]) -> None:
+        """The policy process's list changed: every worker gets it."""
+        for peer in list(self._peers):
+            with contextlib.suppress(Exception):
+                peer.send({"op": "models", "id": -1, "models": models})
+
+    async def _send_models(self, peer: _Peer, rid: int) -> None:
+        """A worker asked: refresh the list (one refresh for the askers of the moment)
+        and answer with it."""
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.create_task(self.gw.refresh_models())
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._refresh)
+        peer.send({"op": "models", "id": rid, "models": self.gw.models})
 
     def _replica_changed(self, replica: int, healthy: bool, why: str) -> None:
         """A replica went down: the workers end their requests in flight there too."""
@@ -80,14 +103,18 @@ class WorkerHub:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+        with contextlib.suppress(ValueError):
+            self.gw.model_listeners.remove(self._models_changed)
+        for task in self._tasks:
+            task.cancel()
         for peer in list(self._peers):
             peer.writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _Peer(writer)
+        peer = _Peer(writer, self.limit)
         self._peers.add(peer)
         try:
-            while (msg := await read_frame(reader)) is not None:
+            while (msg := await read_frame(reader, self.limit)) is not None:
                 self._handle(peer, msg)
         except (ConnectionError, ValueError) as e:
             log.warning("worker %s: the link failed: %s", peer.worker, e)
@@ -127,10 +154,15 @@ class WorkerHub:
                 lease.finish(lease.prompt_tokens)
         elif op == "counts":
             self._count(peer, msg)
+        elif op == "models":
+            task = asyncio.create_task(self._send_models(peer, rid))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         elif op == "hello":
             peer.worker = str(msg.get("worker", "?"))
             self.hellos += 1
-            peer.send({"op": "hello", "id": rid, "gpu_tokens": self.gw.gpu_tokens()})
+            peer.send({"op": "hello", "id": rid, "gpu_tokens": self.gw.gpu_tokens(),
+                       "models": self.gw.models})
 
     async def _admit(self, peer: _Peer, msg: dict[str, Any]) -> None:
         rid = msg["id"]

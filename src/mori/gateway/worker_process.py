@@ -9,7 +9,9 @@ events (KV ready, an engine failure, the step's end) are sent there as they happ
 worker forwards to the engines itself, through its own adapters (built from the same
 backend specs, used for forwarding only). Every other endpoint (programs, decisions,
 metrics, ...) is passed on to the policy process (``passthrough``: keys checked and the
-body bounded before anything is read). Connections are served within the same bounds as
+body bounded before anything is read). The served models that ``--model-alias`` maps
+onto are the policy process's list (``WorkerGateway.refresh_models`` asks it; it sends
+the list at ``hello`` and on every change), so a name resolves alike in every process. Connections are served within the same bounds as
 in the policy process (``mori.gateway.bounds``). The worker's metric increments are
 sent to the policy process twice a second, so ``/metrics`` counts every process.
 
@@ -51,7 +53,7 @@ from mori.gateway.endpoint import (
 )
 from mori.gateway.handoff import Served, protocol_factory, take_connections
 from mori.gateway.held import GateRejected
-from mori.gateway.ipc import LinkClosed, WorkerLink
+from mori.gateway.ipc import FrameTooLarge, LinkClosed, WorkerLink, frame_limit
 from mori.gateway.lease import warm_up
 from mori.gateway.worker_pool import WorkerSpec
 from mori.protocol.errors import RequestError
@@ -198,6 +200,9 @@ class RemoteAdmitter:
         except LinkClosed:
             raise GateRejected(503, "the gateway's policy process is unavailable; retry later",
                                5.0) from None
+        except FrameTooLarge as e:  # refused before it was sent: the link goes on
+            raise GateRejected(413, f"the request is too large to admit: {e}; lower its "
+                               "size (or raise --max-body-bytes)") from None
         except BaseException:  # the client left while its request waited
             with contextlib.suppress(LinkClosed):
                 self.link.send({"op": "abandon", "id": rid})
@@ -210,7 +215,8 @@ class RemoteAdmitter:
 
 
 class WorkerGateway:
-    """A worker's gateway state (``mori.gateway.interfaces.Serving``)."""
+    """A worker's gateway state (``mori.gateway.interfaces.Serving``); its served models
+    are the policy process's (``set_models``, ``refresh_models``)."""
 
     def __init__(self, settings: GatewaySettings, adapters: list[EngineAdapter],
                  link: WorkerLink, gpu_tokens: int) -> None:
@@ -235,11 +241,25 @@ class WorkerGateway:
     def anonymous_id(self) -> str:
         return anonymous_program_id()
 
+    def set_models(self, models: Any) -> None:
+        """The policy process's list of served models (an empty one changes nothing)."""
+        if isinstance(models, list) and models:
+            rows = [m for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            self.models, self.model_ids = rows, frozenset(m["id"] for m in rows)
+
     async def refresh_models(self) -> None:
-        from mori.gateway.app import served_models
-        seen = await served_models(self.adapters)
-        if seen:
-            self.models, self.model_ids = list(seen.values()), frozenset(seen)
+        """Ask the policy process to read the engines' models again, and take its list."""
+        with contextlib.suppress(LinkClosed):
+            self.set_models((await self.link.call({"op": "models"})).get("models"))
+
+    def on_message(self, msg: dict[str, Any]) -> None:
+        """A message of the policy process's own (``WorkerLink.on_message``)."""
+        op = msg.get("op")
+        if op == "models":
+            self.set_models(msg.get("models"))
+        elif op == "abort" and 0 <= int(msg.get("replica", -1)) < len(self.adapters):
+            # the policy process gave up on a replica: end this worker's requests there too
+            self.adapters[int(msg["replica"])].abort_requests(str(msg.get("reason", "")))
 
 
 def passthrough(policy_url: str, session: aiohttp.ClientSession, gw: WorkerGateway) -> Route:
@@ -293,21 +313,16 @@ async def serve_worker(spec: WorkerSpec) -> None:
                                   "policy_config": PolicyConfig(**spec.settings["policy_config"]),
                                   "api_keys": tuple(spec.settings["api_keys"]),
                                   "admin_keys": tuple(spec.settings["admin_keys"])})
-    link = await WorkerLink.connect(spec.ipc_path)
-    hello = await link.call({"op": "hello", "worker": str(spec.worker)})
+    link = await WorkerLink.connect(spec.ipc_path, frame_limit(settings.max_body_bytes))
     adapters = [parse_backend(b).build() for b in spec.backends]
-
-    def on_message(msg: dict[str, Any]) -> None:
-        # the policy process gave up on a replica: end this worker's requests there too
-        if msg.get("op") == "abort" and 0 <= int(msg.get("replica", -1)) < len(adapters):
-            adapters[int(msg["replica"])].abort_requests(str(msg.get("reason", "")))
-
-    link.on_message = on_message
     for a in adapters:
         a.first_byte_timeout_s = settings.first_byte_timeout_s
-        # forwarding (and model lists, tokenize) only: no KV-event subscription here
+        # forwarding (and tokenize) only: no KV-event subscription here
         await OpenAIHTTPAdapter.start(a)  # type: ignore[arg-type]
+    hello = await link.call({"op": "hello", "worker": str(spec.worker)})
     gw = WorkerGateway(settings, adapters, link, int(hello["gpu_tokens"]))
+    gw.set_models(hello.get("models"))
+    link.on_message = gw.on_message
     # its pooled connections to the policy process's listener are let go before that
     # listener's keep-alive timeout would close them under a request
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
