@@ -3,16 +3,25 @@ to a canonical trace file one line per ended program."""
 
 from __future__ import annotations
 
+import builtins
 import gzip
 import json
 import logging
+import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
+import mori.gateway.record as record_mod
 from mori.cli.main import main as mori_main
-from mori.gateway.record import StepRecord, TraceRecorder, check_record_file
+from mori.gateway.record import (
+    TEXT_CUT_MARKER,
+    StepRecord,
+    TraceRecorder,
+    check_record_file,
+)
 from mori.traces import (
     GapKind,
     ProgramTrace,
@@ -24,7 +33,7 @@ from mori.traces import (
     read_traceset,
     write_traceset,
 )
-from mori.traces.jsonl import TornLine
+from mori.traces.jsonl import TornLine, encode_program
 
 T0 = 1_700_000_000.0  # wall-clock seconds
 
@@ -174,6 +183,7 @@ def test_each_line_is_flushed_when_its_program_ends(tmp_path: Path) -> None:
     for n in range(3):
         r.step(f"p{n}", rec(n, n + 0.5))
         r.end(f"p{n}", T0 + n + 1)
+        r.flush()  # written by the writer thread, off the caller's
         # readable while the recorder is open, as after a crash
         assert [p.name for p in read_traceset(path).programs] == [f"p{i}" for i in range(n + 1)]
     r.close(T0 + 9)
@@ -217,8 +227,10 @@ def test_a_torn_last_line_is_cut_before_appending(tmp_path: Path, suffix: str,
 @pytest.mark.parametrize(("name", "content", "message"), [
     ("notes.jsonl", b'{"role": "user"}\n', "line 1: not a header"),
     ("notes.jsonl.gz", b"plain text\n", "line 1: cannot read"),
-    ("broken.jsonl", b'{"format":"mori-trace","version":2,"name":"s"}\n{oops\n{}\n',
-     "line 2, column 2: invalid JSON"),
+    ("broken.jsonl", b'{"format":"mori-trace","version":2,"name":"s"}\n{}\n{oops\n',
+     "its last line: invalid JSON"),
+    ("broken.jsonl.gz", gzip.compress(b'{"format":"mori-trace","version":2,"name":"s"}\n')
+     + b"not a gzip member" * 4, "no whole gzip member ends it"),
     ("trace.txt", b"", "must end in .jsonl or .jsonl.gz"),
 ])
 def test_a_file_that_is_no_trace_is_refused(tmp_path: Path, name: str, content: bytes,
@@ -249,6 +261,107 @@ def test_text_only_when_kept(tmp_path: Path) -> None:
         steps = lines(path)[1]["steps"]
         assert [s.get("text") for s in steps] == (
             ["secret prompt", None] if keep else [None, None])
+
+
+def test_text_is_capped_per_program_with_a_marker(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    r = TraceRecorder(path, keep_text=True, text_max_bytes=100)
+    r.step("p", rec(0.0, 1.0, text="a" * 60))
+    r.step("p", rec(2.0, 3.0, text="\u00e9" * 30))  # 60 bytes: 40 fit, a character cut
+    r.step("p", rec(4.0, 5.0, text="later"))
+    r.step("p", rec(6.0, 7.0, text=""))
+    r.step("q", rec(0.0, 1.0, text="b" * 100))  # its own bound: whole
+    r.close(T0 + 8)
+    by_name = {obj["name"]: [st.get("text") for st in obj["steps"]]
+               for obj in lines(path)[1:]}
+    assert by_name["p"] == ["a" * 60, "\u00e9" * 20 + TEXT_CUT_MARKER, TEXT_CUT_MARKER, ""]
+    assert by_name["q"] == ["b" * 100]
+    # what an open program holds is bounded too, not only what is written
+    r = TraceRecorder(tmp_path / "held.jsonl", keep_text=True, text_max_bytes=1000)
+    for i in range(20):
+        r.step("big", rec(i, i + 0.5, text="x" * 100_000))
+    held = sum(len(s.text or "") for s in r._open["big"].steps)
+    assert held <= 1000 + 20 * len(TEXT_CUT_MARKER)
+    r.close(T0 + 30)
+
+
+def test_lines_are_encoded_and_written_off_the_callers_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    real = encode_program
+
+    def spy(*args: Any, **kwargs: Any) -> bytes:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(record_mod, "encode_program", spy)
+    r = TraceRecorder(tmp_path / "rec.jsonl.gz", keep_text=True)
+    for n in range(3):
+        r.step(f"p{n}", rec(n, n + 0.5, text="t" * 1000))
+        r.end(f"p{n}", T0 + n + 1)
+    r.close(T0 + 9)
+    assert threads == ["mori record"] * 3
+    assert r.written == 3
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_reopening_reads_the_head_and_the_tail_not_the_whole_file(
+        tmp_path: Path, suffix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / f"rec{suffix}"
+    r = TraceRecorder(path, keep_text=True, text_max_bytes=1 << 20)
+    for n in range(24):  # 12 MB of text, 7 MB gzipped
+        r.step(f"p{n}", rec(n, n + 0.5, text=os.urandom(256 * 1024).hex()))
+        r.end(f"p{n}", T0 + n + 1)
+    r.close(T0 + 30)
+    size = path.stat().st_size
+    assert size > 6 * 1024 * 1024
+    read = [0]
+
+    class Counting:
+        def __init__(self, f: IO[bytes]) -> None:
+            self.f = f
+            self.name = f.name
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+        def __enter__(self) -> Counting:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.f.read(n)
+            read[0] += len(data)
+            return data
+
+        def readline(self, n: int = -1) -> bytes:
+            data = self.f.readline(n)
+            read[0] += len(data)
+            return data
+
+    real_open = builtins.open
+
+    def counting_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(file, mode, *args, **kwargs)
+        return Counting(f) if mode == "rb" else f
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    check_record_file(path)
+    assert read[0] < 3 * 1024 * 1024, f"{read[0]} of {size} bytes read to check the file"
+    # and a torn last line (a crash while writing one) is still found from the end
+    with open(path, "ab") as f:
+        f.write(gzip.compress(b'{"name": "torn"}\n')[:-9] if suffix == ".jsonl.gz"
+                else b'{"name": "to')
+    read[0] = 0
+    r = TraceRecorder(path)
+    r.step("after", rec(0.0, 1.0))
+    r.close(T0 + 40)
+    assert read[0] < 3 * 1024 * 1024
+    monkeypatch.undo()
+    names = [p.name for p in read_traceset(path).programs]
+    assert names == [f"p{n}" for n in range(24)] + ["after"]
 
 
 ODD = ["k0/session-abc", "anon-\u00e9\u6f22 \"quoted\"\n\ttab", "../../etc/passwd", ""]

@@ -346,6 +346,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
                 "unless --record-text"),
     Option("record_text", bool, _GATEWAY.record_text,
            help="keep each step's new prompt text in the --record file (default: off)"),
+    Option("record_text_max_bytes", int, _GATEWAY.record_text_max_bytes, metavar="N",
+           help="with --record-text: keep at most N bytes (UTF-8) of one program's prompt "
+                "text; text past it is cut and replaced by the marker '"
+                "[... cut: over --record-text-max-bytes]' (default 1 MiB)"),
     Option("state", str, None, metavar="FILE.json",
            help="keep the programs' idleness histories in this file across a restart: "
                 "written atomically every --state-interval and at shutdown, read at "

@@ -38,11 +38,21 @@ and never frees a descriptor). So every gateway process (the policy process and 
   ``Retry-After`` and closed. One warning says so when the cap binds (then at most one a
   minute, with counts).
 
-An answer sent before its request's body was read whole (these refusals, or an app that
-answers without reading the body: 401, 404) ends the connection with a lingering close:
-the write side is shut after the answer and what the client still sends is read and
-dropped for up to ``LINGER_S``, so the client reads the answer rather than a reset. Every
-answer given here is JSON in OpenAI's error shape (Anthropic's on the Messages paths).
+- malformed HTTP (a raw CR or NUL in a header, a bad or duplicated ``Content-Length``,
+  ``Content-Length`` with ``Transfer-Encoding``, no HTTP at all, a URL that cannot be
+  parsed): answered 400 with what the parser found, and the connection closed, in place
+  of uvicorn's plain-text 400.
+
+After a refusal given here (400, 408, 413, 431, 503) nothing more is read: the answer is
+sent, the write side shut, reading stopped, and the connection closed ``LINGER_S`` later
+(or at once if anything more is read), so what the client still sends waits in the
+kernel's buffers, unread, until the close. An app that answers before its request's body
+was read whole (401, 404) gets a lingering close: what the client still sends is read and
+dropped, at most ``LINGER_BYTES`` of it and for at most ``LINGER_S``, so a client that
+sends the rest of a small body reads the answer and a clean end rather than a reset.
+(Linux keeps an answer already received readable after a reset.) Every answer given here
+is JSON in OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``;
+Anthropic's on the Messages paths).
 The timeouts are checked by one sweep per process every ``ConnectionGuard.tick`` (a
 quarter of the shortest, at most 0.5 s), not by a timer per request.
 """
@@ -72,8 +82,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("mori.gateway")
 
 LINGER_S = 2.0
-"""After an answer sent before its request's body was read whole: how long what the
-client still sends is read and dropped before the connection is closed."""
+"""After an answer sent before its request's body was read whole: how long until the
+connection is closed."""
+LINGER_BYTES = 64 * 1024
+"""After an app's answer sent before its request's body was read whole: the most of what
+the client still sends that is read and dropped (beyond, the connection is closed). None
+at all after a refusal."""
 LOG_EVERY_S = 60.0
 """The connection cap's warning: at most one this often."""
 
@@ -248,6 +262,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.chunks = 0
         self.heads = 0  # heads completed on this connection
         self._refusal: tuple[int, str, str, RequestResponseCycle | None] | None = None
+        self.linger_left = 0  # lingering: bytes that may still be read and dropped
 
     # the connection
 
@@ -274,8 +289,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         phase = self.phase
-        if phase == _DONE:
-            return  # lingering: dropped
+        if phase == _DONE:  # lingering: dropped, within its budget
+            self.linger_left -= len(data)
+            if self.linger_left < 0:
+                self.close_now()
+            return
         if phase <= _IDLE:  # a request begins
             self.guard.idle.pop(self, None)
             if phase == _IDLE:
@@ -320,16 +338,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as e:
             refusal, self._refusal = self._refusal, None
             if refusal is not None:
                 self._refuse(*refusal)
                 return
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.phase = _DONE
-            self.deadline = math.inf
-            self.send_400_response(msg)
+            fault = _parser_fault(e)
+            self.logger.warning("Invalid HTTP request received: %s", fault)
+            self._refuse(400, f"malformed HTTP request: {fault}; send HTTP/1.1 with "
+                         "header values free of control characters and at most one of "
+                         "a numeric Content-Length or Transfer-Encoding: chunked",
+                         "invalid_http_request", None)
 
     # the parser's callbacks
 
@@ -417,18 +436,24 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             mine.disconnected = True
             mine.message_event.set()
         self.transport.write(self._answer(status, message, code))
-        self._linger()
+        self._linger(0)
 
-    def _linger(self) -> None:
+    def _linger(self, budget: int = LINGER_BYTES) -> None:
+        """End the connection after an answer: shut the write side, read and drop at most
+        ``budget`` more bytes (0: stop reading), close at ``LINGER_S``."""
         self.phase = _DONE
         self.deadline = self.loop.time() + LINGER_S
+        self.linger_left = budget
         self._unset_keepalive_if_required()
         self.guard.idle.pop(self, None)
         self.guard.lingering[self] = None
         t = self.transport
         if t.is_closing():
             return
-        self.flow.resume_reading()  # read what still comes, and drop it
+        if budget > 0:
+            self.flow.resume_reading()  # read what still comes, and drop it
+        else:
+            self.flow.pause_reading()  # nothing more is read
         if t.can_write_eof():
             try:
                 t.write_eof()
@@ -457,5 +482,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         return b"".join(out)
 
 
-__all__ = ["LINGER_S", "BoundedHttpToolsProtocol", "ConnectionBounds", "ConnectionGuard",
+def _parser_fault(e: httptools.HttpParserError) -> str:
+    """What the HTTP parser found wrong (a callback's own error: its cause)."""
+    cause = e.__cause__ or e.__context__
+    if isinstance(e, httptools.HttpParserCallbackError) and cause is not None:
+        e = cause  # type: ignore[assignment]
+    text = str(e).strip() or type(e).__name__
+    return text[:200]
+
+
+__all__ = ["LINGER_BYTES", "LINGER_S", "BoundedHttpToolsProtocol", "ConnectionBounds", "ConnectionGuard",
            "descriptor_cap"]

@@ -55,9 +55,11 @@ class GatewaySettings:
     tried (``mori.gateway.identity``). ``model_aliases``: ``PATTERN=SERVED`` rules
     mapping the model names clients ask for onto served ones (``mori.gateway.aliases``).
     ``record``: a trace file every program's steps are appended to (None: none);
-    ``record_text``: keep the prompts' text in it. ``state``: a file the programs'
-    idleness histories are kept in across a restart (``mori.gateway.state``; None:
-    none), written every ``state_interval_s`` and at shutdown.
+    ``record_text``: keep the prompts' text in it, at most ``record_text_max_bytes``
+    (UTF-8) a program (``mori.gateway.record``: cut with a marker). ``state``: a file
+    the programs' idleness histories are kept in across a restart
+    (``mori.gateway.state``; None: none), written every ``state_interval_s`` and at
+    shutdown.
     """
 
     policy: str = "mori"
@@ -93,6 +95,7 @@ class GatewaySettings:
     model_aliases: tuple[str, ...] = ()
     record: str | None = None
     record_text: bool = False
+    record_text_max_bytes: int = 1024 * 1024
     state: str | None = None
     state_interval_s: float = 30.0
 
@@ -135,5 +138,8 @@ class GatewaySettings:
         if not 1 <= self.max_program_id_bytes <= MAX_PROGRAM_ID_BYTES_LIMIT:
             raise ValueError(f"max_program_id_bytes must be 1 to {MAX_PROGRAM_ID_BYTES_LIMIT} "
                              f"(got {self.max_program_id_bytes})")
+        if self.record_text_max_bytes < 0:
+            raise ValueError(f"record_text_max_bytes must be >= 0 (got "
+                             f"{self.record_text_max_bytes})")
         if self.decision_log < 0:
             raise ValueError(f"decision_log must be >= 0 (got {self.decision_log})")
