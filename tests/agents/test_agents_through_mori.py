@@ -3,17 +3,22 @@
 Claude Code (``claude -p``) and Codex (``codex exec``) run offline against the gateway;
 the engine's script makes them run a real shell tool (``sleep 2 && ls``) and, for Claude
 Code, start a subagent. The gateway must recognise each CLI session as one program (a
-subagent as its own, with its parent), measure the tool's time from the wire within 20%
-of the sleep, show the programs with their agent kind, and record a trace that
-re-imports and simulates. The CLIs are installed by ``scripts/agent_clis.sh`` (cached);
-without ``node`` these tests are skipped, saying so.
+subagent as its own, with its parent), measure the tool's time from the wire (the sleep
+and the CLI's own work around it), show the programs with their agent kind, and record a
+trace that re-imports and simulates. Each CLI runs twice: its connections served by the policy
+process, and every one by a worker (``--workers 2``, ``MORI_POLICY_CONNECTIONS=0``), where
+the gateway must behave the same (the model alias applied, no request failing). The CLIs
+are installed by ``scripts/agent_clis.sh`` (cached); without ``node`` these tests are
+skipped, saying so.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +28,8 @@ import httpx
 import pytest
 
 from mori.core.costmodel import PRESETS
+from mori.engines.http import parse_prometheus
+from mori.gateway.worker_process import FLUSH_S
 from mori.traces.jsonl import read_traceset
 from mori.traces.model import ProgramTrace
 from support.serve_process import stop, wait_listening
@@ -34,6 +41,10 @@ pytestmark = pytest.mark.e2e
 SLEEP_S = 2.0
 PRESET = "h200-qwen3-30b-a3b"
 SERVED = PRESETS.get(PRESET).model.name
+TOOL_SLACK = 1.5
+"""The tool time measured on the wire is the sleep and the CLI's own work around it
+(node starting the shell, building the next request): up to half the sleep more on a
+loaded CI machine (2.45 s for the 2 s sleep was seen with two cores busy)."""
 SHELL = f"sleep {SLEEP_S:g} && ls"
 SCRIPT = {"steps": [
     {"text": "Listing the files.",
@@ -51,6 +62,10 @@ SCRIPT = {"steps": [
     "fallback": "OK."}
 
 
+VIA = ("policy", "workers")
+"""Who serves the CLI's connections: the policy process, or a worker."""
+
+
 @dataclass
 class Run:
     url: str
@@ -60,26 +75,42 @@ class Run:
     returncode: int
     output: str
     workdir: Path
+    via: str
+    requests: dict[tuple[str, str], float]  # (endpoint, status) -> requests served
+    connections: dict[str, float]  # process -> connections it served
 
 
-def serve(tmp: Path, record: Path) -> tuple[subprocess.Popen[str], str]:
+def serve(tmp: Path, record: Path, via: str) -> tuple[subprocess.Popen[str], str]:
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
+    workers = ["--workers", "2"] if via == "workers" else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "mori", "serve", "--port", "0", "--preset", PRESET,
          "--engine-script", str(script), "--record", str(record), "--record-text",
-         "--model-alias", f"*={SERVED}", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--model-alias", f"*={SERVED}", "--log-level", "warning", *workers],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "MORI_POLICY_CONNECTIONS": "0"})
     return proc, wait_listening(proc)
 
 
-def run_agent(tmp: Path, which: str) -> Run:
+def served_counts(url: str) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    """The gateway's requests by (endpoint, status) and connections by process, once
+    the workers have reported theirs."""
+    time.sleep(2 * FLUSH_S)
+    metrics = parse_prometheus(httpx.get(url + "/metrics").text)
+    requests = {(labels["endpoint"], labels["status"]): v
+                for labels, v in metrics.get("mori_requests_total", [])}
+    conns = {labels["process"]: v for labels, v in metrics.get("mori_connections_total", [])}
+    return requests, conns
+
+
+def run_agent(tmp: Path, which: str, via: str) -> Run:
     clis = agent_clis()
     record = tmp / f"{which}.jsonl.gz"
     workdir = tmp / "work"
     workdir.mkdir()
     (workdir / "marker-file.txt").write_text("x")
-    proc, url = serve(tmp, record)
+    proc, url = serve(tmp, record, via)
     try:
         if which == "claude":
             env = claude_env(url, tmp / "claude-home")
@@ -90,20 +121,32 @@ def run_agent(tmp: Path, which: str) -> Run:
         done = run_cli(cmd, env, workdir, timeout_s=240)
         rows = httpx.get(url + "/v1/programs").json()["data"]
         frame = httpx.get(url + "/dashboard/state").json()["frame"]
+        requests, conns = served_counts(url)
     finally:
         stop(proc)  # ends every open program: the record is complete
     return Run(url, record, rows, frame["programs"], done.returncode,
-               done.stdout + done.stderr, workdir)
+               done.stdout + done.stderr, workdir, via, requests, conns)
 
 
-@pytest.fixture(scope="module")
-def claude_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    yield run_agent(tmp_path_factory.mktemp("claude"), "claude")
+@pytest.fixture(scope="module", params=VIA)
+def claude_run(tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> Iterator[Run]:
+    yield run_agent(tmp_path_factory.mktemp("claude"), "claude", request.param)
 
 
-@pytest.fixture(scope="module")
-def codex_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    yield run_agent(tmp_path_factory.mktemp("codex"), "codex")
+@pytest.fixture(scope="module", params=VIA)
+def codex_run(tmp_path_factory: pytest.TempPathFactory,
+              request: pytest.FixtureRequest) -> Iterator[Run]:
+    yield run_agent(tmp_path_factory.mktemp("codex"), "codex", request.param)
+
+
+def check_served(run: Run, paths: tuple[str, ...]) -> None:
+    """Every model call answered 200 (no error, the alias applied on every process), and
+    with workers every connection served by one."""
+    calls = {k: v for k, v in run.requests.items() if k[0] in paths}
+    assert calls and all(status == "200" for _, status in calls), run.requests
+    if run.via == "workers":
+        assert set(run.connections) == {"worker1"}, run.connections
 
 
 def named(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -134,6 +177,7 @@ def test_claude_code_session_is_one_program_and_its_subagent_another(claude_run:
     run = claude_run
     assert run.returncode == 0, run.output[-3000:]
     assert "Done" in run.output
+    check_served(run, ("/v1/messages",))
     rows = named(run.programs)
     assert {r["agent"] for r in rows} == {"claude-code"}, rows
     assert {r["recogniser"] for r in rows} == {"claude-code"}
@@ -158,7 +202,7 @@ def test_claude_code_tool_time_and_record(claude_run: Run) -> None:
     bash = [g for p in progs for g in tool_gaps(p, "Bash")]
     assert len(bash) == 2, [p.steps for p in progs]
     for gap in bash:
-        assert SLEEP_S * 0.8 <= gap <= SLEEP_S * 1.2, bash
+        assert SLEEP_S * 0.8 <= gap <= SLEEP_S * TOOL_SLACK, bash
     top = read_traceset(run.record).programs
     assert len(top) == 1 and any(s.subagents for s in top[0].steps)  # nested in its parent
     # the tool really ran: its output (ls of the work folder) came back in the next request
@@ -169,6 +213,7 @@ def test_claude_code_tool_time_and_record(claude_run: Run) -> None:
 def test_codex_session_is_one_program(codex_run: Run) -> None:
     run = codex_run
     assert run.returncode == 0, run.output[-3000:]
+    check_served(run, ("/v1/responses",))
     rows = named(run.programs)
     assert len(rows) == 1, rows
     (row,) = rows
@@ -176,7 +221,7 @@ def test_codex_session_is_one_program(codex_run: Run) -> None:
     assert row["tool_steps"] == 1 and sum(row["tools"].values()) == 1
     progs = check_record(run, "codex")
     (gap,) = [g for p in progs for s in p.steps if s.tool_names for g in [s.gap_s]]
-    assert SLEEP_S * 0.8 <= gap <= SLEEP_S * 1.2
+    assert SLEEP_S * 0.8 <= gap <= SLEEP_S * TOOL_SLACK
     assert any("marker-file.txt" in t for t in _record_texts(run.record))
     kinds = {p[0]: p[8] for p in run.dashboard}
     assert kinds[row["program_id"]] == "codex"

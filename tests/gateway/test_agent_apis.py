@@ -2,12 +2,14 @@
 a scripted simulated engine: Anthropic's Messages (streamed and not) and token counting,
 OpenAI's Responses; programs recognised from the agents' own session marks and split by
 conversation; tool time measured on the wire; model aliases; each API's error shape;
-key namespaces; the recorded trace."""
+key namespaces; the recorded trace. Each test runs twice: its connections served by the
+policy process, and every one by a worker process (``--workers 2``)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,9 @@ import httpx
 import openai
 import pytest
 from gateway_harness import LoopThread
+from through_workers import VIA, WorkersGateway, workers_config
 
-from mori.gateway.app import Gateway, create_app
+from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
 from mori.gateway.server import ServeConfig, start_simulated_backends
 from mori.traces.jsonl import read_traceset
@@ -38,20 +41,38 @@ SHELL = {"type": "function", "name": "shell", "description": "Run a command",
              "command": {"type": "array", "items": {"type": "string"}}}}}
 
 
-def start(lt: LoopThread, tmp: Path, **settings: Any) -> tuple[str, Gateway, str]:
+@pytest.fixture(params=VIA)
+def via(request: pytest.FixtureRequest) -> str:
+    """Who serves the test's connections: the policy process, or a worker."""
+    name: str = request.param
+    return name
+
+
+def start(lt: LoopThread, tmp: Path, via: str,
+          **settings: Any) -> tuple[str, Callable[[], None], str]:
+    """The gateway in front of one scripted simulated engine: its URL, how to stop it
+    (every program ended, the record written) and the served model."""
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
     s = GatewaySettings(**settings)
-    cfg = ServeConfig(replicas=1, preset="h200-qwen3-30b-a3b", cpu_ratio=0.5,
-                      gpu_kv_tokens=200_000, engine_script=script, settings=s)
-    adapters, handles = lt.call(start_simulated_backends(cfg))
-    lt.handles.extend(handles)
-    app = create_app(s, adapters)
-    url = lt.serve(app).url
+    engines = {"replicas": 1, "preset": "h200-qwen3-30b-a3b", "cpu_ratio": 0.5,
+               "gpu_kv_tokens": 200_000, "engine_script": script}
+    stop: Callable[[], None]
+    if via == "workers":
+        served = WorkersGateway(lt, workers_config(settings=s, **engines))
+        url, stop = served.url, served.close
+    else:
+        cfg = ServeConfig(settings=s, **engines)  # type: ignore[arg-type]
+        adapters, handles = lt.call(start_simulated_backends(cfg))
+        lt.handles.extend(handles)
+        app = create_app(s, adapters)
+        url = lt.serve(app).url
+        gw = app.state.gateway
+        stop = lambda: lt.call(gw.shutdown())  # noqa: E731
     keys = s.admin_keys or s.api_keys
     auth = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
     model = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]["id"]
-    return url, app.state.gateway, model
+    return url, stop, model
 
 
 def claude_metadata(session: str = SID) -> dict[str, str]:
@@ -65,10 +86,10 @@ def programs(url: str, key: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def test_claude_code_like_session_through_messages(loop_thread: LoopThread,
+def test_claude_code_like_session_through_messages(loop_thread: LoopThread, via: str,
                                                    tmp_path: Path) -> None:
     record = tmp_path / "live.jsonl.gz"
-    url, gw, model = start(loop_thread, tmp_path, record=str(record))
+    url, stop, model = start(loop_thread, tmp_path, via, record=str(record))
     c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
     system = [{"type": "text", "text": "You are Claude Code."}]
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
@@ -106,7 +127,7 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread,
     (p,) = frame["programs"]
     assert p[8] == "claude-code" and "Bash" in p[9]
     assert httpx.post(url + f"/v1/programs/{row['program_id']}/release").status_code == 200
-    loop_thread.call(gw.shutdown())
+    stop()
     ts = read_traceset(record)
     (prog,) = ts.programs
     assert [s.gap_kind for s in prog.steps] == [GapKind.TOOL, GapKind.END]
@@ -115,9 +136,9 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread,
     assert prog.steps[1].reuse_tokens > 0
 
 
-def test_subagent_is_its_own_program_with_its_parent(loop_thread: LoopThread,
+def test_subagent_is_its_own_program_with_its_parent(loop_thread: LoopThread, via: str,
                                                      tmp_path: Path) -> None:
-    url, _, model = start(loop_thread, tmp_path)
+    url, _, model = start(loop_thread, tmp_path, via)
     c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
     main = c.messages.create(model=model, max_tokens=100, tools=[BASH, TASK],
                              system="You are Claude Code.", metadata=claude_metadata(),
@@ -134,9 +155,9 @@ def test_subagent_is_its_own_program_with_its_parent(loop_thread: LoopThread,
     assert rows[sub["parent"]]["parent"] is None
 
 
-def test_codex_like_session_through_responses(loop_thread: LoopThread,
+def test_codex_like_session_through_responses(loop_thread: LoopThread, via: str,
                                               tmp_path: Path) -> None:
-    url, _, model = start(loop_thread, tmp_path,
+    url, _, model = start(loop_thread, tmp_path, via,
                           model_aliases=("gpt-*=" + "__served__",))
     # the alias rule's target is not served: a clear 404, not an engine error
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -168,8 +189,8 @@ def test_codex_like_session_through_responses(loop_thread: LoopThread,
     assert 0.3 <= row["last_tool_s"] < 1.5 and row["tools"] == {"shell": 1}
 
 
-def test_aliases_and_error_shapes(loop_thread: LoopThread, tmp_path: Path) -> None:
-    url, _, model = start(loop_thread, tmp_path, model_aliases=("claude-*=not-served",))
+def test_aliases_and_error_shapes(loop_thread: LoopThread, via: str, tmp_path: Path) -> None:
+    url, _, model = start(loop_thread, tmp_path, via, model_aliases=("claude-*=not-served",))
     c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
     for asked in ("unknown-model", "claude-opus-4"):  # unmapped; mapped to no served model
         with pytest.raises(anthropic.NotFoundError) as e:
@@ -194,12 +215,12 @@ def test_aliases_and_error_shapes(loop_thread: LoopThread, tmp_path: Path) -> No
     assert r.status_code == 405
 
 
-def test_alias_maps_agent_models(loop_thread: LoopThread, tmp_path: Path) -> None:
+def test_alias_maps_agent_models(loop_thread: LoopThread, via: str, tmp_path: Path) -> None:
     lt = loop_thread
-    url, _, model = start(lt, tmp_path)
+    url, _, model = start(lt, tmp_path, "policy")
     lt2 = LoopThread()
     try:
-        url2, _, _ = start(lt2, tmp_path, model_aliases=(f"claude-*={model}",))
+        url2, _, _ = start(lt2, tmp_path, via, model_aliases=(f"claude-*={model}",))
         c = anthropic.Anthropic(base_url=url2, api_key="none", max_retries=0)
         m = c.messages.create(model="claude-sonnet-4-5-20250929", max_tokens=10,
                               messages=[{"role": "user", "content": "hi"}])
@@ -209,9 +230,10 @@ def test_alias_maps_agent_models(loop_thread: LoopThread, tmp_path: Path) -> Non
     assert url != url2
 
 
-def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread,
+def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread, via: str,
                                                  tmp_path: Path) -> None:
-    url, _, model = start(loop_thread, tmp_path, api_keys=("ka", "kb"), admin_keys=("adm",))
+    url, _, model = start(loop_thread, tmp_path, via, api_keys=("ka", "kb"),
+                          admin_keys=("adm",))
     for key in ("ka", "kb"):
         # Claude Code sends its key as x-api-key
         c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
@@ -229,11 +251,11 @@ def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread,
         "authentication_error"
 
 
-def test_a_named_parent_wins_over_the_inferred_one(loop_thread: LoopThread,
+def test_a_named_parent_wins_over_the_inferred_one(loop_thread: LoopThread, via: str,
                                                    tmp_path: Path) -> None:
     """A Codex child thread names its parent thread: it is recorded as that program's
     subagent even when another program of the session is the one in a tool call."""
-    url, _, model = start(loop_thread, tmp_path)
+    url, _, model = start(loop_thread, tmp_path, via)
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
     def call(thread: str, window: str, parent: str | None = None) -> None:

@@ -4,7 +4,9 @@ methods and failing handlers included. A client's value quoted in an error (a mo
 a program id) is cut to ``ECHO_LIMIT`` characters. A stalled stream's cut-off ends its
 response as a client gone (uvicorn logs no unfinished response); a stream the engine cuts
 off ends with an error event even where the engine's body has no framing (it ends at
-EOF); and ``/healthz`` drops a replica's last error once it is healthy again."""
+EOF); and ``/healthz`` drops a replica's last error once it is healthy again. The shapes
+and the cut echoes hold alike where a worker process serves the connection
+(``--workers 2``)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from gateway_harness import FakeEngine, LoopThread, Running, SimGateway, serve_on_simulated
+from through_workers import VIA, WorkersGateway, workers_config
 
 import mori.gateway.endpoint as endpoint_mod
 import mori.gateway.proxy as proxy_mod
@@ -48,6 +51,20 @@ def sim(lt: LoopThread) -> SimGateway:
     return serve_on_simulated(lt, GatewaySettings(time_scale=50.0))
 
 
+@pytest.fixture(scope="module", params=VIA)
+def served(request: pytest.FixtureRequest, lt: LoopThread, sim: SimGateway) -> Iterator[str]:
+    """The gateway's URL, its connections served by the policy process or by a worker."""
+    if request.param == "policy":
+        yield sim.url
+        return
+    g = WorkersGateway(lt, workers_config(settings=GatewaySettings(time_scale=50.0),
+                                          preset="h200-qwen3-30b-a3b"))
+    try:
+        yield g.url
+    finally:
+        g.close()
+
+
 def openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/json"), r.headers
@@ -70,8 +87,8 @@ def anthropic_error(r: httpx.Response, status: int, kind: str) -> dict[str, Any]
 
 # -- (a) every error is JSON in its API's shape ----------------------------------------------
 
-def test_unknown_paths_and_wrong_methods_are_json(sim: SimGateway) -> None:
-    u = sim.url
+def test_unknown_paths_and_wrong_methods_are_json(served: str) -> None:
+    u = served
     assert "/nope" in openai_error(httpx.get(u + "/nope"), 404, "not_found")["message"]
     openai_error(httpx.post(u + "/v1/chat/completion"), 404, "not_found")
     err = openai_error(httpx.get(u + CHAT), 405, "method_not_allowed")
@@ -112,14 +129,14 @@ def test_the_engine_sims_errors_are_json(lt: LoopThread) -> None:
 
 # -- (b) echoed values are cut --------------------------------------------------------------
 
-def test_a_huge_model_name_is_not_echoed_whole(sim: SimGateway, lt: LoopThread) -> None:
+def test_a_huge_model_name_is_not_echoed_whole(served: str, lt: LoopThread) -> None:
     name = "m" * 1_000_000
-    r = httpx.post(sim.url + CHAT, json={"model": name, "messages": MSG}, timeout=60)
+    r = httpx.post(served + CHAT, json={"model": name, "messages": MSG}, timeout=60)
     err = openai_error(r, 404, "model_not_found")
     assert len(err["message"]) < ECHO_LIMIT + 500
     assert "(1000000 characters)" in err["message"]
-    r = httpx.post(sim.url + "/v1/messages", json={"model": name, "messages": MSG,
-                                                  "max_tokens": 2}, timeout=60)
+    r = httpx.post(served + "/v1/messages", json={"model": name, "messages": MSG,
+                                                 "max_tokens": 2}, timeout=60)
     assert len(anthropic_error(r, 404, "not_found_error")["message"]) < ECHO_LIMIT + 500
     # the engine, asked directly, cuts it too
     srv = lt.call(start_engine_sim(EngineSimConfig("h200-qwen3-30b-a3b")))
@@ -128,7 +145,7 @@ def test_a_huge_model_name_is_not_echoed_whole(sim: SimGateway, lt: LoopThread) 
     err = openai_error(r, 404, "model_not_found")
     assert len(err["message"]) < ECHO_LIMIT + 200 and "1000000 characters" in err["message"]
     pid = "p" * 20_000
-    err = openai_error(httpx.get(f"{sim.url}/v1/programs/{pid}"), 404, "program_not_found")
+    err = openai_error(httpx.get(f"{served}/v1/programs/{pid}"), 404, "program_not_found")
     assert len(err["message"]) < ECHO_LIMIT + 200
 
 
@@ -300,9 +317,24 @@ def test_a_stream_cut_off_at_eof_ends_with_an_error_event(lt: LoopThread, path: 
 def test_a_relay_fault_still_ends_the_stream_with_an_error(
         lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
     class Broken(ChatWatcher):
-        def feed(self, chunk: bytes) -> None:
+        def rest(self) -> bytes:  # after the stream's lines were passed on
             raise RuntimeError("a bug")
 
-    monkeypatch.setattr(proxy_mod, "watcher_for", lambda spec: Broken())
+    monkeypatch.setattr(proxy_mod, "watcher_for", lambda spec, max_line: Broken(max_line))
     text = streamed(gateway_before(lt, OPENAI_HEAD + ENDS[CHAT]), CHAT)
+    assert text.startswith(OPENAI_HEAD.decode())
     assert "the gateway failed mid-stream" in text and text.endswith("data: [DONE]\n\n")
+
+
+def test_a_relay_fault_before_any_byte_is_a_502(
+        lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(ChatWatcher):
+        def feed(self, chunk: bytes) -> bytes:
+            raise RuntimeError("a bug")
+
+    monkeypatch.setattr(proxy_mod, "watcher_for", lambda spec, max_line: Broken(max_line))
+    gw = gateway_before(lt, OPENAI_HEAD + ENDS[CHAT])
+    r = httpx.post(gw.url + CHAT, json={"model": "m", "messages": MSG, "stream": True},
+                   timeout=30)
+    assert r.status_code == 502
+    assert r.json()["error"]["message"] == "the gateway failed mid-stream"

@@ -2,8 +2,10 @@
 
 Through real processes: every step of every program reaches the policy whichever
 process served it, held requests are admitted across processes, keys hold on every
-process, and ``/metrics`` counts what the workers served. In-process: a worker that goes
-away leaves no program Reasoning (its leases are finished, its waits cancelled).
+process, and ``/metrics`` counts what the workers served; SIGTERM and SIGINT both stop
+it with its clean-up done. In-process: a worker that goes away leaves no program
+Reasoning (its leases are finished, its waits cancelled), the workers' served models are
+the policy process's, and the link carries a request as large as ``--max-body-bytes``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from gateway_harness import LoopThread, serve_on_simulated
 
 from mori.core.types import Status
 from mori.engines.http import parse_prometheus
+from mori.gateway.agents import RequestFacts
 from mori.gateway.config import GatewaySettings
-from mori.gateway.ipc import WorkerLink
+from mori.gateway.ipc import MAX_FRAME, FrameTooLarge, WorkerLink, frame_limit
 from mori.gateway.worker_pool import WorkerHub
 from support.serve_process import stop, wait_listening
 
@@ -264,3 +267,108 @@ def test_agent_sessions_and_tool_calls_reach_the_policy_through_workers(tmp_path
     progs = read_traceset(record).programs
     assert len(progs) == 6 and all(len(p.steps) == 2 for p in progs)
     assert all(p.steps[0].tool_names == ("Bash",) for p in progs)
+
+
+def test_workers_take_the_policy_process_list_of_models(tmp_path: object) -> None:
+    """The served models a worker maps names onto are the policy process's: sent at
+    hello, refreshed when a worker asks (a name it does not know), pushed to every worker
+    when the list changes (an engine now serves another model)."""
+    lt = LoopThread()
+    try:
+        sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0))
+        served = [m["id"] for m in sim.gw.models]
+        assert served
+        hub = WorkerHub(sim.gw)
+        path = os.path.join(str(tmp_path), "hub.sock")
+        lt.call(hub.start(path))
+
+        async def new_model() -> list[dict[str, object]]:
+            return [{"id": "another-model", "object": "model"}]
+
+        async def scenario() -> tuple[list[str], list[str], list[str]]:
+            asker, other = await WorkerLink.connect(path), await WorkerLink.connect(path)
+            hello = await asker.call({"op": "hello", "worker": "1"})
+            await other.call({"op": "hello", "worker": "2"})
+            pushed: list[dict[str, object]] = []
+            other.on_message = pushed.append
+            sim.adapters[0].models = new_model  # type: ignore[method-assign]
+            answer = await asker.call({"op": "models"})
+            await asyncio.sleep(0.2)
+            await asker.close()
+            await other.close()
+            ids = [[str(m["id"]) for m in msg["models"]]  # type: ignore[attr-defined]
+                   for msg in (hello, answer)]
+            return ids[0], ids[1], [str(m["id"]) for msg in pushed
+                                    for m in msg["models"]]  # type: ignore[attr-defined]
+
+        at_hello, asked, pushed = lt.call(scenario())
+        assert at_hello == served
+        assert asked == pushed == ["another-model"] == [m["id"] for m in sim.gw.models]
+        lt.call(hub.stop())
+    finally:
+        lt.close()
+
+
+def test_the_link_carries_a_request_as_large_as_max_body_bytes(tmp_path: object) -> None:
+    """A request's recorded text rides in its admission: with --max-body-bytes above the
+    link's least frame limit (64 MiB) the limit follows it, so such a request is admitted;
+    a message over the limit is refused where it is written and the link goes on."""
+    body_limit = MAX_FRAME + 2 * 1024 * 1024
+    lt = LoopThread()
+    try:
+        sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, record_text=True,
+                                                     max_body_bytes=body_limit))
+        hub = WorkerHub(sim.gw)
+        assert hub.limit == frame_limit(body_limit) > body_limit
+        path = os.path.join(str(tmp_path), "hub.sock")
+        lt.call(hub.start(path))
+        text = "x" * (MAX_FRAME + 1024 * 1024)
+
+        async def scenario() -> tuple[str, str, str]:
+            link = await WorkerLink.connect(path, frame_limit(body_limit))
+            await link.call({"op": "hello", "worker": "1"})
+            facts = RequestFacts(text=text).as_msg()
+            go = await link.call({"op": "admit", "pid": "big", "tokens": 10, "anon": False,
+                                  "facts": facts})
+            link.send({"op": "finish", "id": go["id"], "context": 10})
+            with pytest.raises(FrameTooLarge):
+                link.send({"op": "admit", "id": 7, "pid": "huge", "tokens": 10,
+                           "anon": False, "facts": {"text": text * 2}})
+            after = await link.call({"op": "admit", "pid": "small", "tokens": 10,
+                                     "anon": False})
+            link.send({"op": "finish", "id": after["id"], "context": 10})
+            await asyncio.sleep(0.1)
+            closed = link.closed
+            await link.close()
+            return go["op"], after["op"], str(closed)
+
+        assert lt.call(scenario()) == ("go", "go", "False")
+        assert "huge" not in sim.gw.ctl.policy.programs
+        lt.call(hub.stop())
+    finally:
+        lt.close()
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs Linux's /proc children list")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_clean_up_alike(sig: signal.Signals, tmp_path: object) -> None:
+    """Either signal stops ``mori serve --workers 2`` with its clean-up done: the worker
+    stopped, its ``mori-serve-*`` temp folder (the workers' socket) removed, exit 0."""
+    tmp = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "mori", "serve", "--port", "0",
+                             "--workers", "2", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": tmp})
+    try:
+        url = wait_listening(proc)
+        assert [n for n in os.listdir(tmp) if n.startswith("mori-serve-")]
+        workers = children(proc.pid)
+        assert httpx.get(url + "/healthz").status_code == 200
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+    assert [n for n in os.listdir(tmp) if n.startswith("mori-serve-")] == []
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}")]

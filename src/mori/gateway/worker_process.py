@@ -55,6 +55,7 @@ from mori.gateway.handoff import Served, protocol_factory, take_connections
 from mori.gateway.held import GateRejected
 from mori.gateway.ipc import FrameTooLarge, LinkClosed, WorkerLink, frame_limit
 from mori.gateway.lease import warm_up
+from mori.gateway.metrics import WORKER_TALLIES
 from mori.gateway.worker_pool import WorkerSpec
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import anonymous_program_id
@@ -64,6 +65,11 @@ log = logging.getLogger("mori.gateway")
 
 FLUSH_S = 0.5
 _HOP_HEADERS = frozenset(("host", "content-length", "connection", "transfer-encoding"))
+_NOT_PASSED_BACK = frozenset(("content-length", "connection", "transfer-encoding",
+                              "keep-alive", "content-encoding", "date", "server", "vary"))
+"""Headers of the policy process's answer a worker does not pass on: the connection's
+own, and the browser policy's (``vary``, ``access-control-*``), which the worker's app
+adds itself."""
 _NO_BODY = frozenset(("GET", "HEAD", "OPTIONS"))
 
 
@@ -104,7 +110,7 @@ class WorkerMetrics:
     """The metric names the completion path updates, tallied until ``take()`` (which
     zeroes them in place: the endpoint keeps its labelled children)."""
 
-    _TALLIES = ("disconnects", "stream_timeouts", "prompt_tokens", "completion_tokens")
+    _TALLIES = WORKER_TALLIES
 
     def __init__(self) -> None:
         self.requests = _Labeled()
@@ -112,6 +118,9 @@ class WorkerMetrics:
         self.stream_timeouts = _Tally()
         self.prompt_tokens = _Tally()
         self.completion_tokens = _Tally()
+        self.upstream_idle_timeouts = _Tally()
+        self.sse_lines_too_long = _Tally()
+        self.usage_clamped = _Tally()
         self.ttft = _Samples()
 
     def take(self) -> dict[str, Any] | None:
@@ -263,7 +272,8 @@ class WorkerGateway:
 
 
 def passthrough(policy_url: str, session: aiohttp.ClientSession, gw: WorkerGateway) -> Route:
-    """A route passing every other request to the policy process's listener.
+    """A route passing every other request to the policy process's listener, and its
+    answer back as it came (its headers too, but the connection's own).
 
     Nothing is read before the checks: with keys set, a request other than ``GET``,
     ``HEAD`` or ``OPTIONS`` without a valid key is answered 401 at once (every such route of the policy
@@ -289,8 +299,8 @@ def passthrough(policy_url: str, session: aiohttp.ClientSession, gw: WorkerGatew
             async with session.request(request.method, url, data=body or None,
                                        headers=headers) as r:
                 data = await r.read()
-                keep = {k: v for k, v in r.headers.items()
-                        if k.lower() in ("content-type", "www-authenticate", "retry-after")}
+                keep = {k: v for k, v in r.headers.items() if k.lower() not in
+                        _NOT_PASSED_BACK and not k.lower().startswith("access-control-")}
                 return Response(data, status_code=r.status, headers=keep)
         except aiohttp.ClientError as e:
             return error_response(503, "the policy process is unavailable: "
