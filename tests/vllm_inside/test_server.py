@@ -24,13 +24,14 @@ def test_hello_and_accepted_ops() -> None:
     s = server()
     r = json.loads(s.handle(encode("hello")))
     assert r == {"v": 1, "op": "hello", "ok": True, "instance": s.instance,
-                 "plugin_version": protocol.PLUGIN_VERSION,
+                 "plugin_version": protocol.PLUGIN_VERSION, "auth": "none",
+                 "max_frame_bytes": protocol.MAX_FRAME_BYTES,
                  "ops": ["hello", "set", "replace", "drop", "clear"], **INFO}
     assert len(s.instance) == 32 and server().instance != s.instance  # new at every start
     assert json.loads(s.handle(encode("set", labels={"a": "idle"}))) == {
         "v": 1, "op": "set", "ok": True}
-    assert json.loads(s.handle(encode("drop", program="a")))["ok"] is True
-    assert [m.op for m in s.drain()] == ["set", "drop"]
+    assert json.loads(s.handle(encode("drop", program="b")))["ok"] is True
+    assert [m.op for m in s.drain()] == ["drop", "set"]  # drops first: pending.py
     assert s.drain() == []
 
 
@@ -79,10 +80,16 @@ def test_pending_operations_coalesce() -> None:
     got = s.drain()
     assert got == [Message("drop", program="c"),
                    Message("replace", labels={"e": "idle", "f": "busy"})]
-    small = LabelServer("inproc://x", dict, max_pending=2)
+    # bounded in labels: the least recently set label goes first, as the table would
+    small = LabelServer("inproc://x", dict, max_pending_labels=2)
     for p in "abc":
         small.enqueue(Message("drop", program=p))
     assert [m.program for m in small.drain()] == ["b", "c"]
+    for p in "abc":
+        small.enqueue(Message("set", labels={p: "idle"}))
+    small.enqueue(Message("set", labels={"a": "busy"}))
+    assert small.pending() == 2
+    assert small.drain() == [Message("set", labels={"c": "idle", "a": "busy"})]
 
 
 def test_endpoint_per_data_parallel_rank() -> None:

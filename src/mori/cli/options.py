@@ -434,6 +434,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="serve /metrics without an admin key when keys are set (default: off)"),
     Option("allow_unauthenticated", bool, _SERVE.allow_unauthenticated,
            help="listen on a non-loopback address without any key (default: refused)"),
+    Option("label_secret_file", Path, None, metavar="FILE",
+           help="the secret file of the engines' MORI label channels (the file given to "
+                "mori vllm-args / sglang-args --label-secret-file): every label message "
+                "is signed with it; the default for each backend with labels= and no "
+                "label_secret_file= of its own (also $MORI_LABEL_SECRET_FILE)"),
     Option("cors_origin", str, None, repeat=True, field="cors_origins", metavar="ORIGIN",
            help="let web pages of ORIGIN (e.g. http://localhost:3000; * for any) call the "
                 "gateway from a browser: CORS preflights answered, Access-Control-Allow-"

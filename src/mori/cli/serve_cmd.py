@@ -29,7 +29,13 @@ from mori.cli.options import (
 from mori.core.costmodel import PRESETS
 from mori.core.policy import PolicyConfig
 from mori.core.registry import UnknownNameError
-from mori.engines.registry import ADAPTERS, BackendSpecError, parse_backend, shown
+from mori.engines.registry import (
+    ADAPTERS,
+    BackendSpecError,
+    parse_backend,
+    shown,
+    with_label_secret,
+)
 from mori.gateway.auth import KeyRing, check_exposure, read_key_file
 from mori.gateway.config import GatewaySettings
 from mori.gateway.record import check_record_file
@@ -128,6 +134,12 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     except ValueError as e:
         raise ServeUsageError(str(e)) from None
     serve["backends"] = list(serve.get("backends", ()))
+    if serve.get("label_secret_file") is not None:
+        try:
+            serve["backends"] = [with_label_secret(b, str(serve["label_secret_file"]))
+                                 for b in serve["backends"]]
+        except BackendSpecError as e:
+            raise ServeUsageError(str(e)) from None
     cfg = ServeConfig(settings=settings, **serve)
     try:
         cfg.settings = with_keys(cfg, os.environ)
@@ -153,7 +165,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     for b in cfg.backends:
         try:
             parse_backend(b).build()
-        except (BackendSpecError, UnknownNameError, TypeError) as e:
+        except (ValueError, UnknownNameError, TypeError) as e:  # BackendSpecError, secrets
             raise ServeUsageError(str(e)) from None
     try:
         check_exposure(cfg.host, KeyRing(cfg.settings.api_keys, cfg.settings.admin_keys),

@@ -15,7 +15,9 @@ from mori.cli.vllm_args_cmd import (
     _compact,
     _number,
     _word,
+    label_warnings,
 )
+from mori.plugin_channel.auth import HOW_TO_MAKE, SECRET_FILE_ENV
 from mori.plugin_channel.protocol import DEFAULT_LABEL_ENDPOINT
 from mori.sglang_plugin.order import ROUTING_HEADER
 
@@ -57,6 +59,13 @@ what it prints:
   environment. The gateway connects to it:
     mori serve --backend sglang=URL,labels={DEFAULT_LABEL_ENDPOINT}
 
+  The label channel's secret is no flag either: the plug-in reads ${SECRET_FILE_ENV}
+  (every label message must be signed with it: an HMAC-SHA256; {HOW_TO_MAKE}).
+  --label-secret-file FILE says on stderr to set {SECRET_FILE_ENV}=FILE; the gateway
+  is given the same file (labels=ADDR,label_secret_file=FILE, or mori serve
+  --label-secret-file FILE). An endpoint off loopback needs it: the plug-in refuses to
+  start without it, and sglang-args warns.
+
   --hicache adds HiCache, a host KV tier of R x the GPU pool (R > 1). With write_back
   (the default) pages move to the host when the GPU evicts them, in MORI's order, and
   come back on a prefix hit; write_through copies a page to the host as it enters the
@@ -72,6 +81,11 @@ using the output:
 
     {LABEL_ENV}=tcp://127.0.0.1:5558 python -m sglang.launch_server \\
         --model-path MODEL $(mori sglang-args --hicache)
+
+  Off loopback, with the secret:
+
+    {LABEL_ENV}=tcp://10.0.0.5:5558 {SECRET_FILE_ENV}=/etc/mori/label.key \\
+        python -m sglang.launch_server --model-path MODEL $(mori sglang-args)
 
   A KV-events endpoint that binds every interface holds `*` ("tcp://*:5557"); bash
   leaves a pattern that matches no file as it is, unless `nullglob` or `failglob` is
@@ -117,6 +131,10 @@ def add_sglang_args_parser(sub: argparse._SubParsersAction[P]) -> P:
                    help="ZMQ endpoint the plug-in binds for the gateway's labels; SGLang "
                         f"takes no flag for it: set {LABEL_ENV}=ADDR in SGLang's "
                         f"environment (default: {DEFAULT_LABEL_ENDPOINT}; one per engine)")
+    p.add_argument("--label-secret-file", metavar="FILE",
+                   help="the label channel's secret (the same file goes to the gateway); "
+                        f"SGLang takes no flag for it: set {SECRET_FILE_ENV}=FILE in "
+                        "SGLang's environment; needed for a label endpoint off loopback")
     p.add_argument("--kv-events-endpoint", default=DEFAULT_KV_EVENTS_ENDPOINT, metavar="ADDR",
                    help="ZMQ endpoint SGLang publishes KV events on (default: "
                         f"{DEFAULT_KV_EVENTS_ENDPOINT}; `*` binds, see below)")
@@ -173,6 +191,13 @@ def label_endpoint_note(label_endpoint: str, *, plugin: bool) -> str | None:
             "sglang.launch_server ...); the gateway's labels= option names the same endpoint")
 
 
+def secret_note(secret_file: str) -> str:
+    """The line telling to set ``$MORI_LABEL_SECRET_FILE`` (SGLang has no flag for it)."""
+    return (f"SGLang takes no flag for the label secret: set {SECRET_FILE_ENV}={secret_file} "
+            f"in SGLang's environment; the gateway's label_secret_file= option (or mori "
+            "serve --label-secret-file) names the same file")
+
+
 def installed_sglang() -> str | None:
     """The SGLang release installed beside mori (without importing it), or ``None``."""
     try:
@@ -201,12 +226,20 @@ def run_sglang_args(args: argparse.Namespace) -> int:
                              hicache_write_policy=args.hicache_write_policy, plugin=plugin)
         if plugin:
             _word("--label-endpoint", args.label_endpoint)
+            if args.label_secret_file is not None:
+                _word("--label-secret-file", args.label_secret_file)
     except (SGLangArgsError, VLLMArgsError) as e:
         print(f"mori sglang-args: error: {e}", file=sys.stderr)
         return 2
     note = label_endpoint_note(args.label_endpoint, plugin=plugin)
     if note:
         print(f"mori sglang-args: note: {note}", file=sys.stderr)
+    if plugin and args.label_secret_file is not None:
+        print(f"mori sglang-args: note: {secret_note(args.label_secret_file)}",
+              file=sys.stderr)
+    for line in label_warnings(args.label_endpoint, args.label_secret_file,
+                               plugin=plugin, engine="SGLang"):
+        print(f"mori sglang-args: warning: {line}", file=sys.stderr)
     warning = release_warning(installed_sglang(), plugin=plugin)
     if warning:
         print(f"mori sglang-args: warning: {warning}", file=sys.stderr)

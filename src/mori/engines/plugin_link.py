@@ -15,6 +15,11 @@ Rules (the same for every engine):
   checks) is answered with ``replace`` too.
 - A refusal (``ok: false``) is the caller's error (``UpstreamError``, the engine stays
   healthy), not a dead channel.
+- The label secret (``secret_file``, else ``$MORI_LABEL_SECRET_FILE``, else
+  ``$MORI_LABEL_SECRET``; ``mori.plugin_channel.auth``) signs every message; an engine
+  that refuses it, or whose replies are not signed with it, is a plug-in that does not
+  answer (down), with the reason in the log. Without one, only an endpoint on this
+  machine is accepted (``ValueError`` at construction).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from mori.engines.label_channel import (
     LabelChannelError,
     LabelRefused,
 )
+from mori.plugin_channel.auth import secret_from
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +65,18 @@ class PluginLink:
     ``name``: the engine as messages name it (``"vLLM http://..."``); ``fallback``: what
     eviction is while the plug-in does not answer (``"plain LRU"``); ``on_up(hello)`` and
     ``on_down()``: the adapter's hooks when the plug-in starts and stops answering;
-    ``logger``: where its messages go (the adapter's logger; by default this module's).
+    ``logger``: where its messages go (the adapter's logger; by default this module's);
+    ``secret_file``: the label secret's file (the engine's; see the module's text).
     """
 
     def __init__(self, endpoint: str, *, timeout_s: float, check_s: float, name: str,
                  fallback: str, on_up: Callable[[dict[str, Any]], None],
-                 on_down: Callable[[], None], logger: logging.Logger | None = None) -> None:
+                 on_down: Callable[[], None], logger: logging.Logger | None = None,
+                 secret_file: str | None = None) -> None:
         if check_s <= 0:
             raise ValueError(f"labels_check_s must be > 0, got {check_s}")
-        self.channel = LabelChannel(endpoint, timeout_s)
+        self.channel = LabelChannel(endpoint, timeout_s,
+                                    secret=secret_from(secret_file, logger=logger))
         self.check_s = check_s
         self.name = name
         self.fallback = fallback

@@ -69,8 +69,10 @@ def _value(text: str) -> Any:
     return text
 
 
-_VERBATIM = frozenset({"token"})
+_VERBATIM = frozenset({"token", "label_secret_file"})
 """Options kept as the text given (a secret such as ``token=0123`` is not a number)."""
+LABEL_KINDS = frozenset({"vllm", "sglang"})
+"""The engine kinds whose ``labels=`` option is a MORI plug-in's label channel."""
 _SECRET = re.compile(r"((?:^|,)token=)[^,]*")
 
 
@@ -100,3 +102,20 @@ def parse_backend(spec: str) -> BackendSpec:
         key = k.strip()
         options[key] = v.strip() if key in _VERBATIM else _value(v.strip())
     return BackendSpec(kind, url.rstrip("/"), options)
+
+
+def with_label_secret(spec: str, secret_file: str | None) -> str:
+    """``spec`` with ``label_secret_file=secret_file`` added when it names a label channel
+    (``labels=``) of a vLLM or SGLang engine and no secret file of its own (``mori serve
+    --label-secret-file``: the default for every backend)."""
+    if not secret_file:
+        return spec
+    kind, _, rest = spec.partition("=")
+    keys = {o.partition("=")[0].strip() for o in rest.split(",")[1:]}
+    if kind.strip() not in LABEL_KINDS or "labels" not in keys \
+            or "label_secret_file" in keys:
+        return spec
+    if "," in secret_file:
+        raise BackendSpecError(f"--label-secret-file {secret_file!r}: a path in a backend "
+                               "spec holds no comma")
+    return f"{spec},label_secret_file={secret_file}"

@@ -91,7 +91,8 @@ class SGLangAdapter(KVEventsAdapter):
     ``schedule_low_priority_values_first``), ``priority_base``; ``kv_events``,
     ``kv_events_topic``, ``attribution`` (``tokens`` or ``none``); ``prefetch`` (None:
     when the server runs HiCache); ``labels`` (the MORI plug-in's label endpoint),
-    ``labels_timeout_s``, ``labels_check_s``.
+    ``labels_timeout_s``, ``labels_check_s``, ``label_secret_file`` (the label channel's
+    secret, as the engine's ``$MORI_LABEL_SECRET_FILE``).
     """
 
     kind = "sglang"
@@ -107,7 +108,7 @@ class SGLangAdapter(KVEventsAdapter):
                  kv_events: str | None = None, kv_events_topic: str = "kv-events",
                  attribution: str = "tokens", prefetch: bool | None = None,
                  labels: str | None = None, labels_timeout_s: float = 2.0,
-                 labels_check_s: float = 5.0) -> None:
+                 labels_check_s: float = 5.0, label_secret_file: str | None = None) -> None:
         if attribution not in ("tokens", "none"):
             raise ValueError(f"unknown attribution {attribution!r} for SGLang; valid: tokens, "
                              "none (SGLang's KV events carry no session id or salt)")
@@ -131,7 +132,7 @@ class SGLangAdapter(KVEventsAdapter):
         self.link = PluginLink(labels, timeout_s=labels_timeout_s, check_s=labels_check_s,
                                name=f"SGLang {url}", fallback="SGLang's own order",
                                on_up=self._plugin_up, on_down=self._plugin_down,
-                               logger=log) if labels else None
+                               logger=log, secret_file=label_secret_file) if labels else None
 
     # -- the MORI plug-in ---------------------------------------------------------------
     async def fetch_server_info(self) -> dict[str, Any]:

@@ -57,7 +57,9 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
   come back. The first handshake of a new adapter does not clear the engine's labels (a
   restarted gateway leaves them be; labels recorded before it are sent with ``set``).
   A handshake from another plug-in instance (the engine restarted
-  between two checks) is answered with ``replace`` too. A plug-in that answers
+  between two checks) is answered with ``replace`` too. ``label_secret_file``: the
+  secret the engine signs the channel with (``mori vllm-args --label-secret-file``; else
+  ``$MORI_LABEL_SECRET_FILE``); required for an endpoint off this machine. A plug-in that answers
   ``residency`` (its handshake lists the op) is where the adapter reads residency while it
   answers: the plug-in's own tables, which a restarted gateway finds full (the KV events
   tell only what happened since the adapter started); ``ended`` are the programs labelled
@@ -142,7 +144,7 @@ class VLLMAdapter(KVEventsAdapter):
                  attribution: str = "session", priority: bool = True,
                  priority_offset: int = 0, prefetch: bool | None = None,
                  labels: str | None = None, labels_timeout_s: float = 2.0,
-                 labels_check_s: float = 5.0) -> None:
+                 labels_check_s: float = 5.0, label_secret_file: str | None = None) -> None:
         if labels_check_s <= 0:
             raise ValueError(f"labels_check_s must be > 0, got {labels_check_s}")
         if attribution not in ATTRIBUTIONS:
@@ -165,7 +167,7 @@ class VLLMAdapter(KVEventsAdapter):
         self.link = PluginLink(labels, timeout_s=labels_timeout_s, check_s=labels_check_s,
                                name=f"vLLM {url}", fallback="plain LRU",
                                on_up=self._plugin_up, on_down=self._plugin_down,
-                               logger=log) if labels else None
+                               logger=log, secret_file=label_secret_file) if labels else None
 
     # -- the plug-in's label channel ----------------------------------------------------------
     @property

@@ -68,6 +68,7 @@ class ServeConfig:
     api_key_file: Path | None = None
     admin_key_file: Path | None = None
     allow_unauthenticated: bool = False
+    label_secret_file: Path | None = None  # the engines' label secret (labels= backends)
     settings: GatewaySettings = field(default_factory=GatewaySettings)
 
 

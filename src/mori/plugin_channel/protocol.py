@@ -34,6 +34,15 @@ Messages (gateway -> plug-in):
 
 A malformed message or an unknown op is answered ``ok: false`` with an ``error`` and
 otherwise ignored: it never stops the engine.
+
+With a secret (``mori.plugin_channel.auth``), each message is two frames, ``[payload,
+tag]``: the payload carries ``ts`` and ``nonce`` besides the fields above, and each reply
+is signed too. A message that is unsigned, badly signed, replayed or too far off the
+engine's clock is answered only ``{"v": 1, "op": "refused", "ok": false, "error":
+"unauthenticated: WHY"}`` (unsigned): no data, no effect. The ``hello`` reply says
+``auth`` (``hmac-sha256`` or ``none``) and ``max_frame_bytes``: the engine's socket drops
+the connection of a peer that sends a larger frame (ZMQ's ``MAXMSGSIZE``), so a sender
+splits a long ``replace`` into a ``replace`` and ``set`` messages below it.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ DEFAULT_LABEL_ENDPOINT = "tcp://127.0.0.1:5558"
 LABELS = ("busy", "idle", "cold", "inactive")
 OPS = ("hello", "set", "replace", "drop", "clear", "residency")
 MAX_PROGRAM_ID = 1024  # characters; longer ids are refused
+MAX_FRAME_BYTES = 1 << 20  # the engine's ZMQ MAXMSGSIZE: a larger frame drops the peer
+REFUSED = "refused"  # the op of the answer to an unauthenticated message
 
 
 class ProtocolError(ValueError):
@@ -70,14 +81,24 @@ def _program_id(v: object, where: str) -> str:
     return v
 
 
-def decode(frame: bytes) -> Message:
-    """Parse and validate one message; raises ``ProtocolError``."""
+def parse(frame: bytes) -> dict[str, Any]:
+    """A message frame's JSON object; raises ``ProtocolError``."""
     try:
         obj = json.loads(frame)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError(f"not JSON: {e}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("a message is a JSON object")
+    return obj
+
+
+def decode(frame: bytes) -> Message:
+    """Parse and validate one message; raises ``ProtocolError``."""
+    return decode_obj(parse(frame))
+
+
+def decode_obj(obj: dict[str, Any]) -> Message:
+    """Validate one parsed message; raises ``ProtocolError``."""
     if obj.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {obj.get('v')!r} is not {PROTOCOL_VERSION}")
     op = obj.get("op")
@@ -114,8 +135,8 @@ def decode_reply(frame: bytes) -> dict[str, Any]:
     """A plug-in's reply as a dict; raises ``ProtocolError`` if it is not one."""
     try:
         obj = json.loads(frame)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError(f"reply is not JSON: {e}") from None
     if not isinstance(obj, dict) or obj.get("v") != PROTOCOL_VERSION or "ok" not in obj:
-        raise ProtocolError(f"not a version-{PROTOCOL_VERSION} reply: {obj!r}")
+        raise ProtocolError(f"not a version-{PROTOCOL_VERSION} reply: {str(obj)[:200]}")
     return obj

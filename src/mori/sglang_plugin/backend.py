@@ -13,7 +13,8 @@ mori`` is accepted (``mori sglang-args`` prints the flags).
   (the matched path); its eviction strategy (:class:`MoriEviction`) orders nodes by
   ``mori.sglang_plugin.order.eviction_key``, on the GPU and, with HiCache, on the host
   tier. Labels arrive on the label channel (``mori.plugin_channel.server.LabelServer``,
-  bound at ``$MORI_LABEL_ENDPOINT`` or ``tcp://127.0.0.1:5558``) and are applied by the
+  bound at ``$MORI_LABEL_ENDPOINT`` or ``tcp://127.0.0.1:5558``, signed with the secret of
+  ``$MORI_LABEL_SECRET_FILE``, required off loopback) and are applied by the
   scheduler thread before each eviction. ``drop`` labels the program ``inactive`` (its
   nodes go first at the next eviction; SGLang gives no call that evicts one path now).
 - Fault rules: a malformed message is answered ``ok: false`` and logged by the server,
@@ -48,7 +49,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from mori.plugin_channel.labels import LabelTable
 from mori.plugin_channel.protocol import Message
-from mori.plugin_channel.server import LabelServer, label_endpoint
+from mori.plugin_channel.server import LabelServer, configured_server
 
 from .order import WIDE, add_owner, eviction_key, program_of
 
@@ -102,14 +103,18 @@ class MoriRadixCache(UnifiedRadixCache):  # type: ignore[misc]
 
     # -- the label channel --------------------------------------------------------------
     def mori_start(self, tp_size: int = 1, endpoint: str | None = None) -> bool:
-        """Bind the label channel (False: not started, the order stays LRU)."""
+        """Bind the label channel (False: not started, the order stays LRU). The endpoint
+        and secret come from ``$MORI_LABEL_ENDPOINT`` and ``$MORI_LABEL_SECRET_FILE``
+        (``endpoint`` overrides the first); a secret that cannot be read, or an endpoint
+        others reach without one, raises ``ValueError``: the engine must not start so."""
         if tp_size > 1:
             logger.warning("MORI plug-in: tensor parallelism %d > 1 is not supported yet; "
                            "eviction stays SGLang's LRU", tp_size)
             return False
-        self.mori_server = LabelServer(endpoint or label_endpoint(), self._mori_info,
-                                       residency=self.mori_residency,
-                                       logger=logging.getLogger("sglang.mori_plugin.server"))
+        self.mori_server = configured_server(
+            self._mori_info, config={"mori_label_endpoint": endpoint} if endpoint else None,
+            residency=self.mori_residency,
+            logger=logging.getLogger("sglang.mori_plugin.server"))
         if not self.mori_server.start():
             self.mori_server = None
             return False

@@ -4,8 +4,10 @@ Load one with ``--scheduler-cls``: ``mori.vllm_plugin.scheduler.MoriScheduler`` 
 build (the CPU platform turns async scheduling off), ``MoriAsyncScheduler`` where vLLM
 schedules asynchronously (GPU). ``mori`` must be importable in the engine process
 (installed, or on ``PYTHONPATH``). The label endpoint it binds: ``--additional-config
-'{"mori_label_endpoint": "tcp://127.0.0.1:5558"}'`` or ``$MORI_LABEL_ENDPOINT``
-(``mori vllm-args`` prints the flags).
+'{"mori_label_endpoint": "tcp://127.0.0.1:5558"}'`` or ``$MORI_LABEL_ENDPOINT``; the
+secret every label message is signed with: ``"mori_label_secret_file": PATH`` there, or
+``$MORI_LABEL_SECRET_FILE`` (required off loopback: the engine refuses to start without
+it; ``mori vllm-args --label-secret-file`` prints the flags).
 
 What the mixin adds to vLLM's scheduler:
 
@@ -54,7 +56,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from mori.plugin_channel.labels import LabelTable
 from mori.plugin_channel.protocol import Message
-from mori.plugin_channel.server import LabelServer, label_endpoint
+from mori.plugin_channel.server import configured_server
 
 from . import compat
 from .connector_config import PROGRAM_KEY, tokens_per_chunk
@@ -62,7 +64,6 @@ from .typed_queue import QUEUE_METHODS, TypedFreeBlockQueue
 
 logger = logging.getLogger("vllm.mori_plugin.scheduler")
 
-CONFIG_KEY = "mori_label_endpoint"  # in --additional-config; else $MORI_LABEL_ENDPOINT
 LOG_EVERY_S = 5.0  # at most one INFO line about applied labels per this many seconds
 
 
@@ -107,10 +108,12 @@ class MoriSchedulerMixin:
         pool.free_block_queue = self.mori_queue
         rank = int(getattr(self.vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
         extra = getattr(self.vllm_config, "additional_config", None)
-        configured = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
-        self.mori_server = LabelServer(label_endpoint(rank, configured=configured),
-                                       self._mori_info, residency=self._mori_residency,
-                                       logger=logging.getLogger("vllm.mori_plugin.server"))
+        # a secret that cannot be read, or an endpoint others reach without one: the
+        # engine refuses to start (ValueError saying how to fix it)
+        self.mori_server = configured_server(
+            self._mori_info, rank=rank, config=extra if isinstance(extra, dict) else None,
+            residency=self._mori_residency,
+            logger=logging.getLogger("vllm.mori_plugin.server"))
         self.mori_server.start()
         logger.info("MORI scheduler: typed free queue over %d blocks (%d free); labels "
                     "from %s; CPU tier: %s", pool.num_gpu_blocks,
