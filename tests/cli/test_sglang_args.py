@@ -193,3 +193,18 @@ def test_bash_command_substitution_gives_the_same_words() -> None:
                          text=True, env=env, check=True, timeout=120)
     assert res.stdout.splitlines() == sglang_flags(hicache=True,
                                                    kv_events_endpoint="tcp://*:6557")
+
+
+def test_the_label_secret_is_a_note_to_set_the_environment(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key = tmp_path / "label.key"
+    key.write_text("k" * 64 + "\n")
+    words, err = printed(capsys, "--label-endpoint", "tcp://10.0.0.5:5558",
+                         "--label-secret-file", str(key))
+    assert words == sglang_flags()
+    assert f"MORI_LABEL_SECRET_FILE={key}" in err and "warning" not in err
+    _, err = printed(capsys, "--label-endpoint", "tcp://*:5558")
+    assert "mori sglang-args: warning: " in err and "refuses to start" in err
+    assert "--label-secret-file" in err
+    _, err = printed(capsys, "--no-plugin", "--label-endpoint", "tcp://*:5558")
+    assert err == ""

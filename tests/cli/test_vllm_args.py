@@ -220,3 +220,38 @@ def test_kv_transfer_config() -> None:
 def test_tokens_per_chunk_as_vllm_derives_it(extra: dict[str, int] | None,
                                              tokens: int) -> None:
     assert tokens_per_chunk(extra, 32) == tokens
+
+
+def test_the_label_secret_goes_in_the_additional_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key = tmp_path / "label.key"
+    key.write_text("k" * 64 + "\n")
+    words = printed(capsys, "--label-endpoint", "tcp://10.0.0.5:5558",
+                    "--label-secret-file", str(key))
+    assert parse(words)["--additional-config"] == {
+        "mori_label_endpoint": "tcp://10.0.0.5:5558", "mori_label_secret_file": str(key)}
+    assert "--label-secret-file" not in parse(printed(capsys, "--no-plugin",
+                                                      "--label-secret-file", str(key)))
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5558", "tcp://0.0.0.0:5558",
+                                      "tcp://10.0.0.5:5558"])
+def test_an_open_label_endpoint_without_a_secret_is_warned_about(
+        endpoint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", "--label-endpoint", endpoint]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("mori vllm-args: warning: ")
+    assert "refuses to start" in captured.err and "--label-secret-file" in captured.err
+    assert main(["vllm-args", "--label-endpoint", "tcp://127.0.0.1:5558"]) == 0
+    assert capsys.readouterr().err == ""  # loopback: no secret needed
+    assert main(["vllm-args", "--no-plugin", "--label-endpoint", endpoint]) == 0
+    assert capsys.readouterr().err == ""  # no plug-in, no label channel
+
+
+def test_an_unreadable_secret_file_is_warned_about(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-args", "--label-secret-file", str(tmp_path / "none")]) == 0
+    err = capsys.readouterr().err
+    assert "mori vllm-args: warning: --label-secret-file" in err
+    assert "refuses to start unless it can read it" in err
+    assert main(["vllm-args", "--label-secret-file", "a b"]) == 2  # would break the line
