@@ -271,3 +271,30 @@ def test_a_named_parent_wins_over_the_inferred_one(loop_thread: LoopThread, via:
     rows = {r["program_id"]: r for r in programs(url)}
     assert rows["codex:s/t2:0"]["parent"] == "codex:s/t1:1"
     assert rows["codex:s/t9:0"]["parent"] == "codex:s/t1:1"  # inferred: t1 in a tool call
+
+
+def test_programs_per_key_are_capped_in_the_apis_shape(loop_thread: LoopThread, via: str,
+                                                      tmp_path: Path) -> None:
+    """``--max-programs-per-key``: a key's third program is refused with 429 (and
+    Retry-After) in the shape of the API it came in on; another key is not counted."""
+    url, _, model = start(loop_thread, tmp_path, via, api_keys=("ka", "kb"),
+                          max_programs_per_key=2)
+    c = anthropic.Anthropic(base_url=url, api_key="ka", max_retries=0)
+    for session in ("s1", "s2"):
+        c.messages.create(model=model, max_tokens=5, metadata=claude_metadata(session),
+                          system="s", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.RateLimitError) as e:
+        c.messages.create(model=model, max_tokens=5, metadata=claude_metadata("s3"),
+                          system="s", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["type"] == "error"  # type: ignore[index]
+    assert "--max-programs-per-key" in e.value.body["error"]["message"]  # type: ignore[index]
+    assert e.value.response.headers.get("retry-after")
+    o = openai.OpenAI(base_url=url + "/v1", api_key="ka", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as e2:
+        o.responses.create(model=model, input="hi", prompt_cache_key="s4")
+    body = e2.value.response.json()  # OpenAI's shape: the error alone, no top-level type
+    assert "type" not in body and "--max-programs-per-key" in body["error"]["message"]
+    other = anthropic.Anthropic(base_url=url, api_key="kb", max_retries=0)
+    other.messages.create(model=model, max_tokens=5, metadata=claude_metadata("s1"),
+                          system="s", messages=[{"role": "user", "content": "hi"}])
+    assert len(programs(url, "ka")) == 2 and len(programs(url, "kb")) == 1
