@@ -323,6 +323,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            field="stream_write_timeout_s",
            help="seconds a streamed answer may wait for a client that stopped reading "
                 "before the stream is cut off and the engine's request aborted"),
+    Option("stream_idle_timeout", float, _GATEWAY.stream_idle_timeout_s, metavar="S",
+           field="stream_idle_timeout_s",
+           help="seconds a streamed answer may go without a byte from its engine (before "
+                "its first byte: --first-byte-timeout); beyond, the stream ends with an "
+                "error event (504 if nothing was passed on yet), the step ends and the "
+                "replica is probed"),
+    Option("max_sse_line_bytes", int, _GATEWAY.max_sse_line_bytes, metavar="N",
+           help="longest line an engine's stream may send (at least 1024); beyond, the "
+                "engine's request is aborted and the client gets an error event (502 if "
+                "nothing was passed on yet)"),
     Option("retry_after", float, _GATEWAY.retry_after_s, metavar="S", field="retry_after_s",
            help="Retry-After seconds on 429/503"),
     Option("program_idle_timeout", float, _GATEWAY.program_ttl_s, metavar="S",

@@ -11,7 +11,11 @@ JSON; the rest are counted by scanning. ``read_answer`` reads a complete (non-st
 answer of any API.
 
 Every stream may carry the simulated engine's ``: kv-ready`` comment
-(``mori.protocol.fields.KV_READY_LINE``); the watchers note it.
+(``mori.protocol.fields.KV_READY_LINE``); the watchers note it. A watcher splits the
+stream into lines in time linear in the bytes, with a cap on one line
+(``mori.protocol.sse``), and ``feed`` returns the whole lines, which is what the gateway
+passes on: the start of a line is held until its end arrives. ``StepUsage.bounded``
+clamps an answer's counts to what one request can hold.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import msgspec
 
 from mori.protocol.apis import ApiSpec
 from mori.protocol.fields import KV_READY_LINE, RESPONSES
+from mori.protocol.sse import DEFAULT_MAX_SSE_LINE_BYTES, LineBuffer
 
 
 @dataclass(slots=True)
@@ -34,6 +39,27 @@ class Answer:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     tool_names: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepUsage:
+    """The token counts a step is booked with: ``prompt``, of which ``cached`` were read
+    from the engine's cache (None: not reported), and ``output``."""
+
+    prompt: int
+    cached: int | None
+    output: int
+
+    def bounded(self, max_prompt: int | None, max_output: int | None) -> StepUsage:
+        """These counts clamped to what can be true of one request: a prompt of at most
+        ``max_prompt`` (the engine's context window), an output of at most
+        ``max_output`` (the request's limit, or the context window), a cache read within
+        the prompt (None: no bound). An engine's numbers are otherwise trusted, and a
+        wrong one would stay in the counters and the trace for good."""
+        prompt = self.prompt if max_prompt is None else min(self.prompt, max_prompt)
+        output = self.output if max_output is None else min(self.output, max_output)
+        cached = None if self.cached is None else min(self.cached, prompt)
+        return StepUsage(prompt, cached, output)
 
 
 def _list(v: Any) -> list[Any]:
@@ -100,27 +126,41 @@ def _tool_name_item(item: Any) -> str | None:
 
 
 class _Lines:
-    """Splits a byte stream into SSE lines across chunks: ``payloads`` gives the ``data:``
-    payloads of the whole lines in a chunk, and notes the kv-ready comment."""
+    """Splits a byte stream into SSE lines across chunks (``mori.protocol.sse``: linear in
+    the bytes, one line at most ``max_line`` bytes); ``feed`` reads the ``data:``
+    payloads of the whole lines a chunk completes (``_read``), notes the kv-ready
+    comment, and returns those lines, to be passed on. What ``feed`` has not returned
+    is the start of a line yet to end (``rest``)."""
 
-    __slots__ = ("_tail", "kv_ready", "events", "answer")
+    __slots__ = ("_lines", "kv_ready", "events", "answer")
 
-    def __init__(self) -> None:
-        self._tail = b""
+    def __init__(self, max_line: int = DEFAULT_MAX_SSE_LINE_BYTES) -> None:
+        self._lines = LineBuffer(max_line)
         self.kv_ready = False
         self.events = 0
         self.answer = Answer()
 
-    def payloads(self, chunk: bytes) -> list[bytes]:
-        lines = (self._tail + chunk).split(b"\n")
-        self._tail = lines.pop()
-        out = []
-        for line in lines:
-            if line.startswith(b"data:"):
-                out.append(line[5:])
-            elif line.rstrip(b"\r") == KV_READY_LINE:
-                self.kv_ready = True
-        return out
+    def feed(self, chunk: bytes) -> bytes:
+        """Read the whole lines ``chunk`` completes and return them (b"" if none);
+        ``LineTooLong`` (``mori.protocol.sse``) when a line passes the cap."""
+        whole = self._lines.feed(chunk)
+        if whole:
+            out = []
+            for line in whole.split(b"\n"):
+                if line.startswith(b"data:"):
+                    out.append(line[5:])
+                elif line.rstrip(b"\r") == KV_READY_LINE:
+                    self.kv_ready = True
+            if out:
+                self._read(out)
+        return whole
+
+    def rest(self) -> bytes:
+        """The start of a line that never ended (the stream is over): given up, unread."""
+        return self._lines.rest()
+
+    def _read(self, payloads: list[bytes]) -> None:
+        raise NotImplementedError
 
     def output_tokens(self) -> int:
         """The usage's output tokens, else the content events counted."""
@@ -134,13 +174,13 @@ class ChatWatcher(_Lines):
 
     __slots__ = ("done", "ended")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_line: int = DEFAULT_MAX_SSE_LINE_BYTES) -> None:
+        super().__init__(max_line)
         self.done = False
         self.ended = False
 
-    def feed(self, chunk: bytes) -> None:
-        for raw in self.payloads(chunk):
+    def _read(self, payloads: list[bytes]) -> None:
+        for raw in payloads:
             payload = raw.strip()
             if payload == b"[DONE]":
                 self.done = self.ended = True
@@ -182,12 +222,12 @@ class _TypedEvents(_Lines):
     ends: tuple[bytes, ...] = ()
     __slots__ = ("ended",)
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_line: int = DEFAULT_MAX_SSE_LINE_BYTES) -> None:
+        super().__init__(max_line)
         self.ended = False
 
-    def feed(self, chunk: bytes) -> None:
-        for payload in self.payloads(chunk):
+    def _read(self, payloads: list[bytes]) -> None:
+        for payload in payloads:
             if self.count in payload:
                 self.events += 1
                 continue
@@ -257,13 +297,14 @@ class ResponsesWatcher(_TypedEvents):
 Watcher = ChatWatcher | MessagesWatcher | ResponsesWatcher
 
 
-def watcher_for(spec: ApiSpec) -> Watcher:
-    """A fresh stream reader for ``spec``'s API."""
+def watcher_for(spec: ApiSpec, max_line: int = DEFAULT_MAX_SSE_LINE_BYTES) -> Watcher:
+    """A fresh stream reader for ``spec``'s API; ``max_line``: the longest SSE line it
+    takes, in bytes."""
     if spec.anthropic:
-        return MessagesWatcher()
+        return MessagesWatcher(max_line)
     if spec.path == RESPONSES:
-        return ResponsesWatcher()
-    return ChatWatcher()
+        return ResponsesWatcher(max_line)
+    return ChatWatcher(max_line)
 
 
 class _Usage(msgspec.Struct):

@@ -11,6 +11,7 @@ from mori.gateway.aliases import ModelAliases
 from mori.gateway.auth import normalize_origin
 from mori.gateway.identity import DEFAULT_ORDER, parse_order
 from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES, MAX_PROGRAM_ID_BYTES_LIMIT
+from mori.protocol.sse import DEFAULT_MAX_SSE_LINE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,12 @@ class GatewaySettings:
     ``stream_write_timeout_s``: the longest one chunk of a streamed answer may wait for a
     client that stopped reading; beyond it the stream is cut off, the engine's request
     aborted and the program's step ended (it is Acting again and may retry).
+    ``stream_idle_timeout_s``: the longest a streamed answer may go without a byte from
+    its engine once its first byte came (before it: ``first_byte_timeout_s``); beyond it
+    the stream ends with an error event (504 if nothing was passed on yet), the step
+    ends and the replica is probed at once. ``max_sse_line_bytes``: the longest line
+    an engine's stream may send (beyond it: the stream ends with an error event, or 502
+    if nothing was passed on yet, and the engine's request is aborted).
     ``api_keys`` and ``admin_keys``: the keys of ``mori.gateway.auth`` (none: every
     endpoint open; never shown in the repr). ``public_metrics``: ``/metrics`` without an
     admin key when keys are set. ``cors_origins``: the web origins CORS is answered for
@@ -86,6 +93,8 @@ class GatewaySettings:
     decision_log: int = 10000
     startup_wait_s: float = 60.0
     stream_write_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 120.0
+    max_sse_line_bytes: int = DEFAULT_MAX_SSE_LINE_BYTES
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     public_metrics: bool = False
@@ -114,7 +123,7 @@ class GatewaySettings:
         for name in ("time_scale", "gate_timeout_s", "health_interval_s",
                      "stream_write_timeout_s", "header_timeout_s", "keep_alive_timeout_s",
                      "body_timeout_s", "health_timeout_s", "first_byte_timeout_s",
-                     "state_interval_s"):
+                     "state_interval_s", "stream_idle_timeout_s"):
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number (got {v})")
@@ -129,6 +138,9 @@ class GatewaySettings:
             raise ValueError(f"health_failures must be >= 1 (got {self.health_failures})")
         if self.max_gated < 1:
             raise ValueError(f"max_gated must be >= 1 (got {self.max_gated})")
+        if self.max_sse_line_bytes < 1024:
+            raise ValueError(f"max_sse_line_bytes must be >= 1024 (got "
+                             f"{self.max_sse_line_bytes})")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
         if self.max_header_bytes < 1024:

@@ -205,6 +205,13 @@ class Recorded:
         return out
 
 
+WORKER_TALLIES = ("disconnects", "stream_timeouts", "prompt_tokens", "completion_tokens",
+                  "upstream_idle_timeouts", "sse_lines_too_long", "usage_clamped")
+"""The unlabelled counters of ``GatewayMetrics`` the completion path updates: a worker
+process tallies them and sends the increments to the policy process
+(``mori.gateway.worker_process.WorkerMetrics``), which adds them here."""
+
+
 class GatewayMetrics:
     """All metrics of one gateway app."""
 
@@ -230,7 +237,19 @@ class GatewayMetrics:
                                    "before the end", registry=r)
         self.stream_timeouts = Counter("mori_stream_timeouts", "Streams cut off because the "
                                        "client stopped reading (stream_write_timeout_s; also "
-                                       "counted as client disconnects)", registry=r)
+                                       "counted as client disconnects) or the engine sent "
+                                       "nothing (stream_idle_timeout_s; also counted in "
+                                       "mori_upstream_idle_timeouts)", registry=r)
+        self.upstream_idle_timeouts = Counter(
+            "mori_upstream_idle_timeouts", "Streams ended because their engine sent no byte "
+            "for stream_idle_timeout_s (the replica probed at once)", registry=r)
+        self.sse_lines_too_long = Counter(
+            "mori_sse_lines_too_long", "Streams ended because their engine sent a line over "
+            "max_sse_line_bytes (the engine's request aborted)", registry=r)
+        self.usage_clamped = Counter(
+            "mori_usage_clamped", "Answers whose usage from the engine could not be true "
+            "(a prompt over the context window, an output over max_tokens), booked clamped",
+            registry=r)
         self.worker_requests = Counter("mori_worker_requests", "Completion requests served by "
                                        "each worker process (mori serve --workers)",
                                        ["worker"], registry=r)

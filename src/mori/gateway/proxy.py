@@ -4,10 +4,13 @@ pass the answer back.
 The controller's ``RequestLease`` covers the request from admission to its end; this
 module only moves bytes and counts tokens: it checks the model, sizes the prompt, takes
 the lease, forwards the body through the replica's adapter and relays the answer
-(chunk by chunk for streams), then finishes the lease with the context the engine
-reported (or the gateway's estimate). A stream whose client stops reading for
-``stream_write_timeout_s`` is cut off: the engine's request is aborted (its connection
-closed) and the lease finished, so the program is Acting again and may retry.
+(whole lines at a time for streams), then finishes the lease with the context the
+engine reported (or the gateway's estimate), clamped to what one request can hold. A
+stream whose client stops reading for ``stream_write_timeout_s`` is cut off: the
+engine's request is aborted (its connection closed) and the lease finished, so the
+program is Acting again and may retry. What an engine sends is bounded too (``_Relay``):
+one SSE line of at most ``max_sse_line_bytes``, no wait for its next byte over
+``stream_idle_timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,21 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from starlette.responses import JSONResponse, Response
 
 from mori.core.types import Capability
-from mori.engines.base import RequestHints, UpstreamError
+from mori.engines.base import RequestHints, UpstreamError, UpstreamResponse
 from mori.gateway.agents import RequestFacts, StepFacts
-from mori.gateway.answers import Answer, read_answer, watcher_for
+from mori.gateway.answers import Answer, StepUsage, read_answer, watcher_for
 from mori.gateway.held import GateRejected
-from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens
+from mori.gateway.idle_watch import IdleWatch
+from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens, max_output_tokens
 from mori.protocol.apis import stream_error
 from mori.protocol.errors import clip
 from mori.protocol.fields import CHAT, COMPLETIONS, RESPONSES
 from mori.protocol.responses import EventStream, PassThrough, api_error_response
+from mori.protocol.sse import LineTooLong
 
 if TYPE_CHECKING:
     from mori.gateway.interfaces import LeaseLike
@@ -98,23 +103,26 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
 
         def step_ended() -> None:  # once the answer is on its way: it waits for nothing
             ans = read_answer(spec, body) if up.status == 200 else Answer(completion_tokens=0)
-            used = ans.prompt_tokens
-            prompt = used if used is not None and req.synthetic is None else tokens
-            out = ans.completion_tokens or 0
-            _count(gw, prompt, out)
-            lease.finish(prompt + out, StepFacts(prompt, ans.cached_tokens, out,
-                                                 tuple(ans.tool_names)))
+            _book(gw, lease, req, ans, ans.completion_tokens or 0)
 
         return PassThrough(up.status, body, up.headers, after=step_ended)
-    relay = _relay(gw, up.chunks, up.aclose, lease, req, arrived)
-    await anext(relay)  # started: closing it now always ends the lease
+    stream = _Relay(gw, up, lease, req, arrived)
+    relay = stream.run()
+    # the first whole lines: until they come, the client can be answered with a status
+    first = await anext(relay, None)  # started: closing it now always ends the lease
+    if first is None:
+        await relay.aclose()
+        err = stream.refused
+        assert err is not None, "a relay that passed nothing on was refused"
+        return api_error_response(spec, err.status, for_client(err, lease.adapter.url), None,
+                                  None, gw.settings.retry_after_s if err.status == 503 else None)
 
     def stalled() -> None:
         gw.metrics.stream_timeouts.inc()
         log.warning("program %s: the client read nothing for %g s; stream cut off, engine "
                     "request aborted", pid, gw.settings.stream_write_timeout_s)
 
-    return EventStream(up.status, up.headers, relay,
+    return EventStream(up.status, up.headers, relay, first=first,
                        write_timeout_s=gw.settings.stream_write_timeout_s,
                        on_write_timeout=stalled)
 
@@ -136,44 +144,115 @@ async def serve_count_tokens(gw: Gateway, req: ClientRequest) -> Response:
     return JSONResponse({"input_tokens": n})
 
 
-async def _relay(gw: Gateway, chunks: AsyncIterator[bytes], aclose: Callable[[], Awaitable[None]],
-                 lease: LeaseLike, req: ClientRequest, arrived: float
-                 ) -> AsyncGenerator[bytes, None]:
-    watcher = watcher_for(req.spec)
-    first = True
-    try:
-        yield b""  # taken by serve_completion, to start the generator
-        async for chunk in chunks:
-            if first:
-                gw.metrics.ttft.observe(gw.ctl.wall() - arrived)
-                first = False
-            watcher.feed(chunk)
-            if watcher.kv_ready:
-                lease.kv_ready()
-            yield chunk
-        if not watcher.ended:  # cut off where the body has no framing: the client is told
-            raise UpstreamError(f"engine {lease.adapter.url} ended its stream before its "
-                                "answer's end", unhealthy=False)
-    except UpstreamError as e:
-        lease.failed(e)
-        yield stream_error(req.spec, 502, for_client(e, lease.adapter.url))
-    except (asyncio.CancelledError, GeneratorExit):
-        gw.metrics.disconnects.inc()
-        raise
-    except Exception:  # a fault of the gateway's own: the stream still ends in an error
-        log.exception("program %s: relaying the stream failed", req.program_id)
-        yield stream_error(req.spec, 502, "the gateway failed mid-stream")
-    finally:
-        with contextlib.suppress(Exception):
-            await aclose()
-        ans = watcher.answer
-        prompt = lease.prompt_tokens
-        if ans.prompt_tokens is not None and req.synthetic is None:
-            prompt = ans.prompt_tokens
-        out = watcher.output_tokens()
-        _count(gw, prompt, out)
-        lease.finish(prompt + out, StepFacts(prompt, ans.cached_tokens, out,
-                                             tuple(ans.tool_names)))
+class _Relay:
+    """One streamed answer passed on (``run``), whole lines at a time: the engine's
+    bytes up to their last line end, each chunk as it comes (``mori.gateway.answers``
+    reads them on the way and holds the start of a line until its end arrives).
+
+    A stream cut off mid-line loses the partial line (an SSE client would drop it too),
+    so the error event that follows is read as one. Bounds: a line over ``max_sse_line_bytes`` ends the stream (502); so does an engine
+    that sends nothing for ``stream_idle_timeout_s`` (504; before the first byte,
+    ``first_byte_timeout_s``), and the replica is probed. Either way the engine's
+    request is aborted (its connection dropped), the step ends, and the client gets an
+    error event in its API's shape, or, if nothing was passed on yet, ``refused`` is
+    set and ``run`` ends without a chunk: the caller answers with that status.
+    """
+
+    __slots__ = ("gw", "up", "lease", "req", "arrived", "refused")
+
+    def __init__(self, gw: Gateway, up: UpstreamResponse, lease: LeaseLike,
+                 req: ClientRequest, arrived: float) -> None:
+        self.gw = gw
+        self.up = up
+        self.lease = lease
+        self.req = req
+        self.arrived = arrived
+        self.refused: UpstreamError | None = None
+
+    async def run(self) -> AsyncGenerator[bytes, None]:
+        gw, lease, req = self.gw, self.lease, self.req
+        settings = gw.settings
+        watcher = watcher_for(req.spec, settings.max_sse_line_bytes)
+        assert self.up.chunks is not None
+        chunks = aiter(self.up.chunks)
+        loop = asyncio.get_running_loop()
+        idle = IdleWatch(loop)
+        limit = settings.first_byte_timeout_s
+        first = True
+        sent = False
+        open_event = False  # the last bytes passed on left an event without its blank line
+        try:
+            while True:
+                idle.arm(limit)
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if not idle.timed_out():
+                        raise
+                    raise self._idle_error(first, idle.limit) from None
+                finally:
+                    idle.disarm()
+                if first:
+                    gw.metrics.ttft.observe(gw.ctl.wall() - self.arrived)
+                    first = False
+                    limit = settings.stream_idle_timeout_s
+                lines = watcher.feed(chunk)
+                if watcher.kv_ready:
+                    lease.kv_ready()
+                if lines:
+                    sent = True
+                    open_event = not lines.endswith((b"\n\n", b"\n\r\n"))
+                    yield lines
+            rest = watcher.rest()  # a last line with no end: dropped unless the answer ended
+            if watcher.ended and rest:
+                yield rest
+            if not watcher.ended:  # cut off where the body has no framing: the client is told
+                raise UpstreamError(f"engine {lease.adapter.url} ended its stream before its "
+                                    "answer's end", unhealthy=False)
+        except (UpstreamError, LineTooLong) as exc:
+            e = exc if isinstance(exc, UpstreamError) else self._line_error(exc)
+            lease.failed(e)
+            if sent:  # after a blank line: an event of its own
+                yield b"\n" * open_event + stream_error(req.spec, e.status,
+                                                        for_client(e, lease.adapter.url))
+            else:
+                self.refused = e
+        except (asyncio.CancelledError, GeneratorExit):
+            gw.metrics.disconnects.inc()
+            raise
+        except Exception:  # a fault of the gateway's own: the stream still ends in an error
+            log.exception("program %s: relaying the stream failed", req.program_id)
+            if sent:
+                yield b"\n" * open_event + stream_error(req.spec, 502,
+                                                        "the gateway failed mid-stream")
+            else:
+                self.refused = UpstreamError("the gateway failed mid-stream")
+        finally:
+            idle.stop()
+            with contextlib.suppress(Exception):
+                await self.up.aclose()  # the engine's request aborted unless it ended
+            ans = watcher.answer
+            _book(gw, lease, req, ans, watcher.output_tokens())
+
+    def _idle_error(self, first: bool, seconds: float) -> UpstreamError:
+        """The engine sent nothing in time: counted, and a 504 that has the replica
+        probed (not marked down: a slow engine is not a dead one)."""
+        m = self.gw.metrics
+        m.stream_timeouts.inc()
+        m.upstream_idle_timeouts.inc()
+        url = self.lease.adapter.url
+        what = "began no answer" if first else "sent nothing mid-stream"
+        flag = "--first-byte-timeout" if first else "--stream-idle-timeout"
+        return UpstreamError(f"engine {url} {what} for {seconds:g} s ({flag})", status=504,
+                             unhealthy=False)
+
+    def _line_error(self, e: LineTooLong) -> UpstreamError:
+        self.gw.metrics.sse_lines_too_long.inc()
+        return UpstreamError(f"engine {self.lease.adapter.url} sent an SSE line over "
+                             f"{e.limit} bytes (--max-sse-line-bytes; the request was "
+                             f"aborted): {e}", status=502, unhealthy=False)
 
 
 def for_client(e: UpstreamError, url: str) -> str:
@@ -186,9 +265,44 @@ def for_client(e: UpstreamError, url: str) -> str:
     return head if url not in head and "://" not in head else f"the engine failed ({e.status})"
 
 
-def _count(gw: Gateway, prompt: int, completion: int) -> None:
-    gw.metrics.prompt_tokens.inc(prompt)
-    gw.metrics.completion_tokens.inc(completion)
+def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
+          output: int) -> None:
+    """End the step with its counts: the engine's (its prompt count unless the request
+    is synthetic, whose size the gateway knows) else the gateway's estimate, clamped to
+    what one request can hold (``StepUsage.bounded``; a clamp is counted and logged)."""
+    prompt = lease.prompt_tokens
+    engine_prompt = ans.prompt_tokens is not None and req.synthetic is None
+    if engine_prompt:
+        prompt = ans.prompt_tokens  # type: ignore[assignment]
+    context = context_window(gw, req.model)
+    out_cap = None if req.synthetic is not None else max_output_tokens(req)
+    if context is not None:
+        out_cap = context if out_cap is None else min(out_cap, context)
+    told = StepUsage(prompt, ans.cached_tokens, output)
+    usage = told.bounded(context if engine_prompt else None, out_cap)
+    if usage != told:
+        gw.metrics.usage_clamped.inc()
+        log.warning("program %s on %s: the engine's usage cannot be true (prompt %d, cached "
+                    "%s, output %d; the context window is %s tokens, the request's output "
+                    "limit %s); booked as prompt %d, cached %s, output %d", req.program_id,
+                    lease.adapter.url, told.prompt, told.cached, told.output, context,
+                    out_cap, usage.prompt, usage.cached, usage.output)
+    gw.metrics.prompt_tokens.inc(usage.prompt)
+    gw.metrics.completion_tokens.inc(usage.output)
+    lease.finish(usage.prompt + usage.output, StepFacts(usage.prompt, usage.cached,
+                                                        usage.output, tuple(ans.tool_names)))
+
+
+def context_window(gw: Gateway, model: str) -> int | None:
+    """The most tokens one request can hold: one replica's GPU KV capacity, and the
+    served model's ``max_model_len`` where its engine reports one (None: unknown)."""
+    limits = [gw.gpu_tokens()]
+    for m in gw.models:
+        n = m.get("max_model_len")
+        if m.get("id") == model and isinstance(n, int) and not isinstance(n, bool):
+            limits.append(n)
+    limits = [n for n in limits if n > 0]
+    return min(limits) if limits else None
 
 
 async def prompt_tokens(gw: Gateway, req: ClientRequest) -> int:

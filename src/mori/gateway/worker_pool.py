@@ -35,6 +35,7 @@ from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.held import GateRejected
 from mori.gateway.ipc import FrameWriter, frame_limit, read_frame
 from mori.gateway.lease import RequestLease
+from mori.gateway.metrics import WORKER_TALLIES
 
 if TYPE_CHECKING:
     from mori.gateway.app import Gateway
@@ -200,7 +201,7 @@ class WorkerHub:
             served += n
         if served:
             m.worker_requests.labels(peer.worker).inc(served)
-        for name in ("prompt_tokens", "completion_tokens", "disconnects", "stream_timeouts"):
+        for name in WORKER_TALLIES:
             if n := msg.get(name, 0):
                 getattr(m, name).inc(n)
         for v in msg.get("ttft", ()):

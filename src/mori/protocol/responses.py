@@ -154,7 +154,9 @@ class EventStream(Response):
     pumps the chunks, the handler's own task watches for the disconnect. The generator is
     always closed, so its ``finally`` runs whether the stream ended or was cut off (a
     generator that never started runs none of its body: start it before, if its
-    ``finally`` must run). ``headers`` default the content type to ``text/event-stream``.
+    ``finally`` must run). ``headers`` default the content type to ``text/event-stream``;
+    ``first``: bytes already taken from the generator (the caller looked ahead), sent
+    before it.
 
     ``write_timeout_s``: the longest one write may wait for a client that stopped
     reading (the server's flow control holds ``send`` while the socket is full); beyond
@@ -164,10 +166,12 @@ class EventStream(Response):
     """
 
     def __init__(self, status: int, headers: Mapping[str, str],
-                 chunks: AsyncGenerator[bytes, None], *, write_timeout_s: float | None = None,
+                 chunks: AsyncGenerator[bytes, None], *, first: bytes = b"",
+                 write_timeout_s: float | None = None,
                  on_write_timeout: Callable[[], None] | None = None) -> None:
         self.status_code = status
         self.chunks = chunks
+        self.first = first
         self.write_timeout_s = write_timeout_s
         self.on_write_timeout = on_write_timeout
         self.background = None
@@ -198,6 +202,9 @@ class EventStream(Response):
         try:
             await self._send(send, {"type": "http.response.start", "status": self.status_code,
                                     "headers": self.raw_headers})
+            if self.first:
+                await self._send(send, {"type": "http.response.body", "body": self.first,
+                                        "more_body": True})
             async for chunk in self.chunks:
                 await self._send(send, {"type": "http.response.body", "body": chunk,
                                         "more_body": True})
