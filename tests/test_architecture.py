@@ -68,6 +68,7 @@ LAYERS = {
 # vllm-args` prints it; it checks the installed vLLM's release with compat); the rest runs
 # only inside vLLM
 PLUGIN_API = {"mori.vllm_plugin", "mori.plugin_channel", "mori.plugin_channel.protocol",
+              "mori.plugin_channel.auth",  # both ends sign the channel's messages
               "mori.vllm_plugin.connector_config", "mori.vllm_plugin.compat",
               "mori.sglang_plugin", "mori.sglang_plugin.order"}
 HTTP = {"starlette", "uvicorn", "aiohttp", "httpx", "requests", "fastapi", "openai",
