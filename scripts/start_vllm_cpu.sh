@@ -15,7 +15,8 @@
 # PYTHONPATH; the vLLM venv needs no mori. MORI_VLLM_PLUGIN=1 loads MORI's scheduler
 # plug-in (--scheduler-cls mori.vllm_plugin.scheduler.MoriScheduler; src/ goes on the
 # vLLM process's PYTHONPATH), its label endpoint bound at tcp://127.0.0.1:LABEL_PORT
-# (default PORT+2000); without it vLLM runs plain (--no-plugin). MORI_VLLM_CPU_GIB=N adds
+# (default PORT+2000), signed with the secret of MORI_VLLM_LABEL_SECRET_FILE when set
+# (`--label-secret-file`); without it vLLM runs plain (--no-plugin). MORI_VLLM_CPU_GIB=N adds
 # a host KV tier of N GiB (`--cpu-gib`: vLLM's OffloadingConnector with MORI's copy
 # worker; evicted in MORI's order with the plug-in, by vLLM's LRU without; src/ goes on
 # the vLLM process's PYTHONPATH for it too). MORI_VLLM_DISK_GIB=N with MORI_VLLM_DISK_DIR=PATH
@@ -54,6 +55,9 @@ SRC_PATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 MORI_ARGS=(vllm-args --cpu-build --kv-events-endpoint "tcp://*:${KV_PORT}")
 if [ "${MORI_VLLM_PLUGIN:-0}" = "1" ]; then
     MORI_ARGS+=(--label-endpoint "tcp://127.0.0.1:${LABEL_PORT}")
+    if [ -n "${MORI_VLLM_LABEL_SECRET_FILE:-}" ]; then
+        MORI_ARGS+=(--label-secret-file "$MORI_VLLM_LABEL_SECRET_FILE")
+    fi
 else
     MORI_ARGS+=(--no-plugin)
 fi

@@ -51,10 +51,11 @@ class Engine:
 
 def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | None = None,
                  name: str | None = None, release: str = CPU_BUILD,
-                 disk: tuple[float, Path] | None = None
+                 disk: tuple[float, Path] | None = None, label_secret: Path | None = None
                  ) -> tuple[Engine, subprocess.Popen[bytes]]:
     """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier; ``disk``:
-    GiB and directory of a disk tier behind it), running vLLM ``release``
+    GiB and directory of a disk tier behind it; ``label_secret``: the label channel's
+    secret file, ``mori vllm-args --label-secret-file``), running vLLM ``release``
     (``conftest.VLLM_RELEASES``)."""
     venv = _install_venv()
     model = _build_model(venv)
@@ -67,6 +68,8 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
         env["MORI_VLLM_CPU_GIB"] = repr(cpu_gib)
     if disk is not None:
         env["MORI_VLLM_DISK_GIB"], env["MORI_VLLM_DISK_DIR"] = repr(disk[0]), str(disk[1])
+    if label_secret is not None:
+        env["MORI_VLLM_LABEL_SECRET_FILE"] = str(label_secret)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(model), str(port), str(kv_port),
