@@ -204,6 +204,36 @@ def test_idle_programs_are_released_after_the_ttl() -> None:
     run(body, program_ttl_s=60.0)
 
 
+@pytest.mark.parametrize("held", [20, 400])
+def test_a_tick_looks_only_at_the_programs_past_the_ttl(held: int) -> None:
+    """The idle timeout costs a tick what expires, not every program held: however many
+    programs sit idle, a tick looks at those unseen past the TTL and one more."""
+    async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
+        for i in range(held):
+            clock.t += 1.0
+            (await ctl.lease(f"p{i}", 100)).finish(120)
+        lease = await ctl.lease(f"p{held - 1}", 130)  # in flight past the TTL below
+        looked = ctl.seen.looked_at
+        ctl.tick()
+        assert ctl.seen.looked_at - looked == 1  # nobody is past the TTL
+        # p0 .. p4 were last seen over 10,000 s ago, p5 not quite
+        clock.t = 1000.0 + 5 + 10_000.5
+        looked = ctl.seen.looked_at
+        ctl.tick()
+        assert ctl.seen.looked_at - looked == 6
+        assert [f"p{i}" for i in range(6) if f"p{i}" in ctl.programs] == ["p5"]
+        assert len(ctl.programs) == len(ctl.seen) == held - 5
+        # a program in flight past the TTL stays (looked at until its step ends)
+        clock.t += 100_000.0
+        ctl.tick()
+        assert list(ctl.programs) == [f"p{held - 1}"]
+        lease.finish(140)
+        looked = ctl.seen.looked_at
+        ctl.tick()
+        assert ctl.seen.looked_at - looked == 1 and list(ctl.programs) == [f"p{held - 1}"]
+    run(body, program_ttl_s=10_000.0)
+
+
 def test_an_unhealthy_replica_answers_503_and_leaves_no_program_reasoning() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         ctl.replicas.mark_unhealthy(0, "connection refused")

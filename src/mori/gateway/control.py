@@ -50,7 +50,7 @@ from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
-from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo
+from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo, SeenOrder
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
 from mori.gateway.record import StepRecord, TraceRecorder
@@ -85,6 +85,7 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         self._t0 = self._wall()
         self.programs: dict[str, ProgramInfo] = {}
+        self.seen = SeenOrder()  # the programs, the longest unseen first (the idle timeout)
         self.log = DecisionLog(settings.decision_log, context_reader(
             policy.programs, policy.return_cost))
         self.executor = DecisionExecutor(policy.engine_profile,
@@ -181,7 +182,7 @@ class Controller:
                                    s.retry_after_s)
             info = self.programs[program_id] = self._new_program(program_id, facts)
         info.anonymous = anonymous
-        info.last_seen = self.wall()
+        self.seen.seen(info, self.wall())
         if facts is not None and not (info.held is not None and info.held.waiting):
             info.arrived_wall = info.last_seen
             info.text = facts.text
@@ -304,7 +305,7 @@ class Controller:
         if info is None or not info.in_flight:
             return
         info.in_flight = False
-        info.last_seen = self.wall()
+        self.seen.seen(info, self.wall())
         info.context_tokens = max(context_tokens, info.prompt_tokens)
         info.steps += 1
         info.agent.ended(step, info.last_seen)
@@ -348,6 +349,7 @@ class Controller:
         if program_id in self.policy.programs:
             self.policy.observe(ProgramEnded(program_id), self.now())
         info = self.programs.pop(program_id, None)
+        self.seen.forget(program_id)
         if info is not None:
             owner = self.owner_of(program_id)
             mine = self.owned.get(owner)
@@ -368,11 +370,17 @@ class Controller:
                 log.exception("recording the end of %s failed", program_id)
 
     def _expire_programs(self) -> None:
+        """Release the programs unseen for ``program_ttl_s`` that wait for nothing
+        (Acting, no request in flight). Only those unseen that long are looked at
+        (``SeenOrder``), not every program held: a tick stays cheap however many
+        programs sit idle (a program held or in flight past the cutoff is seen again
+        when its step ends)."""
         ttl = self.settings.program_ttl_s
         if ttl <= 0:
             return
         cutoff = self.wall() - ttl
-        for pid, info in list(self.programs.items()):
+        for info in self.seen.unseen_since(cutoff):
+            pid = info.program_id
             pol = self.policy.programs.get(pid)
             if (not info.in_flight and info.last_seen < cutoff and pol is not None
                     and pol.status is Status.ACTING):
@@ -443,7 +451,7 @@ class Controller:
                                                 histories.get(pid)), now)
             info = self.programs.get(pid) or self._new_program(pid, None)
             self.programs[pid] = info
-            info.last_seen = wall
+            self.seen.seen(info, wall)
             info.context_tokens = tokens
         if found:
             placed = sum(1 for pid in found if self.policy.programs[pid].tier is not Tier.NONE)

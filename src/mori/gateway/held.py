@@ -12,6 +12,7 @@ vanish, and no program is left Reasoning.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from mori.gateway.agents import AgentTrack
@@ -77,3 +78,44 @@ class ProgramInfo:
     arrived_wall: float = 0.0  # when its latest request arrived
     text: str | None = None  # its latest prompt's last turn (recorded with --record-text)
     agent: AgentTrack = field(default_factory=AgentTrack)
+
+
+class SeenOrder:
+    """The programs by the wall time they were last seen (``ProgramInfo.last_seen``),
+    the longest unseen first. A program seen again moves to the end in O(1), so the
+    idle timeout finds the programs unseen since a cutoff from the front, looking at
+    those and at one more (``unseen_since``), not at every program held.
+
+    The order holds as long as ``seen`` is called with a wall clock that never goes
+    back (the loop's monotonic clock).
+    """
+
+    __slots__ = ("_order", "looked_at")
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[str, ProgramInfo] = OrderedDict()
+        self.looked_at = 0
+        """Programs ``unseen_since`` has looked at, in all (what a test counts)."""
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def seen(self, info: ProgramInfo, wall: float) -> None:
+        """``info``'s program was seen at ``wall``: its ``last_seen``, and its place."""
+        info.last_seen = wall
+        order = self._order
+        order[info.program_id] = info
+        order.move_to_end(info.program_id)
+
+    def forget(self, program_id: str) -> None:
+        self._order.pop(program_id, None)
+
+    def unseen_since(self, cutoff: float) -> list[ProgramInfo]:
+        """The programs last seen before ``cutoff``, the longest unseen first."""
+        out = []
+        for info in self._order.values():
+            self.looked_at += 1
+            if info.last_seen >= cutoff:
+                break
+            out.append(info)
+        return out
