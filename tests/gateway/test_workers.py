@@ -372,3 +372,19 @@ def test_sigterm_and_sigint_clean_up_alike(sig: signal.Signals, tmp_path: object
             stop(proc)
     assert [n for n in os.listdir(tmp) if n.startswith("mori-serve-")] == []
     assert not [w for w in workers if os.path.exists(f"/proc/{w}")]
+
+
+def test_policy_connections_from_the_environment() -> None:
+    """``MORI_POLICY_CONNECTIONS``: unset keeps the default, ``0`` puts every connection
+    on a worker, anything but an integer >= 0 is refused saying what it must be."""
+    from mori.cli.serve_cmd import POLICY_CONNECTIONS_ENV, policy_connections
+
+    assert policy_connections({}, 2) == 2
+    assert policy_connections({POLICY_CONNECTIONS_ENV: "0"}, 2) == 0
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(ValueError, match=POLICY_CONNECTIONS_ENV):
+            policy_connections({POLICY_CONNECTIONS_ENV: bad}, 2)
+    proc = subprocess.run([sys.executable, "-m", "mori", "serve", "--workers", "2"],
+                          env={**os.environ, POLICY_CONNECTIONS_ENV: "x"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and POLICY_CONNECTIONS_ENV in proc.stderr
