@@ -272,7 +272,8 @@ def test_agent_sessions_and_tool_calls_reach_the_policy_through_workers(tmp_path
 def test_workers_take_the_policy_process_list_of_models(tmp_path: object) -> None:
     """The served models a worker maps names onto are the policy process's: sent at
     hello, refreshed when a worker asks (a name it does not know), pushed to every worker
-    when the list changes (an engine now serves another model)."""
+    when the list changes (an engine now serves another model), and read again when a
+    replica comes back."""
     lt = LoopThread()
     try:
         sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0))
@@ -285,6 +286,9 @@ def test_workers_take_the_policy_process_list_of_models(tmp_path: object) -> Non
         async def new_model() -> list[dict[str, object]]:
             return [{"id": "another-model", "object": "model"}]
 
+        async def back_with() -> list[dict[str, object]]:
+            return [{"id": "model-after-restart", "object": "model"}]
+
         async def scenario() -> tuple[list[str], list[str], list[str]]:
             asker, other = await WorkerLink.connect(path), await WorkerLink.connect(path)
             hello = await asker.call({"op": "hello", "worker": "1"})
@@ -293,6 +297,10 @@ def test_workers_take_the_policy_process_list_of_models(tmp_path: object) -> Non
             other.on_message = pushed.append
             sim.adapters[0].models = new_model  # type: ignore[method-assign]
             answer = await asker.call({"op": "models"})
+            await asyncio.sleep(0.2)
+            sim.adapters[0].models = back_with  # type: ignore[method-assign]
+            for tell in sim.gw.ctl.replica_listeners:  # as when replica 0 rejoins
+                tell(0, True, "")
             await asyncio.sleep(0.2)
             await asker.close()
             await other.close()
@@ -303,7 +311,9 @@ def test_workers_take_the_policy_process_list_of_models(tmp_path: object) -> Non
 
         at_hello, asked, pushed = lt.call(scenario())
         assert at_hello == served
-        assert asked == pushed == ["another-model"] == [m["id"] for m in sim.gw.models]
+        assert asked == ["another-model"]
+        assert pushed == ["another-model", "model-after-restart"]
+        assert [m["id"] for m in sim.gw.models] == ["model-after-restart"]
         lt.call(hub.stop())
     finally:
         lt.close()

@@ -79,6 +79,7 @@ class Gateway:
         self.model_ids: frozenset[str] = frozenset()
         self.model_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         """Called with the served models whenever the list changes (the workers' hub)."""
+        self._refreshing: set[asyncio.Task[None]] = set()
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
         self.aliases = ModelAliases.parse(settings.model_aliases)
         self.dashboard = LiveDashboard(self)
@@ -106,6 +107,7 @@ class Gateway:
 
     async def startup(self) -> None:
         await self.prepare()
+        self.ctl.replica_listeners.append(self._replica_changed)
         self.ctl.start()
         self.dashboard.start()
         if self.state_keeper is not None:
@@ -171,6 +173,13 @@ class Gateway:
         for a in self.adapters:
             with contextlib.suppress(Exception):
                 await a.close()
+
+    def _replica_changed(self, replica: int, healthy: bool, why: str) -> None:
+        """An engine that comes back may serve other models: read the list again."""
+        if healthy:
+            task = asyncio.get_running_loop().create_task(self.refresh_models())
+            self._refreshing.add(task)
+            task.add_done_callback(self._refreshing.discard)
 
     async def refresh_models(self) -> None:
         seen = await served_models(self.adapters)
