@@ -151,3 +151,26 @@ def test_whole_answers() -> None:
         for path in (CHAT, MESSAGES, RESPONSES):
             a = read_answer(API_BY_PATH[path], junk)
             assert a.prompt_tokens is None and a.tool_names == []
+
+
+def padded(stream: bytes, n: int = 100_000) -> bytes:
+    """``stream`` with every JSON event made a long line (a ``pad`` field of ``n`` bytes)."""
+    return stream.replace(b'data: {"', b'data: {"pad": "' + b"z" * n + b'", "')
+
+
+def test_long_lines_in_pieces_are_read_as_whole_ones() -> None:
+    """A line held over many chunks is searched as it comes (markers cut between pieces
+    included) and read, or only counted, as the same line in one chunk would be; what
+    ``feed`` returns is the stream, in pieces."""
+    for make, stream in ((MessagesWatcher, MESSAGES_STREAM),
+                         (ResponsesWatcher, RESPONSES_STREAM), (ChatWatcher, CHAT_STREAM)):
+        data = padded(stream)
+        whole, cut = make(), make()
+        assert b"".join(whole.feed(data)) == data
+        out = []
+        for i in range(0, len(data), 997):  # cuts fall inside the markers too
+            out += cut.feed(data[i:i + 997])
+        assert b"".join(out) == data
+        assert cut.answer == whole.answer and cut.events == whole.events
+        assert cut.ended == whole.ended and cut.kv_ready == whole.kv_ready
+        assert cut.answer.tool_names and cut.answer.completion_tokens is not None

@@ -125,35 +125,83 @@ def _tool_name_item(item: Any) -> str | None:
     return name if isinstance(name, str) else str(item.get("type"))
 
 
+_LONG = 1 << 16
+"""A line held over more than this many bytes is read as it comes (``_Lines``)."""
+
+
 class _Lines:
     """Splits a byte stream into SSE lines across chunks (``mori.protocol.sse``: linear in
     the bytes, one line at most ``max_line`` bytes); ``feed`` reads the ``data:``
     payloads of the whole lines a chunk completes (``_read``), notes the kv-ready
-    comment, and returns those lines, to be passed on. What ``feed`` has not returned
-    is the start of a line yet to end (``rest``)."""
+    comment, and returns those lines as pieces, to be passed on. What ``feed`` has not
+    returned is the start of a line yet to end (``rest``).
 
-    __slots__ = ("_lines", "kv_ready", "events", "answer")
+    A line that comes in pieces is searched for the watcher's ``markers`` piece by piece
+    as it arrives; once its end comes, a long one (over ``_LONG`` bytes) in which none
+    that matters was found is counted without being joined or read again
+    (``_skip_long``): a line of many MiB costs the event loop no pass over it at its
+    end, when its pieces are passed on one by one."""
+
+    markers: tuple[bytes, ...] = ()
+    """What makes a line worth reading: any other is only counted."""
+    __slots__ = ("_lines", "kv_ready", "events", "answer", "_found", "_edge")
 
     def __init__(self, max_line: int = DEFAULT_MAX_SSE_LINE_BYTES) -> None:
         self._lines = LineBuffer(max_line)
         self.kv_ready = False
         self.events = 0
         self.answer = Answer()
+        self._found: set[bytes] = set()  # markers seen in the line held so far
+        self._edge = b""  # the held line's last bytes, for a marker cut between pieces
 
-    def feed(self, chunk: bytes) -> bytes:
-        """Read the whole lines ``chunk`` completes and return them (b"" if none);
-        ``LineTooLong`` (``mori.protocol.sse``) when a line passes the cap."""
-        whole = self._lines.feed(chunk)
-        if whole:
-            out = []
-            for line in whole.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.append(line[5:])
-                elif line.rstrip(b"\r") == KV_READY_LINE:
-                    self.kv_ready = True
-            if out:
-                self._read(out)
-        return whole
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """Read the whole lines ``chunk`` completes and return them as pieces ([] if
+        none); ``LineTooLong`` (``mori.protocol.sse``) when a line passes the cap."""
+        held = self._lines.held
+        pieces = self._lines.feed(chunk)
+        if not pieces:
+            self._search(chunk)
+            return pieces
+        if len(pieces) == 1:
+            self._read_lines(pieces[0])
+        else:
+            last = pieces[-1]
+            nl = last.find(b"\n")
+            if held + nl <= _LONG:  # a short line cut between chunks: joined, read as any
+                self._read_lines(b"".join(pieces))
+            else:
+                self._search(last[:nl])
+                head = b"".join(pieces[:2])[:5] if len(pieces[0]) < 5 else pieces[0]
+                if not self._skip_long(head.startswith(b"data:"), self._found):
+                    self._read_lines(b"".join(pieces[:-1]) + last[:nl + 1])
+                self._read_lines(last[nl + 1:])
+            self._found = set()
+            self._edge = b""
+        if self._lines.held:  # a line begun: searched from its start
+            self._search(chunk[-self._lines.held:])
+        return pieces
+
+    def _search(self, piece: bytes) -> None:
+        edge = self._edge + piece[:64]
+        for m in self.markers:
+            if m not in self._found and (m in piece or m in edge):
+                self._found.add(m)
+        self._edge = (self._edge + piece)[-64:] if len(piece) < 64 else piece[-64:]
+
+    def _read_lines(self, whole: bytes) -> None:
+        out = []
+        for line in whole.split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(line[5:])
+            elif line.rstrip(b"\r") == KV_READY_LINE:
+                self.kv_ready = True
+        if out:
+            self._read(out)
+
+    def _skip_long(self, data: bool, found: set[bytes]) -> bool:
+        """Count a long line (a ``data:`` one if ``data``) in which ``found`` are the
+        markers seen, if it needs no reading; False: it must be read."""
+        raise NotImplementedError
 
     def rest(self) -> bytes:
         """The start of a line that never ended (the stream is over): given up, unread."""
@@ -172,7 +220,14 @@ class ChatWatcher(_Lines):
     """An OpenAI chat or completions stream (``data:`` events, ``[DONE]`` at the end).
     ``ended``: the stream said it ends (``[DONE]``, or an error event)."""
 
+    markers = (b"[DONE]", b'"error"', b'"usage"', b'"tool_calls"')
     __slots__ = ("done", "ended")
+
+    def _skip_long(self, data: bool, found: set[bytes]) -> bool:
+        if found:
+            return False
+        self.events += data  # a content event
+        return True
 
     def __init__(self, max_line: int = DEFAULT_MAX_SSE_LINE_BYTES) -> None:
         super().__init__(max_line)
@@ -226,6 +281,12 @@ class _TypedEvents(_Lines):
         super().__init__(max_line)
         self.ended = False
 
+    def _skip_long(self, data: bool, found: set[bytes]) -> bool:
+        if self.count in found:  # counted, never parsed (as in _read)
+            self.events += data
+            return True
+        return not found
+
     def _read(self, payloads: list[bytes]) -> None:
         for payload in payloads:
             if self.count in payload:
@@ -253,6 +314,7 @@ class MessagesWatcher(_TypedEvents):
     parse = (b'"message_start"', b'"message_delta"', b'"content_block_start"')
     count = b'"content_block_delta"'
     ends = (b'"message_stop"', *_ERROR_EVENT)
+    markers = (*parse, count, *ends)
     __slots__ = ()
 
     def event(self, data: dict[str, Any]) -> None:
@@ -280,6 +342,7 @@ class ResponsesWatcher(_TypedEvents):
     count = b'"response.output_text.delta"'
     ends = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"',
             *_ERROR_EVENT)
+    markers = (*parse, count, *ends)
     __slots__ = ()
 
     def event(self, data: dict[str, Any]) -> None:

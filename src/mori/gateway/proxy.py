@@ -147,7 +147,8 @@ async def serve_count_tokens(gw: Gateway, req: ClientRequest) -> Response:
 class _Relay:
     """One streamed answer passed on (``run``), whole lines at a time: the engine's
     bytes up to their last line end, each chunk as it comes (``mori.gateway.answers``
-    reads them on the way and holds the start of a line until its end arrives).
+    reads them on the way and holds the start of a line until its end arrives; a long
+    line is then passed on in the pieces it came in).
 
     A stream cut off mid-line loses the partial line (an SSE client would drop it too),
     so the error event that follows is read as one. Bounds: a line over ``max_sse_line_bytes`` ends the stream (502); so does an engine
@@ -198,13 +199,14 @@ class _Relay:
                     gw.metrics.ttft.observe(gw.ctl.wall() - self.arrived)
                     first = False
                     limit = settings.stream_idle_timeout_s
-                lines = watcher.feed(chunk)
+                pieces = watcher.feed(chunk)
                 if watcher.kv_ready:
                     lease.kv_ready()
-                if lines:
+                if pieces:
                     sent = True
-                    open_event = not lines.endswith((b"\n\n", b"\n\r\n"))
-                    yield lines
+                    open_event = not pieces[-1].endswith((b"\n\n", b"\n\r\n"))
+                    for piece in pieces:  # a long line's as they came: no pass over it
+                        yield piece
             rest = watcher.rest()  # a last line with no end: dropped unless the answer ended
             if watcher.ended and rest:
                 yield rest

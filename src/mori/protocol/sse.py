@@ -2,10 +2,12 @@
 
 An engine's stream reaches the gateway in transport-sized chunks that cut lines anywhere.
 ``LineBuffer.feed`` returns, for each chunk, the bytes up to its last line end (whole
-lines: ready to pass on and to read) and holds the rest, the start of a line whose end
-has not come yet. A held line is kept as its pieces and joined once, when its end
-arrives, so a line of n bytes costs O(n) however many chunks it comes in (joining the
-held bytes to each new chunk costs O(n²): 54 s of CPU for one 80 MiB line). A line longer
+lines: ready to pass on and to read), as pieces, and holds the rest, the start of a line
+whose end has not come yet. A held line is kept as the pieces it came in and given back
+as those pieces when its end arrives, never joined here, so a line of n bytes costs
+O(n) however many chunks it comes in (joining the held bytes to each new chunk costs
+O(n²): 54 s of CPU for one 80 MiB line), and a long line can be passed on piece by
+piece. A line longer
 than ``max_line`` bytes raises ``LineTooLong``: what is held stays within the cap,
 whatever the engine sends.
 
@@ -51,9 +53,11 @@ class LineBuffer:
         """Bytes held: the start of a line whose end has not come."""
         return self._held_bytes
 
-    def feed(self, chunk: bytes) -> bytes:
-        """The whole lines ``chunk`` completes (with what was held before them; b"" if it
-        completes none); the rest is held. ``LineTooLong`` if a line passes the cap."""
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The whole lines ``chunk`` completes, as pieces: what was held before them (the
+        start of the first line), then ``chunk`` up to its last line end ([] if it
+        completes none; ``[chunk]`` itself when nothing was held and it ends a line). The
+        rest is held. ``LineTooLong`` if a line passes the cap."""
         end = chunk.rfind(b"\n")
         if end < 0:
             if chunk:
@@ -61,7 +65,7 @@ class LineBuffer:
                 if self._held_bytes > self.max_line:
                     raise LineTooLong(self._held_bytes, self.max_line)
                 self._held.append(chunk)
-            return b""
+            return []
         first = chunk.find(b"\n")
         if self._held_bytes + first > self.max_line:
             raise LineTooLong(self._held_bytes + first, self.max_line)
@@ -70,12 +74,9 @@ class LineBuffer:
         rest = len(chunk) - end - 1
         if rest > self.max_line:
             raise LineTooLong(rest, self.max_line)
-        if self._held:
-            self._held.append(chunk[:end + 1])
-            out = b"".join(self._held)
-            self._held.clear()
-        else:
-            out = chunk if rest == 0 else chunk[:end + 1]
+        out = self._held
+        out.append(chunk if rest == 0 else chunk[:end + 1])
+        self._held = []
         self._held_bytes = rest
         if rest:
             self._held.append(chunk[end + 1:])
