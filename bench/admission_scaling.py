@@ -87,8 +87,13 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     return proc, line.split("listening on ")[1].split()[0]
 
 
-async def one_request(s: aiohttp.ClientSession, url: str, pid: str) -> None:
-    body = {"model": "Qwen3-30B-A3B", "max_tokens": 4,
+async def served_model(s: aiohttp.ClientSession, url: str) -> str:
+    async with s.get(f"{url}/v1/models") as r:
+        return str((await r.json())["data"][0]["id"])
+
+
+async def one_request(s: aiohttp.ClientSession, url: str, model: str, pid: str) -> None:
+    body = {"model": model, "max_tokens": 4,
             "messages": [{"role": "user", "content": PROMPT}]}
     async with s.post(f"{url}/v1/chat/completions", json=body,
                       headers={"X-Program-Id": pid}) as r:
@@ -97,26 +102,27 @@ async def one_request(s: aiohttp.ClientSession, url: str, pid: str) -> None:
             raise SystemExit(f"{pid}: HTTP {r.status}: {await r.text()}")
 
 
-async def fill(s: aiohttp.ClientSession, url: str, start_at: int, upto: int,
+async def fill(s: aiohttp.ClientSession, url: str, model: str, start_at: int, upto: int,
                concurrency: int) -> None:
     """Programs ``start_at`` .. ``upto`` - 1: one request each, left idle."""
     ids = iter(range(start_at, upto))
 
     async def worker() -> None:
         for i in ids:
-            await one_request(s, url, f"held-{i}")
+            await one_request(s, url, model, f"held-{i}")
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def sample(s: aiohttp.ClientSession, url: str, n: int, tag: str) -> list[float]:
+async def sample(s: aiohttp.ClientSession, url: str, model: str, n: int, tag: str
+                 ) -> list[float]:
     """``n`` new programs one after the other: each one's first request's wall time (ms),
     the program released after it."""
     out = []
     for i in range(n):
         pid = f"new-{tag}-{i}"
         t0 = time.perf_counter()
-        await one_request(s, url, pid)
+        await one_request(s, url, model, pid)
         out.append((time.perf_counter() - t0) * 1e3)
         async with s.post(f"{url}/v1/programs/{pid}/release") as r:
             await r.read()
@@ -131,17 +137,18 @@ async def run(args: argparse.Namespace) -> None:
         conn = aiohttp.TCPConnector(limit=args.concurrency + 8)
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+            model = await served_model(s, url)
             held = 0
-            await sample(s, url, 5, "warm")
+            await sample(s, url, model, 5, "warm")
             for n in sizes:
                 t0 = time.perf_counter()
-                await fill(s, url, held, n, args.concurrency)
+                await fill(s, url, model, held, n, args.concurrency)
                 filled_s = time.perf_counter() - t0
                 held = max(held, n)
                 await asyncio.sleep(args.settle)
                 spy = (start_py_spy(proc.pid, args.py_spy)
                        if args.py_spy is not None and n == sizes[-1] else None)
-                lat = await sample(s, url, args.samples, str(n))
+                lat = await sample(s, url, model, args.samples, str(n))
                 if spy is not None:
                     spy.send_signal(signal.SIGINT)
                     spy.wait(30)
