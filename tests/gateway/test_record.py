@@ -390,3 +390,23 @@ def test_recorded_file_feeds_stats_and_simulate(tmp_path: Path,
     assert mori_main(["simulate", "--traces", str(path), "--policy", "mori", "--programs", "2",
                       "--duration", "60", "--quiet"]) == 0
     assert "mori" in capsys.readouterr().out
+
+
+def test_a_requests_text_is_cut_past_the_cap_before_it_travels() -> None:
+    """The prompt text a request hands on (to the policy process, from a worker) is at most
+    one character past ``--record-text-max-bytes``: a huge prompt does not ride the worker
+    link whole, and the recorder still sees it was longer and marks the cut."""
+    from types import SimpleNamespace
+
+    from mori.gateway.config import GatewaySettings
+    from mori.gateway.endpoint import CompletionEndpoint
+    from mori.gateway.parsing import parse_request
+
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 50_000}],
+                       "program_id": "p"}).encode()
+    req = parse_request("/v1/chat/completions", body, None)
+    for record_text, cap, expect in ((True, 100, 101), (True, 0, 1), (False, 100, None)):
+        settings = GatewaySettings(record_text=record_text, record_text_max_bytes=cap)
+        gw = SimpleNamespace(settings=settings, anonymous_id=lambda: "anon")
+        facts = CompletionEndpoint(gw)._name_program(req, {}, lambda s: s)
+        assert (None if facts.text is None else len(facts.text)) == expect

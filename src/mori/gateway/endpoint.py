@@ -137,11 +137,16 @@ class CompletionEndpoint:
                         Seen(headers, req.body, req.program_id))
         req.program_id = internal(rec.program_id or gw.anonymous_id())
         session = rec.session if rec.recogniser != "program-id" else None
+        text = None
+        if gw.settings.record_text:
+            # no more than the recorder keeps of a program travels on (to the policy
+            # process, from a worker): one character past the cap, so that the recorder
+            # still sees the text was longer and marks the cut
+            text = last_turn_text(req.spec, req.body)[:gw.settings.record_text_max_bytes + 1]
         return RequestFacts(rec.recogniser, rec.agent,
                             None if session is None else internal(session),
-                            carries_tool_results(req.spec, req.body),
-                            last_turn_text(req.spec, req.body) if gw.settings.record_text
-                            else None, None if rec.parent is None else internal(rec.parent))
+                            carries_tool_results(req.spec, req.body), text,
+                            None if rec.parent is None else internal(rec.parent))
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
