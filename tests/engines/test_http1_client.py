@@ -1,4 +1,5 @@
-"""The lean HTTP/1.1 client (``mori.engines.http1_client``): answers and keep-alive, against raw
+"""The lean HTTP/1.1 client (``mori.engines.http1_client``): answers, keep-alive and the
+limit on an answer read whole (the adapter's control-plane calls' too), against raw
 asyncio servers (``http1_server``), so every byte the "engine" sends is under the test's
 control."""
 
@@ -9,9 +10,11 @@ import re
 
 import pytest
 
-from mori.engines.http1_client import BrokenError
+from mori.engines.base import ResponseTooLarge
+from mori.engines.http import OpenAIHTTPAdapter
+from mori.engines.http1_client import BrokenError, TooLargeError
 
-from .http1_server import Server, answer, keep_alive, pool, run
+from .http1_server import Handler, Server, answer, keep_alive, pool, run
 
 # -- answers --------------------------------------------------------------------------------
 
@@ -256,4 +259,134 @@ def test_max_idle_bounds_the_pool() -> None:
                 r.release()
             assert len(p._idle) == 1 and len(p._all) == 1
             await p.close()
+    run(go)
+
+
+# -- the size limit of an answer read whole ------------------------------------------------
+
+LIMIT = 64 * 1024
+SOCKET_READ = 256 * 1024  # the most one read of the socket hands the parser (asyncio's)
+
+
+def _chunked_flood(total: int) -> Handler:
+    """Answers each request with ``total`` bytes in 16 KiB chunks; the client leaving
+    (seen as EOF, or as a write that fails) sets ``eof``."""
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        piece = b"x" * 16384
+        try:
+            while await s.request(r) is not None:
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n")
+                for _ in range(total // len(piece)):
+                    w.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await w.drain()
+                w.write(b"0\r\n\r\n")
+        except ConnectionError:
+            pass
+        s.eofs += 1
+        s.eof.set()
+    return handler
+
+
+def test_a_declared_length_over_the_limit_fails_before_the_body_is_read() -> None:
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await s.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000000\r\n\r\n" + b"x" * 1000)
+        await s.wait_eof(r)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            with pytest.raises(TooLargeError, match="Content-Length is 100000000") as e:
+                await r.read(LIMIT)
+            assert e.value.limit == LIMIT and isinstance(e.value, BrokenError)
+            await asyncio.wait_for(s.eof.wait(), 1)  # the engine saw the client leave
+            assert not p._all and not p._idle and r._buffered == 0
+            r.release()  # after the failure: nothing more happens
+            assert not p._all
+    run(go)
+
+
+def test_a_chunked_answer_is_cut_off_as_it_passes_the_limit() -> None:
+    async def go() -> None:
+        async with Server(_chunked_flood(64 << 20)) as s:  # 1,000 times the limit
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            with pytest.raises(TooLargeError, match=f"over {LIMIT} bytes arrived"):
+                await r.read(LIMIT)
+            # what was taken in is the limit plus at most one read of the socket
+            assert LIMIT < r._received <= LIMIT + SOCKET_READ
+            assert r._buffered == 0 and not r._buf
+            await asyncio.wait_for(s.eof.wait(), 1)
+            assert not p._all and not p._idle
+    run(go)
+
+
+def test_an_answer_all_in_before_the_read_is_still_held_to_the_limit() -> None:
+    async def go() -> None:
+        async with Server(_chunked_flood(4 * LIMIT)) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            await asyncio.sleep(0.2)  # all of it arrives before read() is called
+            assert r._received == 4 * LIMIT
+            with pytest.raises(TooLargeError):
+                await r.read(LIMIT)
+            assert not r._buf and not p._all
+            await asyncio.wait_for(s.eof.wait(), 1)
+    run(go)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_answer_of_exactly_the_limit_is_read_and_the_connection_kept(
+        chunked: bool) -> None:
+    body = b"y" * LIMIT
+    handler = _chunked_flood(LIMIT) if chunked else keep_alive(body)
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            p = pool(s.url)
+            r = await p.post("/", b"", {})
+            got = await r.read(LIMIT)
+            assert len(got) == LIMIT and got == (b"x" * LIMIT if chunked else body)
+            r.release()
+            assert len(p._idle) == 1  # a whole answer: the connection goes back
+            await p.close()
+    run(go)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_control_plane_answer_over_the_limit_is_refused(chunked: bool) -> None:
+    small = b'{"data": [{"id": "m"}]}'
+
+    async def handler(s: Server, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while (head := await s.request(r)) is not None:
+                if b"/small" in head:
+                    w.write(answer(small))
+                elif chunked:
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                            b"transfer-encoding: chunked\r\n\r\n")
+                    for _ in range(1024):  # 16 MiB, 256 times the limit
+                        w.write(b"4000\r\n" + b"x" * 16384 + b"\r\n")
+                        await w.drain()
+                else:
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000000\r\n\r\n")
+        except ConnectionError:
+            pass
+        s.eof.set()
+
+    async def go() -> None:
+        async with Server(handler) as s:
+            a = OpenAIHTTPAdapter(s.url)
+            a.max_response_bytes = LIMIT
+            await a.start()
+            try:
+                assert await a.get_json("/small") == {"data": [{"id": "m"}]}
+                with pytest.raises(ResponseTooLarge, match=f"over {LIMIT} bytes") as e:
+                    await a.get_json("/v1/models")
+                assert e.value.status == 502 and not e.value.unhealthy
+                await asyncio.wait_for(s.eof.wait(), 2)  # the connection was dropped
+            finally:
+                await a.close()
     run(go)

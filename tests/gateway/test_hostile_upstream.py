@@ -3,7 +3,8 @@ bound, not only that nothing crashed.
 
 The engine is a real HTTP server on 127.0.0.1 (``HostileEngine``, raw asyncio) that
 answers each completion with a script: garbage, half an event, one huge line, a stall
-after the first event, absurd usage. Each case checks what the client gets (an error
+after the first event, absurd usage, a whole (not streamed) answer over
+``--max-response-bytes``. Each case checks what the client gets (an error
 event in its API's shape that parses, or a status when nothing was passed on yet), the
 metric that counts it, that the program is not left reasoning or in flight, that the
 engine's request was aborted where the gateway gave up on it, and that ``/healthz``
@@ -38,6 +39,7 @@ CONTEXT = 4096  # the engine's max_model_len
 MAX_TOKENS = 5
 CAP = 4096  # --max-sse-line-bytes in these tests
 IDLE_S = 0.5  # --stream-idle-timeout in these tests
+WHOLE_CAP = 64 * 1024  # --max-response-bytes in these tests (its least)
 STALL = "stall"  # a script step: send nothing more until the gateway drops the connection
 Step = bytes | float | str
 
@@ -103,17 +105,19 @@ class HostileEngine:
     """An OpenAI-compatible engine on 127.0.0.1 that answers its streamed completions
     with ``scripts`` in turn, the last one again once all were used (a stream: its body,
     no framing, ends when the connection closes), and the others with ``answer`` (a
-    whole JSON answer). A stream script's steps: bytes are sent, a float
+    whole JSON answer) or, given, the script ``whole`` (raw: the head included; the
+    connection closed after it). A script's steps: bytes are sent, a float
     is slept, ``STALL`` waits for the gateway to drop the connection. ``GET /health``
     and ``/v1/models`` (model ``m``, ``max_model_len`` ``CONTEXT``) answer 200.
 
     Records (read from the test's thread): ``probes`` (health checks), ``dropped``
     (set when the gateway closed a connection before its script was done)."""
 
-    def __init__(self, *scripts: Sequence[Step], answer: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, *scripts: Sequence[Step], answer: dict[str, Any] | None = None,
+                 whole: Sequence[Step] | None = None) -> None:
         self.scripts = [list(s) for s in scripts] or [[]]
         self.answer = answer
+        self.whole = whole
         self.streams = 0
         self.probes = 0
         self.dropped = threading.Event()
@@ -143,6 +147,8 @@ class HostileEngine:
                     continue
                 if json.loads(body).get("stream"):
                     await self._stream(reader, writer)
+                elif self.whole is not None:
+                    await self._play(self.whole, reader, writer)
                 else:
                     data = json.dumps(self.answer).encode()
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
@@ -170,6 +176,10 @@ class HostileEngine:
                      b"connection: close\r\n\r\n")
         script = self.scripts[min(self.streams, len(self.scripts) - 1)]
         self.streams += 1
+        await self._play(script, reader, writer)
+
+    async def _play(self, script: Sequence[Step], reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
         try:
             for step in script:
                 if isinstance(step, bytes):
@@ -189,7 +199,8 @@ def gateway(lt: LoopThread, engine: HostileEngine, **settings: Any) -> Running:
     lt.call(engine.start())
     lt.handles.append(engine)
     s = GatewaySettings(**{"stream_idle_timeout_s": IDLE_S, "max_sse_line_bytes": CAP,
-                           "health_interval_s": 60.0, **settings})
+                           "max_response_bytes": WHOLE_CAP, "health_interval_s": 60.0,
+                           **settings})
     return lt.serve(create_app(s, [OpenAIHTTPAdapter(engine.url, kv_tokens=100_000)]))
 
 
@@ -442,15 +453,79 @@ def test_true_usage_is_booked_as_it_is(lt: LoopThread) -> None:
     assert program(gw.url, "ok")["context_tokens"] == 43
 
 
+# -- a whole answer over --max-response-bytes -------------------------------------------------
+
+FRAMINGS = ("content-length", "chunked", "until-close")
+
+
+def big_answer(path: str, text_bytes: int) -> bytes:
+    """A whole answer in ``path``'s shape whose text is ``text_bytes`` long."""
+    answer = absurd_answer(path)
+    answer["usage"] = {"prompt_tokens": 3, "completion_tokens": 1} if path == CHAT else \
+        {"input_tokens": 3, "output_tokens": 1}
+    text = "w" * text_bytes
+    if path == MESSAGES:
+        answer["content"][0]["text"] = text
+    else:
+        answer["choices"][0]["message"]["content"] = text
+    return json.dumps(answer).encode()
+
+
+def whole_script(framing: str, data: bytes) -> list[Step]:
+    """``data`` as a whole answer framed by its length, in chunks, or by the connection's
+    end, sent in 16 KiB pieces; then the engine waits for the gateway to leave."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    pieces = [data[i:i + 16384] for i in range(0, len(data), 16384)]
+    if framing == "content-length":
+        return [head + b"content-length: %d\r\n\r\n" % len(data), *pieces, STALL]
+    if framing == "chunked":
+        return [head + b"transfer-encoding: chunked\r\n\r\n",
+                *(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces), b"0\r\n\r\n", STALL]
+    return [head + b"connection: close\r\n\r\n", *pieces, STALL]
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_a_whole_answer_over_the_cap_is_a_502_and_aborts_the_request(
+        lt: LoopThread, path: str, framing: str) -> None:
+    engine = HostileEngine(whole=whole_script(framing, big_answer(path, 1 << 20)))
+    gw = gateway(lt, engine)
+    r = httpx.post(gw.url + path, json=request(path, "whole", stream=False), timeout=30)
+    assert r.status_code == 502
+    if path == MESSAGES:
+        assert r.json()["error"]["type"] == "api_error"
+    message = error_message(path, r)
+    assert f"sent an answer over {WHOLE_CAP} bytes (--max-response-bytes" in message
+    assert "127.0.0.1" not in message
+    assert engine.dropped.wait(5)  # the engine's request aborted
+    assert metric(gw.url, "mori_responses_too_large_total") == 1
+    assert_step_ended(gw.url, "whole")
+    row = httpx.get(gw.url + "/healthz").json()["replicas"][0]
+    assert row["healthy"] is True and row["in_flight"] == 0  # one answer: not a dead engine
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_a_whole_answer_within_the_cap_passes(lt: LoopThread, path: str) -> None:
+    data = big_answer(path, WHOLE_CAP - 1024)
+    assert WHOLE_CAP - 1024 < len(data) <= WHOLE_CAP
+    engine = HostileEngine(whole=whole_script("chunked", data))
+    gw = gateway(lt, engine)
+    r = httpx.post(gw.url + path, json=request(path, "fits", stream=False), timeout=30)
+    assert r.status_code == 200 and r.content == data
+    assert metric(gw.url, "mori_responses_too_large_total") == 0
+    assert_step_ended(gw.url, "fits")
+
+
 # -- through a worker process ----------------------------------------------------------------
 
 def test_bounds_hold_on_a_worker_and_are_counted_in_metrics(lt: LoopThread) -> None:
     engine = HostileEngine([FIRST[MESSAGES], STALL], [*HUGE, STALL],
-                           [absurd_stream(MESSAGES)])
+                           [absurd_stream(MESSAGES)],
+                           whole=whole_script("chunked", big_answer(MESSAGES, 1 << 20)))
     lt.call(engine.start())
     lt.handles.append(engine)
     settings = GatewaySettings(stream_idle_timeout_s=IDLE_S, max_sse_line_bytes=CAP,
-                               health_interval_s=60.0)
+                               max_response_bytes=WHOLE_CAP, health_interval_s=60.0)
     wg = WorkersGateway(lt, workers_config(
         backends=[f"openai={engine.url},kv_tokens=100000"], settings=settings))
     try:
@@ -463,12 +538,20 @@ def test_bounds_hold_on_a_worker_and_are_counted_in_metrics(lt: LoopThread) -> N
         assert f"sent an SSE line over {CAP} bytes" in error_message(MESSAGES, r)
         status, text = stream(wg.url, MESSAGES, "absurd")
         assert status == 200 and text == absurd_stream(MESSAGES).decode()
+        assert engine.dropped.wait(5)  # the stall's and the huge line's, long since
+        engine.dropped.clear()
+        r = httpx.post(wg.url + MESSAGES, json=request(MESSAGES, "whole", stream=False),
+                       timeout=30)
+        assert r.status_code == 502
+        assert f"sent an answer over {WHOLE_CAP} bytes" in error_message(MESSAGES, r)
+        assert engine.dropped.wait(5)
+        wait_for(lambda: metric(wg.url, "mori_responses_too_large_total") == 1)
         wait_for(lambda: metric(wg.url, "mori_upstream_idle_timeouts_total") == 1)
         wait_for(lambda: metric(wg.url, "mori_usage_clamped_total") == 1)
         assert metric(wg.url, "mori_stream_timeouts_total") == 1
         assert metric(wg.url, "mori_sse_lines_too_long_total") == 1
         assert metric(wg.url, "mori_prompt_tokens_total") <= 100_000
-        for pid in ("stalls", "huge", "absurd"):
+        for pid in ("stalls", "huge", "absurd", "whole"):
             assert_step_ended(wg.url, pid)
     finally:
         wg.close()

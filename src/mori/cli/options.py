@@ -333,6 +333,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="longest line an engine's stream may send (at least 1024); beyond, the "
                 "engine's request is aborted and the client gets an error event (502 if "
                 "nothing was passed on yet)"),
+    Option("max_response_bytes", int, _GATEWAY.max_response_bytes, metavar="N",
+           help="largest answer an engine may send whole (not streamed; also what a "
+                "control-plane call to it may read), at least 65536; beyond, the engine's "
+                "request is aborted (its connection dropped) and the client gets a 502"),
     Option("retry_after", float, _GATEWAY.retry_after_s, metavar="S", field="retry_after_s",
            help="Retry-After seconds on 429/503"),
     Option("program_idle_timeout", float, _GATEWAY.program_ttl_s, metavar="S",

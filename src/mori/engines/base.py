@@ -38,6 +38,19 @@ class UpstreamError(Exception):
         self.unhealthy = unhealthy
 
 
+class ResponseTooLarge(UpstreamError):
+    """An answer read whole was over the adapter's ``max_response_bytes``: its
+    connection was dropped (the engine aborts the request); 502, the replica stays
+    healthy."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=502, unhealthy=False)
+
+
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+"""The largest answer an engine may send whole (not streamed), by default."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVCapacity:
     """KV capacity of one replica in tokens (``cpu_tokens`` 0: no host tier;
@@ -119,6 +132,10 @@ class EngineAdapter(ABC):
         """The longest wait for a forwarded request's answer to begin (its head; for a
         request that is not streamed, the whole answer): set by the gateway
         (``--first-byte-timeout``); None: ``timeout_s``."""
+        self.max_response_bytes = DEFAULT_MAX_RESPONSE_BYTES
+        """The largest answer read whole from the engine (a forward that is not
+        streamed, a control-plane call); beyond it ``ResponseTooLarge``: set by the
+        gateway (``--max-response-bytes``)."""
         self.capabilities: frozenset[Capability] = frozenset()
         """The controls this replica offers: set by each adapter when built, and by
         some once the engine has reported its settings."""

@@ -5,11 +5,15 @@
 controls, tokenize) with aiohttp. It passes SSE streams through chunk by chunk and
 turns transport failures into ``UpstreamError`` with the status the client should see:
 503 when the engine refuses connections, 504 when it times out, 502 when it breaks the
-protocol or dies mid-stream. Subclasses add capacity and the engine's KV controls.
+protocol or dies mid-stream. An answer read whole (a forward that is not streamed, a
+control-plane call) is at most ``max_response_bytes`` (``--max-response-bytes``): beyond,
+the connection is dropped, so the engine aborts, and the error is ``ResponseTooLarge``
+(502). Subclasses add capacity and the engine's KV controls.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,10 +26,18 @@ from mori.engines.base import (
     EngineLoad,
     KVCapacity,
     RequestHints,
+    ResponseTooLarge,
     UpstreamError,
     UpstreamResponse,
 )
-from mori.engines.http1_client import AbortedError, BrokenError, H1Pool, ReadTimeout, RefusedError
+from mori.engines.http1_client import (
+    AbortedError,
+    BrokenError,
+    H1Pool,
+    ReadTimeout,
+    RefusedError,
+    TooLargeError,
+)
 
 _PASS_HEADERS = ("content-type", "cache-control")
 _encode = msgspec.json.Encoder().encode
@@ -78,6 +90,13 @@ def _split_labels(body: str) -> list[str]:
     if "".join(cur).strip():
         parts.append("".join(cur))
     return parts
+
+
+def _decode(data: bytes, charset: str | None) -> str:
+    try:
+        return data.decode(charset or "utf-8", "replace")
+    except LookupError:  # a charset Python does not know
+        return data.decode("utf-8", "replace")
 
 
 def metric_sum(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
@@ -174,7 +193,11 @@ class OpenAIHTTPAdapter(EngineAdapter):
         out_headers = {k: v for k, v in resp.headers.items() if k in _PASS_HEADERS}
         if not (stream and resp.status == 200 and resp.content_type == "text/event-stream"):
             try:
-                data = await resp.read()
+                data = await resp.read(self.max_response_bytes)
+            except TooLargeError as e:
+                raise ResponseTooLarge(f"engine {self.url} sent an answer over {e.limit} "
+                                       f"bytes (--max-response-bytes; the request was "
+                                       f"aborted): {e}") from e
             except AbortedError as e:
                 raise UpstreamError(f"engine {self.url} was given up: {e}", status=503,
                                     unhealthy=False) from e
@@ -212,14 +235,36 @@ class OpenAIHTTPAdapter(EngineAdapter):
                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if method == "GET" and r.status != 200:
                     raise UpstreamError(f"engine {self.url}{path} answered {r.status}")
-                if r.status >= 400:
+                if r.status >= 400:  # the start of what it said is enough
+                    said = _decode(await r.content.read(1024), r.charset)
                     raise UpstreamError(f"engine {self.url}{path} answered {r.status}: "
-                                        f"{(await r.text())[:200]}", unhealthy=False)
-                return await (r.text() if as_text else r.json(content_type=None))
+                                        f"{said[:200]}", unhealthy=False)
+                text = _decode(await self._read_bounded(r, path), r.charset)
+                if as_text:
+                    return text
+                return json.loads(text) if text.strip() else None
         except aiohttp.ClientError as e:
             raise UpstreamError(f"engine {self.url}{path}: {e}", status=503) from e
         except TimeoutError as e:
             raise UpstreamError(f"engine {self.url}{path} timed out", status=504) from e
+
+    async def _read_bounded(self, r: aiohttp.ClientResponse, path: str) -> bytes:
+        """A control-plane answer's body, at most ``max_response_bytes`` (beyond:
+        ``ResponseTooLarge``, the connection dropped)."""
+        limit = self.max_response_bytes
+        if r.content_length is not None and r.content_length > limit:
+            r.close()
+            raise ResponseTooLarge(f"engine {self.url}{path} sent an answer over {limit} "
+                                   f"bytes (--max-response-bytes): its Content-Length is "
+                                   f"{r.content_length}")
+        buf = bytearray()
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            if len(buf) > limit:
+                r.close()
+                raise ResponseTooLarge(f"engine {self.url}{path} sent an answer over "
+                                       f"{limit} bytes (--max-response-bytes)")
+        return bytes(buf)
 
     async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
         return await self._call("GET", path, None, timeout_s)

@@ -4,7 +4,8 @@ Every completion the gateway serves is one request to an engine, so the per-requ
 of the client is the gateway's overhead. This client does only what that path needs: a
 POST with a complete body, a response read whole or passed through as it arrives, a pool
 of keep-alive connections per engine, and the three failures a gateway must tell apart
-(refused, timed out, broken). Parsing is ``httptools`` (the C parser uvicorn uses);
+(refused, timed out, broken), plus one bound: an answer read whole is cut off past a
+size limit (``TooLargeError``). Parsing is ``httptools`` (the C parser uvicorn uses);
 chunked transfer coding is decoded by it. Control-plane calls (health, metrics, KV
 controls) stay on aiohttp, where convenience matters more than microseconds.
 
@@ -24,7 +25,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["H1Pool", "H1Response", "RefusedError", "BrokenError", "ReadTimeout"]
+__all__ = ["H1Pool", "H1Response", "RefusedError", "BrokenError", "ReadTimeout",
+           "TooLargeError"]
 
 _HIGH_WATER = 1 << 20  # bytes buffered before the connection stops reading
 _MAX_HEAD = 1 << 20  # bytes an answer's head may take before the engine counts as broken
@@ -65,6 +67,16 @@ class ReadTimeout(TimeoutError):
     """The engine sent nothing for longer than the read timeout."""
 
 
+class TooLargeError(BrokenError):
+    """An answer read whole (``H1Response.read(limit)``) was over ``limit`` bytes, as its
+    ``Content-Length`` declared or as its bytes arrived: the connection was dropped, so
+    the engine sees the client leave and aborts the request."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 class AbortedError(BrokenError):
     """The gateway gave up on the engine (``H1Pool.abort``): every request in flight
     there ends with this."""
@@ -76,7 +88,7 @@ class H1Response:
     connection to the pool (or closes one that is not); ``close()`` drops it."""
 
     __slots__ = ("_conn", "_buf", "_buffered", "_waiter", "_done", "_error", "status",
-                 "headers", "_read_timeout", "_released")
+                 "headers", "_read_timeout", "_released", "_received", "_limit")
 
     def __init__(self, conn: _Conn, read_timeout: float | None) -> None:
         self._conn = conn
@@ -89,6 +101,8 @@ class H1Response:
         self.headers: dict[str, str] = {}
         self._read_timeout = read_timeout
         self._released = False
+        self._received = 0  # body bytes fed so far
+        self._limit: int | None = None  # set by read(limit): more bytes end the answer
 
     @property
     def content_type(self) -> str:
@@ -100,6 +114,10 @@ class H1Response:
 
     # -- fed by the connection --------------------------------------------------------
     def _feed(self, data: bytes) -> None:
+        self._received += len(data)
+        if self._limit is not None and self._received > self._limit:
+            self._over(f"over {self._limit} bytes arrived")
+            return
         self._buf.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
@@ -115,6 +133,18 @@ class H1Response:
             self._error = exc
             self._done = True
         self._wake()
+
+    def _over(self, why: str) -> None:
+        """Past the limit: what is buffered goes, the connection is dropped (the engine
+        aborts) and the reader gets ``TooLargeError``."""
+        assert self._limit is not None
+        self._buf.clear()
+        self._buffered = 0
+        self._released = True  # never back to the pool
+        self._error = TooLargeError(f"the answer is over the limit of {self._limit} bytes: "
+                                    f"{why}", self._limit)
+        self._done = True  # even if the whole answer was in: it is not passed on
+        self._conn._broken(self._error)  # wakes the reader; the engine sees the close
 
     def _wake(self) -> None:
         w = self._waiter
@@ -147,7 +177,19 @@ class H1Response:
                 return
             await self._wait()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body. With ``limit``: ``TooLargeError`` (the connection dropped) as
+        soon as the answer is known to be longer, from its ``Content-Length`` or from the
+        bytes that came. Once it is called, at most ``limit`` bytes and one more read of
+        the socket are held (before, what came waits in the buffer, which stops the
+        connection reading at 1 MiB)."""
+        if limit is not None:
+            self._limit = limit
+            declared = self.headers.get("content-length", "").strip()
+            if declared.isdigit() and int(declared) > limit:
+                self._over(f"its Content-Length is {declared}")
+            elif self._received > limit:  # arrived before the limit was known
+                self._over(f"over {limit} bytes arrived")
         if self._done and self._error is None:  # all here already (the usual small answer)
             data = b"".join(self._buf)
             self._buf.clear()

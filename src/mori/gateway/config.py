@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 from mori.core.policies import POLICIES
 from mori.core.policy import PolicyConfig
+from mori.engines.base import DEFAULT_MAX_RESPONSE_BYTES
 from mori.gateway.aliases import ModelAliases
 from mori.gateway.auth import normalize_origin
 from mori.gateway.identity import DEFAULT_ORDER, parse_order
 from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES, MAX_PROGRAM_ID_BYTES_LIMIT
 from mori.protocol.sse import DEFAULT_MAX_SSE_LINE_BYTES
+
+MIN_MAX_RESPONSE_BYTES = 64 * 1024  # below, an ordinary answer or /metrics could not pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,9 @@ class GatewaySettings:
     ends and the replica is probed at once. ``max_sse_line_bytes``: the longest line
     an engine's stream may send (beyond it: the stream ends with an error event, or 502
     if nothing was passed on yet, and the engine's request is aborted).
+    ``max_response_bytes``: the largest answer an engine may send whole (not streamed),
+    and the largest answer to a control-plane call; beyond it the engine's request is
+    aborted (its connection dropped) and the client gets a 502.
     ``api_keys`` and ``admin_keys``: the keys of ``mori.gateway.auth`` (none: every
     endpoint open; never shown in the repr). ``public_metrics``: ``/metrics`` without an
     admin key when keys are set. ``cors_origins``: the web origins CORS is answered for
@@ -95,6 +101,7 @@ class GatewaySettings:
     stream_write_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 120.0
     max_sse_line_bytes: int = DEFAULT_MAX_SSE_LINE_BYTES
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
     public_metrics: bool = False
@@ -141,6 +148,9 @@ class GatewaySettings:
         if self.max_sse_line_bytes < 1024:
             raise ValueError(f"max_sse_line_bytes must be >= 1024 (got "
                              f"{self.max_sse_line_bytes})")
+        if self.max_response_bytes < MIN_MAX_RESPONSE_BYTES:
+            raise ValueError(f"max_response_bytes must be >= {MIN_MAX_RESPONSE_BYTES} (64 KiB; "
+                             f"got {self.max_response_bytes})")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024 (got {self.max_body_bytes})")
         if self.max_header_bytes < 1024:

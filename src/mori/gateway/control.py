@@ -76,6 +76,7 @@ class Controller:
                                  settings.health_failures, on_change=self._replica_changed)
         for a in adapters:
             a.first_byte_timeout_s = settings.first_byte_timeout_s
+            a.max_response_bytes = settings.max_response_bytes
         self.replica_listeners: list[Callable[[int, bool, str], None]] = []
         """Called with (replica, healthy, why) on each change (the workers' hub)."""
         self._moved_off: dict[int, set[str]] = {}  # a down replica: the programs moved

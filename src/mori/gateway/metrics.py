@@ -206,7 +206,8 @@ class Recorded:
 
 
 WORKER_TALLIES = ("disconnects", "stream_timeouts", "prompt_tokens", "completion_tokens",
-                  "upstream_idle_timeouts", "sse_lines_too_long", "usage_clamped")
+                  "upstream_idle_timeouts", "sse_lines_too_long", "usage_clamped",
+                  "responses_too_large")
 """The unlabelled counters of ``GatewayMetrics`` the completion path updates: a worker
 process tallies them and sends the increments to the policy process
 (``mori.gateway.worker_process.WorkerMetrics``), which adds them here."""
@@ -246,6 +247,10 @@ class GatewayMetrics:
         self.sse_lines_too_long = Counter(
             "mori_sse_lines_too_long", "Streams ended because their engine sent a line over "
             "max_sse_line_bytes (the engine's request aborted)", registry=r)
+        self.responses_too_large = Counter(
+            "mori_responses_too_large", "Whole (not streamed) answers cut off because their "
+            "engine sent more than max_response_bytes (the engine's request aborted, the "
+            "client answered 502)", registry=r)
         self.usage_clamped = Counter(
             "mori_usage_clamped", "Answers whose usage from the engine could not be true "
             "(a prompt over the context window, an output over max_tokens), booked clamped",

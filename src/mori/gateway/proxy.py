@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from starlette.responses import JSONResponse, Response
 
 from mori.core.types import Capability
-from mori.engines.base import RequestHints, UpstreamError, UpstreamResponse
+from mori.engines.base import RequestHints, ResponseTooLarge, UpstreamError, UpstreamResponse
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.answers import Answer, StepUsage, read_answer, watcher_for
 from mori.gateway.held import GateRejected
@@ -90,6 +90,8 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
         hints = RequestHints(pid, priority=lease.priority, synthetic=req.synthetic)
         up = await lease.adapter.forward(req.path, req.body, req.stream, hints)
     except UpstreamError as e:
+        if isinstance(e, ResponseTooLarge):
+            gw.metrics.responses_too_large.inc()
         lease.failed(e)
         lease.finish(tokens)
         return api_error_response(spec, e.status, for_client(e, lease.adapter.url), None,

@@ -121,6 +121,7 @@ class WorkerMetrics:
         self.upstream_idle_timeouts = _Tally()
         self.sse_lines_too_long = _Tally()
         self.usage_clamped = _Tally()
+        self.responses_too_large = _Tally()
         self.ttft = _Samples()
 
     def take(self) -> dict[str, Any] | None:
@@ -327,6 +328,7 @@ async def serve_worker(spec: WorkerSpec) -> None:
     adapters = [parse_backend(b).build() for b in spec.backends]
     for a in adapters:
         a.first_byte_timeout_s = settings.first_byte_timeout_s
+        a.max_response_bytes = settings.max_response_bytes
         # forwarding (and tokenize) only: no KV-event subscription here
         await OpenAIHTTPAdapter.start(a)  # type: ignore[arg-type]
     hello = await link.call({"op": "hello", "worker": str(spec.worker)})
