@@ -10,79 +10,24 @@ routes passed on to the policy process check keys and the body limit before read
 from __future__ import annotations
 
 import json
-import os
-import resource
 import select
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
 from mori.engines.http import parse_prometheus
-from support.serve_process import stop, wait_listening
+from support.serve_process import Serve, serve, stop
 
 KEY = "sk-bounds-test-key"
 ADMIN = "sk-bounds-test-admin"
 PIECE = 64 * 1024
-
-
-@dataclass
-class Serve:
-    """A ``mori serve`` process; ``log`` collects its standard error, line by line."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    host: str
-    port: int
-    log: list[str] = field(default_factory=list)
-
-    def logged(self, text: str, within: float = 10.0) -> bool:
-        """Whether a line with ``text`` is in the log (waiting up to ``within`` s: it is
-        read by a thread)."""
-        deadline = time.monotonic() + within
-        while not any(text in line for line in list(self.log)):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
-
-
-def serve(*args: str, nofile: int | None = None) -> Serve:
-    """``mori serve`` on a free port with simulated engines (``nofile``: its descriptor
-    limit, soft and hard, so that it cannot raise it)."""
-    def limit() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    proc = subprocess.Popen([sys.executable, "-m", "mori", "serve", "--port", "0",
-                             "--log-level", "warning", "--time-scale", "50", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=limit)
-    try:
-        url = wait_listening(proc)
-    except BaseException:
-        stop(proc)
-        raise
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    s = Serve(proc, url, host, int(port))
-
-    def drain(stream: Any, into: list[str] | None) -> None:
-        for line in stream:
-            if into is not None:
-                into.append(line)
-
-    assert proc.stderr is not None and proc.stdout is not None
-    threading.Thread(target=drain, args=(proc.stderr, s.log), daemon=True).start()
-    threading.Thread(target=drain, args=(proc.stdout, None), daemon=True).start()
-    return s
 
 
 @dataclass

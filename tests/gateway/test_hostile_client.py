@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import select
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +30,10 @@ import httpx
 import pytest
 
 from mori.gateway.record import TEXT_CUT_MARKER
-from support.serve_process import stop, wait_listening
+from support.serve_process import Serve, serve, stop
 
 MiB = 1024 * 1024
 PIECE = 64 * 1024
-
-
-@dataclass
-class Serve:
-    proc: subprocess.Popen[str]
-    url: str
-    host: str
-    port: int
-
-
-def serve(*args: str) -> Serve:
-    """``mori serve`` on a free port with simulated engines."""
-    proc = subprocess.Popen([sys.executable, "-m", "mori", "serve", "--port", "0",
-                             "--log-level", "warning", "--time-scale", "50", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        url = wait_listening(proc)
-    except BaseException:
-        stop(proc)
-        raise
-    assert proc.stdout is not None
-    threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    return Serve(proc, url, host, int(port))
 
 
 def connect(s: Serve) -> socket.socket:
