@@ -12,6 +12,7 @@ import pytest
 from mori.engines.base import Capability, EngineLoad, NotSupportedError, RequestHints, UpstreamError
 from mori.engines.registry import ADAPTERS, parse_backend
 from mori.engines.vllm import VLLMAdapter, cache_config, program_salt
+from mori.plugin_channel import kv_hints as mori_kv_hints
 from support.fake_engine import FakeEngine
 
 from .vllm_recorded import CHAT, METRICS_BUSY, METRICS_IDLE, RESPONSES, with_engine
@@ -134,18 +135,104 @@ def test_salt_attribution_shapes_cache_salt() -> None:
     a = VLLMAdapter("http://x", kv_events="tcp://127.0.0.1:1", attribution="salt")
     out = a.shape_body(dict(CHAT), RequestHints("prog-7"))
     assert out["cache_salt"] == program_salt("prog-7") != program_salt("prog-8")
-    assert "session_id" not in out
+    # the program is named too (session_id), but reused blocks are not re-reported
+    assert out["session_id"] == "prog-7" and "vllm_xargs" not in out
 
 
 def test_without_events_no_attribution_fields() -> None:
     a = VLLMAdapter("http://x", attribution="salt")
     out = a.shape_body(dict(CHAT), RequestHints("prog-7"))
-    assert "cache_salt" not in out and "session_id" not in out
+    assert "cache_salt" not in out and "vllm_xargs" not in out
+    # the program still reaches the engine (its plug-in, its events) as session_id
+    assert out["session_id"] == "prog-7"
 
     async def go() -> None:
         with pytest.raises(NotSupportedError):
             await a.residency()
     asyncio.run(go())
+
+
+def test_session_id_goes_in_body_and_header_under_every_attribution() -> None:
+    for attribution in ("session", "salt", "tokens", "none"):
+        a = VLLMAdapter("http://x", kv_events="tcp://127.0.0.1:1", attribution=attribution)
+        out = a.shape_body(dict(CHAT), RequestHints("prog-7"))
+        assert out["session_id"] == "prog-7", attribution
+        assert a.request_headers(RequestHints("prog-7")) == {"X-Session-ID": "prog-7"}
+        assert "kv_hints" not in out  # no vLLM 0.32-0.34 reads it from a body
+    a = VLLMAdapter("http://x")
+    # a request of no program gets neither
+    assert "session_id" not in a.shape_body(dict(CHAT), RequestHints(""))
+    assert a.request_headers(RequestHints("")) == {}
+    # an id that is not printable ASCII goes in the body only
+    assert a.request_headers(RequestHints("prog\n7")) == {}
+    assert a.request_headers(RequestHints("程序")) == {}
+    assert a.shape_body(dict(CHAT), RequestHints("程序"))["session_id"] == "程序"
+
+
+def test_session_id_false_keeps_it_to_session_attribution() -> None:
+    off = VLLMAdapter("http://x", kv_events="tcp://127.0.0.1:1", attribution="salt",
+                      session_id=False)
+    assert "session_id" not in off.shape_body(dict(CHAT), RequestHints("prog-7"))
+    assert off.request_headers(RequestHints("prog-7")) == {}
+    session = VLLMAdapter("http://x", kv_events="tcp://127.0.0.1:1", session_id=False)
+    assert session.shape_body(dict(CHAT), RequestHints("prog-7"))["session_id"] == "prog-7"
+    assert session.request_headers(RequestHints("prog-7")) == {}
+
+
+def _hello(adapter: VLLMAdapter, hello: dict[str, object]) -> None:
+    assert adapter.link is not None
+    adapter.link.hello = hello
+
+
+def test_kv_hints_only_to_an_engine_that_reads_them() -> None:
+    a = VLLMAdapter("http://x", labels="tcp://127.0.0.1:1")
+    assert not a.accepts("kv_hints") and a.accepts("session_id")  # no handshake yet
+    assert "kv_hints" not in a.shape_body(dict(CHAT), RequestHints("prog-7"))
+    # the plug-in says what vLLM's request models declare: 0.32-0.34 have session_id only
+    _hello(a, {"request_fields": ["session_id"]})
+    out = a.shape_body(dict(CHAT), RequestHints("prog-7"))
+    assert "kv_hints" not in out and out["session_id"] == "prog-7"
+    # a release whose models declare kv_hints gets MORI's action
+    _hello(a, {"request_fields": ["session_id", "kv_hints"]})
+    one = a.shape_body(dict(CHAT), RequestHints("prog-7"))
+    two = a.shape_body(dict(CHAT), RequestHints("prog-8"))
+    env = one["kv_hints"]
+    assert env["protocol_version"] == "1" and len(env["actions"]) == 1
+    action = env["actions"][0]
+    assert (action["action_type"], action["action_version"]) == ("mori.program", "1")
+    assert action["payload"] == {"program": "prog-7", "label": "busy"}
+    assert two["kv_hints"]["actions"][0]["payload"]["program"] == "prog-8"
+    assert one["kv_hints"]["message_id"] != two["kv_hints"]["message_id"]
+    assert mori_kv_hints.program_of(env) == "prog-7"
+    assert mori_kv_hints.label_of(env) == "busy"
+    # a client's own kv_hints are left as they are
+    mine = {"protocol_version": "9", "message_id": "m", "actions": []}
+    assert a.shape_body({**CHAT, "kv_hints": mine}, RequestHints("p"))["kv_hints"] == mine
+    # one that declares neither gets neither field, nor the header
+    _hello(a, {"request_fields": []})
+    out = a.shape_body(dict(CHAT), RequestHints("prog-7"))
+    assert "kv_hints" not in out and "session_id" not in out
+    assert a.request_headers(RequestHints("prog-7")) == {}
+    # the options win over the handshake
+    b = VLLMAdapter("http://x", labels="tcp://127.0.0.1:1", kv_hints=True, session_id=True)
+    _hello(b, {"request_fields": []})
+    out = b.shape_body(dict(CHAT), RequestHints("prog-7"))
+    assert mori_kv_hints.program_of(out["kv_hints"]) == "prog-7"
+    assert out["session_id"] == "prog-7"
+    c = VLLMAdapter("http://x", kv_hints=True)
+    assert "kv_hints" in c.shape_body(dict(CHAT), RequestHints("prog-7"))
+    d = VLLMAdapter("http://x", labels="tcp://127.0.0.1:1", kv_hints=False)
+    _hello(d, {"request_fields": ["session_id", "kv_hints"]})
+    assert "kv_hints" not in d.shape_body(dict(CHAT), RequestHints("prog-7"))
+
+
+def test_kv_hints_and_session_options_from_the_backend_spec() -> None:
+    a = parse_backend("vllm=http://x,kv_hints=true,session_id=false").build()
+    assert isinstance(a, VLLMAdapter)
+    assert (a.kv_hints_opt, a.session_id_opt) == (True, False)
+    b = parse_backend("vllm=http://x,kv_hints=auto,session_id=auto").build()
+    assert isinstance(b, VLLMAdapter)
+    assert (b.kv_hints_opt, b.session_id_opt) == (None, None)
 
 
 def test_bad_attribution_is_refused() -> None:
@@ -166,6 +253,8 @@ def test_forward_sends_shaped_body_and_returns_answer() -> None:
             path, sent = eng.posted[-1]
             assert path == "/v1/chat/completions"
             assert sent["priority"] == 2 and sent["session_id"] == "prog-1"
+            assert eng.posted_headers[-1]["x-session-id"] == "prog-1"
+            assert "kv_hints" not in sent
         finally:
             await a.close()
     with_engine(go)

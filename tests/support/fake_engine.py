@@ -76,6 +76,7 @@ class FakeEngine:
     routes: dict[str, Any] = field(default_factory=dict)
     requests: list[Received] = field(default_factory=list)
     posted: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    posted_headers: list[dict[str, str]] = field(default_factory=list)  # as ``posted``
     releases: list[str] = field(default_factory=list)
     probes: list[str] = field(default_factory=list)
     promotions: int = 0
@@ -130,6 +131,7 @@ class FakeEngine:
                 raw = await request.body()
                 body = json.loads(raw) if raw else {}
                 self.posted.append((request.url.path, body))
+                self.posted_headers.append(dict(request.headers))
                 if callable(reply):
                     status, reply = reply(body)
             if isinstance(reply, dict | list):

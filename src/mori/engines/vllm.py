@@ -29,6 +29,24 @@ Options (``--backend vllm=URL,key=value,...``; ``mori.engines.registry.parse_bac
   asks ``/tokenize`` for the prompt's token ids and matches them against the token ids in
   ``BlockStored`` (one extra round trip and tokenization per request; prefixes stay
   shared). ``none``: no attribution.
+- ``session_id`` (default ``auto``): each request of a program carries ``session_id`` = the
+  program id in its body, and in the ``X-Session-ID`` header when the id is printable
+  ASCII, whatever the attribution, so that the engine (its KV events, the MORI plug-in,
+  another cache policy) knows each request's program with or without the plug-in. vLLM
+  0.32 to 0.34 read both (``entrypoints/generate/base/serving.py``: the body first). ``auto``
+  sends them unless the plug-in's handshake lists ``request_fields`` without
+  ``session_id``; ``false`` sends the body's field only under ``session`` attribution
+  (which needs it) and the header never.
+- ``kv_hints`` (default ``auto``): each request of a program carries vLLM's ``kv_hints``
+  with MORI's action (``mori.plugin_channel.kv_hints``: the program and its label, ``busy``
+  while it runs), which reaches a host-tier cache policy as ``ReqContext.kv_hints``.
+  ``auto`` sends it only when the plug-in's handshake lists ``kv_hints`` in
+  ``request_fields`` (the fields vLLM's OpenAI request models declare): vLLM 0.32 to 0.34
+  fill ``kv_hints`` through the Python API only, and their HTTP servers ignore the field, so
+  ``auto`` sends none to them. ``true`` sends it anyway (an engine that reads it; a client's
+  own ``kv_hints`` is left as it is). A label that changes while a program has no request
+  in flight (``idle``, ``inactive``, a drop) reaches the engine only over the label
+  channel (``labels``).
 - ``priority`` (default true): send MORI's rank as vLLM's ``priority`` (lower first; MORI
   0 = most important, so the rank passes as it is, plus ``priority_offset``). Set false
   for an engine without ``--scheduling-policy priority``.
@@ -70,6 +88,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -84,10 +103,18 @@ from mori.engines.http import metric_sum, parse_prometheus
 from mori.engines.kv_events_adapter import KVEventsAdapter
 from mori.engines.label_channel import LabelChannel
 from mori.engines.plugin_link import PluginLink
+from mori.plugin_channel import kv_hints as mori_kv_hints
 
 log = logging.getLogger(__name__)
 
 ATTRIBUTIONS = ("session", "salt", "tokens", "none")
+SESSION_HEADER = "X-Session-ID"  # vLLM's (entrypoints/generate/base/serving.py)
+RUNNING_LABEL = "busy"  # a program's label while a request of it runs
+
+
+def header_safe(value: str) -> bool:
+    """Whether ``value`` goes in an HTTP header as it is (printable ASCII, not empty)."""
+    return bool(value) and all(" " <= c <= "~" for c in value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +171,8 @@ class VLLMAdapter(KVEventsAdapter):
                  attribution: str = "session", priority: bool = True,
                  priority_offset: int = 0, prefetch: bool | None = None,
                  labels: str | None = None, labels_timeout_s: float = 2.0,
-                 labels_check_s: float = 5.0, label_secret_file: str | None = None) -> None:
+                 labels_check_s: float = 5.0, label_secret_file: str | None = None,
+                 session_id: bool | None = None, kv_hints: bool | None = None) -> None:
         if labels_check_s <= 0:
             raise ValueError(f"labels_check_s must be > 0, got {labels_check_s}")
         if attribution not in ATTRIBUTIONS:
@@ -156,6 +184,10 @@ class VLLMAdapter(KVEventsAdapter):
                          attribution=attribution, prefetch=prefetch)
         self.priority = priority
         self.priority_offset = priority_offset
+        self.session_id_opt = session_id
+        self.kv_hints_opt = kv_hints
+        self._hint_ids = itertools.count(1)
+        self._hint_prefix = hashlib.sha256(f"{url} {id(self)}".encode()).hexdigest()[:12]
         caps = {Capability.TOKENIZE}
         if priority:
             caps.add(Capability.PRIORITY)
@@ -214,13 +246,37 @@ class VLLMAdapter(KVEventsAdapter):
             self._capacity = dataclasses.replace(cap, disk_tokens=disk)
 
     # -- request shaping ----------------------------------------------------------------
+    def accepts(self, field: str) -> bool:
+        """Whether requests get ``field`` (``session_id`` or ``kv_hints``): the option when
+        given, else what the plug-in's handshake says the engine's request models declare
+        (``request_fields``), else vLLM 0.32 to 0.34's answer (``session_id`` yes,
+        ``kv_hints`` no)."""
+        opt = self.session_id_opt if field == "session_id" else self.kv_hints_opt
+        if opt is not None:
+            return opt
+        hello = self.plugin
+        declared = None if hello is None else hello.get("request_fields")
+        if isinstance(declared, list):
+            return field in declared
+        return field == "session_id"
+
+    def request_headers(self, hints: RequestHints) -> dict[str, str]:
+        pid = hints.program_id
+        if pid and header_safe(pid) and self.accepts("session_id"):
+            return {SESSION_HEADER: pid}
+        return {}
+
     def shape_body(self, body: dict[str, Any], hints: RequestHints) -> dict[str, Any]:
         out = dict(body)
         if self.priority:
             out["priority"] = int(hints.priority) + self.priority_offset
         pid = hints.program_id
-        if pid and self.attribution == "session":
+        if pid and (self.attribution == "session" or self.accepts("session_id")):
             out["session_id"] = pid
+        if pid and out.get("kv_hints") is None and self.accepts("kv_hints"):
+            out["kv_hints"] = mori_kv_hints.envelope(
+                pid, RUNNING_LABEL, f"mori-{self._hint_prefix}-{next(self._hint_ids)}")
+        if pid and self.attribution == "session":
             xargs = dict(out.get("vllm_xargs") or {})
             xargs["kv_cache_report_mode"] = "full"
             out["vllm_xargs"] = xargs
