@@ -98,6 +98,37 @@ def labelled(labels: dict[str, str]) -> Any:
     return lambda program: labels.get(program, "busy")
 
 
+def test_a_requests_program_from_its_kv_hints() -> None:
+    # the program as the gateway sends it to an engine that reads kv_hints from a body,
+    # in vLLM's own structs: the policy classes the chunks without the MORI scheduler
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    from mori.plugin_channel import kv_hints
+    env = kv_hints.envelope("agent", "busy", "m1")
+    hints = KvHintsEnvelope(protocol_version=env["protocol_version"],
+                            message_id=env["message_id"],
+                            actions=[KvHintAction(**a) for a in env["actions"]])
+    c = ReqContext(req_id="h1", kv_hints=hints)
+    assert cpu_tier.program_of(c) == "agent"
+    # kv_transfer_params (the scheduler's copy of session_id) comes first
+    c2 = ReqContext(req_id="h2", kv_transfer_params={cpu_tier.PROGRAM_KEY: "other"},
+                    kv_hints=hints)
+    assert cpu_tier.program_of(c2) == "other"
+    # another orchestrator's action is not MORI's
+    foreign = KvHintsEnvelope(protocol_version="1", message_id="m2", actions=[KvHintAction(
+        action_id="x", action_type="pin", action_version="1", payload={"program": "p"})])
+    assert cpu_tier.program_of(ReqContext(req_id="h3", kv_hints=foreign)) is None
+    assert cpu_tier.program_of(ReqContext(req_id="h4")) is None
+
+    mgr = make_manager(4)
+    pol = policy_of(mgr)
+    pol.bind(labelled({"agent": "inactive"}))
+    stored = keys("k", 2)
+    store(mgr, None, stored, context=ReqContext(req_id="h5", kv_hints=hints))
+    assert all(pol.programs_of(k) == {"agent"} for k in stored)
+    assert all(pol.class_of(k) == "inactive" for k in stored)
+
+
 def test_evicts_inactive_then_busy_then_idle_lru_within() -> None:
     mgr = make_manager(6)
     labels = {"A": "idle", "B": "busy", "C": "inactive"}

@@ -112,6 +112,8 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         assert hello["ok"] and hello["block_size"] == BLOCK
         assert hello["gpu_blocks"] == NUM_BLOCKS and hello["cpu_tier_tokens"] == 0
         assert "residency" in hello["ops"]
+        # what this vLLM's OpenAI request models read from a body (0.32-0.34: session_id)
+        assert hello["request_fields"] == ["session_id"]
         assert dealer("residency") == {"v": 1, "op": "residency", "ok": True, "gpu": {},
                                        "cpu": {}, "inactive": []}
 

@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from mori.plugin_channel import kv_hints
 from mori.plugin_channel.labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
 from . import compat
@@ -88,13 +89,16 @@ def live_policies() -> list[MoriCachePolicy]:
 
 
 def program_of(req_context: ReqContext) -> str | None:
-    """``kv_transfer_params["mori_program"]`` of a request context (a non-empty str)."""
+    """A request context's program (a non-empty str): ``kv_transfer_params["mori_program"]``
+    (the MORI scheduler's copy of ``Request.session_id``), else the program a MORI action
+    of ``ReqContext.kv_hints`` names (``mori.plugin_channel.kv_hints``: what the gateway
+    sends an engine that takes ``kv_hints`` in a request's body, without the scheduler)."""
     params = req_context.kv_transfer_params
     if isinstance(params, dict):
         value = params.get(PROGRAM_KEY)
         if isinstance(value, str) and value:
             return value
-    return None
+    return kv_hints.program_of(getattr(req_context, "kv_hints", None))
 
 
 @dataclass(slots=True)

@@ -99,6 +99,7 @@ class MoriSchedulerMixin:
         for tier in self.mori_disk_tiers:
             tier.bind(self.mori_labels.label)
         self._mori_learned: dict[tuple[str, int], tuple[int, int]] = {}
+        self.mori_request_fields = request_fields()
         self._mori_log_at = 0.0
         self._mori_counts: dict[str, int] = {}
         pool = self.kv_cache_manager.block_pool
@@ -170,7 +171,9 @@ class MoriSchedulerMixin:
                 "gpu_blocks": int(self.kv_cache_config.num_blocks),
                 "cpu_tier_tokens": int(self.mori_cpu_tier_tokens),
                 "disk_tier_tokens": self._mori_disk_tier_tokens(),
-                "programs": len(self.mori_labels)}
+                "programs": len(self.mori_labels),
+                **({} if self.mori_request_fields is None
+                   else {"request_fields": list(self.mori_request_fields)})}
 
     def _mori_residency(self) -> dict[str, Any]:
         """The ``residency`` reply (on the label server's thread: reads copies only)."""
@@ -320,6 +323,30 @@ def _check_vllm() -> None:
     problems += compat.hook_problems(FreeKVCacheBlockQueue, TypedFreeBlockQueue,
                                      QUEUE_METHODS)
     compat.check(vllm.__version__, problems)
+
+
+# The request fields through which the gateway names a request's program (and label)
+REQUEST_FIELDS = ("session_id", "kv_hints")
+
+
+def request_fields() -> tuple[str, ...] | None:
+    """Which of :data:`REQUEST_FIELDS` this vLLM's OpenAI request models (chat and
+    completions) both declare, i.e. read from a request's body: the gateway sends only
+    those (the handshake's ``request_fields``). vLLM 0.32 to 0.34 declare ``session_id``
+    and not ``kv_hints`` (which they fill through the Python API only); their models allow
+    unknown fields (``extra="allow"``: ignored, not refused). ``None`` when the models
+    cannot be imported: the handshake then says nothing and the gateway sends what suits
+    0.32 to 0.34."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        models = (ChatCompletionRequest, CompletionRequest)
+        return tuple(f for f in REQUEST_FIELDS
+                     if all(f in m.model_fields for m in models))
+    except Exception:
+        logger.warning("MORI scheduler: vLLM's OpenAI request models did not load; the "
+                       "handshake names no request fields", exc_info=True)
+        return None
 
 
 def _disk_tiers() -> list[Any]:
