@@ -412,6 +412,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         self._next_rank += 1
         return (self._next_rank, 0)
 
+    # vllm-release: 0.33, 0.34
     def _request_rank(self, req_context: ReqContext) -> int:
         state = req_context.get_state(_RequestRank)
         if state is None or state.owner is not self or state.generation != self._generation:
@@ -445,7 +446,9 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
             self._push(key)
+        # vllm-release: 0.32
         owner = self._pending_owner.pop(key, None)
+        # vllm-release: 0.33, 0.34
         if req_context is not None:
             owner = self._program(req_context)
         self._own(key, owner)
@@ -483,6 +486,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         if moved:
             self._maybe_compact()
 
+    # vllm-release: 0.32
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         # Not a use (CachePolicy's default would touch). Under 0.32, whose insert gets no
         # context, remember whose chunks these will be, so that they are classed from
