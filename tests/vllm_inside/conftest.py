@@ -56,6 +56,50 @@ from vllm.v1.request import Request  # noqa: E402
 from mori.plugin_channel.labels import LabelTable  # noqa: E402
 from mori.vllm_plugin.typed_queue import TypedFreeBlockQueue  # noqa: E402
 
+# -- TEST-ONLY SHIM: vLLM 0.34's CPU platform on an x86 CPU without Triton ----------------
+# From 0.34, ``CpuPlatform.check_and_update_config`` (``vllm/platforms/cpu.py``) refuses an
+# x86 CPU without Triton ("vLLM on x86 CPUs requires Triton (triton-cpu)"): 0.34 runs its
+# x86 models through Triton CPU kernels, and triton-cpu is not on PyPI. These tests run no
+# model, only vLLM's configs, scheduler, block pool and offloading classes, so while it
+# checks the config this shim lets the platform see Triton as present. It exists only in
+# this folder's conftest (never in the plug-in, never in a served engine), applies only
+# where the refusal is in the installed source, and says so in the test run's header.
+SHIMMED_TRITON_CHECK = False
+
+
+def _shim_x86_triton_check() -> bool:
+    import inspect
+
+    import vllm.triton_utils
+    from vllm.platforms.cpu import CpuArchEnum, CpuPlatform
+    original = CpuPlatform.check_and_update_config
+    if ("requires Triton" not in inspect.getsource(original)
+            or vllm.triton_utils.HAS_TRITON
+            or CpuPlatform.get_cpu_architecture() != CpuArchEnum.X86):
+        return False
+
+    def check_and_update_config(cls: type, vllm_config: VllmConfig) -> None:
+        vllm.triton_utils.HAS_TRITON = True  # read by the check, imported at call time
+        try:
+            original.__func__(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = False
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    return True
+
+
+SHIMMED_TRITON_CHECK = _shim_x86_triton_check()
+
+
+def pytest_report_header() -> list[str]:
+    import vllm
+    note = [f"vLLM {vllm.__version__} from {Path(vllm.__file__).parent}"]
+    if SHIMMED_TRITON_CHECK:
+        note.append("TEST-ONLY SHIM: vLLM's CPU platform sees Triton while it checks a "
+                    "config (x86 without triton-cpu; no model runs here)")
+    return note
+
 BS = 4  # tokens per block in the pool tests
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
@@ -200,3 +244,15 @@ def engine_configs(model_dir: Path, layers: list[str],
         KVCacheGroupSpec(layers, FullAttentionSpec(block_size=ENGINE_BLOCK, num_kv_heads=1,
                                                    head_size=64, dtype=torch.float32))])
     return vc, kvc
+
+
+def engine_side(spec: Any, kv_caches: Any) -> Any:
+    """What the installed vLLM's connector hands an ``OffloadingWorker`` for the engine side
+    of a transfer described by the ``GPULoadStoreSpec`` ``spec``: the spec itself (0.32,
+    0.33), or the ``DevicePointers`` the connector's worker side resolves from it over the
+    registered KV caches (0.34: ``resolve_device_pointers``)."""
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+    except ImportError:
+        return spec
+    return resolve_device_pointers(spec, kv_caches)

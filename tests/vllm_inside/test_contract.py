@@ -1,4 +1,4 @@
-"""The vLLM internals the MORI plug-in relies on, pinned release by release (0.32, 0.33).
+"""The vLLM internals the MORI plug-in relies on, pinned release by release (0.32 to 0.34).
 
 The plug-in reaches into vLLM where no public API exists (docs/engines.md, "Where MORI
 plugs into vLLM 0.32 without forking"). These tests run against each supported release
@@ -6,7 +6,9 @@ plugs into vLLM 0.32 without forking"). These tests run against each supported r
 :data:`RELEASES`. When a new vLLM appears, a failure here names what moved. Re-check first
 what moved last time: the host tier's ``CachePolicy`` (``v1/kv_offload/cpu/policies/base.py``
 and ``lru.py``: 0.33 changed ``insert``, added ``on_request_access`` and re-ordered the
-LRU) and ``OffloadingWorker`` (``v1/kv_offload/base.py``: 0.33 added ``expedited``). Fix the
+LRU; 0.34 removed ``touch`` and made ``on_request_finished`` abstract) and
+``OffloadingWorker`` (``v1/kv_offload/base.py``: 0.33 added ``expedited``; 0.34 hands the
+engine side of a transfer as ``DevicePointers``, not a ``GPULoadStoreSpec``). Fix the
 plug-in (``src/mori/vllm_plugin``), then add the release to :data:`RELEASES` and to
 ``mori.vllm_plugin.compat.SUPPORTED``.
 """
@@ -26,8 +28,9 @@ from mori.vllm_plugin.typed_queue import QUEUE_ATTRIBUTES, QUEUE_METHODS, TypedF
 
 VLLM_SRC = Path(vllm.__file__).parent
 
-# What differs between the supported releases: the parameters of the CachePolicy hooks and
-# of OffloadingWorker.submit_load (the rest is pinned below, the same for every release).
+# What differs between the supported releases: the CachePolicy hooks (their parameters,
+# and which are abstract) and the parameters of OffloadingWorker.submit_store/submit_load
+# (the rest is pinned below, the same for every release).
 _POLICY_032: dict[str, tuple[str, ...]] = {
     "get": ("self", "key"),
     "insert": ("self", "key", "chunk"),
@@ -41,18 +44,35 @@ _POLICY_032: dict[str, tuple[str, ...]] = {
     "evict": ("self", "n", "protected"),
     "clear": ("self",),
 }
+_POLICY_033 = {**_POLICY_032,
+               "insert": ("self", "key", "chunk", "req_context"),
+               "on_request_access": ("self", "keys", "req_context")}
+_ABSTRACT_032 = {"get": (), "insert": (), "remove": (), "touch": (), "evict": (), "clear": ()}
 RELEASES: dict[str, dict[str, dict[str, tuple[str, ...]]]] = {
     "0.32": {
         "CachePolicy": _POLICY_032,
-        "OffloadingWorker.submit_load": {
+        "CachePolicy abstract": _ABSTRACT_032,
+        "OffloadingWorker": {
+            "submit_store": ("self", "job_id", "src_spec", "dst_spec"),
             "submit_load": ("self", "job_id", "src_spec", "dst_spec")},
     },
     "0.33": {
-        "CachePolicy": {**_POLICY_032,
-                        "insert": ("self", "key", "chunk", "req_context"),
-                        "on_request_access": ("self", "keys", "req_context")},
-        "OffloadingWorker.submit_load": {
+        "CachePolicy": _POLICY_033,
+        "CachePolicy abstract": _ABSTRACT_032,
+        "OffloadingWorker": {
+            "submit_store": ("self", "job_id", "src_spec", "dst_spec"),
             "submit_load": ("self", "job_id", "src_spec", "dst_spec", "expedited")},
+    },
+    "0.34": {
+        # touch is gone (recency is set by on_request_access and on_request_finished,
+        # now abstract); the rest as 0.33
+        "CachePolicy": {k: v for k, v in _POLICY_033.items() if k != "touch"},
+        "CachePolicy abstract": {"get": (), "insert": (), "remove": (),
+                                 "on_request_finished": (), "evict": (), "clear": ()},
+        # the engine side is a DevicePointers (resolved by the connector's worker side)
+        "OffloadingWorker": {
+            "submit_store": ("self", "job_id", "device_ptrs", "dst_spec"),
+            "submit_load": ("self", "job_id", "src_spec", "device_ptrs", "expedited")},
     },
 }
 RELEASE = compat.release(vllm.__version__) or vllm.__version__
@@ -187,7 +207,6 @@ CPU_TIER = "mori.vllm_plugin.cpu_tier"
 # CachePolicy (vllm/v1/kv_offload/cpu/policies/base.py): the abstract methods, and every
 # method the manager calls (MoriCachePolicy overrides them all: a hook it does not override
 # would run the base's default, which touches)
-POLICY_ABSTRACT = {"get", "insert", "remove", "touch", "evict", "clear"}
 WORKER_ABSTRACT = {"submit_store", "submit_load", "get_finished", "wait"}
 
 
@@ -200,10 +219,11 @@ def test_cache_policy_method_set() -> None:
 
     from mori.vllm_plugin.cpu_tier import MoriCachePolicy
     pins = _pins("CachePolicy")
+    pinned_abstract = set(_pins("CachePolicy abstract"))
     abstract = set(CachePolicy.__abstractmethods__)
-    assert abstract == POLICY_ABSTRACT, (
-        f"CachePolicy's abstract methods are now {sorted(abstract)} (were "
-        f"{sorted(POLICY_ABSTRACT)}): MoriCachePolicy must implement the new ones")
+    assert abstract == pinned_abstract, (
+        f"CachePolicy's abstract methods are now {sorted(abstract)} (pinned "
+        f"{sorted(pinned_abstract)}): MoriCachePolicy must implement the new ones")
     theirs = _public_methods(CachePolicy)
     assert theirs == set(pins), (
         f"CachePolicy's methods changed in {vllm.__version__}: new "
@@ -253,17 +273,25 @@ def test_req_context_carries_the_requests_kv_transfer_params() -> None:
     assert callable(getattr(osched, "_create_req_context", None)), (
         "offloading/scheduler.py's _create_req_context is gone: check where ReqContext "
         "gets kv_transfer_params now")
+    made = list(inspect.signature(osched._create_req_context).parameters)
+    assert made[0] == "req" and made[1:] in ([], ["scheduler"]), (
+        f"offloading/scheduler.py's _create_req_context{made}: check how it is called")
+
+    def create(req: Request) -> ReqContext:
+        # 0.34 also takes the connector's scheduler (the context's token counts read it)
+        return osched._create_req_context(req, *[None] * (len(made) - 1))
+
     params = {PROGRAM_KEY: "prog"}
     req = Request("x", [1, 2, 3, 4], SamplingParams(
         max_tokens=1, extra_args={"kv_transfer_params": params}), None)
     assert req.kv_transfer_params == params, (
         "Request no longer takes kv_transfer_params from sampling_params.extra_args")
-    assert program_of(osched._create_req_context(req)) == "prog", (
+    assert program_of(create(req)) == "prog", (
         "the offloading connector's ReqContext no longer carries the request's "
         "kv_transfer_params")
     req = Request("y", [1, 2, 3, 4], SamplingParams(max_tokens=1), None)
     req.kv_transfer_params = {PROGRAM_KEY: "set-later"}  # what add_request will do
-    assert program_of(osched._create_req_context(req)) == "set-later"
+    assert program_of(create(req)) == "set-later"
     from vllm.v1.core.sched.scheduler import Scheduler
     src = inspect.getsource(Scheduler.add_request)
     assert "connector.on_new_request(request)" in src, (
@@ -302,16 +330,42 @@ def test_offloading_spec_and_worker() -> None:
     assert abstract == WORKER_ABSTRACT, (
         f"OffloadingWorker's abstract methods are now {sorted(abstract)} (were "
         f"{sorted(WORKER_ABSTRACT)}): HostCopyOffloadingWorker must follow")
-    pinned = _pins("OffloadingWorker.submit_load")["submit_load"]
-    ref = inspect.signature(OffloadingWorker.submit_load)
-    assert tuple(ref.parameters) == pinned, (
-        f"OffloadingWorker.submit_load is now {ref} in {vllm.__version__} (pinned {pinned})")
+    for name, pinned in _pins("OffloadingWorker").items():
+        ref = inspect.signature(getattr(OffloadingWorker, name))
+        assert tuple(ref.parameters) == pinned, (
+            f"OffloadingWorker.{name} is now {ref} in {vllm.__version__} (pinned {pinned})")
     assert compat.hook_problems(OffloadingWorker, HostCopyOffloadingWorker,
                                 WORKER_ABSTRACT) == []
-    for release in RELEASES.values():
-        params = release["OffloadingWorker.submit_load"]["submit_load"]
-        ours = tuple(inspect.signature(HostCopyOffloadingWorker.submit_load).parameters)
-        assert ours[:len(params)] == params
+    # The copy worker takes every release's arguments: by name where the name is the same
+    # in every release, by position (positional-only) where it is not: the engine side
+    # (0.32/0.33 src_spec/dst_spec, 0.34 device_ptrs) ...
+    for name in ("submit_store", "submit_load"):
+        ours = inspect.signature(getattr(HostCopyOffloadingWorker, name)).parameters
+        mine = list(ours.values())
+        for release in RELEASES.values():
+            params = release["OffloadingWorker"][name]
+            assert len(mine) >= len(params), f"HostCopyOffloadingWorker.{name}{ours}"
+            for i, param in enumerate(params):
+                same = {r["OffloadingWorker"][name][i] for r in RELEASES.values()
+                        if i < len(r["OffloadingWorker"][name])}
+                if len(same) == 1:
+                    assert mine[i].name == param, (
+                        f"HostCopyOffloadingWorker.{name}: parameter {i} is {mine[i].name}, "
+                        f"not {param}")
+                else:
+                    assert mine[i].kind is inspect.Parameter.POSITIONAL_ONLY, (
+                        f"HostCopyOffloadingWorker.{name}: parameter {i} is named {same} by "
+                        "the releases: it must be positional only")
+    # ... which vLLM's connector passes by position (the 0.34 call shown)
+    src = (VLLM_SRC / "distributed/kv_transfer/kv_connector/v1/offloading/worker.py"
+           ).read_text()
+    calls = re.findall(r"self\.worker\.submit_(?:store|load)\(\s*([^)]*)\)", src)
+    assert len(calls) >= 3, f"the connector's worker side submits differently now: {calls}"
+    for args in calls:
+        positional = [a.strip() for a in args.split(",") if a.strip() and "=" not in a]
+        assert len(positional) >= 3, (
+            f"the connector calls the offloading worker with {args!r}: the engine side must "
+            "be passed by position (HostCopyOffloadingWorker takes it positional only)")
     for cls, needed in ((CanonicalKVCaches, {"tensors", "group_data_refs"}),
                         (CanonicalKVCacheTensor, {"tensor", "page_size_bytes"}),
                         (CanonicalKVCacheRef, {"tensor_idx", "page_size_bytes"}),

@@ -9,8 +9,10 @@ import mmap
 import random
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from vllm.config import (
@@ -43,7 +45,7 @@ from mori.vllm_plugin import compat, connector_config, cpu_tier
 from mori.vllm_plugin.cpu_tier import MoriCachePolicy
 from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriHostOffloadingSpec
 
-from .conftest import ENGINE_BLOCK, ENGINE_BLOCKS, engine_configs, tiny_model_dir
+from .conftest import ENGINE_BLOCK, ENGINE_BLOCKS, engine_configs, engine_side, tiny_model_dir
 
 MODULE = "mori.vllm_plugin.cpu_tier"
 HOST_MODULE = "mori.vllm_plugin.host_tier"
@@ -172,10 +174,11 @@ def test_unlabelled_chunks_count_as_busy() -> None:
 def offer(mgr: CPUOffloadingManager, c: ReqContext, ks: list[OffloadKey],
           load: list[OffloadKey], touch: bool) -> Any:
     """One step of a request as the connector drives it: load ``load`` (hits), touch
-    ``ks`` if asked, offer ``ks`` for storing; what the store did (or ``None``)."""
+    ``ks`` if asked (where the manager has ``touch``: 0.32, 0.33), offer ``ks`` for
+    storing; what the store did (or ``None``)."""
     if load:
         mgr.prepare_load(load, c)
-    if touch:
+    if touch and hasattr(mgr, "touch"):  # vLLM 0.34 has no touch: recency at finish
         mgr.touch(ks, c)
     out = mgr.prepare_store(ks, c)
     if out is not None:
@@ -505,7 +508,8 @@ def test_copy_worker_round_trip_with_a_sub_block_skip() -> None:
     w = HostCopyOffloadingWorker(kv, blocks_per_chunk=bpc, num_chunks=4)
     assert [h.shape for h in w.host] == [(4, page * bpc)] * 2
     # blocks 3, 4, 5 are a request's blocks 1, 2, 3: block 1 is the second half of a chunk
-    assert w.submit_store(7, GPULoadStoreSpec([3, 4, 5], [3], [1]), CPULoadStoreSpec([2, 0]))
+    assert w.submit_store(7, engine_side(GPULoadStoreSpec([3, 4, 5], [3], [1]), kv),
+                          CPULoadStoreSpec([2, 0]))
     for t in range(2):  # chunk 2 = (request block 0: untouched, block 1), chunk 0 = (2, 3)
         assert torch.equal(w.host[t][2, page:], ts[t][3])
         assert torch.equal(w.host[t][0], torch.cat([ts[t][4], ts[t][5]]))
@@ -513,7 +517,8 @@ def test_copy_worker_round_trip_with_a_sub_block_skip() -> None:
     orig = [t[[3, 4, 5]].clone() for t in ts]
     for t in ts:
         t[3:6] = 0
-    assert w.submit_load(8, CPULoadStoreSpec([2, 0]), GPULoadStoreSpec([6, 7, 8], [3], [1]))
+    assert w.submit_load(8, CPULoadStoreSpec([2, 0]),
+                         engine_side(GPULoadStoreSpec([6, 7, 8], [3], [1]), kv))
     for t, o in zip(ts, orig, strict=True):
         assert torch.equal(t[6:9], o)
         assert not t[3:6].any()  # the load wrote only its destination blocks
@@ -531,7 +536,7 @@ def test_copy_worker_groups_copy_their_own_tensors() -> None:
     ts, kv = caches(12, page, [[(0, page), (1, page)], [(1, 48)], [(0, page)]])
     w = HostCopyOffloadingWorker(kv, blocks_per_chunk=bpc, num_chunks=3)
     spec = GPULoadStoreSpec([1, 2, 9], [2, 1, 0], [0, 6, 0])
-    assert w.submit_store(1, spec, CPULoadStoreSpec([0, 1]))
+    assert w.submit_store(1, engine_side(spec, kv), CPULoadStoreSpec([0, 1]))
     host0 = [h.view(3 * bpc, page) for h in w.host]
     for t in range(2):
         assert torch.equal(host0[t][0], ts[t][1]) and torch.equal(host0[t][1], ts[t][2])
@@ -545,7 +550,50 @@ def test_copy_worker_refuses_a_mismatched_transfer() -> None:
     _, kv = caches(4, 64, [[(0, 64)]], num_tensors=1)
     w = HostCopyOffloadingWorker(kv, blocks_per_chunk=2, num_chunks=2)
     with pytest.raises(ValueError, match="does not match"):
-        w.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
+        w.submit_store(1, engine_side(GPULoadStoreSpec([0, 1], [2], [0]), kv),
+                       CPULoadStoreSpec([0, 1]))
+
+
+def test_copy_worker_reads_device_pointers_and_refuses_stray_ones() -> None:
+    """vLLM 0.34 hands the engine side of a transfer as ``DevicePointers``: an address per
+    block and data reference, group by group. The copy worker turns them back into block
+    ids (the same copies as from the 0.32/0.33 spec) and refuses, before any byte moves, an
+    address that is not a block of the tensor its reference names."""
+    page, bpc = 64, 2
+    ts, kv = caches(10, page, [[(0, page), (1, page)]])
+
+    def pointers(ids: list[int], first: int, shift: dict[int, int] | None = None) -> Any:
+        ptrs = np.array([t.data_ptr() + b * page for t in ts for b in ids], dtype=np.uint64)
+        for i, by in (shift or {}).items():
+            ptrs[i] = int(ptrs[i]) + by
+        return SimpleNamespace(ptrs=ptrs, sizes=np.full(len(ptrs), page, dtype=np.uint64),
+                               group_block_counts=(len(ids),), group_data_ref_counts=(2,),
+                               block_indices=(first,))
+
+    resolved = engine_side(GPULoadStoreSpec([3, 4, 5], [3], [1]), kv)
+    if hasattr(resolved, "ptrs"):  # the installed vLLM resolves them: the same layout
+        made = pointers([3, 4, 5], 1)
+        assert np.array_equal(resolved.ptrs, made.ptrs)
+        assert (tuple(resolved.group_block_counts), tuple(resolved.group_data_ref_counts),
+                tuple(resolved.block_indices)) == (
+            made.group_block_counts, made.group_data_ref_counts, made.block_indices)
+    w = HostCopyOffloadingWorker(kv, blocks_per_chunk=bpc, num_chunks=4)
+    assert w.submit_store(7, pointers([3, 4, 5], 1), CPULoadStoreSpec([2, 0]))
+    for t in range(2):
+        assert torch.equal(w.host[t][2, page:], ts[t][3])
+        assert torch.equal(w.host[t][0], torch.cat([ts[t][4], ts[t][5]]))
+    orig = [t[[3, 4, 5]].clone() for t in ts]
+    assert w.submit_load(8, CPULoadStoreSpec([2, 0]), pointers([6, 7, 8], 1))
+    for t, o in zip(ts, orig, strict=True):
+        assert torch.equal(t[6:9], o)
+    assert [r.transfer_size for r in w.get_finished()] == [3 * 2 * page] * 2
+    before = [h.clone() for h in w.host]
+    for bad, why in (({2: 1}, "not a block"), ({5: 64 * page}, "not a block"),
+                     ({4: page}, "point at different blocks")):
+        with pytest.raises(ValueError, match=why):
+            w.submit_store(9, pointers([3, 4, 5], 1, bad), CPULoadStoreSpec([2, 0]))
+    assert all(torch.equal(h, b) for h, b in zip(w.host, before, strict=True))
+    assert w.get_finished() == []
 
 
 # -- the host spec, built by vLLM's own connector ------------------------------------------
@@ -599,10 +647,13 @@ def test_host_spec_worker_copies_the_registered_kv_caches(model_dir: Path) -> No
     assert conn.connector_worker.spec.get_worker(None) is w  # built once
     assert [h.shape for h in w.host] == [(w.num_chunks, PAGE)] * len(LAYERS)
     orig = {n: t[[2, 3]].clone() for n, t in kv.items()}
-    assert w.submit_store(1, GPULoadStoreSpec([2, 3], [2], [0]), CPULoadStoreSpec([5, 1]))
+    registered = getattr(conn.connector_worker, "_kv_caches", None)  # 0.34
+    assert w.submit_store(1, engine_side(GPULoadStoreSpec([2, 3], [2], [0]), registered),
+                          CPULoadStoreSpec([5, 1]))
     for t in kv.values():
         t.zero_()
-    assert w.submit_load(2, CPULoadStoreSpec([5, 1]), GPULoadStoreSpec([7, 8], [2], [0]))
+    assert w.submit_load(2, CPULoadStoreSpec([5, 1]),
+                         engine_side(GPULoadStoreSpec([7, 8], [2], [0]), registered))
     for n, t in kv.items():
         assert torch.equal(t[[7, 8]], orig[n])
     assert [r.transfer_size for r in w.get_finished()] == [2 * PAGE * len(LAYERS)] * 2

@@ -56,7 +56,7 @@ from mori.vllm_plugin.disk_tier import (
 )
 from mori.vllm_plugin.host_tier import HostCopyOffloadingWorker, MoriTieringOffloadingSpec
 
-from .conftest import ENGINE_BLOCK, ENGINE_BLOCKS, engine_configs, tiny_model_dir
+from .conftest import ENGINE_BLOCK, ENGINE_BLOCKS, engine_configs, engine_side, tiny_model_dir
 
 CHUNK = 4096  # bytes of one chunk of the test's primary tier
 FILE = CHUNK + HEADER.size  # bytes of its file
@@ -511,7 +511,8 @@ def test_copy_worker_over_strided_host_rows() -> None:
         return torch.as_strided(base, (n, nbytes), (row, 1), next(offsets))
 
     w = HostCopyOffloadingWorker(kv, blocks_per_chunk=bpc, num_chunks=n, host_view=view)
-    assert w.submit_store(1, GPULoadStoreSpec([1, 2, 3, 4], [4], [0]), CPULoadStoreSpec([3, 0]))
+    assert w.submit_store(1, engine_side(GPULoadStoreSpec([1, 2, 3, 4], [4], [0]), kv),
+                          CPULoadStoreSpec([3, 0]))
     rows = base.view(n, row)
     for c, blocks in ((3, [1, 2]), (0, [3, 4])):
         for i, t in enumerate(ts):
@@ -520,7 +521,8 @@ def test_copy_worker_over_strided_host_rows() -> None:
         assert (rows[c, 2 * page * bpc:] == 7).all()  # the padding untouched
     assert (rows[[1, 2]] == 7).all()
     orig = [t[1:5].clone() for t in ts]
-    assert w.submit_load(2, CPULoadStoreSpec([3, 0]), GPULoadStoreSpec([5, 6, 7, 8], [4], [0]))
+    assert w.submit_load(2, CPULoadStoreSpec([3, 0]),
+                         engine_side(GPULoadStoreSpec([5, 6, 7, 8], [4], [0]), kv))
     for t, o in zip(ts, orig, strict=True):
         assert torch.equal(t[5:9], o)
     assert [r.transfer_size for r in w.get_finished()] == [4 * 2 * page] * 2
@@ -569,8 +571,9 @@ def test_tiering_spec_puts_the_disk_tier_behind_the_host_tier(
             assert isinstance(w, HostCopyOffloadingWorker)
             assert [h.stride() for h in w.host] == [(2 * PAGE, 1)] * len(LAYERS)
             orig = {n: t[[2, 3]].clone() for n, t in kv.items()}
-            assert w.submit_store(1, GPULoadStoreSpec([2, 3], [2], [0]),
-                                  CPULoadStoreSpec([5, 1]))
+            registered = getattr(conn.connector_worker, "_kv_caches", None)  # 0.34
+            assert w.submit_store(1, engine_side(GPULoadStoreSpec([2, 3], [2], [0]),
+                                                 registered), CPULoadStoreSpec([5, 1]))
             ks = [key("k5"), key("k1")]
             tier.submit_store(TransferJob(1, ks, np.array([5, 1]), False, ctx("A")))
             tier.drain_jobs()
@@ -582,7 +585,8 @@ def test_tiering_spec_puts_the_disk_tier_behind_the_host_tier(
             assert [r.success for r in tier.get_finished_jobs()] == [True]
             for t in kv.values():
                 t.zero_()
-            assert w.submit_load(2, CPULoadStoreSpec([0, 7]), GPULoadStoreSpec([7, 8], [2], [0]))
+            assert w.submit_load(2, CPULoadStoreSpec([0, 7]),
+                                 engine_side(GPULoadStoreSpec([7, 8], [2], [0]), registered))
             for n, t in kv.items():
                 assert torch.equal(t[[7, 8]], orig[n])
                 assert not t[[2, 3]].any()

@@ -93,9 +93,11 @@ def run_to_completion(s: Any, max_steps: int = 20) -> None:
             return
         out = s.schedule()
         ids = list(out.num_scheduled_tokens)
+        # vLLM 0.34 derives req_id_to_index from req_ids (no longer a field)
+        index = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+                 if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {})
         s.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[7] for _ in ids]))
+            req_ids=ids, sampled_token_ids=[[7] for _ in ids], **index))
     pytest.fail("the requests did not finish")
 
 

