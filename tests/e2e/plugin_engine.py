@@ -56,7 +56,7 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
     """A fresh engine of ``num_blocks`` KV blocks (``cpu_gib``: with a host tier; ``disk``:
     GiB and directory of a disk tier behind it; ``label_secret``: the label channel's
     secret file, ``mori vllm-args --label-secret-file``), running vLLM ``release``
-    (``conftest.VLLM_RELEASES``)."""
+    (``conftest.ENGINE_RELEASES``)."""
     venv = _install_venv()
     model = _build_model(venv)
     port, kv_port, label_port = free_port(), free_port(), free_port()

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import BLOCK_SIZE, VLLM_RELEASES
+from .conftest import BLOCK_SIZE, ENGINE_RELEASES
 from .plugin_engine import (
     Engine,
     ask,
@@ -81,7 +81,7 @@ def _scenario(engine: Engine) -> Outcome:
                    run.handshake)
 
 
-@pytest.fixture(scope="module", params=VLLM_RELEASES)
+@pytest.fixture(scope="module", params=ENGINE_RELEASES)
 def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[dict[str, Outcome]]:
     """The scenario on each supported vLLM release (vLLM 0.33 died on the first store to

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import BLOCK_SIZE, VLLM_RELEASES, stop_group
+from .conftest import BLOCK_SIZE, ENGINE_RELEASES, stop_group
 from .plugin_engine import Engine, ask, ask_plugin, fit_prompt, label, metric, post, start_engine
 
 pytestmark = pytest.mark.e2e
@@ -100,7 +100,7 @@ def _scenario(engine: Engine, root: Path) -> Outcome:
                    handshake)
 
 
-@pytest.fixture(scope="module", params=VLLM_RELEASES)
+@pytest.fixture(scope="module", params=ENGINE_RELEASES)
 def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> Iterator[dict[str, Outcome]]:
     """The scenario on each supported vLLM release (the tiering spec's interface is the

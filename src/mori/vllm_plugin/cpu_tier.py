@@ -1,4 +1,4 @@
-"""MORI's CPU tier for vLLM's ``OffloadingConnector`` (0.32, 0.33): typed eviction of host
+"""MORI's CPU tier for vLLM's ``OffloadingConnector`` (0.32 to 0.34): typed eviction of host
 chunks.
 
 vLLM's ``OffloadingConnector`` (``--kv-transfer-config '{"kv_connector":

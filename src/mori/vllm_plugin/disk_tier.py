@@ -1,7 +1,7 @@
 """MORI's disk tier for vLLM: host chunks kept as files on a local disk, evicted in MORI's
 order.
 
-vLLM's ``TieringOffloadingSpec`` (``v1/kv_offload/tiering/``, 0.32 and 0.33) puts secondary
+vLLM's ``TieringOffloadingSpec`` (``v1/kv_offload/tiering/``, 0.32 to 0.34) puts secondary
 tiers behind its CPU tier: every chunk stored to the CPU tier is *cascaded* to each
 secondary tier (written through), and a chunk the CPU tier no longer holds is *promoted*
 back from a secondary tier into a CPU slot, then loaded to the GPU as a host hit. A

@@ -113,9 +113,16 @@ class HostCopyOffloadingWorker(OffloadingWorker):  # type: ignore[misc]
         the KV caches registered with ``get_worker``, ``v1/kv_offload/pointer_utils.py``).
         Addresses are turned back into block ids of the engine's tensors; one that is not
         a block of the tensor its data reference names is refused before any byte moves."""
-        if not hasattr(engine, "ptrs"):
-            return (np.asarray(engine.block_ids, dtype=np.int64), list(engine.group_sizes),
-                    list(engine.block_indices))
+        # vllm-release: 0.34
+        if hasattr(engine, "ptrs"):
+            return self._pointer_blocks(engine)
+        # vllm-release: 0.32, 0.33
+        return (np.asarray(engine.block_ids, dtype=np.int64), list(engine.group_sizes),
+                list(engine.block_indices))
+
+    # vllm-release: 0.34
+    def _pointer_blocks(self, engine: Any) -> tuple[Any, list[int], list[int]]:
+        """:meth:`_engine_blocks` of a ``DevicePointers`` (vLLM 0.34)."""
         ptrs = np.asarray(engine.ptrs, dtype=np.uint64)
         sizes = [int(n) for n in engine.group_block_counts]
         refs = [int(n) for n in engine.group_data_ref_counts]
