@@ -18,8 +18,10 @@ skips the release check (to try a new release); the hook check always runs.
 
 Where releases differ, the plug-in keeps one code path and reads what is offered: e.g.
 ``MoriCachePolicy.insert`` takes the request context as an optional third argument (0.33
-passes it, 0.32 does not). The differences, release by release, are pinned in
-``tests/vllm_inside/test_contract.py``.
+and 0.34 pass it, 0.32 does not), and the CPU build's copy worker takes the engine side of
+a transfer by position (positional only: 0.34 renamed it) and reads a ``DevicePointers``
+(0.34) or a ``GPULoadStoreSpec`` (0.32, 0.33). The differences, release by release, are
+pinned in ``tests/vllm_inside/test_contract.py``.
 
 This module imports no vLLM: ``mori vllm-args`` uses it in the gateway's environment.
 """
