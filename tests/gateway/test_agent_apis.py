@@ -22,6 +22,7 @@ from through_workers import VIA, WorkersGateway, workers_config
 
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
+from mori.gateway.identity import CONVERSATION, DEFAULT_ORDER
 from mori.gateway.server import ServeConfig, start_simulated_backends
 from mori.traces.jsonl import read_traceset
 from mori.traces.model import GapKind
@@ -54,6 +55,10 @@ def start(lt: LoopThread, tmp: Path, via: str,
     (every program ended, the record written) and the served model."""
     script = tmp / "script.json"
     script.write_text(json.dumps(SCRIPT))
+    # named agents only: the SDKs' warm-up requests stay anonymous (the conversation
+    # recogniser: tests/gateway/test_conversation_identity.py)
+    settings.setdefault("program_id_from", tuple(
+        n for n in DEFAULT_ORDER if n != CONVERSATION))
     s = GatewaySettings(**settings)
     engines = {"replicas": 1, "preset": "h200-qwen3-30b-a3b", "cpu_ratio": 0.5,
                "gpu_kv_tokens": 200_000, "engine_script": script}
@@ -75,6 +80,10 @@ def start(lt: LoopThread, tmp: Path, via: str,
     return url, stop, model
 
 
+CLAUDE_CLI = {"x-app": "cli", "User-Agent": "claude-cli/2.1.332 (external, sdk-cli)"}
+"""Claude Code's own headers: with them, ``metadata.user_id`` names a Claude Code session."""
+
+
 def claude_metadata(session: str = SID) -> dict[str, str]:
     return {"user_id": json.dumps({"device_id": "d" * 64, "account_uuid": "",
                                    "session_id": session})}
@@ -90,7 +99,8 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread, via:
                                                    tmp_path: Path) -> None:
     record = tmp_path / "live.jsonl.gz"
     url, stop, model = start(loop_thread, tmp_path, via, record=str(record))
-    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0,
+                        default_headers=CLAUDE_CLI)
     system = [{"type": "text", "text": "You are Claude Code."}]
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "list the files"}]
     with c.messages.stream(model=model, max_tokens=10, messages=msgs) as s:
@@ -139,7 +149,8 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread, via:
 def test_subagent_is_its_own_program_with_its_parent(loop_thread: LoopThread, via: str,
                                                      tmp_path: Path) -> None:
     url, _, model = start(loop_thread, tmp_path, via)
-    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0,
+                        default_headers=CLAUDE_CLI)
     main = c.messages.create(model=model, max_tokens=100, tools=[BASH, TASK],
                              system="You are Claude Code.", metadata=claude_metadata(),
                              messages=[{"role": "user", "content": "explore"}])
@@ -191,7 +202,8 @@ def test_codex_like_session_through_responses(loop_thread: LoopThread, via: str,
 
 def test_aliases_and_error_shapes(loop_thread: LoopThread, via: str, tmp_path: Path) -> None:
     url, _, model = start(loop_thread, tmp_path, via, model_aliases=("claude-*=not-served",))
-    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0,
+                        default_headers=CLAUDE_CLI)
     for asked in ("unknown-model", "claude-opus-4"):  # unmapped; mapped to no served model
         with pytest.raises(anthropic.NotFoundError) as e:
             c.messages.create(model=asked, max_tokens=10,
@@ -221,7 +233,8 @@ def test_alias_maps_agent_models(loop_thread: LoopThread, via: str, tmp_path: Pa
     lt2 = LoopThread()
     try:
         url2, _, _ = start(lt2, tmp_path, via, model_aliases=(f"claude-*={model}",))
-        c = anthropic.Anthropic(base_url=url2, api_key="none", max_retries=0)
+        c = anthropic.Anthropic(base_url=url2, api_key="none", max_retries=0,
+                        default_headers=CLAUDE_CLI)
         m = c.messages.create(model="claude-sonnet-4-5-20250929", max_tokens=10,
                               messages=[{"role": "user", "content": "hi"}])
         assert m.model == model and m.content[0].type == "text"
@@ -236,7 +249,8 @@ def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread, via: s
                           admin_keys=("adm",))
     for key in ("ka", "kb"):
         # Claude Code sends its key as x-api-key
-        c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+        c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0,
+                        default_headers=CLAUDE_CLI)
         c.messages.create(model=model, max_tokens=5, metadata=claude_metadata(),
                           system="s", messages=[{"role": "user", "content": "same"}])
     mine_a, mine_b = programs(url, "ka"), programs(url, "kb")

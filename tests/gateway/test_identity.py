@@ -47,9 +47,13 @@ def claude_body(system: str, first: str, *more: dict[str, Any], user_meta: bool 
     return body
 
 
+CLAUDE_CLI = {b"x-app": "cli", b"user-agent": "claude-cli/2.1.332 (external, sdk-cli)"}
+"""Claude Code's own headers (docs/agents-wire.md), without its session header."""
+
+
 def seen(body: dict[str, Any], headers: dict[bytes, str] | None = None,
          pid: str | None = None) -> Seen:
-    return Seen(headers or {}, body, pid)
+    return Seen({**CLAUDE_CLI, **(headers or {})}, body, pid)
 
 
 def test_claude_code_session_from_header_or_metadata() -> None:

@@ -349,7 +349,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
                 "program-id (body program_id, X-Program-Id), claude-code (its session "
                 "header or metadata.user_id), codex (its session-id / thread-id and "
                 "window headers), prompt-cache-key (the body's prompt_cache_key), "
-                "session-header (X-Session-Id); a request none names is anonymous"),
+                "metadata-user (metadata.user_id from other Anthropic clients), "
+                "session-header (X-Session-Id), conversation (the conversation itself: "
+                "a request extending a program's last prompt and answer continues it); "
+                "a request none names is anonymous"),
     Option("model_alias", str, None, repeat=True, field="model_aliases",
            metavar="PATTERN=SERVED",
            help="serve model names matching PATTERN (shell-style, e.g. 'claude-*') with the "

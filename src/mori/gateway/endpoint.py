@@ -25,7 +25,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from mori.gateway.agents import RequestFacts
 from mori.gateway.auth import Access, BrowserPolicy
-from mori.gateway.identity import HEADERS_READ, Seen, recognise
+from mori.gateway.conversations import ConversationIndex
+from mori.gateway.identity import CONVERSATION, HEADERS_READ, Seen, recognise
 from mori.gateway.parsing import ClientRequest, parse_request
 from mori.gateway.proxy import serve_completion, serve_count_tokens
 from mori.protocol.apis import API_BY_PATH, ApiSpec, carries_tool_results, last_turn_text
@@ -76,12 +77,15 @@ class CompletionEndpoint:
     completions, Anthropic's Messages and its token counting, OpenAI's Responses.
     Errors come in the shape of the API the request came in on."""
 
-    __slots__ = ("gw", "_counters", "_loop")
+    __slots__ = ("gw", "_counters", "_loop", "_conversations")
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self._counters: dict[tuple[str, int], Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        # the conversation recogniser's index (mori.gateway.conversations), this process's
+        self._conversations = (ConversationIndex(gw.settings.program_ttl_s)
+                               if CONVERSATION in gw.settings.program_id_from else None)
 
     def _count(self, path: str, status: int) -> None:
         c = self._counters.get((path, status))
@@ -118,7 +122,7 @@ class CompletionEndpoint:
         if not spec.generates:
             work = serve_count_tokens(gw, req)
         else:
-            facts = self._name_program(req, headers, principal.internal)
+            facts = self._name_program(req, headers, principal.internal, principal.tag)
             work = serve_completion(gw, req, facts.recogniser == "anonymous", facts)
         resp = await unless_client_leaves(receive, work, loop)
         if resp is None:  # the client left: nobody to answer
@@ -129,12 +133,13 @@ class CompletionEndpoint:
 
 
     def _name_program(self, req: ClientRequest, headers: dict[bytes, str],
-                      internal: Callable[[str], str]) -> RequestFacts:
+                      internal: Callable[[str], str], namespace: str = "") -> RequestFacts:
         """Name the request's program (``mori.gateway.identity``; in the caller's key
         namespace, ``internal``) and say what the request tells of its agent."""
         gw = self.gw
         rec = recognise(gw.settings.program_id_from, req.spec,
-                        Seen(headers, req.body, req.program_id))
+                        Seen(headers, req.body, req.program_id, req.spec, self._conversations,
+                             namespace))
         req.program_id = internal(rec.program_id or gw.anonymous_id())
         session = rec.session if rec.recogniser != "program-id" else None
         text = None

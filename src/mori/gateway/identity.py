@@ -12,13 +12,23 @@ recogniser         agent        reads
 ``program-id``     client       body ``program_id``, else header ``X-Program-Id``
 ``claude-code``    claude-code  header ``X-Claude-Code-Session-Id``, else the
                                 ``session_id`` of ``metadata.user_id`` (a JSON string;
-                                older CLIs: ``..._session_<id>``); a subagent's context
-                                from ``x-claude-code-agent-id``
+                                older CLIs: ``..._session_<id>``) where Claude Code's
+                                own headers are there (``CLAUDE_CODE_MARKS``); a
+                                subagent's context from ``x-claude-code-agent-id``
+``metadata-user``  client       the ``session_id`` of ``metadata.user_id`` from any
+                                other client (the ``anthropic`` SDK)
 ``codex``          codex        header ``session-id`` (or ``session_id``,
                                 ``conversation_id``), else ``thread-id``; the context
                                 window from ``x-codex-window-id``
 ``prompt-cache-key`` openai     body ``prompt_cache_key`` (OpenAI's Responses and chat)
+``opencode``       opencode     header ``X-Session-Id`` where opencode sent it
+                                (``User-Agent: opencode/...``, or ``x-session-affinity``
+                                the same ``ses_...`` id); a subagent's parent session
+                                from ``x-parent-session-id``
 ``session-header`` client       header ``X-Session-Id``
+``conversation``   client       the conversation itself: a request that extends a
+                                known program's last prompt and answer continues it
+                                (``mori.gateway.conversations``); the last resort
 =================  ===========  ===================================================
 
 **One session is not one program.** MORI's unit is one growing context. An explicit
@@ -32,7 +42,9 @@ starts another program of the same session. The session is kept beside the id, s
 ``/v1/programs`` and the recorded trace can group a session's programs. Where the client
 names a program's parent (Claude Code's ``x-claude-code-parent-agent-id`` for a subagent
 started by a subagent, Codex's ``x-codex-parent-thread-id``), ``Recognised.parent`` says
-which; otherwise the gateway infers it (``mori.gateway.control``).
+which; otherwise the gateway infers it (``mori.gateway.control``). An opencode subagent
+is a session of its own that names its parent session (``x-parent-session-id``): its
+parent is the program of that session that was last active (``parent_session``).
 
 A session id that is no valid program id, or longer than ``MAX_SESSION_CHARS``, is
 replaced by a hash of itself (a client is never refused for its own session ids). The
@@ -51,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mori.core.registry import Registry
+from mori.gateway.conversations import ConversationIndex
 from mori.protocol.apis import ApiSpec, conversation_head
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import check_program_id
@@ -72,6 +85,7 @@ class Identity:
     window: str | None = None
     split: bool = True
     parent_window: str | None = None  # the parent's context, where the client names it
+    parent_session: str | None = None  # the parent's session, where it is another one
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +96,20 @@ class Seen:
     headers: Mapping[bytes, str]
     body: Mapping[str, Any]
     program_id: str | None
+    spec: ApiSpec | None = None  # the API the body is in (the conversation recogniser)
+    conversations: ConversationIndex | None = None  # None: no conversation recogniser
+    namespace: str = ""  # the caller's key namespace ("" without keys)
 
 
 Recogniser = Callable[[Seen], Identity | None]
+
+CONVERSATION = "conversation"
+"""The recogniser that tells programs apart by their conversation (no session named)."""
+CLAUDE_CODE_MARKS = frozenset((b"x-app", b"user-agent", b"anthropic-beta"))
+"""The headers by which Claude Code is told from other Anthropic clients: ``x-app: cli``,
+``User-Agent: claude-cli/...``, an ``anthropic-beta`` that lists ``claude-code-...``.
+The ``anthropic`` SDK sends none of them, so its ``metadata.user_id`` names a ``client``
+program (``metadata-user``), not a Claude Code one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +122,9 @@ class Recognised:
     session: str | None
     recogniser: str
     agent: str
-    parent: str | None = None  # the parent's program id, or a prefix of it (ends in ":")
+    parent: str | None = None  # the parent's program id, or a prefix of it (ends in ":"
+    # within the session, in "/" for a parent in another session: ``parent_session``)
+    parent_session: str | None = None
 
 
 ANONYMOUS = Recognised(None, None, "anonymous", "anonymous")
@@ -111,15 +138,30 @@ def _explicit(seen: Seen) -> Identity | None:
 _OLD_CLAUDE_USER = re.compile(r"_session_([0-9A-Za-z-]+)$")
 
 
+def _metadata_session(seen: Seen) -> str | None:
+    """The session named in ``metadata.user_id`` (Claude Code's JSON string, or an older
+    CLI's ``..._session_<id>``)."""
+    meta = seen.body.get("metadata")
+    user = meta.get("user_id") if isinstance(meta, Mapping) else None
+    if not isinstance(user, str):
+        return None
+    session = _json_session(user)
+    if session is None and (m := _OLD_CLAUDE_USER.search(user)) is not None:
+        session = m.group(1)
+    return session
+
+
+def is_claude_code(headers: Mapping[bytes, str]) -> bool:
+    """Whether the request carries Claude Code's own headers (``CLAUDE_CODE_MARKS``)."""
+    return (headers.get(b"x-app") == "cli"
+            or headers.get(b"user-agent", "").startswith("claude-cli/")
+            or "claude-code-" in headers.get(b"anthropic-beta", ""))
+
+
 def _claude_code(seen: Seen) -> Identity | None:
     session = seen.headers.get(b"x-claude-code-session-id")
-    if not session:
-        meta = seen.body.get("metadata")
-        user = meta.get("user_id") if isinstance(meta, Mapping) else None
-        if isinstance(user, str):
-            session = _json_session(user)
-            if session is None and (m := _OLD_CLAUDE_USER.search(user)) is not None:
-                session = m.group(1)
+    if not session and is_claude_code(seen.headers):
+        session = _metadata_session(seen)
     if not session:
         return None
     h = seen.headers
@@ -154,9 +196,32 @@ def _prompt_cache_key(seen: Seen) -> Identity | None:
     return Identity(key, "openai") if isinstance(key, str) and key else None
 
 
+def _metadata_user(seen: Seen) -> Identity | None:
+    session = _metadata_session(seen)
+    return Identity(session, "client") if session else None
+
+
+def _opencode(seen: Seen) -> Identity | None:
+    h = seen.headers
+    session = h.get(b"x-session-id")
+    if not session or not (h.get(b"user-agent", "").startswith("opencode/") or (
+            session.startswith("ses_") and h.get(b"x-session-affinity") == session)):
+        return None
+    return Identity(session, "opencode",
+                    parent_session=h.get(b"x-parent-session-id") or None)
+
+
 def _session_header(seen: Seen) -> Identity | None:
     session = seen.headers.get(b"x-session-id")
     return Identity(session, "client") if session else None
+
+
+def _conversation(seen: Seen) -> Identity | None:
+    index = seen.conversations
+    if index is None or seen.spec is None:
+        return None
+    program = index.program(seen.spec, seen.body, seen.namespace)
+    return None if program is None else Identity(program, "client", split=False)
 
 
 def _build() -> Registry[Recogniser]:
@@ -165,7 +230,10 @@ def _build() -> Registry[Recogniser]:
     reg.register("claude-code", _claude_code)
     reg.register("codex", _codex)
     reg.register("prompt-cache-key", _prompt_cache_key)
+    reg.register("metadata-user", _metadata_user)
+    reg.register("opencode", _opencode)
     reg.register("session-header", _session_header)
+    reg.register(CONVERSATION, _conversation)
     reg.freeze()
     return reg
 
@@ -173,14 +241,16 @@ def _build() -> Registry[Recogniser]:
 RECOGNISERS = _build()
 """Every recogniser, by name (frozen)."""
 
-DEFAULT_ORDER = ("program-id", "claude-code", "codex", "prompt-cache-key", "session-header")
+DEFAULT_ORDER = ("program-id", "claude-code", "codex", "prompt-cache-key", "metadata-user",
+                 "opencode", "session-header", CONVERSATION)
 """The order the recognisers are tried in unless ``--program-id-from`` says otherwise."""
 
 HEADERS_READ = frozenset((b"x-program-id", b"x-claude-code-session-id",
                           b"x-claude-code-agent-id", b"x-claude-code-parent-agent-id",
                           b"x-codex-parent-thread-id", b"session-id",
                           b"session_id", b"conversation_id", b"thread-id",
-                          b"x-codex-window-id", b"x-session-id"))
+                          b"x-codex-window-id", b"x-session-id",
+                          b"x-session-affinity", b"x-parent-session-id", b"user-agent")) | CLAUDE_CODE_MARKS
 """The request headers the recognisers read (the endpoint collects only these)."""
 
 
@@ -221,14 +291,20 @@ def recognise(order: tuple[str, ...], spec: ApiSpec, seen: Seen) -> Recognised:
         ident = RECOGNISERS.get(name)(seen)
         if ident is None:
             continue
-        if not ident.split:
-            return Recognised(ident.session, ident.session, name, ident.agent)
+        if not ident.split:  # the program itself; a conversation names no session
+            return Recognised(ident.session, None if name == CONVERSATION else ident.session,
+                              name, ident.agent)
         session = _safe(ident.session)
         context = _safe(ident.window) if ident.window else head_hash(spec, seen.body)
         parent = None
         if ident.parent_window:
             pw = _safe(ident.parent_window)
             parent = f"{ident.agent}:{session}/{pw}" if pw == ident.parent_window else None
+        parent_session = _safe(ident.parent_session) if ident.parent_session else None
+        if parent_session is not None and parent_session != session:
+            parent = f"{ident.agent}:{parent_session}/"  # any program of that session
+        else:
+            parent_session = None
         return Recognised(f"{ident.agent}:{session}/{context}", session, name, ident.agent,
-                          parent)
+                          parent, parent_session)
     return ANONYMOUS

@@ -16,9 +16,11 @@ OpenAI's (``mori.protocol.errors``), and how to validate the body (``check_body`
 
 Two readings of a conversation serve program identity (``mori.gateway.identity``):
 ``conversation_head`` is the text that starts it (the system prompt and the first user
-message: a subagent or a compacted conversation starts with other text), and
-``carries_tool_results`` whether the request answers a tool call (its last turn holds tool
-results).
+message: a subagent or a compacted conversation starts with other text),
+``carries_tool_results`` whether the request answers a tool call (the turns after the
+model's last answer hold tool results), and ``is_side_request`` whether it is a tool-less
+one-shot that no agent program continues. ``conversation_items`` lists a conversation's turns, each marked as the model's
+answer or not, for the conversation recogniser (``mori.gateway.conversations``).
 """
 
 from __future__ import annotations
@@ -222,37 +224,115 @@ def conversation_head(spec: ApiSpec, body: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def carries_tool_results(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
-    """Whether the request's last turn returns tool results (Anthropic ``tool_result``
-    blocks, Responses ``function_call_output`` items, chat ``tool`` messages): it follows
-    a tool call, whose time the gap before it was."""
+_ANSWER_ITEM_TYPES = frozenset(("function_call", "custom_tool_call", "reasoning",
+                                "local_shell_call", "web_search_call", "file_search_call",
+                                "computer_call", "image_generation_call", "mcp_call"))
+"""Responses input items that the model produced (an earlier answer, sent back)."""
+
+
+def conversation_items(spec: ApiSpec, body: Mapping[str, Any]
+                       ) -> tuple[str, list[tuple[bool, Any]]] | None:
+    """A conversation's system prompt and its turns in order, each ``(answer, item)``:
+    ``answer`` True for what the model produced (an assistant message, a Responses
+    ``function_call`` or ``reasoning`` item), which a client sends back as it got it.
+    None where the body is no conversation (a completion's prompt)."""
     if spec.anthropic:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], Mapping):
-            return False
-        content = msgs[-1].get("content")
-        return isinstance(content, list) and any(
-            isinstance(b, Mapping) and b.get("type") == "tool_result" for b in content)
-    if spec.path == RESPONSES:
+        system = _text(body.get("system"))
+        items: Any = body.get("messages")
+    elif spec.path == RESPONSES:
+        system = body["instructions"] if isinstance(body.get("instructions"), str) else ""
         items = body.get("input")
-        if not isinstance(items, list):
-            return False
-        for item in reversed(items):
-            if not isinstance(item, Mapping):
-                continue
-            kind = item.get("type")
-            if kind in ("function_call_output", "custom_tool_call_output",
-                        "local_shell_call_output", "tool_result"):
-                return True
-            if kind in ("function_call", "custom_tool_call", "reasoning"):
-                continue
-            return False
+        if isinstance(items, str):
+            return system, [(False, items)]
+    elif spec.path == CHAT:
+        system = ""
+        items = body.get("messages")
+    else:
+        return None
+    if not isinstance(items, list):
+        return None
+    out: list[tuple[bool, Any]] = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            out.append((False, item))
+            continue
+        kind = item.get("type")
+        answer = (item.get("role") == "assistant" and kind in (None, "message")) or (
+            kind in _ANSWER_ITEM_TYPES)
+        out.append((answer, item))
+    return system, out
+
+
+_TOOL_OUTPUT_ITEMS = frozenset(("function_call_output", "custom_tool_call_output",
+                                "local_shell_call_output", "tool_result"))
+"""Responses input items that return a tool's results."""
+_CALL_ITEMS = frozenset(("function_call", "custom_tool_call", "local_shell_call",
+                         "reasoning"))
+"""Responses input items of the model's answer that its tool results follow."""
+_INPUT_ROLES = frozenset(("user", "system", "developer"))
+
+
+def carries_tool_results(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
+    """Whether the request returns tool results: its new turns, those after the model's
+    last answer (an assistant message), hold any (Anthropic ``tool_result`` blocks,
+    Responses ``function_call_output`` items, chat ``tool`` messages). It follows a tool
+    call, whose time the gap before it was. The results need not come last: Codex puts
+    its compaction prompt after the last ``function_call_output``, Claude Code a system
+    reminder after a ``tool_result``."""
+    key = "input" if spec.path == RESPONSES else "messages"
+    items = body.get(key) if spec.anthropic or spec.path in (CHAT, RESPONSES) else None
+    if not isinstance(items, list):
         return False
-    if spec.path == CHAT:
-        msgs = body.get("messages")
-        return (isinstance(msgs, list) and bool(msgs) and isinstance(msgs[-1], Mapping)
-                and msgs[-1].get("role") == "tool")
+    for item in reversed(items):
+        if not isinstance(item, Mapping):
+            continue
+        role, kind = item.get("role"), item.get("type")
+        if spec.path == RESPONSES:
+            if kind in _TOOL_OUTPUT_ITEMS:
+                return True
+            if kind in _CALL_ITEMS:
+                continue
+        elif spec.anthropic:
+            content = item.get("content")
+            if role in _INPUT_ROLES and isinstance(content, list) and any(
+                    isinstance(b, Mapping) and b.get("type") == "tool_result"
+                    for b in content):
+                return True
+        elif role == "tool":
+            return True
+        if role in _INPUT_ROLES and kind in (None, "message"):
+            continue  # a new turn of the client's
+        return False  # the model's last answer: nothing after it returned a result
     return False
+
+
+def is_side_request(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
+    """Whether the request is a side request: a model call that offers no tools and
+    continues no conversation (no earlier answer in it: no assistant turn, no tool call
+    or result, no ``previous_response_id``). A title, a topic or quota check, a one-shot
+    summary: it can call no tool, so no tool time follows it, and nothing continues it
+    under the same conversation. Completions (a bare prompt) are never side requests."""
+    if not spec.generates or not (spec.anthropic or spec.path in (CHAT, RESPONSES)):
+        return False
+    if body.get("tools") or body.get("functions") or body.get("previous_response_id"):
+        return False
+    items = body.get("input" if spec.path == RESPONSES else "messages")
+    if isinstance(items, str):
+        return True
+    if not isinstance(items, list):
+        return False
+    for item in items:
+        if not isinstance(item, Mapping):
+            continue
+        kind = item.get("type")
+        if item.get("role") not in _INPUT_ROLES or kind not in (None, "message"):
+            return False  # an answer, a tool call or its result
+        content = item.get("content")
+        if isinstance(content, list) and any(
+                isinstance(b, Mapping) and b.get("type") in ("tool_result", "tool_use")
+                for b in content):
+            return False
+    return True
 
 
 def stream_error(spec: ApiSpec, status: int, message: str) -> bytes:
