@@ -32,6 +32,7 @@ from mori.sim.metrics import RunResult
 from mori.sim.runner import SettingsError, Simulation, simulate
 from mori.sweep.local import run_pool
 from mori.traces import TraceError, TraceSet, default_traces, load_traces
+from mori.traces.stats import empty_set_note
 
 
 class UsageError(ValueError):
@@ -129,6 +130,8 @@ def prepare(s: Settings) -> tuple[list[SimConfig], TraceSet]:
     try:
         configs = build_grid(s)
         traces = load_traces(s.traces) if s.traces is not None else default_traces()
+        if (empty := empty_set_note(traces)) is not None:
+            raise UsageError(empty)
         for config in configs:
             Simulation(config, traces)  # raises SettingsError / ValueError; cheap to build
     except (UnknownNameError, TraceError, SettingsError, ValueError) as e:

@@ -250,13 +250,15 @@ def _set_name(path: Path) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from mori.traces.stats import analyze_by_provider, select_provider
+    from mori.traces.stats import analyze_by_provider, empty_set_note, select_provider
 
     if not args.threshold > 0:
         raise ValueError(f"--threshold must be positive, got {args.threshold}")
     ts = load_traces(args.path, format=args.trace_format)
     if args.provider is not None:
         ts = select_provider(ts, args.provider)
+    if (empty := empty_set_note(ts)) is not None:
+        print(f"warning: {empty}", file=sys.stderr)
     stats = analyze(ts, threshold_s=args.threshold)
     by_provider = (analyze_by_provider(ts, threshold_s=args.threshold)
                    if len(stats.providers) > 1 else None)

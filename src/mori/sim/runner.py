@@ -32,6 +32,7 @@ from mori.sim.plan import ProgramRun, ReplayPlan
 from mori.sim.replica_model import EngineReplica, SimRequest
 from mori.sim.workload import scale_program
 from mori.traces.model import ProgramTrace, TraceSet
+from mori.traces.stats import empty_set_note
 
 
 class SettingsError(ValueError):
@@ -137,6 +138,8 @@ class Simulation:
         # the engine's token counts (the plan's order indexes the same list)
         self.plan.programs = [scale_program(p, config.token_scale) for p in self.plan.programs]
         programs, self.left_out = self.plan.programs, self.plan.left_out
+        if not traces.programs:
+            raise SettingsError(empty_set_note(traces) or "")
         if not programs:
             raise SettingsError(
                 f"no program of trace set {traces.name!r} fits a context of {max_ctx} trace "

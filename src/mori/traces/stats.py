@@ -125,6 +125,18 @@ class TraceStats:
     gaps_subagents: tuple[float, ...] = field(repr=False, default=())
 
 
+def empty_set_note(ts: TraceSet) -> str | None:
+    """What to tell of a trace set that holds no program (None: it holds some). A set
+    recorded by ``mori serve --record`` is empty when none of its clients' requests was
+    recognised as a program (anonymous requests are not recorded)."""
+    if ts.programs:
+        return None
+    return (f"trace set {ts.name!r} holds no program; a recording (mori serve --record) "
+            "is empty when the gateway recognised none of its clients' requests as a "
+            "program (anonymous requests are not recorded): name the program "
+            "(program_id, X-Program-Id, X-Session-Id) or check --program-id-from")
+
+
 def provider_of(program: ProgramTrace) -> str:
     """The program's provider, ``unknown`` when not recorded."""
     return program.provider or UNKNOWN_PROVIDER
