@@ -28,7 +28,9 @@ class RequestFacts:
     ``agent`` kind, the client's ``session`` (None: none), ``tool_results`` (it returns
     the results of the previous answer's tool calls), ``text`` (the prompt's last turn,
     only when the gateway records text), ``parent`` (the program that started this one,
-    or the prefix of its id, where the client names it)."""
+    or the prefix of its id, where the client names it), ``parent_session`` (the session
+    that prefix is in, where it is another one: an opencode subagent's), ``side`` (a
+    side request, ``mori.protocol.apis.is_side_request``: a one-step program)."""
 
     recogniser: str = "program-id"
     agent: str = "client"
@@ -36,20 +38,24 @@ class RequestFacts:
     tool_results: bool = False
     text: str | None = None
     parent: str | None = None  # the parent's program id (or its prefix), where named
+    parent_session: str | None = None
+    side: bool = False
 
     def as_msg(self) -> dict[str, Any]:
         return {"rec": self.recogniser, "agent": self.agent, "session": self.session,
-                "tr": self.tool_results, "text": self.text, "parent": self.parent}
+                "tr": self.tool_results, "text": self.text, "parent": self.parent,
+                "ps": self.parent_session, "side": self.side}
 
     @staticmethod
     def from_msg(m: dict[str, Any] | None) -> RequestFacts:
         if not m:
             return RequestFacts()
         s = m.get("session")
-        t, p = m.get("text"), m.get("parent")
+        t, p, ps = m.get("text"), m.get("parent"), m.get("ps")
         return RequestFacts(str(m.get("rec", "program-id")), str(m.get("agent", "client")),
                             None if s is None else str(s), bool(m.get("tr", False)),
-                            None if t is None else str(t), None if p is None else str(p))
+                            None if t is None else str(t), None if p is None else str(p),
+                            None if ps is None else str(ps), bool(m.get("side", False)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +93,7 @@ class AgentTrack:
     agent: str = "client"
     session: str | None = None
     parent: str | None = None  # the program that was in a tool call when this one began
+    side: bool = False  # a side request: released at its step's end
     tools: Counter[str] = field(default_factory=Counter)
     pending_tools: tuple[str, ...] = ()  # the last answer's tool calls, not yet answered
     last_end: float | None = None
@@ -121,7 +128,8 @@ class AgentTrack:
 
     def as_dict(self) -> dict[str, Any]:
         return {"recogniser": self.recogniser, "agent": self.agent, "session": self.session,
-                "parent": self.parent, "tools": dict(self.tools.most_common()),
+                "parent": self.parent, "side": self.side,
+                "tools": dict(self.tools.most_common()),
                 "in_tool": list(self.pending_tools), "tool_steps": self.tool_steps,
                 "tool_s": round(self.tool_s, 6),
                 "last_tool_s": None if self.last_tool_s is None else round(self.last_tool_s, 6)}

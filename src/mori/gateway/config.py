@@ -27,6 +27,9 @@ class GatewaySettings:
     held at once (beyond: 429). ``gate_timeout_s``: the longest a request is held
     (beyond: 503). ``retry_after_s``: the ``Retry-After`` of 429 and 503 answers.
     ``program_ttl_s``: a program idle (Acting) this long is released (0: never).
+    ``abandoned_grace_s``: a context of a session left behind when a newer one began (a
+    compaction, a ``/clear``) is released this long after (0: only by ``program_ttl_s``;
+    ``mori.gateway.control``).
     ``max_body_bytes``: the largest request body (beyond: 413).
     The bounds on every connection (``mori.gateway.bounds``): ``max_header_bytes``, the
     largest request head (beyond: 431); ``header_timeout_s``, the longest a head may take
@@ -82,6 +85,7 @@ class GatewaySettings:
     gate_timeout_s: float = 300.0
     retry_after_s: float = 5.0
     program_ttl_s: float = 3600.0
+    abandoned_grace_s: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     header_timeout_s: float = 10.0
@@ -134,7 +138,8 @@ class GatewaySettings:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a positive number (got {v})")
-        for name in ("retry_after_s", "program_ttl_s", "startup_wait_s", "load_interval_s"):
+        for name in ("retry_after_s", "program_ttl_s", "startup_wait_s", "load_interval_s",
+                     "abandoned_grace_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be >= 0 (got {v})")

@@ -9,6 +9,14 @@ request (see ``mori.gateway.held``), the KV controls go to the replicas in order
 (``mori.gateway.replicas``). It decides on every event and on every tick of policy time
 (wall x ``time_scale``); a tick also releases programs idle past ``program_ttl_s``.
 
+Programs that linger are let go sooner where the wire says they are done. A side request
+(``RequestFacts.side``: a tool-less one-shot, ``mori.protocol.apis.is_side_request``) is
+a one-step program, released at its step's end. When a new context of a session begins
+(``_new_program``), the session's other contexts that wait for nothing (Acting, not in a
+tool call, nothing in flight or held) and started no live program were left behind: a
+compaction's or a ``/clear``'s old conversation, a subagent that gave its report. Each
+is released ``abandoned_grace_s`` later unless a request of its own comes first.
+
 A replica marked unhealthy (``mori.gateway.replicas``: refused, dead, or missing its
 health probes) is reported to the policy as ``ReplicaDown``: its programs go to Waiting
 and are placed again on the healthy replicas, where their next step recomputes; its
@@ -95,6 +103,7 @@ class Controller:
         self._orphans: list[str] = []
         self._ticker: asyncio.Task[None] | None = None
         self.sessions: dict[str, set[str]] = {}  # a client session's live programs
+        self._abandoned: dict[str, float] = {}  # a context left behind -> its release (wall)
         self.recorder: TraceRecorder | None = None  # set by the gateway (--record)
         self._epoch_offset = time.time() - self._wall()
 
@@ -141,6 +150,7 @@ class Controller:
     def tick(self) -> None:
         """One tick of the control loop: expire idle programs, decide."""
         self._expire_programs()
+        self._release_abandoned()
         self.decide()
 
     # -- the request path ---------------------------------------------------------------
@@ -182,7 +192,8 @@ class Controller:
                                    "(POST /v1/programs/ID/release) or let idle ones expire",
                                    s.retry_after_s)
             info = self.programs[program_id] = self._new_program(program_id, facts)
-        info.anonymous = anonymous
+        info.anonymous = anonymous or info.agent.side
+        self._abandoned.pop(program_id, None)  # not left behind: it goes on
         self.seen.seen(info, self.wall())
         if facts is not None and not (info.held is not None and info.held.waiting):
             info.arrived_wall = info.last_seen
@@ -265,9 +276,13 @@ class Controller:
         track = info.agent
         track.recogniser, track.agent, track.session = (facts.recogniser, facts.agent,
                                                         facts.session)
+        track.side = facts.side
+        if facts.side:  # a one-step program: no member of its session, not recorded
+            return info
         if facts.session is not None:
             members = self.sessions.setdefault(facts.session, set())
-            track.parent = self._parent_of(members, facts.parent)
+            track.parent = self._parent_of(members, facts.parent, facts.parent_session)
+            self._left_behind(members, track.parent)
             members.add(program_id)
         if self.recorder is not None:
             self.recorder.start(program_id, recogniser=facts.recogniser, agent=facts.agent,
@@ -275,24 +290,66 @@ class Controller:
                                 at=self.epoch(self.wall()))
         return info
 
-    def _parent_of(self, members: set[str], named: str | None) -> str | None:
+    def _parent_of(self, members: set[str], named: str | None,
+                   named_session: str | None = None) -> str | None:
         """The parent of a program starting in a session of ``members``: the one the
-        client names (``named``: its id, or a prefix of it ending in ':'), else the
-        latest to begin of the session's programs in a tool call or still answering
-        (Claude Code starts a tool as soon as its call has streamed, before the answer
-        ends)."""
+        client names (``named``: its id, or a prefix of it ending in ':', or in '/' for
+        any program of ``named_session``, another session), else the latest to begin
+        of the session's programs in a tool call or still answering (Claude Code starts
+        a tool as soon as its call has streamed, before the answer ends)."""
         def latest(pids: list[str]) -> str | None:
             times = [(max(p.agent.last_end or 0.0, p.arrived_wall), pid) for pid in pids
                      if (p := self.programs.get(pid)) is not None]
             return max(times)[1] if times else None
 
         if named is not None:
-            found = latest([pid for pid in members if pid == named
-                            or (named.endswith(":") and pid.startswith(named))])
+            pool = members if named_session is None else self.sessions.get(named_session, ())
+            found = latest([pid for pid in pool if pid == named
+                            or (named.endswith((":", "/")) and pid.startswith(named))])
             if found is not None:
                 return found
         return latest([pid for pid in members if (p := self.programs.get(pid)) is not None
                        and (p.agent.in_tool or p.in_flight)])
+
+    def _waits_for_nothing(self, info: ProgramInfo) -> bool:
+        """Acting, not in a tool call, no request in flight or held."""
+        pol = self.policy.programs.get(info.program_id)
+        return (not info.in_flight and info.held is None and not info.agent.in_tool
+                and pol is not None and pol.status is Status.ACTING)
+
+    def _left_behind(self, members: set[str], parent: str | None) -> None:
+        """A new context of a session of ``members`` begins (its parent: ``parent``):
+        the session's programs that wait for nothing and started no live program are
+        released ``abandoned_grace_s`` from now unless seen again (the module doc)."""
+        grace = self.settings.abandoned_grace_s
+        if grace <= 0 or not members:
+            return
+        parents = {parent}
+        parents.update(p.agent.parent for pid in members
+                       if (p := self.programs.get(pid)) is not None)
+        due = self.wall() + grace
+        for pid in members:
+            info = self.programs.get(pid)
+            if info is not None and pid not in parents and self._waits_for_nothing(info):
+                self._abandoned.setdefault(pid, due)
+
+    def _release_abandoned(self) -> None:
+        """Release the contexts left behind whose grace is over (``_left_behind``), if
+        they still wait for nothing and started no live program since."""
+        if not self._abandoned:
+            return
+        now = self.wall()
+        for pid in [pid for pid, due in self._abandoned.items() if due <= now]:
+            del self._abandoned[pid]
+            info = self.programs.get(pid)
+            if info is None or not self._waits_for_nothing(info):
+                continue
+            session = self.sessions.get(info.agent.session or "", ())
+            if any((p := self.programs.get(m)) is not None and p.agent.parent == pid
+                   for m in session):
+                continue
+            log.info("program %s: a newer context of its session began; released", pid)
+            self._end(pid)
 
     def epoch(self, wall: float) -> float:
         """Unix time of a wall-clock reading (the recorded trace's clock)."""
@@ -351,6 +408,7 @@ class Controller:
             self.policy.observe(ProgramEnded(program_id), self.now())
         info = self.programs.pop(program_id, None)
         self.seen.forget(program_id)
+        self._abandoned.pop(program_id, None)
         if info is not None:
             owner = self.owner_of(program_id)
             mine = self.owned.get(owner)

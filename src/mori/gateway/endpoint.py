@@ -29,7 +29,13 @@ from mori.gateway.conversations import ConversationIndex
 from mori.gateway.identity import CONVERSATION, HEADERS_READ, Seen, recognise
 from mori.gateway.parsing import ClientRequest, parse_request
 from mori.gateway.proxy import serve_completion, serve_count_tokens
-from mori.protocol.apis import API_BY_PATH, ApiSpec, carries_tool_results, last_turn_text
+from mori.protocol.apis import (
+    API_BY_PATH,
+    ApiSpec,
+    carries_tool_results,
+    is_side_request,
+    last_turn_text,
+)
 from mori.protocol.errors import RequestError
 from mori.protocol.responses import (
     JSON_ERROR_HANDLERS,
@@ -123,7 +129,8 @@ class CompletionEndpoint:
             work = serve_count_tokens(gw, req)
         else:
             facts = self._name_program(req, headers, principal.internal, principal.tag)
-            work = serve_completion(gw, req, facts.recogniser == "anonymous", facts)
+            work = serve_completion(gw, req, facts.recogniser == "anonymous" or facts.side,
+                                    facts)
         resp = await unless_client_leaves(receive, work, loop)
         if resp is None:  # the client left: nobody to answer
             self._count(path, 499)
@@ -140,7 +147,12 @@ class CompletionEndpoint:
         rec = recognise(gw.settings.program_id_from, req.spec,
                         Seen(headers, req.body, req.program_id, req.spec, self._conversations,
                              namespace))
-        req.program_id = internal(rec.program_id or gw.anonymous_id())
+        # a side request of a recognised program (not one the client names): a one-step
+        # program of its own, which no other request of the session can run into
+        side = (rec.program_id is not None and rec.recogniser != "program-id"
+                and is_side_request(req.spec, req.body))
+        req.program_id = internal(rec.program_id if rec.program_id and not side
+                                  else gw.anonymous_id())
         session = rec.session if rec.recogniser != "program-id" else None
         text = None
         if gw.settings.record_text:
@@ -151,7 +163,9 @@ class CompletionEndpoint:
         return RequestFacts(rec.recogniser, rec.agent,
                             None if session is None else internal(session),
                             carries_tool_results(req.spec, req.body), text,
-                            None if rec.parent is None else internal(rec.parent))
+                            None if rec.parent is None else internal(rec.parent),
+                            None if rec.parent_session is None
+                            else internal(rec.parent_session), side)
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
