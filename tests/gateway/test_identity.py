@@ -24,10 +24,11 @@ from mori.protocol.apis import (
     carries_tool_results,
     check_body,
     conversation_head,
+    is_side_request,
     last_turn_text,
 )
 from mori.protocol.errors import RequestError
-from mori.protocol.fields import CHAT, MESSAGES, RESPONSES, check_program_id
+from mori.protocol.fields import CHAT, COMPLETIONS, MESSAGES, RESPONSES, check_program_id
 
 MSG = API_BY_PATH[MESSAGES]
 RESP = API_BY_PATH[RESPONSES]
@@ -237,3 +238,110 @@ def test_parents_the_clients_name() -> None:
         b"session-id": "s", b"thread-id": "t2", b"x-codex-window-id": "t2:0",
         b"x-codex-parent-thread-id": "t1"}))
     assert (child.program_id, child.parent) == ("codex:s/t2:0", "codex:s/t1:")
+
+
+OPENCODE_UA = "opencode/1.18.33 ai-sdk/openai-compatible/1.0.30"
+
+
+def test_opencode_sessions_and_its_subagents_parent_session() -> None:
+    """opencode names its session in ``X-Session-Id`` (with ``x-session-affinity``, the
+    same ``ses_...``, and its user agent); a subagent is a session of its own that names
+    its parent session: the parent is any program of that session."""
+    body = {"model": "m", "messages": [{"role": "system", "content": "You are opencode."},
+                                       {"role": "user", "content": "go"}]}
+    main = recognise(DEFAULT_ORDER, CHAT_SPEC, seen(body, {
+        b"user-agent": OPENCODE_UA, b"x-session-id": "ses_a", b"x-session-affinity": "ses_a"}))
+    assert (main.recogniser, main.agent, main.session) == ("opencode", "opencode", "ses_a")
+    assert main.program_id is not None and main.program_id.startswith("opencode:ses_a/")
+    assert main.parent is None and main.parent_session is None
+    # without the user agent, the affinity header holding the same ses_ id is enough
+    bare = recognise(DEFAULT_ORDER, CHAT_SPEC, seen(body, {
+        b"x-session-id": "ses_a", b"x-session-affinity": "ses_a"}))
+    assert bare.program_id == main.program_id
+    sub = recognise(DEFAULT_ORDER, CHAT_SPEC, seen(body, {
+        b"user-agent": OPENCODE_UA, b"x-session-id": "ses_b", b"x-session-affinity": "ses_b",
+        b"x-parent-session-id": "ses_a"}))
+    assert (sub.session, sub.parent, sub.parent_session) == ("ses_b", "opencode:ses_a/",
+                                                             "ses_a")
+    # other clients that send X-Session-Id stay clients
+    for h in ({b"x-session-id": "run-1"},
+              {b"x-session-id": "run-1", b"x-session-affinity": "run-1"},
+              {b"x-session-id": "ses_a", b"x-session-affinity": "ses_other"},
+              {b"x-session-id": "ses_a", b"user-agent": "python-httpx/0.28"}):
+        r = recognise(DEFAULT_ORDER, CHAT_SPEC, seen(body, h))
+        assert (r.recogniser, r.agent) == ("session-header", "client"), h
+
+
+def test_tool_results_anywhere_in_the_new_turns() -> None:
+    """Tool results end the tool call wherever they are among the turns after the
+    model's last answer: Codex's compaction prompt follows the last
+    ``function_call_output``, Claude Code's system reminders a ``tool_result``."""
+    head = [{"type": "message", "role": "developer",
+             "content": [{"type": "input_text", "text": "You are Codex."}]},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": "list files"}]}]
+    call = {"type": "function_call", "name": "exec_command", "call_id": "c1",
+            "arguments": "{\"cmd\": \"ls\"}"}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}
+    compact = {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "You are performing a CONTEXT CHECKPOINT COMPACTION."}]}
+    compaction = {"model": "m", "tools": [], "parallel_tool_calls": False,
+                  "input": [*head, {"type": "reasoning", "summary": []}, call, output,
+                            compact]}
+    assert carries_tool_results(RESP, compaction)
+    # once the model answered after the results, a new prompt returns none
+    answered = {"model": "m", "input": [*head, call, output,
+                                        {"type": "message", "role": "assistant", "content": [
+                                            {"type": "output_text", "text": "Done."}]},
+                                        compact]}
+    assert not carries_tool_results(RESP, answered)
+    assert not carries_tool_results(RESP, {"model": "m", "input": [*head, call]})
+    assert not carries_tool_results(RESP, {"model": "m", "input": head})
+    # Anthropic: a system reminder after the tool_result; chat: a user turn after the tool
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash",
+                                             "input": {}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                           "content": "ok"}]}
+    reminder = {"role": "system", "content": "<system-reminder>todo</system-reminder>"}
+    assert carries_tool_results(MSG, claude_body("s", "go", use, result, reminder))
+    assert not carries_tool_results(MSG, claude_body("s", "go", use))
+    chat = {"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                              "function": {"name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "ok"},
+        {"role": "user", "content": "and summarise"}]}
+    assert carries_tool_results(CHAT_SPEC, chat)
+    chat["messages"].insert(3, {"role": "assistant", "content": "ok"})
+    assert not carries_tool_results(CHAT_SPEC, chat)
+
+
+def test_side_requests_are_tool_less_one_shots() -> None:
+    quota = {"model": "m", "max_tokens": 1, "messages": [{"role": "user",
+                                                          "content": "quota"}]}
+    assert is_side_request(MSG, quota)
+    title = {"model": "small", "messages": [
+        {"role": "system", "content": "You are a title generator."},
+        {"role": "user", "content": "Generate a title for this conversation:\n"},
+        {"role": "user", "content": "find the config files"}]}
+    assert is_side_request(CHAT_SPEC, title)
+    assert is_side_request(RESP, {"model": "m", "input": "summarise this"})
+    # a step of an agent offers tools; a conversation with an answer in it goes on
+    assert not is_side_request(MSG, {**quota, "tools": [{"name": "Bash"}]})
+    assert not is_side_request(CHAT_SPEC, {**title, "functions": [{"name": "f"}]})
+    assert not is_side_request(MSG, claude_body("s", "go", {"role": "assistant",
+                                                           "content": "hi"},
+                                                {"role": "user", "content": "more"}))
+    assert not is_side_request(RESP, {"model": "m", "input": "go on",
+                                      "previous_response_id": "resp_1"})
+    # Codex's compaction request offers no tools, but carries the whole conversation
+    codex = {"model": "m", "tools": [], "input": [
+        {"type": "message", "role": "user", "content": "list"},
+        {"type": "function_call", "name": "shell", "call_id": "c", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "a"},
+        {"type": "message", "role": "user", "content": "compact"}]}
+    assert not is_side_request(RESP, codex)
+    tool_result_only = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}
+    assert not is_side_request(MSG, tool_result_only)
+    assert not is_side_request(API_BY_PATH[COMPLETIONS], {"model": "m", "prompt": "hi"})
