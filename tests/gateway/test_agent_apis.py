@@ -252,7 +252,8 @@ def test_session_ids_stay_in_their_key_namespace(loop_thread: LoopThread, via: s
         c = anthropic.Anthropic(base_url=url, api_key=key, max_retries=0,
                         default_headers=CLAUDE_CLI)
         c.messages.create(model=model, max_tokens=5, metadata=claude_metadata(),
-                          system="s", messages=[{"role": "user", "content": "same"}])
+                          system="s", messages=[{"role": "user", "content": "same"}],
+                          tools=[BASH])  # an agent step (a tool-less one is a side request)
     mine_a, mine_b = programs(url, "ka"), programs(url, "kb")
     assert len(mine_a) == len(mine_b) == 1
     assert mine_a[0]["program_id"] == mine_b[0]["program_id"]  # as each key names it
@@ -296,10 +297,11 @@ def test_programs_per_key_are_capped_in_the_apis_shape(loop_thread: LoopThread, 
     c = anthropic.Anthropic(base_url=url, api_key="ka", max_retries=0)
     for session in ("s1", "s2"):
         c.messages.create(model=model, max_tokens=5, metadata=claude_metadata(session),
-                          system="s", messages=[{"role": "user", "content": "hi"}])
+                          system="s", tools=[BASH],  # a tool: no side request
+                          messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(anthropic.RateLimitError) as e:
         c.messages.create(model=model, max_tokens=5, metadata=claude_metadata("s3"),
-                          system="s", messages=[{"role": "user", "content": "hi"}])
+                          system="s", tools=[BASH], messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["type"] == "error"  # type: ignore[index]
     assert "--max-programs-per-key" in e.value.body["error"]["message"]  # type: ignore[index]
     assert e.value.response.headers.get("retry-after")
@@ -310,5 +312,5 @@ def test_programs_per_key_are_capped_in_the_apis_shape(loop_thread: LoopThread, 
     assert "type" not in body and "--max-programs-per-key" in body["error"]["message"]
     other = anthropic.Anthropic(base_url=url, api_key="kb", max_retries=0)
     other.messages.create(model=model, max_tokens=5, metadata=claude_metadata("s1"),
-                          system="s", messages=[{"role": "user", "content": "hi"}])
+                          system="s", tools=[BASH], messages=[{"role": "user", "content": "hi"}])
     assert len(programs(url, "ka")) == 2 and len(programs(url, "kb")) == 1
