@@ -345,3 +345,13 @@ def test_side_requests_are_tool_less_one_shots() -> None:
         {"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]}
     assert not is_side_request(MSG, tool_result_only)
     assert not is_side_request(API_BY_PATH[COMPLETIONS], {"model": "m", "prompt": "hi"})
+
+
+def test_readings_take_any_item_values() -> None:
+    """A Responses item's role and type are not checked by ``check_body``: values that
+    cannot be hashed (a list, an object) are read as no role and no type."""
+    odd = {"model": "m", "input": [{"role": ["user"], "type": {"a": 1}, "content": "x"},
+                                   {"type": ["function_call_output"], "output": "y"}]}
+    check_body(RESP, odd)
+    assert not carries_tool_results(RESP, odd)
+    assert not is_side_request(RESP, odd)

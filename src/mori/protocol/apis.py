@@ -263,13 +263,14 @@ def conversation_items(spec: ApiSpec, body: Mapping[str, Any]
     return system, out
 
 
-_TOOL_OUTPUT_ITEMS = frozenset(("function_call_output", "custom_tool_call_output",
-                                "local_shell_call_output", "tool_result"))
+# tuples, not sets: a body's values may be unhashable (a list as a role), and membership
+# in a tuple compares without hashing
+_TOOL_OUTPUT_ITEMS = ("function_call_output", "custom_tool_call_output",
+                      "local_shell_call_output", "tool_result")
 """Responses input items that return a tool's results."""
-_CALL_ITEMS = frozenset(("function_call", "custom_tool_call", "local_shell_call",
-                         "reasoning"))
+_CALL_ITEMS = ("function_call", "custom_tool_call", "local_shell_call", "reasoning")
 """Responses input items of the model's answer that its tool results follow."""
-_INPUT_ROLES = frozenset(("user", "system", "developer"))
+_INPUT_ROLES = ("user", "system", "developer")
 
 
 def carries_tool_results(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
