@@ -237,7 +237,8 @@ def test_agent_sessions_and_tool_calls_reach_the_policy_through_workers(tmp_path
     bash = {"name": "Bash", "input_schema": {"type": "object", "properties": {}}}
 
     def session(i: int) -> None:
-        c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+        c = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60,
+                                default_headers={"x-app": "cli"})  # Claude Code's own
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         meta = {"user_id": json.dumps({"session_id": f"s-{i}"})}
         msgs: list[dict[str, object]] = [{"role": "user", "content": f"task {i}"}]
