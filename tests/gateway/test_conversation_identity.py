@@ -68,44 +68,74 @@ def result(call: str, out: str = "a.txt") -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call, "content": out}
 
 
+def step(idx: ConversationIndex, spec: Any, body: dict[str, Any], namespace: str = ""
+         ) -> str | None:
+    """One request's program, its request then ended (the next may continue it)."""
+    pid = idx.program(spec, body, namespace)
+    if pid is not None:
+        idx.done(namespace, pid)
+    return pid
+
+
 def test_a_conversation_that_grows_is_one_program() -> None:
     idx = ConversationIndex()
-    first = idx.program(CHAT_SPEC, chat(USER))
-    second = idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1")))
-    third = idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1"), answer("c2"),
+    first = step(idx, CHAT_SPEC, chat(USER))
+    second = step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1")))
+    third = step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1"), answer("c2"),
                                         result("c2"), {"role": "user", "content": "more"}))
     assert first is not None and first.startswith("conv:")
     assert first == second == third and len(idx) == 1
     # a retry of the last request: the same program
-    assert idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1"), answer("c2"),
+    assert step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1"), answer("c2"),
                                        result("c2"), {"role": "user", "content": "more"})
                        ) == first
 
 
 def test_other_conversations_and_non_extensions_are_new_programs() -> None:
     idx = ConversationIndex()
-    a = idx.program(CHAT_SPEC, chat(USER))
-    b = idx.program(CHAT_SPEC, chat({"role": "user", "content": "other task"}))
+    a = step(idx, CHAT_SPEC, chat(USER))
+    b = step(idx, CHAT_SPEC, chat({"role": "user", "content": "other task"}))
     assert a != b
-    idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1")))
+    step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1")))
     # the same start, but not an extension of a's last prompt (another answer before):
     # another conversation with a's start, so a's id with a suffix
-    forked = idx.program(CHAT_SPEC, chat(USER, answer("zz"), result("zz")))
+    forked = step(idx, CHAT_SPEC, chat(USER, answer("zz"), result("zz")))
     assert forked is not None and a is not None
     assert forked != a and forked.startswith(a + ".")
     # a rewritten history (an earlier turn changed) is no extension either
-    rewritten = idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1", "changed"),
+    rewritten = step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1", "changed"),
                                             answer("c2"), result("c2")))
     assert rewritten not in (a, b, forked)
 
 
+def test_a_busy_program_is_not_continued_by_another_request() -> None:
+    """A program has one request at a time: the same conversation sent twice at once (as a
+    load generator sends one body on many connections) is two programs, never a request
+    that waits on the other; once a request ends, its program is continued again."""
+    idx = ConversationIndex()
+    a = idx.program(CHAT_SPEC, chat(USER))
+    b = idx.program(CHAT_SPEC, chat(USER))  # a's request still runs
+    assert a is not None and b is not None and b != a and b.startswith(a + ".")
+    idx.done("", a)
+    assert idx.program(CHAT_SPEC, chat(USER)) == a  # a retry of a's request, a free
+    idx.done("", a)
+    idx.done("", b)
+    # both go on; identical until here, either's next step may continue either program
+    nxt = chat(USER, answer("c1"), result("c1"))
+    first, second = idx.program(CHAT_SPEC, nxt), idx.program(CHAT_SPEC, nxt)
+    assert {first, second} == {a, b}
+    # all busy: a third copy starts a program of its own
+    third = idx.program(CHAT_SPEC, nxt)
+    assert third not in (a, b) and len(idx) == 3
+
+
 def test_namespaces_never_share_a_program() -> None:
     idx = ConversationIndex()
-    a = idx.program(CHAT_SPEC, chat(USER), "key-a")
-    b = idx.program(CHAT_SPEC, chat(USER), "key-b")
+    a = step(idx, CHAT_SPEC, chat(USER), "key-a")
+    b = step(idx, CHAT_SPEC, chat(USER), "key-b")
     assert a == b  # the same id as each key names it ...
     # ... and each goes on in its own namespace
-    assert idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1")), "key-b") == b
+    assert step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1")), "key-b") == b
     assert len(idx) == 2
 
 
@@ -119,37 +149,37 @@ def test_moved_cache_marks_do_not_break_the_chain() -> None:
             *msgs[marked]["content"][:-1], {**last, "cache_control": {"type": "ephemeral"}}]}
         return {"model": "m", "max_tokens": 9, "system": "sys", "messages": msgs}
 
-    first = idx.program(MSG, body(marked=0))
+    first = step(idx, MSG, body(marked=0))
     use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash",
                                              "input": {"command": "ls"}}]}
     res = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
                                         "content": "a.txt"}]}
-    assert idx.program(MSG, body(use, res, marked=2)) == first
+    assert step(idx, MSG, body(use, res, marked=2)) == first
 
 
 def test_responses_items_chain() -> None:
     idx = ConversationIndex()
     user = {"type": "message", "role": "user", "content": [{"type": "input_text",
                                                             "text": "go"}]}
-    first = idx.program(RESP, {"model": "m", "instructions": "i", "input": [user]})
+    first = step(idx, RESP, {"model": "m", "instructions": "i", "input": [user]})
     more = [{"type": "reasoning", "summary": []},
             {"type": "function_call", "call_id": "f1", "name": "shell", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "f1", "output": "ok"}]
-    assert idx.program(RESP, {"model": "m", "instructions": "i", "input": [user, *more]}
+    assert step(idx, RESP, {"model": "m", "instructions": "i", "input": [user, *more]}
                        ) == first
-    assert idx.program(API_BY_PATH["/v1/completions"], {"model": "m", "prompt": "x"}) is None
+    assert step(idx, API_BY_PATH["/v1/completions"], {"model": "m", "prompt": "x"}) is None
 
 
 def test_idle_and_excess_programs_are_forgotten() -> None:
     clock = Clock()
     idx = ConversationIndex(idle_s=10, max_programs=3, clock=clock)
-    a = idx.program(CHAT_SPEC, chat(USER))
+    a = step(idx, CHAT_SPEC, chat(USER))
     clock.t = 11
     # a forgotten conversation that comes back starts a new program (its start's id)
-    assert idx.program(CHAT_SPEC, chat(USER, answer("c1"), result("c1"))) == a
+    assert step(idx, CHAT_SPEC, chat(USER, answer("c1"), result("c1"))) == a
     assert len(idx) == 1
     for i in range(5):
-        idx.program(CHAT_SPEC, chat({"role": "user", "content": f"task {i}"}))
+        step(idx, CHAT_SPEC, chat({"role": "user", "content": f"task {i}"}))
     assert len(idx) == 3  # the least recently seen went first
 
 
@@ -292,3 +322,17 @@ def test_anthropic_sdk_metadata_is_no_claude_code(loop_thread: LoopThread,
     stop()
     (prog,) = read_traceset(record).programs
     assert prog.provider != "claude"
+
+
+def test_odd_item_types_read_as_no_answer() -> None:
+    """A Responses item's ``type`` may be any JSON value: an unhashable one is no answer's
+    type (it never raises), and the conversation is still named."""
+    from mori.protocol.apis import conversation_items
+
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": ["function_call"], "call_id": "c"},
+        {"type": {"x": 1}, "role": "assistant", "content": "odd"}]}
+    conv = conversation_items(RESP, body)
+    assert conv is not None and [a for a, _ in conv[1]] == [False, False, False]
+    assert ConversationIndex().program(RESP, body) is not None

@@ -408,5 +408,5 @@ def test_a_requests_text_is_cut_past_the_cap_before_it_travels() -> None:
     for record_text, cap, expect in ((True, 100, 101), (True, 0, 1), (False, 100, None)):
         settings = GatewaySettings(record_text=record_text, record_text_max_bytes=cap)
         gw = SimpleNamespace(settings=settings, anonymous_id=lambda: "anon")
-        facts = CompletionEndpoint(gw)._name_program(req, {}, lambda s: s)
+        facts, _ = CompletionEndpoint(gw)._name_program(req, {}, lambda s: s)
         assert (None if facts.text is None else len(facts.text)) == expect

@@ -343,6 +343,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            field="program_ttl_s",
            help="release a program (an agent's session context) that sends nothing for this "
                 "many wall seconds, its KV labelled inactive; 0 never"),
+    Option("abandoned_grace", float, _GATEWAY.abandoned_grace_s, metavar="S",
+           field="abandoned_grace_s",
+           help="release a context of an agent session left behind when a newer context of "
+                "the session began (a compaction, a /clear) this many wall seconds later, "
+                "unless a request of its own comes first; 0 leaves it to "
+                "--program-idle-timeout"),
     Option("program_id_from", str, ",".join(_GATEWAY.program_id_from), multi=True,
            metavar="LIST",
            help="the recognisers that name a request's program, in the order tried: "

@@ -18,9 +18,17 @@ of the model starts. Programs unseen for ``idle_s`` (the gateway's
 ``--program-idle-timeout``) or past ``max_programs`` (the least recently seen first) are
 forgotten; a forgotten conversation that comes back starts a new program.
 
-Failure modes (docs/agents.md): a request that repeats a program's last prompt exactly is
-taken as a retry of it, so two identical conversations started at once are one program
-until their answers differ (the second's requests wait, 409, while the first's run); a
+A program has one request at a time (an agent waits for its answer): a program whose
+request is still running (``busy``, from :meth:`ConversationIndex.program` until
+:meth:`ConversationIndex.done`) is not continued by another request, which goes to another
+program with the same digest or starts a new one. So a request that repeats a program's
+last prompt exactly continues it when it is free (a retry) and starts a program of its own
+when it is busy (the same conversation run twice at once, as a load generator sends it).
+
+Failure modes (docs/agents.md): two identical conversations are told apart only while
+both have a request running; between their requests either may continue either's
+program (their contexts are the same up to there, so the KV that serves one serves the
+other); a
 client that rewrites earlier turns (drops old tool output, summarises) starts a new
 program there; a Responses client that sends ``previous_response_id`` and only its new
 items starts a new program at each request. The index lives in the process that names the
@@ -119,16 +127,18 @@ class ConversationIndex:
         self.idle_s = idle_s
         self.max_programs = max(1, max_programs)
         self._clock = clock
-        self._by_digest: dict[bytes, tuple[str, str]] = {}
+        self._by_digest: dict[bytes, list[tuple[str, str]]] = {}
         self._programs: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._busy: set[tuple[str, str]] = set()
 
     def __len__(self) -> int:
         return len(self._programs)
 
     def program(self, spec: ApiSpec, body: Mapping[str, Any], namespace: str = ""
                 ) -> str | None:
-        """The program (without the namespace) that ``body`` continues or starts; None
-        where the body holds no conversation (a completion's prompt)."""
+        """The program (without the namespace) that ``body`` continues or starts, busy
+        until :meth:`done`; None where the body holds no conversation (a completion's
+        prompt)."""
         conv = conversation_items(spec, body)
         if conv is None or not conv[1]:
             return None
@@ -137,35 +147,50 @@ class ConversationIndex:
         now = self._clock()
         self._forget_idle(now)
         for digest in (*c.starts, c.full):  # its answers' starts, latest first; a retry
-            key = self._by_digest.get(digest)
-            if key is not None:
-                self._move(key, digest, c.full, now)
-                return key[1]
+            for key in self._by_digest.get(digest, ()):
+                if key not in self._busy:
+                    self._move(key, c.full, now)
+                    self._busy.add(key)
+                    return key[1]
         pid = PREFIX + start_hash(spec, body)
         if (namespace, pid) in self._programs:  # another conversation with this start
             pid = f"{pid}.{secrets.token_hex(4)}"
         key = (namespace, pid)
         self._programs[key] = _Entry(c.full, now)
-        self._by_digest[c.full] = key
+        self._link(c.full, key)
+        self._busy.add(key)
         while len(self._programs) > self.max_programs:
             self._drop_oldest()
         return pid
 
+    def done(self, namespace: str, program: str) -> None:
+        """The program's request ended: the next request of its conversation may
+        continue it."""
+        self._busy.discard((namespace, program))
+
     def forget(self, namespace: str, program: str) -> None:
         """The program ended: its conversation, if it goes on, starts a new program."""
-        entry = self._programs.pop((namespace, program), None)
-        if entry is not None and self._by_digest.get(entry.digest) == (namespace, program):
-            del self._by_digest[entry.digest]
+        key = (namespace, program)
+        entry = self._programs.pop(key, None)
+        if entry is not None:
+            self._unlink(entry.digest, key)
 
-    def _move(self, key: tuple[str, str], old: bytes, new: bytes, now: float) -> None:
+    def _link(self, digest: bytes, key: tuple[str, str]) -> None:
+        self._by_digest.setdefault(digest, []).append(key)
+
+    def _unlink(self, digest: bytes, key: tuple[str, str]) -> None:
+        keys = self._by_digest.get(digest)
+        if keys is not None and key in keys:
+            keys.remove(key)
+            if not keys:
+                del self._by_digest[digest]
+
+    def _move(self, key: tuple[str, str], new: bytes, now: float) -> None:
         entry = self._programs[key]
         if entry.digest != new:
-            if self._by_digest.get(entry.digest) == key:
-                del self._by_digest[entry.digest]
-            if old != entry.digest and self._by_digest.get(old) == key:
-                del self._by_digest[old]
+            self._unlink(entry.digest, key)
             entry.digest = new
-            self._by_digest[new] = key
+            self._link(new, key)
         entry.used = now
         self._programs.move_to_end(key)
 
@@ -181,5 +206,4 @@ class ConversationIndex:
 
     def _drop_oldest(self) -> None:
         key, entry = self._programs.popitem(last=False)
-        if self._by_digest.get(entry.digest) == key:
-            del self._by_digest[entry.digest]
+        self._unlink(entry.digest, key)

@@ -125,24 +125,34 @@ class CompletionEndpoint:
         loop = self._loop
         if loop is None:  # kept: get_running_loop makes a system call (mori.engines.http1_client)
             loop = self._loop = asyncio.get_running_loop()
+        conversation = None
         if not spec.generates:
             work = serve_count_tokens(gw, req)
         else:
-            facts = self._name_program(req, headers, principal.internal, principal.tag)
+            facts, conversation = self._name_program(req, headers, principal.internal,
+                                                     principal.tag)
             work = serve_completion(gw, req, facts.recogniser == "anonymous" or facts.side,
                                     facts)
-        resp = await unless_client_leaves(receive, work, loop)
-        if resp is None:  # the client left: nobody to answer
-            self._count(path, 499)
-            return
-        self._count(path, resp.status_code)
-        await resp(scope, receive, send)
+        try:
+            resp = await unless_client_leaves(receive, work, loop)
+            if resp is None:  # the client left: nobody to answer
+                self._count(path, 499)
+                return
+            self._count(path, resp.status_code)
+            await resp(scope, receive, send)
+        finally:
+            if conversation is not None and self._conversations is not None:
+                # its answer is over (or never came): its next request may continue it
+                self._conversations.done(principal.tag, conversation)
 
 
     def _name_program(self, req: ClientRequest, headers: dict[bytes, str],
-                      internal: Callable[[str], str], namespace: str = "") -> RequestFacts:
+                      internal: Callable[[str], str], namespace: str = ""
+                      ) -> tuple[RequestFacts, str | None]:
         """Name the request's program (``mori.gateway.identity``; in the caller's key
-        namespace, ``internal``) and say what the request tells of its agent."""
+        namespace, ``internal``) and say what the request tells of its agent; and the
+        program the conversation recogniser named (busy in its index until its request
+        ends), None where another recogniser named it."""
         gw = self.gw
         rec = recognise(gw.settings.program_id_from, req.spec,
                         Seen(headers, req.body, req.program_id, req.spec, self._conversations,
@@ -160,12 +170,13 @@ class CompletionEndpoint:
             # process, from a worker): one character past the cap, so that the recorder
             # still sees the text was longer and marks the cut
             text = last_turn_text(req.spec, req.body)[:gw.settings.record_text_max_bytes + 1]
-        return RequestFacts(rec.recogniser, rec.agent,
-                            None if session is None else internal(session),
-                            carries_tool_results(req.spec, req.body), text,
-                            None if rec.parent is None else internal(rec.parent),
-                            None if rec.parent_session is None
-                            else internal(rec.parent_session), side)
+        facts = RequestFacts(rec.recogniser, rec.agent,
+                             None if session is None else internal(session),
+                             carries_tool_results(req.spec, req.body), text,
+                             None if rec.parent is None else internal(rec.parent),
+                             None if rec.parent_session is None
+                             else internal(rec.parent_session), side)
+        return facts, rec.program_id if rec.recogniser == CONVERSATION else None
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:

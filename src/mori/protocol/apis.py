@@ -257,8 +257,9 @@ def conversation_items(spec: ApiSpec, body: Mapping[str, Any]
             out.append((False, item))
             continue
         kind = item.get("type")
+        # kind may be any JSON value (an unhashable one reads as no answer's)
         answer = (item.get("role") == "assistant" and kind in (None, "message")) or (
-            kind in _ANSWER_ITEM_TYPES)
+            isinstance(kind, str) and kind in _ANSWER_ITEM_TYPES)
         out.append((answer, item))
     return system, out
 
