@@ -256,7 +256,12 @@ def test_agent_sessions_and_tool_calls_reach_the_policy_through_workers(tmp_path
         with ThreadPoolExecutor(6) as pool:
             list(pool.map(session, range(6)))
         rows = httpx.get(url + "/v1/programs", timeout=10).json()["data"]
-        served = metric(url, "mori_worker_requests_total")
+        deadline = time.monotonic() + 10.0
+        while True:  # the workers report their counts twice a second
+            served = metric(url, "mori_worker_requests_total")
+            if sum(served.values()) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         stop(proc)
     assert len(rows) == 6 and {r["agent"] for r in rows} == {"claude-code"}
