@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 from gateway_harness import LoopThread
+from through_workers import VIA
 
 
 @pytest.fixture
@@ -11,3 +12,11 @@ def loop_thread() -> Iterator[LoopThread]:
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+@pytest.fixture(params=VIA)
+def via(request: pytest.FixtureRequest) -> str:
+    """Who serves the test's connections: the policy process, or a worker
+    (``through_workers``)."""
+    name: str = request.param
+    return name

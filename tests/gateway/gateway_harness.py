@@ -18,6 +18,15 @@ from mori.protocol.serve import RunningServer as Running
 from support.fake_engine import FakeEngine
 from support.loop_thread import LoopThread
 
+BASH = {"name": "Bash", "description": "Run a shell command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                         "required": ["command"]}}
+"""Claude Code's shell tool, as a Messages request offers it."""
+SHELL = {"type": "function", "name": "shell", "description": "Run a command",
+         "parameters": {"type": "object", "properties": {
+             "command": {"type": "array", "items": {"type": "string"}}}}}
+"""Codex's shell tool, as a Responses request offers it."""
+
 __all__ = ["FakeEngine", "LoopThread", "Running", "SimGateway", "serve_on_simulated"]
 
 

@@ -17,8 +17,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from gateway_harness import LoopThread
-from through_workers import VIA, WorkersGateway, workers_config
+from gateway_harness import BASH, SHELL, LoopThread
+from through_workers import WorkersGateway, workers_config
 
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
@@ -32,21 +32,8 @@ SCRIPT = {"steps": [
                                   "shell": {"command": ["bash", "-lc", "ls"]}}},
     {"text": "Done."}]}
 SID = "5b9c1f8e-0000-4000-8000-00000000c1a0"
-BASH = {"name": "Bash", "description": "Run a shell command",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
-                         "required": ["command"]}}
 TASK = {"name": "Task", "description": "Start a subagent",
         "input_schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}
-SHELL = {"type": "function", "name": "shell", "description": "Run a command",
-         "parameters": {"type": "object", "properties": {
-             "command": {"type": "array", "items": {"type": "string"}}}}}
-
-
-@pytest.fixture(params=VIA)
-def via(request: pytest.FixtureRequest) -> str:
-    """Who serves the test's connections: the policy process, or a worker."""
-    name: str = request.param
-    return name
 
 
 def start(lt: LoopThread, tmp: Path, via: str,

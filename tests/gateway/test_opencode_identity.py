@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from gateway_harness import LoopThread
 from scripted_gateway import programs, start_scripted
-from through_workers import VIA
 
 SCRIPT = {"steps": [{"text": "Working on it.",
                      "tool": {"task": {"description": "Find configs", "prompt": "find them",
@@ -32,12 +30,6 @@ TASK = {"type": "function", "function": {
     "name": "task", "description": "Start a subagent",
     "parameters": {"type": "object", "properties": {"prompt": {"type": "string"}}}}}
 TITLE_SYSTEM = "You are a title generator. You output ONLY a thread title. Nothing else."
-
-
-@pytest.fixture(params=VIA)
-def via(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 def opencode_headers(session: str, parent: str | None = None) -> dict[str, str]:

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-from gateway_harness import LoopThread
+from gateway_harness import BASH, SHELL, LoopThread
 from scripted_gateway import programs, start_scripted
-from through_workers import VIA
 
 SCRIPT = {"steps": [{"text": "Listing.",
                      "tool": {"Bash": {"command": "ls", "description": "List"},
@@ -29,20 +27,8 @@ SETTINGS = {"time_scale": 20.0, "abandoned_grace_s": GRACE_S}  # a tick every 0.
 CLAUDE = {"x-app": "cli", "User-Agent": "claude-cli/2.1.332 (external, sdk-cli)",
           "X-Claude-Code-Session-Id": SID, "anthropic-version": "2023-06-01",
           "x-api-key": "none"}
-BASH = {"name": "Bash", "description": "Run a shell command",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
-                         "required": ["command"]}}
 AGENT = {"name": "Agent", "description": "Start a subagent",
          "input_schema": {"type": "object", "properties": {"prompt": {"type": "string"}}}}
-SHELL = {"type": "function", "name": "shell", "description": "Run a command",
-         "parameters": {"type": "object", "properties": {
-             "command": {"type": "array", "items": {"type": "string"}}}}}
-
-
-@pytest.fixture(params=VIA)
-def via(request: pytest.FixtureRequest) -> str:
-    name: str = request.param
-    return name
 
 
 def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str]
