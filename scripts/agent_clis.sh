@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install (or reuse) the agent CLIs that MORI's tests drive against a local endpoint:
-# Claude Code (@anthropic-ai/claude-code) and Codex (@openai/codex), at the exact versions
-# pinned in tests/agents/package.json and tests/agents/package-lock.json.
+# Claude Code (@anthropic-ai/claude-code), Codex (@openai/codex) and Gemini CLI
+# (@google/gemini-cli), at the exact versions pinned in tests/agents/package.json and
+# tests/agents/package-lock.json.
 #
 #   scripts/agent_clis.sh              # prints the node_modules/.bin folder on its last line
 #
@@ -12,9 +13,9 @@
 # `--version` marks a complete install, so an interrupted one is redone. A lock file
 # (flock, when the machine has it) keeps two runs at once from installing over each other.
 #
-# Both packages ship their native binaries through per-platform optional dependencies
-# (@anthropic-ai/claude-code-linux-x64, @openai/codex-linux-x64, ...), so npm alone is
-# enough; about 800 MB on disk. Claude Code's postinstall copies its binary over the
+# Claude Code and Codex ship their native binaries through per-platform optional
+# dependencies (@anthropic-ai/claude-code-linux-x64, @openai/codex-linux-x64, ...), Gemini
+# CLI is a bundled Node.js script, so npm alone is enough; about 900 MB on disk. Claude Code's postinstall copies its binary over the
 # bin/claude.exe placeholder; if npm skipped install scripts, it is run here.
 #
 # Exit status: 0 ready; 2 an install step failed for a reason outside the project (registry
@@ -48,9 +49,10 @@ if command -v flock >/dev/null 2>&1; then
     flock 9 || fail 1 "lock" "cannot lock $DIR.lock"
 fi
 
-# Both CLIs answer --version without touching the network or any configuration.
+# The CLIs answer --version without touching the network or any configuration.
 check_clis() {
-    "$BIN/claude" --version >/dev/null 2>&1 && "$BIN/codex" --version >/dev/null 2>&1
+    "$BIN/claude" --version >/dev/null 2>&1 && "$BIN/codex" --version >/dev/null 2>&1 \
+        && "$BIN/gemini" --version >/dev/null 2>&1
 }
 
 if [ -f "$STAMP" ] && check_clis; then
@@ -61,7 +63,7 @@ fi
 
 start=$(date +%s)
 rm -f "$STAMP"
-say "installing the agent CLIs into $DIR (about 800 MB)"
+say "installing the agent CLIs into $DIR (about 900 MB)"
 
 # Step 1: the manifest and the lock, as pinned in the tree.
 cp "$SRC/package.json" "$SRC/package-lock.json" "$DIR/" \
@@ -84,10 +86,11 @@ if ! "$BIN/claude" --version >/dev/null 2>&1; then
         || fail 1 "claude postinstall" "cannot put Claude Code's native binary in place"
 fi
 
-# Step 4: check both answer.
+# Step 4: check each answers.
 say "step: check the CLIs"
 "$BIN/claude" --version >&2 || fail 1 "check claude" "'$BIN/claude --version' fails"
 "$BIN/codex" --version >&2 || fail 1 "check codex" "'$BIN/codex --version' fails"
+"$BIN/gemini" --version >&2 || fail 1 "check gemini" "'$BIN/gemini --version' fails"
 
 date -u +%Y-%m-%dT%H:%M:%SZ >"$STAMP"
 say "done in $(( $(date +%s) - start )) s"
