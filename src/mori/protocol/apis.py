@@ -392,7 +392,7 @@ def is_side_request(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
 def stream_error(spec: ApiSpec, status: int, message: str) -> bytes:
     """An error inside an SSE stream of ``spec``'s API, which then ends: Anthropic's
     ``error`` event, the Responses API's ``error`` event, the Gemini API's error object
-    as a ``data:`` event, or a chat ``data:`` error and ``[DONE]``."""
+    (raw JSON, as that API sends it), or a chat ``data:`` error and ``[DONE]``."""
     if spec.gemini:
         return gemini_error_event(status, message)
     if spec.anthropic:

@@ -2,8 +2,10 @@
 "INVALID_ARGUMENT"}}``, the ``status`` being Google's canonical code for the HTTP status
 (``STATUS_NAMES``). A refusal that says when to come back (the gateway's 429 and 503)
 carries it as a ``google.rpc.RetryInfo`` detail, which Gemini CLI waits for before it
-retries. In a stream the same object is one ``data:`` event, after which the stream
-ends."""
+retries. An error after a stream began is sent as the Gemini API sends it: the same
+object as raw JSON on a line of its own (not a ``data:`` event), which both SDKs raise
+as an error of its ``code`` (the JavaScript one, Gemini CLI's, where it arrives in a read
+of its own); the stream ends there."""
 
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ def gemini_error_body(status: int, message: str, retry_after_s: float | None = N
 
 
 def gemini_error_event(status: int, message: str) -> bytes:
-    """An error inside a Gemini SSE stream (the SDKs raise it as the status's error)."""
-    return b"data: " + json.dumps(gemini_error_body(status, message)).encode() + b"\n\n"
+    """An error inside a Gemini SSE stream, as the API sends it (the module doc)."""
+    return json.dumps(gemini_error_body(status, message)).encode() + b"\n\n"
 
 
 _OPENAI_TYPES = {"invalid_request_error": 400, "authentication_error": 401,

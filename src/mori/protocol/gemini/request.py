@@ -365,9 +365,9 @@ def to_chat(body: Mapping[str, Any], model: str, stream: bool) -> dict[str, Any]
                    "the contents themselves")
     chat: dict[str, Any] = {"model": model, "messages": chat_messages(body)}
     tools = chat_tools(body)
+    choice = _tool_choice(body)
     if tools:
         chat["tools"] = tools
-        choice = _tool_choice(body)
         if choice is not None:
             chat["tool_choice"] = choice
     cfg = body.get("generationConfig")

@@ -8,10 +8,12 @@ whole in Gemini's, so they are gathered and sent in the last chunk, with the
 ``finishReason`` and the ``usageMetadata`` (the chat stream's usage event, which the
 translated request asks for), when the chat stream ends (``[DONE]``). A chunk with no
 function call ends on an empty text part, as Gemini's own last chunks do. An error event
-of the engine's becomes the Gemini API's error event, and nothing follows it.
+of the engine's becomes the Gemini API's error (``errors.gemini_error_event``), and
+nothing follows it.
 
-Only ``data:`` events are sent: comments (the simulated engine's ``: kv-ready``) are
-left out, since the SDKs' stream reader expects each event to start with ``data:``.
+Only ``data:`` events (and that error) are sent: comments (the simulated engine's
+``: kv-ready``) are left out, since the JavaScript SDK's stream reader expects each event
+to start with ``data:``.
 """
 
 from __future__ import annotations
