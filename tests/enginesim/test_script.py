@@ -32,7 +32,8 @@ SCRIPT = parse_script({"steps": [
 def test_the_example_loads_and_toml_too(tmp_path: Path) -> None:
     example = load_script(EXAMPLE)
     assert [s.text for s in example.steps][-1] == "Done."
-    assert [t.name for t in example.steps[0].tools] == ["Bash", "shell", "exec_command"]
+    assert [t.name for t in example.steps[0].tools] == ["Bash", "shell", "exec_command",
+                                                        "run_shell_command"]
     assert example.steps[0].tools[2].input == {"cmd": "sleep 2 && ls"}
     toml = tmp_path / "s.toml"
     toml.write_text('fallback = "Hm."\n[[steps]]\ntext = "a"\n[steps.tool.Bash]\n'

@@ -26,6 +26,9 @@ from scripted_gateway import programs, start_scripted
 from mori.engines.http import OpenAIHTTPAdapter
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
+from mori.gateway.conversations import ConversationIndex
+from mori.protocol.apis import GEMINI_APIS
+from mori.protocol.gemini.routes import STREAM as STREAM_METHOD
 
 SCRIPT = {"steps": [
     {"text": "Listing.", "tool": {"run_shell_command": {"command": "ls"}}},
@@ -109,6 +112,29 @@ def test_gemini_cli_is_named_by_its_user_agent(loop_thread: LoopThread, tmp_path
     assert all("candidates" in e for e in stream_events(r.text))
     (row,) = [r for r in programs(url).values() if not r["anonymous"]]
     assert (row["agent"], row["recogniser"]) == ("gemini-cli", "conversation")
+
+
+def test_a_new_prompt_continues_the_program_whose_loop_gemini_cli_signed() -> None:
+    """Gemini CLI marks the model's turns of the current prompt's loop with a
+    ``thoughtSignature`` and sends them unmarked once the next prompt comes: the marks
+    are no part of the conversation's chain."""
+    index, spec = ConversationIndex(), GEMINI_APIS[STREAM_METHOD]
+    user = {"role": "user", "parts": [{"text": "List the files here."}]}
+    call = {"role": "model", "parts": [
+        {"functionCall": {"id": "call_1", "name": "run_shell_command", "args": {}}}]}
+    signed = {"role": "model", "parts": [
+        {**call["parts"][0], "thoughtSignature": "skip_thought_signature_validator"}]}
+    result = {"role": "user", "parts": [{"functionResponse": {
+        "id": "call_1", "name": "run_shell_command", "response": {"output": "a.txt"}}}]}
+    answer = {"role": "model", "parts": [{"text": "Done."}]}
+    first = index.program(spec, {"contents": [user]})
+    assert first is not None
+    index.done("", first)
+    assert index.program(spec, {"contents": [user, signed, result]}) == first
+    index.done("", first)
+    again = {"role": "user", "parts": [{"text": "Again."}]}
+    assert index.program(spec, {"contents": [user, call, result, answer, again]}) == first
+    assert len(index) == 1
 
 
 # -- errors ---------------------------------------------------------------------------------
