@@ -1,6 +1,6 @@
 """The client APIs MORI serves, and what a request body says in each of them.
 
-Five paths, one ``ApiSpec`` each (``API_BY_PATH``):
+Five paths, one ``ApiSpec`` each (``API_BY_PATH``), and the Gemini API's methods:
 
 - ``/v1/chat/completions`` and ``/v1/completions``: OpenAI's (any OpenAI client, SWE-agent
   and OpenHands through litellm);
