@@ -5,8 +5,9 @@ shadow ledger (``driver.replay``: Forward only for a GPU-resident program that h
 request, Promote only into room, Demote never of a Reasoning program, nothing placed on
 a replica that is down). At the end every request was forwarded exactly once (once more
 for each time it failed with its replica) and every program ended: no request lost.
-Some worlds have a disk tier, some lose replicas for a while, and some start with
-programs found on the engines (a restarted gateway).
+Some worlds have a disk tier, some lose replicas for a while, some start with
+programs found on the engines (a restarted gateway), and some price their replicas by
+learned engine costs (a fixed reload price makes ``mori`` wait before parking).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mori.core.decisions import Decision
+from mori.core.engine_costs import EngineCosts
 from mori.core.idleness import IdlenessHistory
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, MoriPolicy, SMGPolicy
@@ -48,6 +50,13 @@ def histories(draw: st.DrawFn) -> IdlenessHistory:
 
 
 @st.composite
+def engine_costs(draw: st.DrawFn) -> EngineCosts:
+    """Prices an engine was measured to charge (``Policy.set_engine_costs``)."""
+    price = st.none() | st.sampled_from([0.0, 0.01, 0.1, 1.0, 20.0])
+    return EngineCosts(draw(price), draw(price), draw(price))
+
+
+@st.composite
 def worlds(draw: st.DrawFn) -> dict[str, object]:
     n = draw(st.integers(1, 8))
     programs = [
@@ -76,6 +85,7 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
         restored=restored,
         batch=draw(st.booleans()),
         replicas=replicas,
+        costs=[draw(st.none() | engine_costs()) for _ in range(replicas)],
         gpu=gpu,
         cpu=cpu,
         disk=disk,
@@ -107,6 +117,9 @@ def run_world(name: str, w: dict[str, object]) -> FakeWorld:
         ClusterSpec(int(w["replicas"]), int(w["gpu"]), int(w["cpu"]),  # type: ignore[arg-type]
                     int(w.get("disk", 0))),  # type: ignore[call-overload]
         int(w["per_token"]), config)  # type: ignore[arg-type]
+    for r, costs in enumerate(w.get("costs", [])):  # type: ignore[arg-type]
+        if costs is not None:
+            policy.set_engine_costs(r, costs)
     outages = list(w.get("outages", []))  # type: ignore[call-overload]
     limit = time_limit(programs, config.tick_s) + sum(up - down for down, up, _ in outages)
     world = FakeWorld(policy, programs, limit, batch=bool(w.get("batch", False)),

@@ -139,7 +139,7 @@ def test_a_held_request_says_why_it_waits() -> None:
     step(p, 2.0, arrive("B", 60))
     why = p.hold_reason("B", 2.0)
     assert why is not None and "replica 0 needs 20 tokens" in why
-    assert "in 5.0 s, when A's drop pays" in why
+    assert "in 5.0 s, when A's leaving pays" in why
     assert p.hold_reason("A", 2.0) is None  # A holds no request
     assert p.hold_reason("nobody", 2.0) is None
     assert "now" in (p.hold_reason("B", 7.5) or "")  # before the round that places it

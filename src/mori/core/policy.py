@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mori.core.decisions import Decision, Demote, Forward, Promote, Release
+from mori.core.engine_costs import EngineCosts
 from mori.core.events import (
     Event,
     KVReady,
@@ -90,6 +91,8 @@ class PolicyConfig:
     busy share (``mori.core.load``), by which ``mori`` scales the price of a drop (a
     recompute delays others only while the engine has work); None or 0: the price
     assumes an engine that is always busy.
+    ``fill_idle``: ``mori``'s work conservation: a replica with no step running takes a
+    held request at once, its Acting programs leaving for it (``mori_idle_fill``).
     """
 
     tick_s: float = 5.0
@@ -106,6 +109,7 @@ class PolicyConfig:
     disk_read_gbps: float | None = None
     disk_latency_s: float = 0.0
     load_window_s: float | None = DEFAULT_LOAD_WINDOW_S
+    fill_idle: bool = False
 
     def __post_init__(self) -> None:
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
@@ -195,6 +199,7 @@ class Policy(ABC):
         self.replica_loads: tuple[int, ...] | None = None  # see set_replica_loads
         self.load = ReplicaLoad(self.cluster.replicas,
                                 self.config.load_window_s or DEFAULT_LOAD_WINDOW_S)
+        self.engine_costs: list[EngineCosts | None] = [None] * self.cluster.replicas
 
     # -- the interface ----------------------------------------------------------------
     @property
@@ -349,11 +354,36 @@ class Policy(ABC):
             return ClusterSpec(cluster.replicas, cluster.gpu_bytes, cluster.cpu_bytes)
         return ClusterSpec(cluster.replicas, cluster.gpu_bytes, 0)
 
+    def set_engine_costs(self, replica: int, costs: EngineCosts) -> None:
+        """Price ``replica``'s moves by what its engine was measured to charge
+        (``mori.core.engine_costs``, in policy seconds); a price left None keeps the
+        configured rate."""
+        if not 0 <= replica < self.cluster.replicas:
+            raise ValueError(f"no replica {replica} (the cluster has "
+                             f"{self.cluster.replicas})")
+        self.engine_costs[replica] = costs
+
+    def _costs_of(self, p: Program) -> EngineCosts | None:
+        return self.engine_costs[p.replica] if p.replica is not None else None
+
     def reload_s(self, p: Program) -> float:
-        """Seconds a reload of ``p``'s KV is estimated to take (``reload_gbps``; inf at
-        0 GB/s: no usable link)."""
+        """Seconds a reload of ``p``'s KV is estimated to take: its replica's learned
+        price where there is one (``set_engine_costs``), else ``reload_gbps`` (inf at
+        0 GB/s: no usable link, whatever was learned)."""
         gbps = DEFAULT_RELOAD_GBPS if self.config.reload_gbps is None else self.config.reload_gbps
-        return p.kv_bytes / (gbps * 1e9) if gbps > 0 else math.inf
+        if gbps <= 0:
+            return math.inf
+        c = self._costs_of(p)
+        if c is not None and c.reload_fixed_s is not None and c.reload_per_token_s is not None:
+            return c.reload_fixed_s + c.reload_per_token_s * p.tokens
+        return p.kv_bytes / (gbps * 1e9)
+
+    def reload_fixed_s(self, p: Program) -> float:
+        """The part of ``p``'s reload that does not overlap with the engine's compute: the
+        fixed cost its replica's engine was measured to charge per reload (0 where none
+        was learned; the link's per-token transfer overlaps, as the paper assumes)."""
+        c = self._costs_of(p)
+        return c.reload_fixed_s if c is not None and c.reload_fixed_s is not None else 0.0
 
     def disk_reload_s(self, p: Program) -> float:
         """Seconds a reload of ``p``'s KV from its replica's disk tier is estimated to
@@ -362,8 +392,11 @@ class Policy(ABC):
         return self.config.disk_latency_s + p.kv_bytes / (gbps * 1e9)
 
     def recompute_s(self, p: Program) -> float:
-        """Seconds a recompute of ``p``'s context is estimated to take
-        (``recompute_tok_s``)."""
+        """Seconds a recompute of ``p``'s context is estimated to take: its replica's
+        learned price where there is one, else ``recompute_tok_s``."""
+        c = self._costs_of(p)
+        if c is not None and c.recompute_per_token_s is not None:
+            return c.recompute_per_token_s * p.tokens
         return p.tokens / (self.config.recompute_tok_s or DEFAULT_RECOMPUTE_TOK_S)
 
     def hold_reason(self, program_id: str, now: float) -> str | None:

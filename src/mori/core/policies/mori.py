@@ -40,6 +40,10 @@ Every rule of section 4, and where a detail is ours:
   programs more idle than it are pushed off a full disk for it; a held program on disk
   goes back to its own replica, promoted after the CPU-queue programs and before those
   in Waiting (``mori_disk``).
+- Work conservation (ours, not the paper's; ``PolicyConfig.fill_idle``): after the
+  promotions, a replica with no step running takes the oldest held request that can go
+  there, its Acting programs parking for it in free CPU room without waiting out a fixed
+  reload price (``mori_idle_fill``): holding a request on an idle engine wastes it.
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
   the promotions above, requests held ``max_wait_s`` or longer are served oldest first
   (``mori_aged``), Acting programs demoted for them; one that must wait for running
@@ -56,6 +60,7 @@ from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_aged import WaitBound
 from mori.core.policies.mori_book import IdlenessAt, MoriBook
 from mori.core.policies.mori_disk import DiskTier
+from mori.core.policies.mori_idle_fill import IdleFill
 from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_ranking import Ranking, ReturnCost
@@ -91,7 +96,9 @@ class MoriPolicy(Policy):
     - ``round``: the promotions, from the index (``mori_round``), or by scanning every
       held request where the index cannot serve (``mori_scan_round``);
     - ``rebalancer``: a variant's moves on every round (None for MORI);
-    - ``disk`` (``mori_disk``): who is kept on a replica's disk tier (None without one).
+    - ``disk`` (``mori_disk``): who is kept on a replica's disk tier (None without one);
+    - ``idle_fill`` (``mori_idle_fill``): an idle replica takes a held request (None:
+      off, or a variant's ranking).
 
     The parts change the table only through ``moves`` (``moves``), the policy's own
     moves, so the book stays exact.
@@ -116,7 +123,7 @@ class MoriPolicy(Policy):
         self._idleness: IdlenessAt | None = None  # the round's, while it decides
         self.ranking = ranking or ReturnCost(
             self.placement, self.book, self.reload_s, self.recompute_s, self.disk,
-            self.load if self.config.load_window_s else None)
+            self.load if self.config.load_window_s else None, self.reload_fixed_s)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
         self.moves = Moves(self._promote, self._forward, self._demote_to)
@@ -131,11 +138,19 @@ class MoriPolicy(Policy):
             else ScanRound(self.placement, self.cluster, self._ready, self.choice, self.room,
                            self.moves))
         self.rebalancer: Rebalancer | None = None
+        self.idle_fill = (IdleFill(self.placement, self.book, self.load, self.held_since,
+                                   self._foreign_load, self.room, self.moves)
+                          if ranking is None and self.config.fill_idle else None)
+
+    def _foreign_load(self, replica: int) -> int:
+        """Requests of other clients on ``replica`` as last told (0: none told)."""
+        loads = self.replica_loads
+        return loads[replica] if loads is not None else 0
 
     def hold_reason(self, program_id: str, now: float) -> str | None:
         """Why a held request waits: on the replica where it would go soonest, how much
         room it needs beyond what is free, and when the Acting programs there may leave
-        to make it (under ``ReturnCost``: once their drop pays; a parked one at once),
+        to make it (under ``ReturnCost``: once their drop, or their park, pays),
         or that the rest is held by running steps. It ignores the candidates ranked
         ahead of it, so it says when room can be made, not that this request gets it."""
         p = self.programs.get(program_id)
@@ -168,7 +183,7 @@ class MoriPolicy(Policy):
                     why = (f"replica {r} needs {short:,.0f} tokens of room more than it has "
                            f"free; its Acting programs make that room "
                            + ("now" if wait <= 0 else f"in {wait:.1f} s, when {q.program_id}'s "
-                              f"drop pays for its recompute"))
+                              f"leaving pays for its return"))
                     if best is None or wait < best[0]:
                         best = (wait, why)
                     break
@@ -185,6 +200,8 @@ class MoriPolicy(Policy):
             price = self.ranking.drop_s(q, idleness.now)
             if self.disk is not None and self.disk.lands(q, idleness):
                 price = min(price, self.disk_reload_s(q))
+            if self.ranking.parks(q, idleness):
+                price = min(price, self.reload_fixed_s(q))
             return max(0.0, price - self.ranking.away_s(q, idleness.now))
         return math.inf
 
@@ -268,3 +285,5 @@ class MoriPolicy(Policy):
             for p in self.ready_on_gpu():
                 self._forward(p, now, out)
         self.round.run(now, out, idleness, held_for)
+        if self.idle_fill is not None and self._ready:
+            self.idle_fill.fill(now, out, idleness)

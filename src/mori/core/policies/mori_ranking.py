@@ -111,8 +111,14 @@ class ReturnCost(Ranking):
     the program's return will cost the replica.
 
     - Parked: a program demoted into room in its replica's CPU tier returns by a reload.
-      The link copies while the GPU computes, so the reload costs the replica no GPU
-      time: it may leave at once, by the paper's rule.
+      The link copies while the GPU computes, so the transfer costs the replica no GPU
+      time: by the paper's rule it may leave at once. Where the replica's engine was
+      measured to charge a fixed cost per reload on top (``reload_fixed_s``, learned
+      from its answers, ``mori.core.engine_costs``: vLLM's host tier on a CPU takes
+      12-30 ms whatever the size), it may leave once it has been away at least that
+      long (``park_pays``): the ski-rental rule on that fixed price. Measured
+      (docs/benchmarks.md, the bottleneck benchmark on the dev100 traces): parking at
+      once there made nearly every request a reload.
     - Dropped: a program with no room to park returns by a recompute of its whole
       context (``recompute_s``), which takes the GPU from every program on the replica.
       It may be dropped only once it has been away (in its tool call) at least that
@@ -151,8 +157,10 @@ class ReturnCost(Ranking):
     def __init__(self, placement: Placement, book: MoriBook,
                  reload_s: Callable[[Program], float],
                  recompute_s: Callable[[Program], float],
-                 disk: DiskTier | None = None, load: ReplicaLoad | None = None) -> None:
+                 disk: DiskTier | None = None, load: ReplicaLoad | None = None,
+                 reload_fixed_s: Callable[[Program], float] | None = None) -> None:
         self.placement = placement
+        self.reload_fixed_s = reload_fixed_s
         self.book = book
         self.reload_s = reload_s
         self.recompute_s = recompute_s
@@ -225,8 +233,15 @@ class ReturnCost(Ranking):
         return (disk is not None and self.away_s(p, idleness.now) >= disk.disk_reload_s(p)
                 and disk.lands(p, idleness))
 
+    def park_pays(self, p: Program, now: float) -> bool:
+        """Whether ``p`` has been away at least as long as the engine time its reload
+        will take (``reload_fixed_s``): the ski-rental rule on a park's price."""
+        fixed = self.reload_fixed_s(p) if self.reload_fixed_s is not None else 0.0
+        return fixed <= 0.0 or self.away_s(p, now) >= fixed
+
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
-        return (self.pays(p, idleness.now) or self.parks(p, idleness)
+        return (self.pays(p, idleness.now)
+                or (self.park_pays(p, idleness.now) and self.parks(p, idleness))
                 or self.stores(p, idleness))
 
     def cpu_droppable(self, q: Program, idleness: IdlenessAt) -> bool:

@@ -1,0 +1,103 @@
+"""Work conservation (ours, not the paper's): a replica whose engine has nothing to run
+takes a held request at once. ``IdleFill``, a part of ``MoriPolicy`` (its ``idle_fill``
+field, ``PolicyConfig.fill_idle``).
+
+MORI holds a request while its program's KV does not fit beside the Acting programs on
+the GPU whose leaving does not pay yet (``mori_ranking.ReturnCost``). On a busy replica
+that protects the steps that run; on an idle one it only wastes the engine: holding the
+request costs its whole wait of engine time for certain, while making room costs the
+programs that leave a return that may never come. So after the round's promotions, a
+replica with no step running (as the policy forwarded them, ``ReplicaLoad.running``;
+and, where the gateway reads it, no other client's request, ``Policy.replica_loads``)
+takes the oldest held request that can go there: a program parked or kept on disk there,
+or one with no KV anywhere, whose context fits the replica's GPU tier once Acting
+programs leave. They leave, the most idle first, only if they all park in the free room
+of the replica's CPU tier: a park waits out no fixed reload price on an idle engine
+(``ReturnCost.park_pays``), but a drop still waits until it pays. One request per idle
+replica per round: once it runs, the replica is no longer idle.
+
+Tried and not kept: making room by drops too (whatever they cost). In the simulator it
+lost up to 17% (30B on one replica, no CPU tier, 50 programs: 0.480 against 0.576
+requests per second with the rule off; 5% on three replicas with CPU ratio 2): a drop
+that does not pay yet comes back as a recompute on a busy engine, which costs more than
+the idle time it saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from mori.core.decisions import Decision
+from mori.core.ledger import Placement
+from mori.core.load import ReplicaLoad
+from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_index import AFFINE
+from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.moves import Moves
+from mori.core.program import Program
+from mori.core.types import Tier
+
+__all__ = ["IdleFill"]
+
+
+class IdleFill:
+    """The work-conserving rule of one policy (the module docstring).
+    ``held_since(cutoff)``: the programs holding a request since ``cutoff`` or before,
+    oldest first (``Policy.held_since``); ``foreign(r)``: requests of other clients on
+    replica ``r`` as last reported (0 when unknown)."""
+
+    def __init__(self, placement: Placement, book: MoriBook, load: ReplicaLoad,
+                 held_since: Callable[[float], Iterator[Program]],
+                 foreign: Callable[[int], int], room: RoomMaker, moves: Moves) -> None:
+        self.placement = placement
+        self.book = book
+        self.load = load
+        self.held_since = held_since
+        self.foreign = foreign
+        self.room = room
+        self.moves = moves
+
+    def idle(self, r: int) -> bool:
+        """Whether replica ``r`` is up and its engine has nothing to run."""
+        return (r not in self.placement.down and self.load.running(r) == 0
+                and self.foreign(r) == 0 and bool(self.placement.gpu[r].capacity))
+
+    def fill(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
+        """Each idle replica takes the oldest held request that can go there."""
+        gpus = self.placement.gpu
+        idle = [r for r in range(len(gpus)) if self.idle(r)]
+        if not idle:
+            return
+        for c in self.held_since(now):
+            if not idle:
+                return
+            if c.tier is Tier.GPU:
+                continue  # resident: forwarded this round already
+            r = self._where(c, idle)
+            if r is None:
+                continue
+            gq = gpus[r]
+            leave = self.room.most_idle_acting(r, c.kv_bytes - gq.free(), idleness)
+            cq = self.placement.cpu[r]
+            if sum(p.kv_bytes for p in leave) > (cq.free() if cq.capacity else 0):
+                continue  # room only by drops: those wait until they pay
+            for p in leave:
+                self.room.offload(p, r, out, idleness, keep=c)
+            self.moves.place(c, r, now, out)
+            idle.remove(r)
+
+    def _where(self, c: Program, idle: list[int]) -> int | None:
+        """The idle replica ``c`` can go to: its own where its KV is kept (CPU or disk
+        tier), else the one with the most room that its context fits once the Acting
+        programs leave (None: none)."""
+        gpus = self.placement.gpu
+        if c.tier in AFFINE:
+            return c.replica if c.replica in idle and self._fits(c, c.replica) else None
+        fits = [r for r in idle if self._fits(c, r)]
+        return max(fits, key=lambda r: (gpus[r].free(), -r)) if fits else None
+
+    def _fits(self, c: Program, r: int) -> bool:
+        """Whether ``c`` fits on ``r``'s GPU once every Acting program there leaves (no
+        step runs on an idle replica, so every other program there is Acting or held)."""
+        gq = self.placement.gpu[r]
+        return gq.capacity is None or c.kv_bytes <= gq.free() + self.book.sums.acting[r]

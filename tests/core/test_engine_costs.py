@@ -1,0 +1,139 @@
+"""The engine's prices learned from its answers (``mori.core.engine_costs``), and how
+``mori`` uses them: a recompute priced per token as measured, a park that waits out the
+reload's fixed engine time (``ReturnCost.park_pays``).
+
+Capacities in tokens (1 byte each), as in ``test_return_cost``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scenario_steps import CPU, GPU, NONE, arrive, fin, make, step, where
+
+from mori.core.decisions import Demote, Forward, Promote
+from mori.core.engine_costs import CostLearner, EngineCosts
+
+RATE = {"recompute_tok_s": 10.0}
+
+
+def feed(learner: CostLearner, n: int, base: float, per_token: float,
+         fixed: float = 0.0, reload_per_token: float = 0.0, reloaded: bool = False,
+         seed: int = 0) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        computed = rng.randrange(0, 2000)
+        cached = rng.randrange(100, 4000)
+        t = base + per_token * computed
+        if reloaded:
+            t += fixed + reload_per_token * cached
+        learner.observe(computed, cached, t, reloaded)
+
+
+def test_the_lines_come_back_from_exact_samples() -> None:
+    learner = CostLearner(1e-3, 1e-6, min_samples=16)
+    feed(learner, 40, base=0.004, per_token=2e-5)
+    feed(learner, 40, base=0.004, per_token=2e-5, fixed=0.015, reload_per_token=1e-6,
+         reloaded=True, seed=1)
+    c = learner.costs()
+    assert c.recompute_per_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert c.reload_fixed_s == pytest.approx(0.015, rel=1e-6)
+    assert c.reload_per_token_s == pytest.approx(1e-6, rel=1e-4)
+    assert learner.view()["base_s"] == pytest.approx(0.004, rel=1e-6)
+
+
+def test_nothing_is_priced_before_enough_samples() -> None:
+    learner = CostLearner(1e-3, 1e-6, min_samples=16)
+    feed(learner, 15, base=0.004, per_token=2e-5)
+    assert learner.costs() == EngineCosts()
+    feed(learner, 1, base=0.004, per_token=2e-5)
+    c = learner.costs()
+    assert c.recompute_per_token_s is not None and c.reload_fixed_s is None
+
+
+def test_reloads_seen_before_the_base_line_are_kept_for_it() -> None:
+    """Reloaded requests that come first wait until the base line can price them."""
+    learner = CostLearner(1e-3, 1e-6, min_samples=16)
+    feed(learner, 20, base=0.004, per_token=2e-5, fixed=0.02, reloaded=True)
+    assert learner.samples == (0, 20) and learner.costs() == EngineCosts()
+    feed(learner, 16, base=0.004, per_token=2e-5, seed=2)
+    assert learner.costs().reload_fixed_s == pytest.approx(0.02, rel=1e-6)
+
+
+def test_without_spread_the_slope_is_the_priors() -> None:
+    """Every request computed the same few tokens: the slope cannot be told, so the
+    prior's is kept and only the level is fitted."""
+    learner = CostLearner(3e-4, 1e-6, min_samples=4)
+    for _ in range(10):
+        learner.observe(50, 1000, 0.01, False)
+    assert learner.costs().recompute_per_token_s == 3e-4
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_bad_samples_are_ignored(bad: float) -> None:
+    learner = CostLearner(1e-3, 1e-6, min_samples=2)
+    learner.observe(10, 10, bad, False)
+    learner.observe(-1, 10, 0.1, False)
+    assert learner.samples == (0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6),
+                          st.floats(0, 100, allow_nan=False), st.booleans()), max_size=80))
+def test_prices_are_never_negative(samples: list[tuple[int, int, float, bool]]) -> None:
+    """Whatever the samples (noise, outliers, a faster reload than a resident step), no
+    price is negative or not a number."""
+    learner = CostLearner(1e-4, 1e-7, min_samples=4)
+    for computed, cached, t, reloaded in samples:
+        learner.observe(computed, cached, t, reloaded)
+    for v in (learner.costs().recompute_per_token_s, learner.costs().reload_fixed_s,
+              learner.costs().reload_per_token_s):
+        assert v is None or (math.isfinite(v) and v >= 0)
+
+
+def test_learned_prices_replace_the_configured_rates() -> None:
+    p = make("mori", gpu=100, cpu=100, **RATE)
+    step(p, 0.0, arrive("A", 60))
+    a = p.programs["A"]
+    assert p.recompute_s(a) == pytest.approx(6.0)
+    p.set_engine_costs(0, EngineCosts(recompute_per_token_s=0.5, reload_fixed_s=2.0,
+                                      reload_per_token_s=0.01))
+    assert p.recompute_s(a) == pytest.approx(30.0)
+    assert p.reload_s(a) == pytest.approx(2.6)
+    assert p.reload_fixed_s(a) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no replica 1"):
+        p.set_engine_costs(1, EngineCosts())
+
+
+def test_a_reload_with_a_fixed_price_parks_only_once_it_pays() -> None:
+    """The engine charges 2 s per reload whatever its size: A (back in its tool call at
+    t = 1) is parked for B only once it has been away 2 s; without the learned price it
+    parks at once (``test_return_cost``)."""
+    p = make("mori", gpu=100, cpu=100, **RATE)
+    p.set_engine_costs(0, EngineCosts(reload_fixed_s=2.0, reload_per_token_s=0.0))
+    step(p, 0.0, arrive("A", 60))
+    step(p, 1.0, fin("A", 60))
+    assert step(p, 1.5, arrive("B", 60)) == []
+    assert where(p, "A") == (GPU, 0) and where(p, "B") == (NONE, None)
+    why = p.hold_reason("B", 2.0)
+    assert why is not None and "in 1.0 s, when A's leaving pays" in why
+    assert step(p, 2.9) == []
+    assert step(p, 3.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
+                            Forward("B", 0)]
+
+
+def test_a_drop_that_pays_first_goes_first() -> None:
+    """A park's fixed price above the drop's: no CPU tier in the way, the drop pays at
+    t = 1 + 6 whatever the reload would cost."""
+    p = make("mori", gpu=100, cpu=100, **RATE)
+    p.set_engine_costs(0, EngineCosts(reload_fixed_s=50.0, reload_per_token_s=0.0))
+    step(p, 0.0, arrive("A", 60))
+    step(p, 1.0, fin("A", 60))
+    assert step(p, 2.0, arrive("B", 60)) == []
+    assert step(p, 6.9) == []
+    assert step(p, 7.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
+                            Forward("B", 0)]
