@@ -4,7 +4,7 @@ many prompt tokens each recomputes.
     python bench/bench_vllm_agents.py [--setting default|bottleneck] [--programs N]
         [--duration S] [--time-scale X] [--token-scale 0.01] [--blocks N]
         [--cpu-blocks N[,N...]] [--rounds 1] [--engine-cpus auto] [--seed 0]
-        [--arms a,b,c,d] [--json FILE]
+        [--arms a,b,c,d] [--mori-args 'FLAGS'] [--json FILE]
 
 ``--setting default`` (8 programs, time scale 10, 128 blocks, host tier 256) is bound by
 the programs' tool time; ``--setting bottleneck`` (32 programs, time scale 100, 256
@@ -77,6 +77,7 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import statistics
 import string
@@ -203,6 +204,7 @@ class Settings:
     seed: int
     cpu_blocks: int = 0  # host-tier blocks (0: no host tier)
     engine_cpus: frozenset[int] | None = None  # the engine's own CPUs (None: shared)
+    mori_args: tuple[str, ...] = ()  # more flags for mori serve (arms c and d)
 
 
 def policy_rates(time_scale: float) -> tuple[float, float]:
@@ -272,7 +274,7 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             target = start_thunderagent(procs, logs, engine, exe, s.time_scale)
         else:
             target, gateway_log = start_mori(procs, logs, engine, s.time_scale, arm,
-                                             policy_rates(s.time_scale))
+                                             policy_rates(s.time_scale), s.mori_args)
         cfg = replay_config(target, s, ratio, max_model_len, max_output_tokens(traces))
         before = engine_counters(engine.url)
         with LoadSampler(engine.url) as load:
@@ -311,6 +313,10 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             "gated_requests": result.gated_requests, "promotions": result.promotions,
             "demotions_to_none": result.demotions_to_none,
         })
+        if arm in ("c", "d"):  # the engine's prices as the gateway learned them
+            with contextlib.suppress(Exception):
+                rows = json.loads(http_get(target + "/v1/replicas")[1])["data"]
+                row["engine_costs"] = rows[0]["costs"]
         if gateway_log is not None and arm == "d":
             # the gateway warns when the plug-in does not answer, or stops answering
             text = gateway_log.read_text(errors="replace")
@@ -536,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", type=Path, default=None,
                     help="folder for the processes' logs (default: a new temporary one)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--mori-args", default="", metavar="'FLAGS'",
+                    help="more flags for mori serve in arms (c) and (d), one string, e.g. "
+                         "'--no-learn-costs --no-fill-idle'")
     args = ap.parse_args(argv)
     named = SETTINGS[args.setting]
     for key in ("programs", "duration", "time_scale", "blocks"):
@@ -575,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         for cpu_blocks in args.cpu_blocks:
             settings = Settings(args.programs, args.duration, args.time_scale,
                                 args.token_scale, args.blocks, args.seed, cpu_blocks,
-                                engine_cpus)
+                                engine_cpus, tuple(shlex.split(args.mori_args)))
             for rnd in range(args.rounds):
                 for arm in arms:
                     print(f"host tier {cpu_blocks}, round {rnd + 1}/{args.rounds}: arm "
@@ -620,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                             "cpu_blocks": args.cpu_blocks[0], "cpu_blocks_runs": args.cpu_blocks,
                             "rounds": args.rounds, "setting": args.setting,
                             "engine_cpus": None if engine_cpus is None else sorted(engine_cpus),
+                            "mori_args": args.mori_args,
                             "front_cpus": None if front_cpus is None else sorted(front_cpus),
                             "traces": traces.name, "block_size": BLOCK_SIZE, "arms": arms,
                             "policy_rates": dict(zip(("recompute_tok_s", "reload_gbps"),

@@ -246,10 +246,11 @@ def start_thunderagent(procs: Processes, logs: Path, engine: Engine, exe: Path,
 
 
 def start_mori(procs: Processes, logs: Path, engine: Engine, time_scale: float,
-               arm: str, rates: tuple[float, float] | None = None) -> tuple[str, Path]:
+               arm: str, rates: tuple[float, float] | None = None,
+               extra: tuple[str, ...] = ()) -> tuple[str, Path]:
     """``mori serve`` in front of ``engine``; ``rates``: the recompute rate (tokens/s) and
     reload bandwidth (GB/s) the policy prices moves with, in policy time (else its
-    defaults)."""
+    defaults); ``extra``: more flags."""
     port = free_port()
     backend = f"vllm={engine.url},kv_events={engine.kv_events}"
     if engine.labels:
@@ -262,7 +263,7 @@ def start_mori(procs: Processes, logs: Path, engine: Engine, time_scale: float,
         sys.executable, "-m", "mori", "serve", "--backend", backend, "--port", str(port),
         "--time-scale", f"{time_scale:g}", "--exact-tokens", "--log-level", "info",
         *([] if rates is None else ["--recompute-tok-s", f"{rates[0]:g}",
-                                    "--reload-gbps", f"{rates[1]:g}"])], log,
+                                    "--reload-gbps", f"{rates[1]:g}"]), *extra], log,
         {**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/v1/programs", proc, log, "mori serve", FRONT_START_S)

@@ -182,6 +182,10 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
            help="mori: the time constant of each replica's recent busy share, which "
                 "scales the price of a drop (a recompute delays others only while the "
                 "engine has work); 0: price drops as if the engine were always busy"),
+    Option("fill_idle", bool, _POLICY.fill_idle,
+           help="mori: a replica with no step running takes the oldest held request that "
+                "can go there at once, its Acting programs leaving for it (work "
+                "conservation; default: off)"),
 )
 """The knobs of single policies that `mori simulate` and `mori serve` both take."""
 
@@ -441,6 +445,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            help="count prompt tokens with the engine's tokenizer where it offers one (one "
                 "more round trip per request) instead of estimating 4 characters per token "
                 "(default: off)"),
+    Option("learn_costs", bool, _GATEWAY.learn_costs,
+           help="price each replica's recomputes and reloads by what its engine was "
+                "measured to charge (from requests that ran alone: first byte against "
+                "tokens computed and reloaded; shown in /v1/replicas) once 16 requests "
+                "were timed; --recompute-tok-s and --reload-gbps stay the prior "
+                "(default: on)"),
     Option("api_key", str, None, repeat=True, field="api_keys", metavar="KEY",
            help="require 'Authorization: Bearer KEY' on the OpenAI endpoints; each key has "
                 "its own program namespace (repeatable; also --api-key-file and the "

@@ -75,6 +75,7 @@ class Settings:
     recompute_tok_s: float | None
     max_wait: float | None
     load_window: float | None
+    fill_idle: bool
     jobs: int
     quiet: bool
 

@@ -5,6 +5,7 @@ Endpoints (handlers in ``Routes``): ``POST /v1/chat/completions`` and
 ``GET /v1/programs/{id}``, ``POST /v1/programs/{id}/release``, ``GET /v1/decisions``
 (the recent decision log), ``GET /v1/residency`` (per replica: where the policy placed
 programs, and where the engine reports their KV, for engines that report it),
+``GET /v1/replicas`` (per replica: health, load, the engine's learned prices),
 ``GET /healthz``, ``GET /metrics``, and the dashboard: ``GET /dashboard`` (the page) and
 ``GET /dashboard/state`` (what it shows; admin only), see ``mori.gateway.dashboard``.
 """
@@ -246,7 +247,7 @@ class Routes:
     ``/v1/programs`` lists the caller's own programs (an admin key: every program, by the
     gateway's ids), a page at a time: ``?limit=N`` (1000 unless given, at most 10,000)
     ``&after=ID``, with ``has_more``, ``first_id`` and ``last_id`` as OpenAI's lists; and a program can be read or released only by its own key or an admin
-    key; ``/v1/decisions``, ``/v1/residency`` and ``/metrics`` (unless ``public_metrics``)
+    key; ``/v1/decisions``, ``/v1/residency``, ``/v1/replicas`` and ``/metrics`` (unless ``public_metrics``)
     need an admin key; ``/healthz`` is open but names the replicas only to an admin key
     (each with the error that made it unhealthy, null once it is healthy again).
     """
@@ -266,6 +267,7 @@ class Routes:
             Route("/v1/programs/{program_id:path}", self.program, methods=["GET"]),
             Route("/v1/decisions", self.decisions, methods=["GET"]),
             Route("/v1/residency", self.residency, methods=["GET"]),
+            Route("/v1/replicas", self.replicas, methods=["GET"]),
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/dashboard", self.gw.dashboard.page_endpoint, methods=["GET"]),
@@ -354,6 +356,22 @@ class Routes:
         except ValueError:
             return error_response(400, "'since' must be a number (policy seconds)", "since")
         rows = [r.as_dict() for r in self.gw.ctl.log.since(since)]
+        return JSONResponse({"object": "list", "data": rows})
+
+    async def replicas(self, request: Request) -> Response:
+        """Per replica: health, load, and the engine's prices as measured
+        (``EnginePrices.view``) beside those the policy uses."""
+        if (denied := self._denied(request, admin=True)) is not None:
+            return denied
+        ctl = self.gw.ctl
+        rows = []
+        for r in ctl.replicas.all:
+            load = r.engine_load
+            rows.append({"replica": r.index, "url": r.adapter.url, "kind": r.adapter.kind,
+                         "healthy": r.healthy, "in_flight": r.in_flight,
+                         "engine_load": None if load is None else
+                         {"running": load.running, "waiting": load.waiting},
+                         "costs": ctl.prices.view(r.index)})
         return JSONResponse({"object": "list", "data": rows})
 
     async def residency(self, request: Request) -> Response:

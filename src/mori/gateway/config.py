@@ -46,7 +46,9 @@ class GatewaySettings:
     replica is probed at once). ``max_programs_per_key``: the most live programs one key
     (or, without keys, the gateway) may hold; a new one beyond gets 429 (0: no limit). ``load_interval_s``: how often
     the engines' load is read (requests running and waiting, where an engine reports
-    them; 0: never). ``exact_tokens``: ask an engine
+    them; 0: never). ``learn_costs``: price each replica's recomputes and reloads by what its
+    engine was measured to charge (``mori.core.engine_costs``) once enough requests were
+    timed, instead of the configured rates alone. ``exact_tokens``: ask an engine
     that can count prompt tokens exactly. ``decision_log``: decisions kept for
     ``/v1/decisions``. ``startup_wait_s``: how long to wait for engines still starting.
     ``stream_write_timeout_s``: the longest one chunk of a streamed answer may wait for a
@@ -100,6 +102,7 @@ class GatewaySettings:
     max_programs_per_key: int = 0
     load_interval_s: float = 1.0
     exact_tokens: bool = False
+    learn_costs: bool = True
     decision_log: int = 10000
     startup_wait_s: float = 60.0
     stream_write_timeout_s: float = 30.0

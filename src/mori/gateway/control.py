@@ -58,6 +58,7 @@ from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
+from mori.gateway.engine_prices import EnginePrices
 from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo, SeenOrder
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
@@ -106,6 +107,8 @@ class Controller:
         self._abandoned: dict[str, float] = {}  # a context left behind -> its release (wall)
         self.recorder: TraceRecorder | None = None  # set by the gateway (--record)
         self._epoch_offset = time.time() - self._wall()
+        self.prices = EnginePrices(policy, len(adapters), settings.time_scale,
+                                   settings.learn_costs)
 
     # -- clock --------------------------------------------------------------------------
     def now(self) -> float:
@@ -373,6 +376,11 @@ class Controller:
         if info.anonymous or info.release_pending:
             self._end(program_id)
         self.decide()
+
+    def timed(self, replica: int, reloaded: bool, step: StepFacts) -> None:
+        """A request that ran alone on ``replica`` ended: it prices the engine
+        (``EnginePrices``)."""
+        self.prices.observe(replica, reloaded, step)
 
     def release(self, program_id: str) -> bool:
         """The client says the program ended. False if the gateway does not know it."""

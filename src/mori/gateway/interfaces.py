@@ -29,6 +29,9 @@ class LeaseLike(Protocol):
 
     def kv_ready(self) -> None: ...
 
+    def answering(self) -> None:
+        """The engine's first byte came: its prefill is over."""
+
     def failed(self, e: UpstreamError) -> None: ...
 
     def finish(self, context_tokens: int, step: StepFacts | None = None) -> None: ...

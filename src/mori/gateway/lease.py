@@ -7,7 +7,11 @@ an engine's prefetch) and then reports the KV ready (``prepare``), or, for an en
 that says when in its stream, reports it on that signal (``kv_ready``), so the reload
 counts as gated time as in the simulator; it marks the replica
 unhealthy on an engine failure that says so (``failed``), and reports the end of the
-step exactly once (``finish``), however the request ends.
+step exactly once (``finish``), however the request ends. A request whose prefill ran
+alone (no other request of the gateway's was sent to its replica, or still waited there
+for its first byte, between its send and its first byte, ``answering``) also reports its
+time to first byte (``timed``), which prices the engine. Requests of other clients, and
+the gateway's own past their first byte (decoding), may still share the engine with it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class LeaseHost(Protocol):
     def finished(self, program_id: str, context_tokens: int,
                  step: StepFacts | None = None) -> None: ...
 
+    def timed(self, replica: int, reloaded: bool, step: StepFacts) -> None:
+        """A request that ran alone on ``replica`` ended: its time to first byte and its
+        tokens price the engine (``mori.core.engine_costs``)."""
+
 PRIORITY_LEVELS = 10
 """Priority hints run from 0 (busiest) to this (most idle): idleness in tenths."""
 
@@ -72,6 +80,13 @@ class RequestLease:
         self.prompt_tokens = prompt_tokens
         self.replica: Replica = ctl.replica(admission.replica)
         self.replica.in_flight += 1
+        # its time to first byte is its own, not a queue's, if no other request of the
+        # gateway's prefilled here while it did (``answering`` checks the second half)
+        self.alone = self.replica.prefilling == 0
+        self.replica.prefilling += 1
+        self.replica.sends += 1
+        self._send_no = self.replica.sends
+        self._prefilling = True
         self._done = False
         self._kv_ready = False
 
@@ -102,6 +117,14 @@ class RequestLease:
             self._kv_ready = True
             self._ctl.kv_ready(self.program_id)
 
+    def answering(self) -> None:
+        """The engine's first byte came (its prefill is over): once."""
+        if self._prefilling:
+            self._prefilling = False
+            self.replica.prefilling -= 1
+            if self.replica.sends != self._send_no:
+                self.alone = False  # another was sent while it prefilled
+
     def failed(self, e: UpstreamError) -> None:
         """The engine failed this request; a failure that says so marks it unhealthy."""
         self._ctl.upstream_failed(self.replica.index, e)
@@ -115,5 +138,8 @@ class RequestLease:
         if self._done:
             return
         self._done = True
+        self.answering()
         self.replica.in_flight -= 1
+        if self.alone and step is not None and step.first_byte_s is not None:
+            self._ctl.timed(self.replica.index, self.admission.reloaded, step)
         self._ctl.finished(self.program_id, context_tokens, step)

@@ -93,6 +93,7 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
                                   e.retry_after_s)
     try:
         await lease.prepare(req.path, req.body, req.stream)
+        sent = ctl.wall()
         hints = RequestHints(pid, priority=lease.priority, synthetic=req.synthetic)
         up = await lease.adapter.forward(req.path, req.body, req.stream, hints)
     except UpstreamError as e:
@@ -106,20 +107,22 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
         lease.finish(tokens)
         raise
     if up.chunks is None:
-        gw.metrics.ttft.observe(ctl.wall() - arrived)
+        answered = ctl.wall()
+        lease.answering()
+        gw.metrics.ttft.observe(answered - arrived)
         body = up.body or b""
 
         def step_ended() -> None:  # once the answer is on its way: it waits for nothing
             ans = read_answer(req.engine_spec, body) if up.status == 200 \
                 else Answer(completion_tokens=0)
-            _book(gw, lease, req, ans, ans.completion_tokens or 0)
+            _book(gw, lease, req, ans, ans.completion_tokens or 0, answered - sent)
 
         if spec.gemini:
             status, out = translate_answer(up.status, body)
             headers = {**up.headers, "content-type": "application/json"}
             return PassThrough(status, out, headers, after=step_ended)
         return PassThrough(up.status, body, up.headers, after=step_ended)
-    stream = _Relay(gw, up, lease, req, arrived)
+    stream = _Relay(gw, up, lease, req, arrived, sent)
     relay = stream.run()
     # the first whole lines: until they come, the client can be answered with a status
     first = await anext(relay, None)  # started: closing it now always ends the lease
@@ -175,15 +178,17 @@ class _Relay:
     set and ``run`` ends without a chunk: the caller answers with that status.
     """
 
-    __slots__ = ("gw", "up", "lease", "req", "arrived", "refused")
+    __slots__ = ("gw", "up", "lease", "req", "arrived", "sent", "first_byte_s", "refused")
 
     def __init__(self, gw: Gateway, up: UpstreamResponse, lease: LeaseLike,
-                 req: ClientRequest, arrived: float) -> None:
+                 req: ClientRequest, arrived: float, sent: float) -> None:
         self.gw = gw
         self.up = up
         self.lease = lease
         self.req = req
         self.arrived = arrived
+        self.sent = sent  # wall time the engine was sent the request
+        self.first_byte_s: float | None = None
         self.refused: UpstreamError | None = None
 
     async def run(self) -> AsyncGenerator[bytes, None]:
@@ -214,7 +219,10 @@ class _Relay:
                 finally:
                     idle.disarm()
                 if first:
-                    gw.metrics.ttft.observe(gw.ctl.wall() - self.arrived)
+                    now = gw.ctl.wall()
+                    lease.answering()
+                    gw.metrics.ttft.observe(now - self.arrived)
+                    self.first_byte_s = now - self.sent
                     first = False
                     limit = settings.stream_idle_timeout_s
                 pieces = watcher.feed(chunk)
@@ -259,7 +267,7 @@ class _Relay:
             with contextlib.suppress(Exception):
                 await self.up.aclose()  # the engine's request aborted unless it ended
             ans = watcher.answer
-            _book(gw, lease, req, ans, watcher.output_tokens())
+            _book(gw, lease, req, ans, watcher.output_tokens(), self.first_byte_s)
 
     def _idle_error(self, first: bool, seconds: float) -> UpstreamError:
         """The engine sent nothing in time: counted, and a 504 that has the replica
@@ -291,10 +299,11 @@ def for_client(e: UpstreamError, url: str) -> str:
 
 
 def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
-          output: int) -> None:
+          output: int, first_byte_s: float | None) -> None:
     """End the step with its counts: the engine's (its prompt count unless the request
     is synthetic, whose size the gateway knows) else the gateway's estimate, clamped to
-    what one request can hold (``StepUsage.bounded``; a clamp is counted and logged)."""
+    what one request can hold (``StepUsage.bounded``; a clamp is counted and logged);
+    ``first_byte_s``: seconds from its send to the engine's first byte (None: none came)."""
     prompt = lease.prompt_tokens
     engine_prompt = ans.prompt_tokens is not None and req.synthetic is None
     if engine_prompt:
@@ -314,8 +323,9 @@ def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
                     out_cap, usage.prompt, usage.cached, usage.output)
     gw.metrics.prompt_tokens.inc(usage.prompt)
     gw.metrics.completion_tokens.inc(usage.output)
-    lease.finish(usage.prompt + usage.output, StepFacts(usage.prompt, usage.cached,
-                                                        usage.output, tuple(ans.tool_names)))
+    lease.finish(usage.prompt + usage.output, StepFacts(
+        usage.prompt, usage.cached, usage.output, tuple(ans.tool_names),
+        first_byte_s if ans.prompt_tokens is not None else None))
 
 
 def context_window(gw: Gateway, model: str) -> int | None:

@@ -138,6 +138,9 @@ class WorkerHub:
             lease = peer.leases.pop(rid, None)
             if lease is not None:
                 lease.finish(int(msg["context"]), StepFacts.from_msg(msg.get("step")))
+        elif op == "first":
+            if (lease := peer.leases.get(rid)) is not None:
+                lease.answering()
         elif op == "kv_ready":
             if (lease := peer.leases.get(rid)) is not None:
                 lease.kv_ready()

@@ -154,6 +154,7 @@ class RemoteLease:
         self._reloaded = reloaded
         self._done = False
         self._kv_ready = False
+        self._answering = False
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -177,6 +178,11 @@ class RemoteLease:
         if not self._done and not self._kv_ready:
             self._kv_ready = True
             self._send({"op": "kv_ready"})
+
+    def answering(self) -> None:
+        if not self._done and not self._answering:
+            self._answering = True
+            self._send({"op": "first"})
 
     def failed(self, e: UpstreamError) -> None:
         self._send({"op": "failed", "message": e.message, "unhealthy": e.unhealthy,
