@@ -84,6 +84,12 @@ def near_sleep(seconds: float, client_s: float = 0.0) -> bool:
     return -TOOL_TOLERANCE * SLEEP_S <= seconds - SLEEP_S <= TOOL_TOLERANCE * SLEEP_S + client_s
 
 
+def measured(run: GatewayRun, name: str, gaps: Sequence[float]) -> None:
+    """Say what was measured (``pytest -s`` shows it; docs/agents.md quotes it)."""
+    print(f"\n[measured] {name}: wall {run.wall_s:.1f} s, tool time "
+          + ", ".join(f"{g:.2f} s" for g in gaps))
+
+
 def tool_gaps(program: ProgramTrace, tool: str) -> list[float]:
     """The gaps after the steps of ``program`` whose answer called ``tool``."""
     return [s.gap_s for s in program.steps if tool in s.tool_names]

@@ -30,7 +30,14 @@ from .clis import (
     qwen_cmd,
     qwen_env,
 )
-from .gateway_runs import SLEEP_S, GatewayRun, near_sleep, run_through_gateway, tool_gaps
+from .gateway_runs import (
+    SLEEP_S,
+    GatewayRun,
+    measured,
+    near_sleep,
+    run_through_gateway,
+    tool_gaps,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +51,6 @@ def workdir(tmp: Path) -> Path:
     work.mkdir()
     (work / MARKER).write_text("x")
     return work
-
-
-def measured(run: GatewayRun, name: str, gaps: list[float]) -> None:
-    """Say what was measured (``pytest -s`` shows it; docs/agents.md quotes it)."""
-    print(f"\n[matrix] {name}: wall {run.wall_s:.1f} s, tool time "
-          + ", ".join(f"{g:.2f} s" for g in gaps))
 
 
 def check_conversation_program(run: GatewayRun, tool: str, client_s: float = 0.0
@@ -122,18 +123,26 @@ QWEN_START_S = 0.3
 command (a ``sleep`` on PATH that logs its start and end showed it; the result's request
 follows the command's end within 0.1 s): the tool time it shows on the wire is the sleep
 plus that."""
+QWEN_SLEEP = f"sleep {SLEEP_S:g} # intentional-sleep: the scripted tool time"
 QWEN_SCRIPT = {"steps": [
-    {"text": "Waiting.",
-     "tool": {"run_shell_command": {
-         "command": f"sleep {SLEEP_S:g} # intentional-sleep: the scripted tool time",
-         "description": "Wait", "is_background": False}}},
+    # the main agent (offered update_goal) starts a subagent, in the background; the
+    # subagent, offered `agent` too but not update_goal, runs the sleep
+    {"text": "Asking a helper.", "requires": {"agent": ["update_goal"]},
+     "tool": {"agent": {"description": "Wait a while", "prompt": "Wait, then list the files.",
+                        "subagent_type": "general-purpose"},
+              "run_shell_command": {"command": QWEN_SLEEP, "description": "Wait",
+                                    "is_background": False}}},
     {"text": "Listing the files.",
      "tool": {"run_shell_command": {"command": "ls", "description": "List the files",
                                     "is_background": False}}},
     {"text": "Done."}], "fallback": "OK."}
 
 
-def test_qwen_code_session_is_one_program(tmp_path: Path) -> None:
+def test_qwen_code_session_and_its_subagent_are_one_program_each(tmp_path: Path) -> None:
+    """Qwen Code names nothing: the conversation recogniser joins each conversation's
+    requests, the main agent's across the ``<task-notification>`` turn that reports its
+    background subagent's end. The subagent, a conversation of its own, is a program of
+    its own, with no parent (nothing on the wire links it to the main agent)."""
     clis = agent_clis()
     work = workdir(tmp_path)
     run = run_through_gateway(
@@ -141,13 +150,29 @@ def test_qwen_code_session_is_one_program(tmp_path: Path) -> None:
         lambda url: (qwen_cmd(clis.qwen, "List the files here."),
                      qwen_env(url, tmp_path / "qwen-home", model=DEFAULT_MODEL)),
         work)
-    assert "Done." in run.output, run.tail()
-    row = check_conversation_program(run, "run_shell_command", QWEN_START_S)
-    assert row["tools"] == {"run_shell_command": 2} and row["tool_steps"] == 2
-    (trace,) = run.traces()
-    assert len(trace.steps) == 3
+    assert run.returncode == 0, run.tail()
+    assert "Done." in run.output
+    rows = run.programs
+    assert len(rows) == 2, rows
+    assert {(r["recogniser"], r["agent"], r["session"], r["parent"]) for r in rows} == {
+        ("conversation", "client", None, None)}
+    (main,) = [r for r in rows if "agent" in r["tools"]]
+    (sub,) = [r for r in rows if r is not main]
+    # each ran the script's ls step too; the main agent started one subagent (no restart
+    # at the notification)
+    assert main["tools"] == {"agent": 1, "run_shell_command": 1}, main
+    assert sub["tools"] == {"run_shell_command": 2} and sub["tool_steps"] == 2, sub
+    traces = {p.name: p for p in run.traces()}
+    assert set(traces) == {main["program_id"], sub["program_id"]}
+    # the launch, the ls, the answer, and (in the same program) the notification's answer
+    assert len(traces[main["program_id"]].steps) == 4
+    assert any("<task-notification>" in t for t in run.texts())
+    sub_trace = traces[sub["program_id"]]
+    assert len(sub_trace.steps) == 3
+    (gap,) = tool_gaps(sub_trace, "run_shell_command")[:1]
+    assert near_sleep(gap, QWEN_START_S), sub_trace.steps
     assert any(MARKER in t for t in run.texts())
-    measured(run, "Qwen Code", tool_gaps(trace, "run_shell_command")[:1])
+    measured(run, "Qwen Code, subagent", [gap])
 
 
 # ------------------------------------------------------------------ mini-swe-agent

@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from .clis import agent_clis, claude_cmd, claude_env, codex_cmd, codex_env
-from .gateway_runs import SLEEP_S, GatewayRun, near_sleep, run_through_gateway, tool_gaps
+from .gateway_runs import (
+    SLEEP_S,
+    GatewayRun,
+    measured,
+    near_sleep,
+    run_through_gateway,
+    tool_gaps,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -87,6 +94,7 @@ def test_codex_spawns_a_subagent_that_is_its_own_program(tmp_path: Path) -> None
     (child,) = [p for p in run.traces() if p.name == sub["program_id"]]
     assert near_sleep(tool_gaps(child, "exec_command")[0])
     assert any(MARKER in t for t in run.texts())
+    measured(run, "Codex, spawn_agent child", [sub["tool_s"]])
 
 
 def test_claude_code_background_agent_completes(tmp_path: Path) -> None:
@@ -111,3 +119,4 @@ def test_claude_code_background_agent_completes(tmp_path: Path) -> None:
     assert len(parent.steps) == 3, parent.steps
     assert any("<task-notification>" in t for t in run.texts())
     assert any(MARKER in t for t in run.texts())
+    measured(run, "Claude Code, background Agent's subagent", [sub["tool_s"]])
