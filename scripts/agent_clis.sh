@@ -16,7 +16,7 @@
 # Claude Code, Codex and opencode ship their native binaries through per-platform optional
 # dependencies (@anthropic-ai/claude-code-linux-x64, @openai/codex-linux-x64,
 # opencode-linux-x64, ...), so npm alone is enough; Qwen Code is JavaScript run by node.
-# About 1.2 GB on disk. Claude Code's and opencode's postinstalls copy their binary over
+# About 1.3 GB on disk. Claude Code's and opencode's postinstalls copy their binary over
 # the bin/*.exe placeholder; if npm skipped install scripts, they are run here.
 #
 # Exit status: 0 ready; 2 an install step failed for a reason outside the project (registry
@@ -67,7 +67,7 @@ fi
 
 start=$(date +%s)
 rm -f "$STAMP"
-say "installing the agent CLIs into $DIR (about 1.2 GB)"
+say "installing the agent CLIs into $DIR (about 1.3 GB)"
 
 # Step 1: the manifest and the lock, as pinned in the tree.
 cp "$SRC/package.json" "$SRC/package-lock.json" "$DIR/" \
