@@ -19,6 +19,14 @@
 # About 1.3 GB on disk. Claude Code's and opencode's postinstalls copy their binary over
 # the bin/*.exe placeholder; if npm skipped install scripts, they are run here.
 #
+# Changing a pin: edit tests/agents/package.json, then `npm install --package-lock-only` in
+# tests/agents. The lock must list every platform package of each CLI's
+# optionalDependencies (npm ci refuses a lock that misses one, even for another platform);
+# a registry mirror that lacks some of them makes npm leave them out silently. This lock's
+# entries for opencode-ai's and @teddyzhu/clipboard's other-platform packages were added
+# after npm's run for that reason (version, os, cpu, libc from the packages; no integrity,
+# as npm never fetches them here).
+#
 # Exit status: 0 ready; 2 an install step failed for a reason outside the project (registry
 # unreachable, a package missing from it); 3 node or npm is not installed; 1 anything else.
 set -uo pipefail
