@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install (or reuse) the agent CLIs that MORI's tests drive against a local endpoint:
-# Claude Code (@anthropic-ai/claude-code), Codex (@openai/codex), opencode (opencode-ai) and
-# Qwen Code (@qwen-code/qwen-code), at the exact versions pinned in tests/agents/package.json
-# and tests/agents/package-lock.json.
+# Claude Code (@anthropic-ai/claude-code), Codex (@openai/codex), Gemini CLI
+# (@google/gemini-cli), opencode (opencode-ai) and Qwen Code (@qwen-code/qwen-code), at the
+# exact versions pinned in tests/agents/package.json and tests/agents/package-lock.json.
 #
 #   scripts/agent_clis.sh              # prints the node_modules/.bin folder on its last line
 #
@@ -15,9 +15,10 @@
 #
 # Claude Code, Codex and opencode ship their native binaries through per-platform optional
 # dependencies (@anthropic-ai/claude-code-linux-x64, @openai/codex-linux-x64,
-# opencode-linux-x64, ...), so npm alone is enough; Qwen Code is JavaScript run by node.
-# About 1.3 GB on disk. Claude Code's and opencode's postinstalls copy their binary over
-# the bin/*.exe placeholder; if npm skipped install scripts, they are run here.
+# opencode-linux-x64, ...), so npm alone is enough; Gemini CLI is a bundled Node.js script
+# and Qwen Code JavaScript run by node. About 1.4 GB on disk. Claude Code's and opencode's
+# postinstalls copy their binary over the bin/*.exe placeholder; if npm skipped install
+# scripts, they are run here.
 #
 # Changing a pin: edit tests/agents/package.json, then `npm install --package-lock-only` in
 # tests/agents. The lock must list every platform package of each CLI's
@@ -59,7 +60,7 @@ if command -v flock >/dev/null 2>&1; then
 fi
 
 # Every CLI answers --version without touching the network or any configuration.
-CLIS="claude codex opencode qwen"
+CLIS="claude codex gemini opencode qwen"
 check_clis() {
     local cli
     for cli in $CLIS; do
@@ -75,7 +76,7 @@ fi
 
 start=$(date +%s)
 rm -f "$STAMP"
-say "installing the agent CLIs into $DIR (about 1.3 GB)"
+say "installing the agent CLIs into $DIR (about 1.4 GB)"
 
 # Step 1: the manifest and the lock, as pinned in the tree.
 cp "$SRC/package.json" "$SRC/package-lock.json" "$DIR/" \

@@ -1,10 +1,11 @@
 """The real agent CLIs, run offline against a local endpoint.
 
-``agent_clis()`` installs Claude Code, Codex, opencode and Qwen Code at the versions pinned
-in ``tests/agents/package-lock.json`` (``scripts/agent_clis.sh``, cached under
-``${MORI_CACHE:-~/.cache/mori}/agent-clis/``; about 35 s cold, well under a second warm)
-once per process and returns the paths of the executables. It skips the calling test only
-where ``node`` or ``npm`` is missing; any other failure fails it with the script's output.
+``agent_clis()`` installs Claude Code, Codex, Gemini CLI, opencode and Qwen Code at the
+versions pinned in ``tests/agents/package-lock.json`` (``scripts/agent_clis.sh``, cached
+under ``${MORI_CACHE:-~/.cache/mori}/agent-clis/``; about 40 s cold, well under a second
+warm) once per process and returns the paths of the executables. It skips the calling
+test only where ``node`` or ``npm`` is missing; any other failure fails it with the
+script's output.
 
 The other functions build what each CLI needs to run non-interactively, offline, with a
 throwaway home so that nothing of the user's configuration is read:
@@ -14,6 +15,9 @@ throwaway home so that nothing of the user's configuration is read:
 
     env = codex_env("http://127.0.0.1:PORT", tmp_path / "codex-home", model="m")
     run_cli(codex_cmd(clis.codex, "list the files", workdir), env, workdir)
+
+    env = gemini_env("http://127.0.0.1:PORT", tmp_path / "gemini-home")
+    run_cli(gemini_cmd(clis.gemini, "list the files"), env, workdir)
 
     env = opencode_env("http://127.0.0.1:PORT", tmp_path / "opencode-home", model="m")
     run_cli(opencode_cmd(clis.opencode, "list the files"), env, workdir)
@@ -61,6 +65,7 @@ class AgentCLIs:
     bin_dir: Path
     claude: Path
     codex: Path
+    gemini: Path
     opencode: Path
     qwen: Path
 
@@ -108,9 +113,9 @@ def _install() -> _Outcome:
                              f"{why}:\n{tail}")
     lines = proc.stdout.strip().splitlines()
     bin_dir = Path(lines[-1]) if lines else Path()
-    clis = AgentCLIs(bin_dir, bin_dir / "claude", bin_dir / "codex", bin_dir / "opencode",
-                     bin_dir / "qwen")
-    for exe in (clis.claude, clis.codex, clis.opencode, clis.qwen):
+    clis = AgentCLIs(bin_dir, bin_dir / "claude", bin_dir / "codex", bin_dir / "gemini",
+                     bin_dir / "opencode", bin_dir / "qwen")
+    for exe in (clis.claude, clis.codex, clis.gemini, clis.opencode, clis.qwen):
         if not os.access(exe, os.X_OK):
             return _Outcome(fail=f"scripts/agent_clis.sh reported {bin_dir}, but {exe} is not "
                                  f"an executable:\n{tail}")
@@ -256,6 +261,53 @@ def _toml_str(value: str) -> str:
 def _v1(base_url: str) -> str:
     url = base_url.rstrip("/")
     return url if url.endswith("/v1") else url + "/v1"
+
+
+# ------------------------------------------------------------------ Gemini CLI
+
+
+GEMINI_SETTINGS = {
+    # the Gemini API with a key; GOOGLE_GEMINI_BASE_URL alone would select the "gateway"
+    # auth type, which 0.61.0's non-interactive check refuses ("Invalid auth method")
+    "security": {"auth": {"selectedType": "gemini-api-key"}},
+    "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+    "ide": {"enabled": False},
+}
+"""``~/.gemini/settings.json`` for a run offline: no update check, usage statistics,
+telemetry or IDE connection."""
+
+
+def gemini_env(base_url: str, home: Path, *, api_key: str = DEFAULT_API_KEY
+               ) -> dict[str, str]:
+    """Write ``home/.gemini/settings.json`` (``GEMINI_SETTINGS``) and return the
+    environment for ``gemini -p`` against ``base_url`` (the server root: the Gemini
+    SDK adds ``/v1beta/models/...``).
+
+    ``home`` (created) is ``HOME``, so nothing of the user's is read. The key is
+    ``GEMINI_API_KEY`` (sent as ``x-goog-api-key``), the server ``GOOGLE_GEMINI_BASE_URL``;
+    ``GEMINI_CLI_TRUST_WORKSPACE=true`` trusts the working folder (headless runs refuse
+    an untrusted one).
+    """
+    (home / ".gemini").mkdir(parents=True, exist_ok=True)
+    (home / ".gemini" / "settings.json").write_text(json.dumps(GEMINI_SETTINGS, indent=2))
+    env = _base_env()
+    env.update({
+        "HOME": str(home),
+        "GEMINI_API_KEY": api_key,
+        "GOOGLE_GEMINI_BASE_URL": base_url.rstrip("/"),
+        "GEMINI_CLI_TRUST_WORKSPACE": "true",
+        "NO_COLOR": "1",
+    })
+    return env
+
+
+def gemini_cmd(gemini: Path | str, prompt: str, *, model: str = DEFAULT_MODEL,
+               extra: Sequence[str] = ()) -> list[str]:
+    """``gemini -p PROMPT -m MODEL --approval-mode yolo``: headless, every tool call
+    approved (shell commands run unasked)."""
+    return [str(gemini), "-p", prompt, "-m", model, "--approval-mode", "yolo", *extra]
 
 
 # ------------------------------------------------------------------ opencode

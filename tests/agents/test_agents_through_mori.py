@@ -1,9 +1,12 @@
 """The real agent CLIs, unmodified, through ``mori serve`` with a scripted simulated engine.
 
-Claude Code (``claude -p``) and Codex (``codex exec``) run offline against the gateway;
+Claude Code (``claude -p``), Codex (``codex exec``) and Gemini CLI (``gemini -p``, on the
+Gemini API, which the gateway translates to the engine's chat API) run offline against
+the gateway;
 the engine's script makes them run a real shell tool (``sleep 2 && ls``) and, for Claude
 Code, start a subagent. The gateway must recognise each CLI session as one program (a
-subagent as its own, with its parent), measure the tool's time from the wire (the sleep
+subagent as its own, with its parent; Gemini CLI, which names no session, by its
+conversation), measure the tool's time from the wire (the sleep
 and the CLI's own work around it), show the programs with their agent kind, and record a
 trace that re-imports and simulates. Each CLI runs twice: its connections served by the policy
 process, and every one by a worker (``--workers 2``, ``MORI_POLICY_CONNECTIONS=0``), where
@@ -30,11 +33,21 @@ import pytest
 from mori.core.costmodel import PRESETS
 from mori.engines.http import parse_prometheus
 from mori.gateway.worker_process import FLUSH_S
+from mori.protocol.gemini.routes import PATHS, STREAM
 from mori.traces.jsonl import read_traceset
 from mori.traces.model import ProgramTrace
 from support.serve_process import stop, wait_listening
 
-from .clis import agent_clis, claude_cmd, claude_env, codex_cmd, codex_env, run_cli
+from .clis import (
+    agent_clis,
+    claude_cmd,
+    claude_env,
+    codex_cmd,
+    codex_env,
+    gemini_cmd,
+    gemini_env,
+    run_cli,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +63,8 @@ SCRIPT = {"steps": [
     {"text": "Listing the files.",
      "tool": {"Bash": {"command": SHELL, "description": "List the files"},
               "exec_command": {"cmd": SHELL},
-              "shell": {"command": ["bash", "-lc", SHELL]}}},
+              "shell": {"command": ["bash", "-lc", SHELL]},
+              "run_shell_command": {"command": SHELL, "description": "List the files"}}},
     {"text": "Asking a helper.", "requires": ["ScheduleWakeup"],  # the main agent only
      # in the foreground: its result comes back as the tool's (Claude Code 2.1 runs
      # subagents in the background by default and tells the parent with a new prompt)
@@ -61,6 +75,9 @@ SCRIPT = {"steps": [
     {"text": "Done: the files are listed."}],
     "fallback": "OK."}
 
+
+GEMINI_STREAM = PATHS[STREAM]
+"""Gemini CLI's path, as the gateway's metrics name it (whatever the model)."""
 
 VIA = ("policy", "workers")
 """Who serves the CLI's connections: the policy process, or a worker."""
@@ -115,6 +132,9 @@ def run_agent(tmp: Path, which: str, via: str) -> Run:
         if which == "claude":
             env = claude_env(url, tmp / "claude-home")
             cmd = claude_cmd(clis.claude, "List the files here.", model="claude-sonnet-4-5")
+        elif which == "gemini":
+            env = gemini_env(url, tmp / "gemini-home")
+            cmd = gemini_cmd(clis.gemini, "List the files here.", model="gemini-2.5-pro")
         else:
             env = codex_env(url, tmp / "codex-home", model="gpt-5-codex")
             cmd = codex_cmd(clis.codex, "List the files here.", workdir)
@@ -138,6 +158,12 @@ def claude_run(tmp_path_factory: pytest.TempPathFactory,
 def codex_run(tmp_path_factory: pytest.TempPathFactory,
               request: pytest.FixtureRequest) -> Iterator[Run]:
     yield run_agent(tmp_path_factory.mktemp("codex"), "codex", request.param)
+
+
+@pytest.fixture(scope="module", params=VIA)
+def gemini_run(tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> Iterator[Run]:
+    yield run_agent(tmp_path_factory.mktemp("gemini"), "gemini", request.param)
 
 
 def check_served(run: Run, paths: tuple[str, ...]) -> None:
@@ -225,6 +251,28 @@ def test_codex_session_is_one_program(codex_run: Run) -> None:
     assert any("marker-file.txt" in t for t in _record_texts(run.record))
     kinds = {p[0]: p[8] for p in run.dashboard}
     assert kinds[row["program_id"]] == "codex"
+
+
+def test_gemini_cli_session_is_one_program_with_its_tool_time(gemini_run: Run) -> None:
+    run = gemini_run
+    assert run.returncode == 0, run.output[-3000:]
+    assert "Listing the files." in run.output  # the engine's text, through the translation
+    check_served(run, (GEMINI_STREAM,))
+    rows = named(run.programs)
+    assert len(rows) == 1, rows  # no session id: the conversation recogniser's program
+    (row,) = rows
+    assert (row["agent"], row["recogniser"]) == ("gemini-cli", "conversation")
+    assert row["session"] is None and row["steps"] == 2
+    assert row["tools"] == {"run_shell_command": 1} and row["tool_steps"] == 1
+    assert row["tool_s"] >= SLEEP_S * 0.75, row  # the sleep, measured on the wire
+    progs = check_record(run, "gemini-cli")
+    assert len(progs) == 1 and len(progs[0].steps) == 2, [p.steps for p in progs]
+    (gap,) = tool_gaps(progs[0], "run_shell_command")
+    assert SLEEP_S * 0.8 <= gap <= SLEEP_S * TOOL_SLACK
+    # the tool really ran: its output (ls of the work folder) came back in the next request
+    assert any("marker-file.txt" in t for t in _record_texts(run.record))
+    kinds = {p[0]: p[8] for p in run.dashboard}
+    assert kinds[row["program_id"]] == "gemini-cli"
 
 
 def _record_texts(path: Path) -> list[str]:

@@ -13,6 +13,8 @@ from .clis import (
     claude_env,
     codex_cmd,
     codex_env,
+    gemini_cmd,
+    gemini_env,
     mini_swe_agent_cmd,
     mini_swe_agent_env,
     opencode_cmd,
@@ -64,6 +66,28 @@ def test_codex_cmd_runs_unattended(tmp_path: Path) -> None:
     assert "--skip-git-repo-check" in cmd
     assert "--dangerously-bypass-approvals-and-sandbox" in cmd
     assert cmd[cmd.index("--cd") + 1] == str(tmp_path)
+
+
+def test_gemini_env_is_offline_and_isolated(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOOGLE_API_KEY", "users-key")
+    monkeypatch.setenv("GOOGLE_GENAI_USE_VERTEXAI", "true")
+    env = gemini_env("http://127.0.0.1:9/", tmp_path / "g")
+    assert env["GOOGLE_GEMINI_BASE_URL"] == "http://127.0.0.1:9"
+    assert env["HOME"] == str(tmp_path / "g") and env["GEMINI_API_KEY"]
+    assert env["GEMINI_CLI_TRUST_WORKSPACE"] == "true"
+    assert "GOOGLE_API_KEY" not in env and "GOOGLE_GENAI_USE_VERTEXAI" not in env
+    settings = json.loads((tmp_path / "g" / ".gemini" / "settings.json").read_text())
+    assert settings["security"]["auth"]["selectedType"] == "gemini-api-key"
+    assert settings["telemetry"]["enabled"] is False
+    assert settings["privacy"]["usageStatisticsEnabled"] is False
+    assert settings["general"]["enableAutoUpdate"] is False
+
+
+def test_gemini_cmd_runs_headless_and_unattended() -> None:
+    cmd = gemini_cmd("/x/gemini", "list files", model="m")
+    assert cmd[:5] == ["/x/gemini", "-p", "list files", "-m", "m"]
+    assert cmd[cmd.index("--approval-mode") + 1] == "yolo"
 
 
 def test_opencode_env_writes_an_openai_compatible_provider(tmp_path: Path,

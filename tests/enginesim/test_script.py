@@ -39,7 +39,8 @@ SCRIPT = parse_script({"steps": [
 def test_the_example_loads_and_toml_too(tmp_path: Path) -> None:
     example = load_script(EXAMPLE)
     assert [s.text for s in example.steps][-1] == "Done."
-    assert [t.name for t in example.steps[0].tools] == ["Bash", "shell", "exec_command"]
+    assert [t.name for t in example.steps[0].tools] == ["Bash", "shell", "exec_command",
+                                                        "run_shell_command"]
     assert example.steps[0].tools[2].input == {"cmd": "sleep 2 && ls"}
     toml = tmp_path / "s.toml"
     toml.write_text('fallback = "Hm."\n[[steps]]\ntext = "a"\n[steps.tool.Bash]\n'
@@ -372,10 +373,12 @@ def test_script_from_trace_sleeps_through_the_tool_gaps() -> None:
     script = script_from_trace(program())
     assert len(script.steps) == 3 and script.final_text == "Done."
     first, second = script.steps[0], script.steps[1]
-    assert [t.name for t in first.tools] == ["Bash", "shell", "exec_command"]
+    assert [t.name for t in first.tools] == ["Bash", "shell", "exec_command",
+                                             "run_shell_command"]
     assert first.tools[0].input["command"] == "sleep 2.5"
     assert first.tools[1].input == {"command": ["bash", "-lc", "sleep 2.5"]}
     assert second.tools[2].input == {"cmd": "sleep 0.25"}
+    assert second.tools[3].input["command"] == "sleep 0.25"
     only = script_from_trace(program(), tool_names=["run"])
     assert [t.input for t in only.steps[1].tools] == [{"command": "sleep 0.25"}]
 

@@ -41,6 +41,7 @@ from mori.gateway.state import StateKeeper, load_state
 from mori.protocol.apis import API_BY_PATH
 from mori.protocol.errors import clip
 from mori.protocol.fields import anonymous_program_id
+from mori.protocol.gemini.routes import PREFIXES as GEMINI_PREFIXES
 from mori.protocol.responses import error_response
 from mori.traces.errors import TraceError
 
@@ -257,6 +258,8 @@ class Routes:
     def table(self) -> list[Route]:
         return [
             *(Route(path, self.endpoint, methods=["POST"]) for path in API_BY_PATH),
+            *(Route(prefix + "{rest:path}", self.endpoint, methods=["POST"])
+              for prefix in GEMINI_PREFIXES),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/programs", self.programs, methods=["GET"]),
             Route("/v1/programs/{program_id:path}/release", self.release, methods=["POST"]),

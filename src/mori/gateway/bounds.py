@@ -73,7 +73,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from mori.protocol.apis import API_BY_PATH, anthropic_error_body
+from mori.protocol.apis import api_error_body, api_for_path
 from mori.protocol.errors import error_body
 
 if TYPE_CHECKING:
@@ -464,9 +464,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer(self, status: int, message: str, code: str) -> bytes:
         path = getattr(self, "url", b"").split(b"?", 1)[0].decode("latin-1")
-        spec = API_BY_PATH.get(path)
-        if spec is not None and spec.anthropic:
-            obj = anthropic_error_body(status, message)
+        spec = api_for_path(path)
+        if spec is not None and (spec.anthropic or spec.gemini):
+            obj = api_error_body(spec, status, message)
         else:
             obj = error_body(status, message, None, code,
                              type_=None if status in (413, 503) else "invalid_request_error")

@@ -11,7 +11,8 @@ message, tools), with a random suffix where that id is held by another live conv
 
 What is kept per program is not text but one 16-byte digest: a BLAKE2b chain over the
 caller's key namespace, the system prompt and each turn in order (``cache_control`` marks
-left out, so a client that moves them does not break the chain), taken over the program's
+and Gemini ``thoughtSignature``s left out, so a client that moves them does not break the
+chain: Gemini CLI signs the model's turns of the current prompt's loop only), taken over the program's
 last request. The index maps digest -> program and program -> (digest, last use); a request
 costs one pass of hashing over its turns and a dict look-up at each place where an answer
 of the model starts. Programs unseen for ``idle_s`` (the gateway's
@@ -64,8 +65,15 @@ class _Entry:
 
 
 def _canonical(item: Any) -> bytes:
-    """A turn as bytes, ``cache_control`` marks left out (clients move them)."""
+    """A turn as bytes, ``cache_control`` marks and ``thoughtSignature``s left out
+    (clients move them)."""
     if isinstance(item, Mapping):
+        parts = item.get("parts")  # a Gemini content
+        if isinstance(parts, list) and any(
+                isinstance(p, Mapping) and "thoughtSignature" in p for p in parts):
+            item = {**item, "parts": [
+                {k: v for k, v in p.items() if k != "thoughtSignature"}
+                if isinstance(p, Mapping) else p for p in parts]}
         content = item.get("content")
         if isinstance(content, list) and any(
                 isinstance(b, Mapping) and "cache_control" in b for b in content):

@@ -32,11 +32,13 @@ from mori.gateway.proxy import serve_completion, serve_count_tokens
 from mori.protocol.apis import (
     API_BY_PATH,
     ApiSpec,
+    api_for_path,
     carries_tool_results,
     is_side_request,
     last_turn_text,
 )
-from mori.protocol.errors import RequestError
+from mori.protocol.errors import RequestError, clip
+from mori.protocol.gemini.routes import is_gemini_path
 from mori.protocol.responses import (
     JSON_ERROR_HANDLERS,
     api_error_response,
@@ -52,16 +54,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("mori.gateway")
 
 FAST_PATHS = frozenset(API_BY_PATH)
+"""The completion paths (with the Gemini API's, ``is_gemini_path``)."""
 WATCH_AFTER_S = 0.05
 """How long a request runs before the gateway starts watching for its client to leave."""
-_WANTED = frozenset((b"authorization", b"x-api-key", b"content-length")) | HEADERS_READ
+_WANTED = frozenset((b"authorization", b"x-api-key", b"x-goog-api-key",
+                     b"content-length")) | HEADERS_READ
+UNKNOWN_GEMINI = "/v1beta/models/{model}:(other)"
+"""The metrics label of a Gemini API method the gateway does not serve."""
 
 
 def credentials(headers: dict[bytes, str]) -> str | None:
     """The request's key as an ``Authorization`` value: the header itself, or the
-    Messages API's ``x-api-key`` (Anthropic's clients send the key there)."""
+    Messages API's ``x-api-key`` (Anthropic's clients send the key there), or the Gemini
+    API's ``x-goog-api-key`` (Google's)."""
     auth = headers.get(b"authorization")
-    if auth is None and (key := headers.get(b"x-api-key")):
+    if auth is None and (key := headers.get(b"x-api-key") or headers.get(b"x-goog-api-key")):
         auth = "Bearer " + key
     return auth
 
@@ -71,7 +78,8 @@ class ClientGone(Exception):
 
 
 def unauthorized(message: str = "a valid API key is required: send 'Authorization: Bearer "
-                 "KEY' (or, on /v1/messages, 'x-api-key: KEY')",
+                 "KEY' (or, on /v1/messages, 'x-api-key: KEY'; on the Gemini API, "
+                 "'x-goog-api-key: KEY')",
                  spec: ApiSpec | None = None) -> Response:
     resp = api_error_response(spec, 401, message, None, "invalid_api_key")
     resp.headers["WWW-Authenticate"] = "Bearer"
@@ -80,8 +88,8 @@ def unauthorized(message: str = "a valid API key is required: send 'Authorizatio
 
 class CompletionEndpoint:
     """Every model-calling path of ``mori.protocol.apis`` (an ASGI app): chat and
-    completions, Anthropic's Messages and its token counting, OpenAI's Responses.
-    Errors come in the shape of the API the request came in on."""
+    completions, Anthropic's Messages and its token counting, OpenAI's Responses, the
+    Gemini API's methods. Errors come in the shape of the API the request came in on."""
 
     __slots__ = ("gw", "_counters", "_loop", "_conversations")
 
@@ -103,24 +111,33 @@ class CompletionEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
         path: str = scope["path"]
-        spec = API_BY_PATH[path]
+        spec = api_for_path(path)
+        if spec is None:  # a Gemini API method not served
+            self._count(UNKNOWN_GEMINI, 404)
+            await api_error_response(spec_for_path(path), 404, "the gateway serves no "
+                                     f"{clip(path)!r}: only generateContent, "
+                                     "streamGenerateContent and countTokens")(
+                                         scope, receive, send)
+            return
+        label = spec.path  # one metrics label per API, whatever model a path names
         headers = {k: v.decode("latin-1") for k, v in scope["headers"] if k in _WANTED}
         principal = gw.keys.identify(credentials(headers))
         if principal.access is Access.NONE:
-            self._count(path, 401)
+            self._count(label, 401)
             await unauthorized(spec=spec)(scope, receive, send)
             return
         s = gw.settings
         try:
             raw = await read_body(receive, headers.get(b"content-length"), s.max_body_bytes)
             req = parse_request(path, raw, headers.get(b"x-program-id"),
-                                principal.id_limit(s.max_program_id_bytes))
+                                principal.id_limit(s.max_program_id_bytes),
+                                scope.get("query_string", b""))
         except RequestError as e:
-            self._count(path, e.status)
+            self._count(label, e.status)
             await request_error_response(spec, e)(scope, receive, send)
             return
         except ClientGone:
-            self._count(path, 499)
+            self._count(label, 499)
             return
         loop = self._loop
         if loop is None:  # kept: get_running_loop makes a system call (mori.engines.http1_client)
@@ -136,9 +153,9 @@ class CompletionEndpoint:
         try:
             resp = await unless_client_leaves(receive, work, loop)
             if resp is None:  # the client left: nobody to answer
-                self._count(path, 499)
+                self._count(label, 499)
                 return
-            self._count(path, resp.status_code)
+            self._count(label, resp.status_code)
             await resp(scope, receive, send)
         finally:
             if conversation is not None and self._conversations is not None:
@@ -154,13 +171,14 @@ class CompletionEndpoint:
         program the conversation recogniser named (busy in its index until its request
         ends), None where another recogniser named it."""
         gw = self.gw
+        body = req.client_body  # as the client sent it: a Gemini API request's contents
         rec = recognise(gw.settings.program_id_from, req.spec,
-                        Seen(headers, req.body, req.program_id, req.spec, self._conversations,
+                        Seen(headers, body, req.program_id, req.spec, self._conversations,
                              namespace))
         # a side request of a recognised program (not one the client names): a one-step
         # program of its own, which no other request of the session can run into
         side = (rec.program_id is not None and rec.recogniser != "program-id"
-                and is_side_request(req.spec, req.body))
+                and is_side_request(req.spec, body))
         req.program_id = internal(rec.program_id if rec.program_id and not side
                                   else gw.anonymous_id())
         session = rec.session if rec.recogniser != "program-id" else None
@@ -169,10 +187,10 @@ class CompletionEndpoint:
             # no more than the recorder keeps of a program travels on (to the policy
             # process, from a worker): one character past the cap, so that the recorder
             # still sees the text was longer and marks the cut
-            text = last_turn_text(req.spec, req.body)[:gw.settings.record_text_max_bytes + 1]
+            text = last_turn_text(req.spec, body)[:gw.settings.record_text_max_bytes + 1]
         facts = RequestFacts(rec.recogniser, rec.agent,
                              None if session is None else internal(session),
-                             carries_tool_results(req.spec, req.body), text,
+                             carries_tool_results(req.spec, body), text,
                              None if rec.parent is None else internal(rec.parent),
                              None if rec.parent_session is None
                              else internal(rec.parent_session), side)
@@ -273,7 +291,8 @@ class GatewayApp(Starlette):
                 if guarded is None:  # answered
                     return
                 send = guarded
-            if scope["method"] == "POST" and scope["path"] in FAST_PATHS:
+            if scope["method"] == "POST" and (scope["path"] in FAST_PATHS
+                                              or is_gemini_path(scope["path"])):
                 try:
                     await self.endpoint(scope, receive, send)
                 except Exception:

@@ -27,8 +27,10 @@ recogniser         agent        reads
                                 from ``x-parent-session-id``
 ``session-header`` client       header ``X-Session-Id``
 ``conversation``   client       the conversation itself: a request that extends a
-                                known program's last prompt and answer continues it
-                                (``mori.gateway.conversations``); the last resort
+                   (gemini-cli) known program's last prompt and answer continues it
+                                (``mori.gateway.conversations``); the last resort.
+                                Its agent is ``gemini-cli`` where Gemini CLI sent it
+                                (``User-Agent: GeminiCLI...``), which names no session
 =================  ===========  ===================================================
 
 **One session is not one program.** MORI's unit is one growing context. An explicit
@@ -110,6 +112,11 @@ CLAUDE_CODE_MARKS = frozenset((b"x-app", b"user-agent", b"anthropic-beta"))
 ``User-Agent: claude-cli/...``, an ``anthropic-beta`` that lists ``claude-code-...``.
 The ``anthropic`` SDK sends none of them, so its ``metadata.user_id`` names a ``client``
 program (``metadata-user``), not a Claude Code one."""
+
+
+GEMINI_CLI_AGENT = "GeminiCLI"
+"""How Gemini CLI's ``User-Agent`` starts (``GeminiCLI/0.61.0/<model> (...)``, or
+``GeminiCLI-<client>/...``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +228,9 @@ def _conversation(seen: Seen) -> Identity | None:
     if index is None or seen.spec is None:
         return None
     program = index.program(seen.spec, seen.body, seen.namespace)
-    return None if program is None else Identity(program, "client", split=False)
+    agent = "gemini-cli" if seen.headers.get(b"user-agent", "").startswith(
+        GEMINI_CLI_AGENT) else "client"
+    return None if program is None else Identity(program, agent, split=False)
 
 
 def _build() -> Registry[Recogniser]:

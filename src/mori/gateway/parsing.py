@@ -11,6 +11,10 @@ The body is JSON (``decode_body``): at most ``MAX_JSON_DEPTH`` levels of nesting
 literals of at most ``MAX_INT_DIGITS`` digits, no lone UTF-16 surrogate escapes; its size
 is bounded before (``max_body_bytes``). Whatever the bytes, parsing raises nothing but
 ``RequestError`` (400).
+
+A Gemini API request (``mori.protocol.gemini``) names its model in the path and is
+translated here: ``body`` is the chat completion the engine gets (``path`` the chat
+path), ``sent`` the body as the client sent it, which the program's recognisers read.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 
-from mori.protocol.apis import API_BY_PATH, ApiSpec, check_body, output_limit
+from mori.protocol.apis import API_BY_PATH, ApiSpec, api_for_path, check_body, output_limit
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import (
     CHAT,
@@ -31,6 +36,8 @@ from mori.protocol.fields import (
     program_id_header,
     synthetic_field,
 )
+from mori.protocol.gemini.request import count_request, to_chat
+from mori.protocol.gemini.routes import gemini_route
 from mori.protocol.tokens import text_prompt_tokens
 
 __all__ = ["CHAT", "COMPLETIONS", "MAX_INT_DIGITS", "MAX_JSON_DEPTH", "ClientRequest",
@@ -48,13 +55,24 @@ _LONG_DIGITS = re.compile(rb"[0-9]{%d}" % (MAX_INT_DIGITS + 1))
 
 @dataclass(slots=True)
 class ClientRequest:
-    path: str
+    path: str  # the engine's path
     body: dict[str, Any]  # MORI's fields removed: what the engine gets
     program_id: str | None
     stream: bool
     model: str
     synthetic: dict[str, Any] | None  # the ``mori`` field, validated
     spec: ApiSpec  # the API it came in on
+    sent: dict[str, Any] | None = None  # the client's body, where ``body`` translates it
+
+    @property
+    def client_body(self) -> dict[str, Any]:
+        """The body as the client sent it (MORI's fields removed)."""
+        return self.body if self.sent is None else self.sent
+
+    @property
+    def engine_spec(self) -> ApiSpec:
+        """The API the engine is asked in (and answers in)."""
+        return API_BY_PATH.get(self.path, self.spec)
 
 
 def decode_body(raw: bytes) -> Any:
@@ -120,17 +138,20 @@ def _check_tree(body: Any) -> None:
 
 
 def parse_request(path: str, raw: bytes, header_program: str | bytes | None,
-                  max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES) -> ClientRequest:
+                  max_program_id_bytes: int = DEFAULT_MAX_PROGRAM_ID_BYTES,
+                  query: bytes = b"") -> ClientRequest:
     """The client's request: ``raw`` its body, ``header_program`` its ``X-Program-Id``
-    header (the ASGI bytes, or as Starlette gives it: latin-1 decoded). ``RequestError``
-    for bad input (``mori.protocol.apis.check_body`` for the API's shape)."""
-    spec = API_BY_PATH.get(path)
+    header (the ASGI bytes, or as Starlette gives it: latin-1 decoded), ``query`` its
+    query string. ``RequestError`` for bad input (``mori.protocol.apis.check_body`` for
+    the API's shape, ``mori.protocol.gemini.request`` for the Gemini API's)."""
+    spec = api_for_path(path)
     if spec is None:
         raise RequestError(404, f"the gateway serves no {path!r}")
     body = decode_body(raw)
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
-    check_body(spec, body)
+    if not spec.gemini:
+        check_body(spec, body)
     pid = program_id_field(body.pop("program_id", None), max_program_id_bytes)
     from_header = program_id_header(header_program, max_program_id_bytes)
     if pid is None:
@@ -142,8 +163,24 @@ def parse_request(path: str, raw: bytes, header_program: str | bytes | None,
         if "prompt_tokens" in synthetic and synthetic.get("reuse_tokens", 0) > synthetic[
                 "prompt_tokens"]:
             raise RequestError(400, "'mori.reuse_tokens' exceeds 'mori.prompt_tokens'", "mori")
+    if spec.gemini:
+        return _gemini(path, spec, body, pid, synthetic, query)
     return ClientRequest(path, body, pid, body.get("stream") is True, body["model"],
                          synthetic, spec)
+
+
+def _gemini(path: str, spec: ApiSpec, body: dict[str, Any], pid: str | None,
+            synthetic: dict[str, Any] | None, query: bytes) -> ClientRequest:
+    """A Gemini API request, its body translated to the chat completion the engine gets
+    (``countTokens``: the request it counts)."""
+    route = gemini_route(path)
+    assert route is not None, "a Gemini spec comes from a Gemini path"
+    if spec.streams and "sse" not in parse_qs(query.decode("latin-1")).get("alt", []):
+        raise RequestError(400, "streamGenerateContent is served as server-sent events "
+                           "only: add '?alt=sse'", "alt")
+    counted = count_request(body) if not spec.generates else body
+    chat = to_chat(counted, route.model, spec.streams)
+    return ClientRequest(CHAT, chat, pid, spec.streams, route.model, synthetic, spec, body)
 
 
 def estimate_prompt_tokens(req: ClientRequest) -> int:

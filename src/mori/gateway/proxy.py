@@ -11,6 +11,10 @@ engine's request is aborted (its connection closed) and the lease finished, so t
 program is Acting again and may retry. What an engine sends is bounded too (``_Relay``):
 one SSE line of at most ``max_sse_line_bytes``, no wait for its next byte over
 ``stream_idle_timeout_s``.
+
+A Gemini API request (``mori.protocol.gemini``) reaches the engine as its chat
+translation; the engine's answer is read as a chat answer and passed back translated to
+the Gemini API's shape (a stream event by event).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens, max_outp
 from mori.protocol.apis import stream_error
 from mori.protocol.errors import clip
 from mori.protocol.fields import CHAT, COMPLETIONS, RESPONSES
+from mori.protocol.gemini.response import translate_answer
+from mori.protocol.gemini.stream import GeminiStream
 from mori.protocol.responses import EventStream, PassThrough, api_error_response
 from mori.protocol.sse import LineTooLong
 
@@ -55,7 +61,7 @@ async def resolve_model(gw: Gateway, req: ClientRequest) -> Response | None:
     if target is None:
         served = ", ".join(m["id"] for m in gw.models)
         hint = " (map it with --model-alias PATTERN=SERVED)" if req.spec.anthropic or \
-            req.spec.path == RESPONSES else ""
+            req.spec.gemini or req.spec.path == RESPONSES else ""
         return api_error_response(req.spec, 404, f"the model {clip(req.model)!r} does not exist; "
                                   f"served: {served}{hint}", "model", "model_not_found")
     if target != req.model:
@@ -104,9 +110,14 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
         body = up.body or b""
 
         def step_ended() -> None:  # once the answer is on its way: it waits for nothing
-            ans = read_answer(spec, body) if up.status == 200 else Answer(completion_tokens=0)
+            ans = read_answer(req.engine_spec, body) if up.status == 200 \
+                else Answer(completion_tokens=0)
             _book(gw, lease, req, ans, ans.completion_tokens or 0)
 
+        if spec.gemini:
+            status, out = translate_answer(up.status, body)
+            headers = {**up.headers, "content-type": "application/json"}
+            return PassThrough(status, out, headers, after=step_ended)
         return PassThrough(up.status, body, up.headers, after=step_ended)
     stream = _Relay(gw, up, lease, req, arrived)
     relay = stream.run()
@@ -132,9 +143,12 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
 async def serve_count_tokens(gw: Gateway, req: ClientRequest) -> Response:
     """``/v1/messages/count_tokens``: no model call, so not gated. The first engine that
     counts answers (an exact count); where none does (no such path, or unreachable),
-    the gateway's estimate (``mori.protocol.tokens``)."""
+    the gateway's estimate (``mori.protocol.tokens``). The Gemini API's ``countTokens``:
+    the prompt size of its chat translation (``prompt_tokens``)."""
     if (refused := await resolve_model(gw, req)) is not None:
         return refused
+    if req.spec.gemini:
+        return JSONResponse({"totalTokens": await prompt_tokens(gw, req)})
     for a in gw.adapters:
         try:
             up = await a.forward(req.path, req.body, False, RequestHints(""))
@@ -175,7 +189,9 @@ class _Relay:
     async def run(self) -> AsyncGenerator[bytes, None]:
         gw, lease, req = self.gw, self.lease, self.req
         settings = gw.settings
-        watcher = watcher_for(req.spec, settings.max_sse_line_bytes)
+        watcher = watcher_for(req.engine_spec, settings.max_sse_line_bytes)
+        # the client's API, where the engine's stream is translated to it
+        gemini = GeminiStream() if req.spec.gemini else None
         assert self.up.chunks is not None
         chunks = aiter(self.up.chunks)
         loop = asyncio.get_running_loop()
@@ -204,12 +220,17 @@ class _Relay:
                 pieces = watcher.feed(chunk)
                 if watcher.kv_ready:
                     lease.kv_ready()
+                if pieces and gemini is not None:
+                    out = gemini.feed(b"".join(pieces))
+                    pieces = [out] if out else []
                 if pieces:
                     sent = True
                     open_event = not pieces[-1].endswith((b"\n\n", b"\n\r\n"))
                     for piece in pieces:  # a long line's as they came: no pass over it
                         yield piece
             rest = watcher.rest()  # a last line with no end: dropped unless the answer ended
+            if gemini is not None and watcher.ended:
+                rest = gemini.feed(rest) + gemini.last()
             if watcher.ended and rest:
                 yield rest
             if not watcher.ended:  # cut off where the body has no framing: the client is told

@@ -1,17 +1,22 @@
 """The client APIs MORI serves, and what a request body says in each of them.
 
-Five paths, one ``ApiSpec`` each (``API_BY_PATH``):
+Five paths, one ``ApiSpec`` each (``API_BY_PATH``), and the Gemini API's methods:
 
 - ``/v1/chat/completions`` and ``/v1/completions``: OpenAI's (any OpenAI client, SWE-agent
   and OpenHands through litellm);
 - ``/v1/messages``: Anthropic's Messages API (Claude Code; it adds ``?beta=true``, which is
   ignored like any query string);
 - ``/v1/messages/count_tokens``: Anthropic's token counting (no generation: not gated);
-- ``/v1/responses``: OpenAI's Responses API (Codex).
+- ``/v1/responses``: OpenAI's Responses API (Codex);
+- ``/v1beta/models/<model>:generateContent``, ``:streamGenerateContent`` and
+  ``:countTokens`` (``v1`` too): the Gemini API (Gemini CLI), the model named in the
+  path (``GEMINI_APIS``, ``api_for_path``). The engine gets its chat translation
+  (``mori.protocol.gemini``).
 
 Each spec says where a body puts its output limit, whether errors come in Anthropic's
-shape (``{"type": "error", "error": {"type", "message"}}``, ``anthropic_error_body``) or
-OpenAI's (``mori.protocol.errors``), and how to validate the body (``check_body``: a
+shape (``{"type": "error", "error": {"type", "message"}}``, ``anthropic_error_body``),
+the Gemini API's (``{"error": {"code", "message", "status"}}``) or OpenAI's
+(``mori.protocol.errors``), and how to validate the body (``check_body``: a
 ``RequestError`` 400 naming the field for a wrong shape, never anything else).
 
 Two readings of a conversation serve program identity (``mori.gateway.identity``):
@@ -30,21 +35,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mori.protocol.errors import RequestError, sse_error
+from mori.protocol.errors import RequestError, error_body, sse_error
 from mori.protocol.fields import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES
+from mori.protocol.gemini import contents as gemini
+from mori.protocol.gemini.errors import gemini_error_body, gemini_error_event
+from mori.protocol.gemini.routes import COUNT, GENERATE, PATHS, STREAM, gemini_route
 
 
 @dataclass(frozen=True, slots=True)
 class ApiSpec:
     """One client API: ``name`` (metrics and docs), ``path``, ``generates`` (a model
     call: gated and placed; False for token counting), ``anthropic`` (errors in
-    Anthropic's shape), ``output_keys`` (the body's output limit, first found wins)."""
+    Anthropic's shape), ``output_keys`` (the body's output limit, first found wins),
+    ``gemini`` (the Gemini API: its errors' shape, its ``contents``; the engine gets the
+    body's chat translation, whose output limit ``output_keys`` read), ``streams`` (the
+    path itself asks for a stream: ``streamGenerateContent``)."""
 
     name: str
     path: str
     generates: bool
     anthropic: bool
     output_keys: tuple[str, ...]
+    gemini: bool = False
+    streams: bool = False
 
 
 API_BY_PATH: dict[str, ApiSpec] = {s.path: s for s in (
@@ -54,7 +67,25 @@ API_BY_PATH: dict[str, ApiSpec] = {s.path: s for s in (
     ApiSpec("count_tokens", COUNT_TOKENS, False, True, ()),
     ApiSpec("responses", RESPONSES, True, False, ("max_output_tokens",)),
 )}
-"""Every path served, with its spec."""
+"""Every path served, with its spec (the Gemini API's, whose paths name the model, are
+``GEMINI_APIS``)."""
+
+_CHAT_LIMITS = ("max_completion_tokens", "max_tokens")
+GEMINI_APIS: dict[str, ApiSpec] = {
+    GENERATE: ApiSpec("gemini", PATHS[GENERATE], True, False, _CHAT_LIMITS, gemini=True),
+    STREAM: ApiSpec("gemini-stream", PATHS[STREAM], True, False, _CHAT_LIMITS, gemini=True,
+                    streams=True),
+    COUNT: ApiSpec("gemini-count-tokens", PATHS[COUNT], False, False, (), gemini=True),
+}
+"""The Gemini API's methods, by name (``mori.protocol.gemini.routes``)."""
+
+
+def api_for_path(path: str) -> ApiSpec | None:
+    """The API a request path (no query string) is served by; None for none."""
+    spec = API_BY_PATH.get(path)
+    if spec is None and (route := gemini_route(path)) is not None:
+        spec = GEMINI_APIS.get(route.method)
+    return spec
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                          403: "permission_error", 404: "not_found_error",
@@ -69,6 +100,16 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     """An error in the Messages API's shape."""
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
                                        "message": message}}
+
+
+def api_error_body(spec: ApiSpec | None, status: int, message: str, code: str | None = None,
+                   retry_after_s: float | None = None) -> dict[str, Any]:
+    """An error body in the shape of ``spec``'s API (None: OpenAI's)."""
+    if spec is not None and spec.anthropic:
+        return anthropic_error_body(status, message)
+    if spec is not None and spec.gemini:
+        return gemini_error_body(status, message, retry_after_s)
+    return error_body(status, message, None, code)
 
 
 def _bad(field: str, rule: str) -> RequestError:
@@ -141,7 +182,9 @@ def _responses_input(body: Mapping[str, Any]) -> None:
 def check_body(spec: ApiSpec, body: Mapping[str, Any]) -> None:
     """``RequestError`` (400, naming the field) unless ``body`` has the shape ``spec``'s
     API needs: a string ``model``, its messages / prompt / input, a boolean ``stream``,
-    positive output limits."""
+    positive output limits. (A Gemini body is checked as it is translated:
+    ``mori.protocol.gemini.request``.)"""
+    assert not spec.gemini, "a Gemini body is checked by its translation"
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise RequestError(400, "missing required field 'model' (a string)", "model")
@@ -197,6 +240,8 @@ def conversation_head(spec: ApiSpec, body: Mapping[str, Any]) -> str:
     ``instructions``, or system / developer messages before the first user message) and
     its first user message. Two requests of one growing conversation have the same head;
     a subagent's, or a conversation compacted into a summary, starts with other text."""
+    if spec.gemini:
+        return gemini.conversation_head(body)
     parts: list[str] = []
     if spec.anthropic:
         parts.append(_text(body.get("system")))
@@ -236,6 +281,8 @@ def conversation_items(spec: ApiSpec, body: Mapping[str, Any]
     ``answer`` True for what the model produced (an assistant message, a Responses
     ``function_call`` or ``reasoning`` item), which a client sends back as it got it.
     None where the body is no conversation (a completion's prompt)."""
+    if spec.gemini:
+        return gemini.conversation_items(body)
     if spec.anthropic:
         system = _text(body.get("system"))
         items: Any = body.get("messages")
@@ -280,7 +327,10 @@ def carries_tool_results(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
     Responses ``function_call_output`` items, chat ``tool`` messages). It follows a tool
     call, whose time the gap before it was. The results need not come last: Codex puts
     its compaction prompt after the last ``function_call_output``, Claude Code a system
-    reminder after a ``tool_result``."""
+    reminder after a ``tool_result``. Gemini's: ``functionResponse`` parts after the last
+    ``model`` turn."""
+    if spec.gemini:
+        return gemini.carries_tool_results(body)
     key = "input" if spec.path == RESPONSES else "messages"
     items = body.get(key) if spec.anthropic or spec.path in (CHAT, RESPONSES) else None
     if not isinstance(items, list):
@@ -314,6 +364,8 @@ def is_side_request(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
     or result, no ``previous_response_id``). A title, a topic or quota check, a one-shot
     summary: it can call no tool, so no tool time follows it, and nothing continues it
     under the same conversation. Completions (a bare prompt) are never side requests."""
+    if spec.gemini:
+        return spec.generates and gemini.is_side_request(body)
     if not spec.generates or not (spec.anthropic or spec.path in (CHAT, RESPONSES)):
         return False
     if body.get("tools") or body.get("functions") or body.get("previous_response_id"):
@@ -339,8 +391,10 @@ def is_side_request(spec: ApiSpec, body: Mapping[str, Any]) -> bool:
 
 def stream_error(spec: ApiSpec, status: int, message: str) -> bytes:
     """An error inside an SSE stream of ``spec``'s API, which then ends: Anthropic's
-    ``error`` event, the Responses API's ``error`` event, or a chat ``data:`` error and
-    ``[DONE]``."""
+    ``error`` event, the Responses API's ``error`` event, the Gemini API's error object
+    (raw JSON, as that API sends it), or a chat ``data:`` error and ``[DONE]``."""
+    if spec.gemini:
+        return gemini_error_event(status, message)
     if spec.anthropic:
         return b"event: error\ndata: " + json.dumps(
             anthropic_error_body(status, message)).encode() + b"\n\n"
@@ -353,7 +407,10 @@ def stream_error(spec: ApiSpec, status: int, message: str) -> bytes:
 
 def last_turn_text(spec: ApiSpec, body: Mapping[str, Any]) -> str:
     """The text of the request's last turn (the new part of a growing conversation):
-    the last message's or input item's text, or a completion's prompt."""
+    the last message's or input item's text (Gemini: content), or a completion's
+    prompt."""
+    if spec.gemini:
+        return gemini.last_turn_text(body)
     key = "messages" if spec.anthropic or spec.path == CHAT else (
         "input" if spec.path == RESPONSES else "prompt")
     items = body.get(key)

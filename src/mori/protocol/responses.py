@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ExceptionHandler, Message, Receive, Scope, Send
 
-from mori.protocol.apis import API_BY_PATH, ApiSpec, anthropic_error_body
+from mori.protocol.apis import API_BY_PATH, GEMINI_APIS, ApiSpec, api_error_body, api_for_path
 from mori.protocol.errors import RequestError, clip, error_body
 from mori.protocol.fields import MESSAGES
+from mori.protocol.gemini.routes import GENERATE, gemini_route
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -37,14 +38,15 @@ def api_error_response(spec: ApiSpec | None, status: int, message: str,
                        retry_after_s: float | None = None, *, type_: str | None = None
                        ) -> Response:
     """An error answer in the shape of the API a request came in on: Anthropic's for the
-    Messages paths, OpenAI's otherwise (``spec`` None: OpenAI's)."""
-    if spec is None or not spec.anthropic:
+    Messages paths, the Gemini API's for its paths (``retry_after_s`` also as a
+    ``RetryInfo`` detail), OpenAI's otherwise (``spec`` None: OpenAI's)."""
+    if spec is None or not (spec.anthropic or spec.gemini):
         return error_response(status, message, param, code, retry_after_s, type_=type_)
     headers = {}
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    return Response(json.dumps(anthropic_error_body(status, message)), status_code=status,
-                    media_type="application/json", headers=headers)
+    return Response(json.dumps(api_error_body(spec, status, message, code, retry_after_s)),
+                    status_code=status, media_type="application/json", headers=headers)
 
 
 def request_error_response(spec: ApiSpec | None, e: RequestError) -> Response:
@@ -54,10 +56,13 @@ def request_error_response(spec: ApiSpec | None, e: RequestError) -> Response:
 
 def spec_for_path(path: str) -> ApiSpec | None:
     """The API whose error shape an answer on ``path`` takes: the path's own, Anthropic's
-    for any path under ``/v1/messages``, else None (OpenAI's)."""
-    spec = API_BY_PATH.get(path)
+    for any path under ``/v1/messages``, the Gemini API's for any of its model methods
+    (one it does not serve included), else None (OpenAI's)."""
+    spec = api_for_path(path)
     if spec is None and path.startswith(MESSAGES + "/"):
         spec = API_BY_PATH[MESSAGES]
+    if spec is None and gemini_route(path) is not None:
+        spec = GEMINI_APIS[GENERATE]
     return spec
 
 

@@ -17,7 +17,8 @@ TOML, by its ``.toml`` suffix)::
   call, or the whole answer) and an optional ``tool``: tool names mapped to the call's
   input (an object), in order of preference: the answer calls the first of those names
   that the request offers (agents name their shell tool differently: Claude Code
-  ``Bash``, Codex ``shell`` or ``exec_command``). A step needs a text or a tool.
+  ``Bash``, Codex ``shell`` or ``exec_command``, Gemini CLI ``run_shell_command``). A
+  step needs a text or a tool.
   ``requires`` (optional): tool names the step calls a tool only for requests that offer
   every one of, e.g. ``["ScheduleWakeup"]`` to have Claude Code's main agent, and not its
   subagents (which are offered the ``Agent`` tool too, without that one), start a
@@ -67,8 +68,9 @@ from mori.traces.model import GapKind, ProgramTrace
 
 DEFAULT_FALLBACK = "OK."
 """The text for what a script does not cover, unless it says otherwise."""
-SHELL_TOOLS = ("Bash", "shell", "exec_command")
-"""The shell tools of Claude Code (``Bash``) and Codex (``shell``, ``exec_command``)."""
+SHELL_TOOLS = ("Bash", "shell", "exec_command", "run_shell_command")
+"""The shell tools of Claude Code (``Bash``), Codex (``shell``, ``exec_command``) and
+Gemini CLI (``run_shell_command``)."""
 
 
 class ScriptError(ValueError):
@@ -274,13 +276,16 @@ def _seconds(gap_s: float) -> str:
 def sleep_inputs(gap_s: float, tool_names: Sequence[str] = SHELL_TOOLS) -> tuple[ScriptTool, ...]:
     """The calls that run ``sleep gap_s`` on each of ``tool_names``, in the input shape
     of the agent that names its shell so (``Bash``: ``{"command", "description"}``,
-    ``shell``: ``{"command": ["bash", "-lc", ...]}``, ``exec_command``: ``{"cmd"}``; any
-    other name: ``{"command": ...}``)."""
+    ``shell``: ``{"command": ["bash", "-lc", ...]}``, ``exec_command``: ``{"cmd"}``,
+    ``run_shell_command``: ``{"command", "description"}``; any other name:
+    ``{"command": ...}``)."""
     command = f"sleep {_seconds(gap_s)}"
     shapes: dict[str, dict[str, Any]] = {
         "Bash": {"command": command, "description": "Wait as the recorded tool call did"},
         "shell": {"command": ["bash", "-lc", command]},
         "exec_command": {"cmd": command},
+        "run_shell_command": {"command": command,
+                              "description": "Wait as the recorded tool call did"},
     }
     return tuple(ScriptTool(name, _compact(shapes.get(name, {"command": command})))
                  for name in tool_names)
