@@ -1,10 +1,11 @@
 """The real agent CLIs, run offline against a local endpoint.
 
-``agent_clis()`` installs Claude Code, Codex and Gemini CLI at the versions pinned in
-``tests/agents/package-lock.json`` (``scripts/agent_clis.sh``, cached under
-``${MORI_CACHE:-~/.cache/mori}/agent-clis/``; about 15 s cold, well under a second warm) once
-per process and returns the paths of the executables. It skips the calling test only
-where ``node`` or ``npm`` is missing; any other failure fails it with the script's output.
+``agent_clis()`` installs Claude Code, Codex, Gemini CLI, opencode and Qwen Code at the
+versions pinned in ``tests/agents/package-lock.json`` (``scripts/agent_clis.sh``, cached
+under ``${MORI_CACHE:-~/.cache/mori}/agent-clis/``; about 40 s cold, well under a second
+warm) once per process and returns the paths of the executables. It skips the calling
+test only where ``node`` or ``npm`` is missing; any other failure fails it with the
+script's output.
 
 The other functions build what each CLI needs to run non-interactively, offline, with a
 throwaway home so that nothing of the user's configuration is read:
@@ -18,6 +19,15 @@ throwaway home so that nothing of the user's configuration is read:
     env = gemini_env("http://127.0.0.1:PORT", tmp_path / "gemini-home")
     run_cli(gemini_cmd(clis.gemini, "list the files"), env, workdir)
 
+    env = opencode_env("http://127.0.0.1:PORT", tmp_path / "opencode-home", model="m")
+    run_cli(opencode_cmd(clis.opencode, "list the files"), env, workdir)
+
+    env = qwen_env("http://127.0.0.1:PORT", tmp_path / "qwen-home", model="m")
+    run_cli(qwen_cmd(clis.qwen, "list the files"), env, workdir)
+
+The Python clients (mini-swe-agent, the openai-agents SDK) come with the ``test`` extra;
+``mini_swe_agent_cmd`` and ``mini_swe_agent_env`` run the first the same way.
+
 What each CLI then sends (paths, headers, session ids, tools, compaction) is measured in
 docs/agents-wire.md.
 """
@@ -29,6 +39,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +66,8 @@ class AgentCLIs:
     claude: Path
     codex: Path
     gemini: Path
+    opencode: Path
+    qwen: Path
 
 
 @dataclass(frozen=True)
@@ -100,8 +113,9 @@ def _install() -> _Outcome:
                              f"{why}:\n{tail}")
     lines = proc.stdout.strip().splitlines()
     bin_dir = Path(lines[-1]) if lines else Path()
-    clis = AgentCLIs(bin_dir, bin_dir / "claude", bin_dir / "codex", bin_dir / "gemini")
-    for exe in (clis.claude, clis.codex, clis.gemini):
+    clis = AgentCLIs(bin_dir, bin_dir / "claude", bin_dir / "codex", bin_dir / "gemini",
+                     bin_dir / "opencode", bin_dir / "qwen")
+    for exe in (clis.claude, clis.codex, clis.gemini, clis.opencode, clis.qwen):
         if not os.access(exe, os.X_OK):
             return _Outcome(fail=f"scripts/agent_clis.sh reported {bin_dir}, but {exe} is not "
                                  f"an executable:\n{tail}")
@@ -244,6 +258,11 @@ def _toml_str(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _v1(base_url: str) -> str:
+    url = base_url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 # ------------------------------------------------------------------ Gemini CLI
 
 
@@ -289,6 +308,134 @@ def gemini_cmd(gemini: Path | str, prompt: str, *, model: str = DEFAULT_MODEL,
     """``gemini -p PROMPT -m MODEL --approval-mode yolo``: headless, every tool call
     approved (shell commands run unasked)."""
     return [str(gemini), "-p", prompt, "-m", model, "--approval-mode", "yolo", *extra]
+
+
+# ------------------------------------------------------------------ opencode
+
+
+OPENCODE_PROVIDER = "mori"
+
+
+def opencode_env(base_url: str, home: Path, *, model: str = DEFAULT_MODEL,
+                 api_key: str = DEFAULT_API_KEY) -> dict[str, str]:
+    """Write ``home/opencode.json`` for ``base_url`` and return the environment for
+    ``opencode run``.
+
+    The config declares a provider ``mori`` on ``@ai-sdk/openai-compatible`` (bundled in
+    the binary: chat completions at ``base_url``/v1, the key as ``Authorization:
+    Bearer``), with ``model`` as both the model and the ``small_model`` (its title
+    requests), and allows the bash and edit tools without asking. ``HOME`` and the XDG
+    folders are under ``home``; the update check, the models.dev fetch, LSP downloads,
+    the default plugins and sharing are off, and npm is told to stay offline (opencode
+    otherwise installs ``@opencode-ai/plugin`` into its config folder in the background).
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {OPENCODE_PROVIDER: {
+            "npm": "@ai-sdk/openai-compatible", "name": "MORI",
+            "options": {"baseURL": _v1(base_url), "apiKey": api_key},
+            "models": {model: {"name": model}}}},
+        "model": f"{OPENCODE_PROVIDER}/{model}",
+        "small_model": f"{OPENCODE_PROVIDER}/{model}",
+        "autoupdate": False, "share": "disabled",
+        "permission": {"bash": "allow", "edit": "allow"},
+    }
+    (home / "opencode.json").write_text(json.dumps(config, indent=1))
+    env = _base_env()
+    env.update({
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / "config"),
+        "XDG_DATA_HOME": str(home / "data"),
+        "XDG_CACHE_HOME": str(home / "cache"),
+        "XDG_STATE_HOME": str(home / "state"),
+        "OPENCODE_CONFIG": str(home / "opencode.json"),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+        "OPENCODE_DISABLE_SHARE": "1",
+        "npm_config_offline": "true",
+    })
+    return env
+
+
+def opencode_cmd(opencode: Path | str, prompt: str) -> list[str]:
+    """``opencode run PROMPT``: one prompt, non-interactive, in the working folder."""
+    return [str(opencode), "run", prompt]
+
+
+# ------------------------------------------------------------------ Qwen Code
+
+
+def qwen_env(base_url: str, home: Path, *, model: str = DEFAULT_MODEL,
+             api_key: str = DEFAULT_API_KEY) -> dict[str, str]:
+    """Write ``home/.qwen/settings.json`` and return the environment for ``qwen``.
+
+    Qwen Code speaks chat completions to ``OPENAI_BASE_URL`` (``base_url``/v1) with
+    ``OPENAI_API_KEY`` and ``OPENAI_MODEL``, once the settings select the ``openai`` auth
+    type; they also turn off the update check, usage statistics and telemetry. ``HOME``
+    is ``home``.
+    """
+    (home / ".qwen").mkdir(parents=True, exist_ok=True)
+    settings = {"security": {"auth": {"selectedType": "openai"}},
+                "general": {"enableAutoUpdate": False},
+                "privacy": {"usageStatisticsEnabled": False},
+                "telemetry": {"enabled": False}}
+    (home / ".qwen" / "settings.json").write_text(json.dumps(settings, indent=1))
+    env = _base_env()
+    env.update({
+        "HOME": str(home),
+        "OPENAI_BASE_URL": _v1(base_url),
+        "OPENAI_API_KEY": api_key,
+        "OPENAI_MODEL": model,
+        "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
+    })
+    return env
+
+
+def qwen_cmd(qwen: Path | str, prompt: str) -> list[str]:
+    """``qwen PROMPT --yolo``: one prompt, non-interactive, every tool call allowed.
+
+    Qwen Code refuses a shell command that sleeps and then does something else
+    (``sleep 2 && ls``): a deliberate sleep must stand alone, marked ``sleep 2 #
+    intentional-sleep: REASON``."""
+    return [str(qwen), prompt, "--yolo"]
+
+
+# ------------------------------------------------------------------ mini-swe-agent
+
+
+def mini_swe_agent_env(home: Path) -> dict[str, str]:
+    """The environment for ``mini``: ``HOME`` and its config folder under ``home``, the
+    first-run setup skipped (``MSWEA_CONFIGURED``), cost tracking that tolerates a model
+    litellm does not price, and litellm's bundled cost map (no download)."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = _base_env()
+    env.update({
+        "HOME": str(home),
+        "MSWEA_GLOBAL_CONFIG_DIR": str(home / "mini-swe-agent"),
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    })
+    return env
+
+
+def mini_swe_agent_cmd(base_url: str, task: str, trajectory: Path, *,
+                       model: str = DEFAULT_MODEL,
+                       api_key: str = DEFAULT_API_KEY) -> list[str]:
+    """``mini -m openai/MODEL -t TASK --yolo --exit-immediately`` against ``base_url``/v1.
+
+    litellm's ``openai/`` prefix sends chat completions to ``api_base``; ``--yolo`` runs
+    the ``bash`` tool's commands unasked; ``--exit-immediately`` ends the run when the
+    agent submits (a command printing ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``) instead
+    of asking for a new task on stdin (``run_cli`` closes stdin too)."""
+    return [sys.executable, "-m", "minisweagent", "-m", f"openai/{model}", "-t", task,
+            "--yolo", "--exit-immediately", "--cost-limit", "0",
+            "-o", str(trajectory), "-c", "mini.yaml",
+            "-c", f"model.model_kwargs.api_base={_v1(base_url)}",
+            "-c", f"model.model_kwargs.api_key={api_key}"]
 
 
 # ------------------------------------------------------------------ running

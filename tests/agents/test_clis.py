@@ -8,7 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from .clis import claude_cmd, claude_env, codex_cmd, codex_env, gemini_cmd, gemini_env
+from .clis import (
+    claude_cmd,
+    claude_env,
+    codex_cmd,
+    codex_env,
+    gemini_cmd,
+    gemini_env,
+    mini_swe_agent_cmd,
+    mini_swe_agent_env,
+    opencode_cmd,
+    opencode_env,
+    qwen_cmd,
+    qwen_env,
+)
 
 
 def test_claude_env_is_offline_and_isolated(tmp_path: Path,
@@ -75,3 +88,41 @@ def test_gemini_cmd_runs_headless_and_unattended() -> None:
     cmd = gemini_cmd("/x/gemini", "list files", model="m")
     assert cmd[:5] == ["/x/gemini", "-p", "list files", "-m", "m"]
     assert cmd[cmd.index("--approval-mode") + 1] == "yolo"
+
+
+def test_opencode_env_writes_an_openai_compatible_provider(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "users-key")
+    env = opencode_env("http://127.0.0.1:9/", tmp_path / "o", model="m")
+    cfg = json.loads((tmp_path / "o" / "opencode.json").read_text())
+    provider = cfg["provider"]["mori"]
+    assert provider["npm"] == "@ai-sdk/openai-compatible"
+    assert provider["options"]["baseURL"] == "http://127.0.0.1:9/v1"
+    assert cfg["model"] == cfg["small_model"] == "mori/m" and "m" in provider["models"]
+    assert cfg["permission"]["bash"] == "allow"
+    assert env["OPENCODE_CONFIG"] == str(tmp_path / "o" / "opencode.json")
+    assert env["npm_config_offline"] == "true" and env["OPENCODE_DISABLE_MODELS_FETCH"]
+    assert all(env[k].startswith(str(tmp_path / "o")) for k in env if k.startswith("XDG_"))
+    assert "OPENAI_API_KEY" not in env
+    assert opencode_cmd("/x/opencode", "go") == ["/x/opencode", "run", "go"]
+
+
+def test_qwen_env_selects_the_openai_auth(tmp_path: Path) -> None:
+    env = qwen_env("http://127.0.0.1:9/v1", tmp_path / "q", model="m", api_key="k")
+    settings = json.loads((tmp_path / "q" / ".qwen" / "settings.json").read_text())
+    assert settings["security"]["auth"]["selectedType"] == "openai"
+    assert settings["general"]["enableAutoUpdate"] is False
+    assert (env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"], env["OPENAI_MODEL"]) == (
+        "http://127.0.0.1:9/v1", "k", "m")
+    assert env["HOME"] == str(tmp_path / "q")
+    assert qwen_cmd("/x/qwen", "go") == ["/x/qwen", "go", "--yolo"]
+
+
+def test_mini_swe_agent_runs_once_against_the_base_url(tmp_path: Path) -> None:
+    env = mini_swe_agent_env(tmp_path / "m")
+    assert env["MSWEA_CONFIGURED"] == "true" and env["HOME"] == str(tmp_path / "m")
+    cmd = mini_swe_agent_cmd("http://127.0.0.1:9", "task", tmp_path / "t.json", model="m")
+    assert cmd[cmd.index("-m", 3) + 1] == "openai/m" and cmd[cmd.index("-t") + 1] == "task"
+    assert "--exit-immediately" in cmd and "--yolo" in cmd
+    assert "model.model_kwargs.api_base=http://127.0.0.1:9/v1" in cmd

@@ -12,7 +12,14 @@ import pytest
 
 from mori.cli.main import main
 from mori.enginesim import EngineSimServer, Script, ScriptError, load_script, parse_script
-from mori.enginesim.answers import Api, Stop, answer_for, script_step
+from mori.enginesim.answers import (
+    Api,
+    Stop,
+    answer_for,
+    offered_tools,
+    script_step,
+    tool_namespaces,
+)
 from mori.sim.script import script_from_trace
 from mori.traces.jsonl import write_traceset
 from mori.traces.model import GapKind, ProgramTrace, Step, TraceSet
@@ -51,6 +58,12 @@ def test_the_example_loads_and_toml_too(tmp_path: Path) -> None:
     ('{"steps": [{"text": "a"}, {}]}', "steps[1]: a step needs a 'text' or a 'tool'"),
     ('{"steps": [{"txt": "a"}]}', "steps[0]: unknown field 'txt'"),
     ('{"steps": [{"text": "a"}], "fallback": ""}', "fallback: must be a non-empty string"),
+    ('{"steps": [{"text": "a", "requires": "Bash"}]}',
+     "steps[0].requires: must be an array of tool names, or an object"),
+    ('{"steps": [{"tool": {"Bash": {}}, "requires": {"Agent": ["X"]}}]}',
+     "steps[0].requires.Agent: names no tool of the step's 'tool'"),
+    ('{"steps": [{"tool": {"Bash": {}}, "requires": {"Bash": "X"}}]}',
+     "steps[0].requires.Bash: must be an array of tool names"),
 ])
 def test_bad_scripts_name_the_file_and_the_field(tmp_path: Path, content: str,
                                                   where: str) -> None:
@@ -88,6 +101,85 @@ def test_the_step_is_the_tool_results_since_the_last_prompt() -> None:
     assert script_step(Api.RESPONSES, {"input": [out, {"role": "user", "content": "go"}]}) == 0
     assert script_step(Api.CHAT, {"messages": [
         {"role": "user", "content": "go"}, {"role": "tool", "content": "ok"}]}) == 1
+
+
+def test_a_notification_of_background_work_is_no_prompt() -> None:
+    """Claude Code's background subagent ends with a ``<task-notification>`` user turn,
+    Codex's with a ``<subagent_notification>`` one: the script goes on where it was
+    (restarting it would start the subagent again, and again)."""
+    said = {"role": "assistant", "content": "ok"}
+    user = {"role": "user", "content": "do it"}
+    note = {"role": "user", "content": [
+        {"type": "text", "text": "<system-reminder>\n<tools-used>Bash</tools-used>"},
+        {"type": "text", "text": "<system-reminder>\n[SYSTEM NOTIFICATION]\n"
+                                 "<task-notification>\n<status>completed</status>"}]}
+    assert script_step(Api.MESSAGES, {"messages": [user, said, tool_result(), said,
+                                                   note]}) == 1
+    assert script_step(Api.MESSAGES, {"messages": [user, said, note]}) == 0
+    out = {"type": "function_call_output", "call_id": "c", "output": "ok"}
+    codex_note = {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "<subagent_notification>\n{}\n"
+                                       "</subagent_notification>"}]}
+    assert script_step(Api.RESPONSES, {"input": [
+        {"role": "user", "content": "go"}, out, out, codex_note]}) == 2
+    assert script_step(Api.CHAT, {"messages": [
+        {"role": "user", "content": "go"}, {"role": "tool", "content": "ok"},
+        {"role": "user", "content": "<task-notification>done</task-notification>"}]}) == 1
+
+
+def test_a_tool_may_require_others_and_name_a_result_field() -> None:
+    script = parse_script({"steps": [
+        {"text": "Asking.", "requires": {"Agent": ["ScheduleWakeup"]},
+         "tool": {"Agent": {"prompt": "p"}, "Bash": {"command": "sleep 2"}}},
+        {"tool": {"wait_agent": {"targets": ["{{result.agent_id}}"], "note": "{{result.x}}",
+                                 "n": 1}}},
+        {"text": "Done."}]})
+    main = {"tools": [{"name": "Agent"}, {"name": "Bash"}, {"name": "ScheduleWakeup"}],
+            "messages": [{"role": "user", "content": "x"}]}
+    sub = {**main, "tools": [{"name": "Agent"}, {"name": "Bash"}]}
+    first = answer_for(Api.MESSAGES, main, script, None).tool
+    assert first is not None and first.name == "Agent"
+    first = answer_for(Api.MESSAGES, sub, script, None).tool
+    assert first is not None and first.name == "Bash"  # a subagent: the next one it offers
+    # the spawned agent's id, read from the last tool result (a JSON object)
+    tools = [{"type": "namespace", "name": "multi_agent_v1",
+              "tools": [{"type": "function", "name": "wait_agent", "parameters": {}}]}]
+    body = {"tools": tools, "input": [
+        {"role": "user", "content": "go"},
+        {"type": "function_call_output", "call_id": "c",
+         "output": json.dumps({"agent_id": "a-1", "nickname": "N"})}]}
+    wait = answer_for(Api.RESPONSES, body, script, None).tool
+    assert wait is not None and wait.namespace == "multi_agent_v1"
+    assert wait.input == {"targets": ["a-1"], "note": "{{result.x}}", "n": 1}
+    body["input"][-1]["output"] = "not JSON"
+    wait = answer_for(Api.RESPONSES, body, script, None).tool
+    assert wait is not None and wait.input["targets"] == ["{{result.agent_id}}"]
+
+
+def test_tools_of_a_namespace_are_offered_bare_and_qualified() -> None:
+    spawn = {"type": "function", "name": "spawn_agent", "parameters": {}}
+    tools: list[Any] = [{"type": "function", "name": "exec_command", "parameters": {}},
+                        {"type": "namespace", "name": "multi_agent_v1", "tools": [spawn]},
+                        {"type": "web_search"}]
+    assert offered_tools(Api.RESPONSES, {"tools": tools}) == [
+        "exec_command", "spawn_agent", "multi_agent_v1.spawn_agent"]
+    assert tool_namespaces(Api.RESPONSES, {"tools": tools}) == {
+        "spawn_agent": "multi_agent_v1", "multi_agent_v1.spawn_agent": "multi_agent_v1"}
+    # a bare name also offered outside the namespace is that tool's
+    both = [spawn, *tools]
+    assert tool_namespaces(Api.RESPONSES, {"tools": both}) == {
+        "multi_agent_v1.spawn_agent": "multi_agent_v1"}
+    assert tool_namespaces(Api.MESSAGES, {"tools": tools}) == {}
+    for name in ("spawn_agent", "multi_agent_v1.spawn_agent"):
+        script = parse_script({"steps": [{"tool": {name: {"message": "m"}}}]})
+        call = answer_for(Api.RESPONSES, {"tools": tools, "input": [
+            {"role": "user", "content": "go"}]}, script, None).tool
+        assert call is not None
+        assert (call.name, call.namespace) == ("spawn_agent", "multi_agent_v1")
+    plain = parse_script({"steps": [{"tool": {"spawn_agent": {"message": "m"}}}]})
+    call = answer_for(Api.RESPONSES, {"tools": both, "input": [
+        {"role": "user", "content": "go"}]}, plain, None).tool
+    assert call is not None and (call.name, call.namespace) == ("spawn_agent", None)
 
 
 def test_answers_follow_the_script() -> None:
@@ -201,6 +293,26 @@ def test_scripted_tool_calls_on_responses() -> None:
             assert r.output_text == "Done." and r.status == "completed"
 
     run(go, script=SCRIPT)
+
+
+def test_a_namespaced_call_carries_its_namespace_on_responses() -> None:
+    tools: list[Any] = [{"type": "namespace", "name": "multi_agent_v1", "tools": [
+        {"type": "function", "name": "spawn_agent", "parameters": {}}]}]
+    script = parse_script({"steps": [{"tool": {"spawn_agent": {"message": "m"}}},
+                                     {"text": "Done."}]})
+
+    async def go(srv: EngineSimServer) -> None:
+        async with client(srv) as c:
+            items: list[Any] = [{"role": "user", "content": "go"}]
+            r = await c.responses.create(model=MODEL, input=items, tools=tools)
+            (call,) = [o.model_dump() for o in r.output if o.type == "function_call"]
+            assert (call["name"], call["namespace"]) == ("spawn_agent", "multi_agent_v1")
+            async with c.responses.stream(model=MODEL, input=items, tools=tools) as s:
+                final = await s.get_final_response()
+            done = [o.model_dump() for o in final.output if o.type == "function_call"]
+            assert done[0]["namespace"] == "multi_agent_v1"
+
+    run(go, script=script)
 
 
 def test_scripted_tool_calls_on_chat() -> None:

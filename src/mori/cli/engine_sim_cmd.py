@@ -35,8 +35,9 @@ A script (--script FILE, JSON or TOML) makes the answers call tools, to drive a 
 agent: {"steps": [{"text": "...", "tool": {"Bash": {...}, "shell": {...}}}, {"text":
 "Done."}], "fallback": "OK."}; a request at step k (its tool results since its last
 prompt) calls the first of step k's tools that it offers. --script-from-trace calls
-`sleep GAP` for each tool gap of a recorded program (see examples/agent-script.json and
-mori.sim.script).
+`sleep GAP` for each tool gap of a recorded program (see examples/agent-script.json,
+docs/agents.md and mori.sim.script: per-tool "requires", Codex's namespaced subagent
+tools, {{result.NAME}} inputs).
 
 endpoints:
   POST /v1/chat/completions, /v1/completions   (stream or not)

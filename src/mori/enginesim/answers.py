@@ -13,12 +13,20 @@ how many output tokens it takes.
   input as compact JSON), capped at ``max_tokens``. An answer cut at the cap keeps its
   text up to the cut and loses its tool call (``Stop.LENGTH``).
 
-The step of a request (see ``mori.sim.script``): ``script_step`` counts the tool results
+A script's ``{{result.NAME}}`` strings are filled from the request's last tool result
+(``last_tool_result``). The step of a request (see ``mori.sim.script``): ``script_step`` counts the tool results
 after the conversation's last prompt (Anthropic ``tool_result`` blocks, Responses
 ``function_call_output`` / ``custom_tool_call_output`` items, chat ``role: "tool"``
-messages); a prompt is a user message with no tool result. ``offered_tools`` reads the
-tool names a request offers (Anthropic ``tools[].name``, Responses ``tools[].name`` of
-``type: "function"``, chat ``tools[].function.name``).
+messages); a prompt is a user message with no tool result that is no notification of background
+work (a text holding a tag of ``NOTIFICATION_TAGS``: Claude Code's
+``<task-notification>`` when a background subagent ends, Codex's
+``<subagent_notification>``), so such a notification goes on with the script where it
+was instead of starting it again. ``offered_tools`` reads the tool
+names a request offers (Anthropic ``tools[].name``, Responses ``tools[].name`` of
+``type: "function"`` and, for the tools of a ``type: "namespace"`` tool such as Codex's
+``multi_agent_v1``, both ``name`` and ``namespace.name``; chat
+``tools[].function.name``); a call of a namespaced tool carries its ``namespace``
+(``ToolCall.namespace``).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from enum import StrEnum
 from typing import Any, overload
 
 from mori.protocol.tokens import CHARS_PER_TOKEN, chars_to_tokens
-from mori.sim.script import Script, ScriptTool
+from mori.sim.script import RESULT_MARK, Script, ScriptTool
 
 DEFAULT_MAX_TOKENS = 16
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit",
@@ -70,6 +78,7 @@ class ToolCall:
     name: str
     arguments: str  # the input, compact JSON of an object
     key: str
+    namespace: str | None = None  # a Responses namespace tool's name (Codex's subagents)
 
     @property
     def input(self) -> dict[str, Any]:
@@ -154,10 +163,17 @@ def short_placeholder(max_tokens: int | None) -> Answer:
     return placeholder(DEFAULT_MAX_TOKENS, Stop.END)
 
 
-def text_answer(text: str, tool: ScriptTool | None, max_tokens: int | None) -> Answer:
-    """``text`` then ``tool``'s call, sized by the text rule and capped at ``max_tokens``."""
+def text_answer(text: str, tool: ScriptTool | None, max_tokens: int | None,
+                namespaces: Mapping[str, str] | None = None) -> Answer:
+    """``text`` then ``tool``'s call, sized by the text rule and capped at ``max_tokens``;
+    ``namespaces`` maps an offered namespaced tool's names (``name``, ``namespace.name``)
+    to its namespace: the call then names the tool without it and carries it apart."""
     text_pieces = _chunks(text)
-    call = None if tool is None else ToolCall(tool.name, tool.arguments, uuid.uuid4().hex)
+    call = None
+    if tool is not None:
+        namespace = (namespaces or {}).get(tool.name)
+        name = tool.name.removeprefix(namespace + ".") if namespace else tool.name
+        call = ToolCall(name, tool.arguments, uuid.uuid4().hex, namespace)
     tool_pieces: tuple[str, ...] = ()
     if call is not None:
         name_tokens = chars_to_tokens(len(call.name))
@@ -173,6 +189,11 @@ def text_answer(text: str, tool: ScriptTool | None, max_tokens: int | None) -> A
 
 
 # -- reading the request ------------------------------------------------------------------
+
+NOTIFICATION_TAGS = ("<task-notification>", "<subagent_notification>")
+"""The tags of a user message that tells the model of background work (Claude Code's
+background subagent ending, Codex's subagent reaching a final status): not a prompt."""
+
 
 def _names(tools: Any, api: Api) -> list[str]:
     if not isinstance(tools, list):
@@ -193,9 +214,32 @@ def _names(tools: Any, api: Api) -> list[str]:
     return names
 
 
+def tool_namespaces(api: Api, body: Mapping[str, Any]) -> dict[str, str]:
+    """The tools a Responses request offers inside ``type: "namespace"`` tools, by both
+    their names (``spawn_agent``, ``multi_agent_v1.spawn_agent``), to their namespace;
+    the first namespace wins a bare name offered in several, and a bare name that is
+    also offered outside any namespace is that tool's. Empty for the other APIs."""
+    tools = body.get("tools")
+    if api is not Api.RESPONSES or not isinstance(tools, list):
+        return {}
+    top = set(_names(tools, api))  # a tool offered outside any namespace keeps its name
+    out: dict[str, str] = {}
+    for t in tools:
+        if not isinstance(t, Mapping) or t.get("type") != "namespace":
+            continue
+        namespace = t.get("name")
+        if not isinstance(namespace, str) or not namespace:
+            continue
+        for name in _names(t.get("tools"), api):
+            if name not in top:
+                out.setdefault(name, namespace)
+            out.setdefault(f"{namespace}.{name}", namespace)
+    return out
+
+
 def offered_tools(api: Api, body: Mapping[str, Any]) -> list[str]:
     """The names of the tools a request offers (see the module doc)."""
-    return _names(body.get("tools"), api)
+    return _names(body.get("tools"), api) + list(tool_namespaces(api, body))
 
 
 def _blocks(content: Any) -> list[Mapping[str, Any]]:
@@ -204,13 +248,31 @@ def _blocks(content: Any) -> list[Mapping[str, Any]]:
     return [b for b in content if isinstance(b, Mapping)]
 
 
+def _texts(content: Any) -> list[str]:
+    """A message's texts: its content string, or its text blocks' texts."""
+    if isinstance(content, str):
+        return [content]
+    return [b["text"] for b in _blocks(content) if isinstance(b.get("text"), str)]
+
+
+def is_notification(content: Any) -> bool:
+    """Whether a user message tells of background work: one of its texts holds a tag of
+    ``NOTIFICATION_TAGS`` (Claude Code wraps it in a ``<system-reminder>``, after other
+    reminders)."""
+    return any(tag in text for text in _texts(content) for tag in NOTIFICATION_TAGS)
+
+
 def _messages_step(messages: list[Any]) -> int:
     step = 0
     for m in messages:
         if not isinstance(m, Mapping) or m.get("role") != "user":
             continue
-        results = sum(b.get("type") == "tool_result" for b in _blocks(m.get("content")))
-        step = step + results if results else 0
+        content = m.get("content")
+        results = sum(b.get("type") == "tool_result" for b in _blocks(content))
+        if results:
+            step += results
+        elif not is_notification(content):
+            step = 0
     return step
 
 
@@ -222,7 +284,8 @@ def _responses_step(items: list[Any]) -> int:
         kind = x.get("type", "message")
         if kind in ("function_call_output", "custom_tool_call_output"):
             step += 1
-        elif kind == "message" and x.get("role") == "user":
+        elif (kind == "message" and x.get("role") == "user"
+              and not is_notification(x.get("content"))):
             step = 0
     return step
 
@@ -234,9 +297,36 @@ def _chat_step(messages: list[Any]) -> int:
             continue
         if m.get("role") == "tool":
             step += 1
-        elif m.get("role") == "user":
+        elif m.get("role") == "user" and not is_notification(m.get("content")):
             step = 0
     return step
+
+
+def _result_text(content: Any) -> str | None:
+    """A tool result's text: a string, or its text parts joined."""
+    texts = _texts(content)
+    return "".join(texts) if texts else None
+
+
+def last_tool_result(api: Api, body: Mapping[str, Any]) -> str | None:
+    """The text of the last tool result of a request's conversation (None: none)."""
+    key = "input" if api is Api.RESPONSES else "messages"
+    conversation = body.get(key)
+    if not isinstance(conversation, list):
+        return None
+    for x in reversed(conversation):
+        if not isinstance(x, Mapping):
+            continue
+        if api is Api.RESPONSES:
+            if x.get("type") in ("function_call_output", "custom_tool_call_output"):
+                return _result_text(x.get("output"))
+        elif api is Api.MESSAGES:
+            results = [b for b in _blocks(x.get("content")) if b.get("type") == "tool_result"]
+            if x.get("role") == "user" and results:
+                return _result_text(results[-1].get("content"))
+        elif x.get("role") == "tool":
+            return _result_text(x.get("content"))
+    return None
 
 
 def script_step(api: Api, body: Mapping[str, Any]) -> int:
@@ -263,8 +353,10 @@ def scripted_answer(script: Script, api: Api, body: Mapping[str, Any],
         return text_answer(script.final_text, None, max_tokens)
     step = script.steps[k]
     tool = step.tool_for(offered)
+    if tool is not None and RESULT_MARK in tool.arguments:
+        tool = tool.filled(last_tool_result(api, body))
     text = step.text or ("" if tool is not None else script.fallback)
-    return text_answer(text, tool, max_tokens)
+    return text_answer(text, tool, max_tokens, tool_namespaces(api, body))
 
 
 def answer_for(api: Api, body: Mapping[str, Any], script: Script | None,

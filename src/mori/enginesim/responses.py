@@ -4,8 +4,9 @@ The response: ``{"id": "resp_...", "object": "response", "created_at", "status":
 "completed" | "incomplete", "model", "output": [...], "usage", ...}`` with the request's
 ``instructions``, ``tools`` and the like repeated. ``output`` holds a ``message`` item
 (``output_text`` content) when the answer has text, and a ``function_call`` item
-(``call_id`` ``call_...``, ``arguments`` JSON text) when it calls a tool. An answer cut
-at ``max_output_tokens`` is ``incomplete`` (``incomplete_details.reason``
+(``call_id`` ``call_...``, ``arguments`` JSON text, and the ``namespace`` of a tool
+offered in a ``type: "namespace"`` tool, as Codex's ``spawn_agent``) when it calls a
+tool. An answer cut at ``max_output_tokens`` is ``incomplete`` (``incomplete_details.reason``
 ``max_output_tokens``). Usage: ``input_tokens`` (the prompt, cached tokens included),
 ``input_tokens_details.cached_tokens``, ``output_tokens``,
 ``output_tokens_details.reasoning_tokens`` (0), ``total_tokens``.
@@ -61,8 +62,11 @@ class ResponseItems:
     def function_call(self, arguments: str, status: str) -> dict[str, Any]:
         tool = self.answer.tool
         assert tool is not None
-        return {"id": self.call_id, "type": "function_call", "status": status,
+        item = {"id": self.call_id, "type": "function_call", "status": status,
                 "call_id": "call_" + tool.key, "name": tool.name, "arguments": arguments}
+        if tool.namespace is not None:
+            item["namespace"] = tool.namespace
+        return item
 
     def final(self) -> list[dict[str, Any]]:
         out = []

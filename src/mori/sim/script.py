@@ -17,17 +17,28 @@ TOML, by its ``.toml`` suffix)::
   call, or the whole answer) and an optional ``tool``: tool names mapped to the call's
   input (an object), in order of preference: the answer calls the first of those names
   that the request offers (agents name their shell tool differently: Claude Code
-  ``Bash``, Codex ``shell`` or ``exec_command``, Gemini CLI ``run_shell_command``). A step needs a text or a tool.
-  ``requires`` (optional, tool names): the step calls a tool only for requests that offer
-  every one of them, e.g. ``["ScheduleWakeup"]`` to have Claude Code's main agent, and
-  not its subagents (which are offered the ``Agent`` tool too, without that one), start a
-  subagent.
+  ``Bash``, Codex ``shell`` or ``exec_command``, Gemini CLI ``run_shell_command``). A
+  step needs a text or a tool.
+  ``requires`` (optional): tool names the step calls a tool only for requests that offer
+  every one of, e.g. ``["ScheduleWakeup"]`` to have Claude Code's main agent, and not its
+  subagents (which are offered the ``Agent`` tool too, without that one), start a
+  subagent; or an object mapping some of the step's tools to the names each requires
+  (``{"Agent": ["ScheduleWakeup"]}``: the main agent calls ``Agent``, a subagent the
+  step's next tool it offers, such as ``Bash``). A Responses request's tools inside a
+  ``namespace`` tool (Codex's ``multi_agent_v1``: ``spawn_agent``, ``wait_agent``, ...)
+  are named bare or as ``namespace.name``; the call carries the namespace. A string of
+  a tool's input that is exactly ``{{result.NAME}}`` becomes field ``NAME`` of the JSON
+  object the request's last tool result holds (Codex's ``spawn_agent`` answers
+  ``{"agent_id": ..., "nickname": ...}``, so ``{"wait_agent": {"targets":
+  ["{{result.agent_id}}"]}}`` waits on the agent the previous step spawned).
 - ``fallback`` (optional, default ``DEFAULT_FALLBACK``): the text for what the script
   does not cover.
 
 Which step a request is at (``mori.enginesim.answers`` reads it from the request): the
 number of tool results in its conversation after its last prompt (a user message that
-carries no tool result), so each new prompt starts the script again. At step k < the
+carries no tool result and is no notification of background work, such as Claude Code's
+``<task-notification>`` when a background subagent ends), so each new prompt starts the
+script again, and a notification goes on where the script was. At step k < the
 number of steps, a request that offers one of step k's tools gets its text and that call;
 one that offers tools but none of step k's gets step k's text alone (the fallback if it
 has none); past the last step, the last step's text ends the turn (the fallback if it
@@ -47,9 +58,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mori.traces.model import GapKind, ProgramTrace
@@ -73,15 +85,31 @@ class ScriptError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ScriptTool:
-    """One tool a step may call: its name and its input as compact JSON (an object)."""
+    """One tool a step may call: its name, its input as compact JSON (an object), and the
+    tools a request must offer for it to be called (``requires``)."""
 
     name: str
     arguments: str
+    requires: tuple[str, ...] = ()
 
     @property
     def input(self) -> dict[str, Any]:
         value: dict[str, Any] = json.loads(self.arguments)
         return value
+
+    def filled(self, result: str | None) -> ScriptTool:
+        """This tool with each ``{{result.NAME}}`` string of its input replaced by field
+        ``NAME`` of the JSON object ``result`` (the request's last tool result) holds; a
+        field it lacks (or a result that is no JSON object) leaves the string as it is."""
+        if RESULT_MARK not in self.arguments or result is None:
+            return self
+        try:
+            fields = json.loads(result)
+        except ValueError:
+            return self
+        if not isinstance(fields, dict):
+            return self
+        return replace(self, arguments=_compact(_fill(self.input, fields)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +121,12 @@ class ScriptStep:
     requires: tuple[str, ...] = ()
 
     def tool_for(self, offered: Sequence[str]) -> ScriptTool | None:
-        """The first of this step's tools that the request offers, if any (none unless it
-        offers every tool of ``requires``)."""
+        """The first of this step's tools that the request offers, and every tool that
+        tool requires, if any (none unless it offers every tool of ``requires``)."""
         if any(name not in offered for name in self.requires):
             return None
-        return next((t for t in self.tools if t.name in offered), None)
+        return next((t for t in self.tools if t.name in offered
+                     and all(r in offered for r in t.requires)), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +146,21 @@ class Script:
     def final_text(self) -> str:
         """What ends the turn past the last step: its text, else the fallback."""
         return self.steps[-1].text or self.fallback
+
+
+RESULT_MARK = "{{result."
+_RESULT_FIELD = re.compile(r"\{\{result\.([^{}]+)\}\}")
+
+
+def _fill(value: Any, fields: Mapping[str, Any]) -> Any:
+    if isinstance(value, str):
+        m = _RESULT_FIELD.fullmatch(value)
+        return fields[m.group(1)] if m is not None and m.group(1) in fields else value
+    if isinstance(value, list):
+        return [_fill(v, fields) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill(v, fields) for k, v in value.items()}
+    return value
 
 
 def _compact(value: Any) -> str:
@@ -151,9 +195,6 @@ def _parse_step(raw: object, source: str, where: str) -> ScriptStep:
     if unknown:
         raise ScriptError(source, where, f"unknown field {unknown[0]!r} (a step has 'text', "
                           "'tool' and 'requires')")
-    requires = raw.get("requires", [])
-    if not isinstance(requires, list) or not all(isinstance(r, str) and r for r in requires):
-        raise ScriptError(source, where + ".requires", "must be an array of tool names")
     text = raw.get("text", "")
     if not isinstance(text, str):
         raise ScriptError(source, where + ".text", f"must be a string, not {_type_name(text)}")
@@ -161,7 +202,25 @@ def _parse_step(raw: object, source: str, where: str) -> ScriptStep:
                                                             where + ".tool")
     if not text and not tools:
         raise ScriptError(source, where, "a step needs a 'text' or a 'tool'")
+    requires = raw.get("requires", [])
+    if isinstance(requires, Mapping):
+        names = {t.name for t in tools}
+        for name, needs in requires.items():
+            if name not in names:
+                raise ScriptError(source, f"{where}.requires.{name}", "names no tool of "
+                                  "the step's 'tool'")
+            _check_names(needs, source, f"{where}.requires.{name}")
+        tools = tuple(replace(t, requires=tuple(requires.get(t.name, ()))) for t in tools)
+        return ScriptStep(text, tools)
+    _check_names(requires, source, where + ".requires")
     return ScriptStep(text, tools, tuple(requires))
+
+
+def _check_names(raw: object, source: str, where: str) -> None:
+    if not isinstance(raw, list) or not all(isinstance(r, str) and r for r in raw):
+        also = (", or an object mapping the step's tools to such arrays"
+                if where.endswith(".requires") else "")
+        raise ScriptError(source, where, "must be an array of tool names" + also)
 
 
 def parse_script(raw: object, source: str = "<script>") -> Script:
