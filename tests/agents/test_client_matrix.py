@@ -86,6 +86,14 @@ OPENCODE_SCRIPT = {"steps": [
     {"text": "Done."}], "fallback": "OK."}
 
 
+OPENCODE_START_S = 1.0
+"""opencode's first shell command of a session starts late: its main session's tool gap
+was 2.26-2.31 s on a quiet machine and up to 3.2 s on a loaded 2-core one (the
+subagent's, its second command, 2.1 s either way), so the recorded gaps get this much
+of the client's own time on top of the ±20% band; the subagent's ``tool_s`` is held to
+the band alone."""
+
+
 def test_opencode_sessions_are_programs_and_its_subagent_has_its_parent(
         tmp_path: Path) -> None:
     clis = agent_clis()
@@ -111,7 +119,7 @@ def test_opencode_sessions_are_programs_and_its_subagent_has_its_parent(
     assert top.name == main["program_id"]
     assert any(sp.program.name == sub["program_id"] for s in top.steps for sp in s.subagents)
     gaps = [g for p in run.traces() for g in tool_gaps(p, "bash")]
-    assert len(gaps) == 2 and all(near_sleep(g) for g in gaps), gaps
+    assert len(gaps) == 2 and all(near_sleep(g, OPENCODE_START_S) for g in gaps), gaps
     assert any(MARKER in t for t in run.texts())  # ls ran: its output came back
     measured(run, "opencode", gaps)
 

@@ -1,6 +1,6 @@
-"""The engine's prices learned from its answers (``mori.gateway.engine_prices``): the
-requests that ran alone on a replica are timed, the fit is shown in ``/v1/replicas`` and
-handed to the policy (``--no-learn-costs``: shown, not used)."""
+"""The engine's prices learned from its answers (``mori.gateway.engine_prices``): each
+replica's time cut at the first bytes of the gateway's requests, the fit shown in
+``/v1/replicas`` and handed to the policy (``--no-learn-costs``: shown, not used)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from gateway_harness import LoopThread, serve_on_simulated
 
 from mori.gateway.agents import StepFacts
 from mori.gateway.config import GatewaySettings
+from mori.gateway.engine_prices import PrefillClock
 
 
 @pytest.mark.parametrize("learn", [True, False])
@@ -19,7 +20,7 @@ def test_requests_that_ran_alone_price_the_engine(loop_thread: LoopThread,
     sg = serve_on_simulated(loop_thread, GatewaySettings(learn_costs=learn))
     client = openai.OpenAI(base_url=sg.url + "/v1", api_key="x")
     model = client.models.list().data[0].id
-    for i in range(20):  # one at a time: each alone on the replica
+    for i in range(20):  # one at a time
         words = " ".join(["word"] * (50 * (i % 5 + 1)))
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"{i} {words}"}],
@@ -31,7 +32,8 @@ def test_requests_that_ran_alone_price_the_engine(loop_thread: LoopThread,
     assert len(rows) == 1 and rows[0]["healthy"] is True
     costs = rows[0]["costs"]
     measured = costs["measured"]
-    assert measured["samples"] == 20 and measured["reload_samples"] == 0
+    # one stretch a request; the last one stays open until a next first byte ends it
+    assert measured["samples"] == 19 and measured["reload_samples"] == 0
     assert measured["recompute_per_token_s"] is not None
     assert measured["recompute_per_token_s"] >= 0 and measured["base_s"] is not None
     assert costs["learning"] is learn
@@ -44,37 +46,35 @@ def test_requests_that_ran_alone_price_the_engine(loop_thread: LoopThread,
         assert used is None
 
 
-def test_only_a_prefill_that_ran_alone_is_timed(loop_thread: LoopThread) -> None:
-    """Two requests prefilling at once on one replica: each one's time is partly the
-    other's, so neither prices anything; a request sent once the other's first byte came
-    (the other only decoding) is timed, and so is the other."""
+def test_the_engine_time_is_cut_at_first_bytes_first_come_first_served() -> None:
+    """b is sent while a prefills: its prefill starts at a's first byte; c's first byte
+    comes in the same engine step as b's (within 3 ms): one stretch of two prefills; d,
+    sent after an idle gap, starts when it is sent."""
+    clock = PrefillClock()
+    a, closed = clock.answered(sent=0.0, at=0.020)
+    assert (a.start, a.end, closed) == (0.0, 0.020, None)
+    b, closed = clock.answered(sent=0.005, at=0.050)
+    assert (b.start, b.end) == (0.020, 0.050) and closed is a and a.closed
+    c, closed = clock.answered(sent=0.010, at=0.051)
+    assert c is b and b.members == 2 and closed is None
+    d, closed = clock.answered(sent=0.500, at=0.530)
+    assert (d.start, closed) == (0.500, b)
+
+
+def test_a_stretch_is_learned_once_all_its_requests_ended(loop_thread: LoopThread) -> None:
     sg = serve_on_simulated(loop_thread, GatewaySettings())
-    ctl = sg.gw.ctl
-    seen: list[str] = []
-    ctl.prices.observe = lambda r, reloaded, step: seen.append(f"{r}")  # type: ignore[method-assign]
-    facts = StepFacts(100, 0, 1, (), 0.01)
-
-    async def overlapping() -> None:
-        first = await ctl.lease("a", 100)
-        second = await ctl.lease("b", 100)
-        assert first.alone and not second.alone
-        second.finish(101, facts)
-        first.finish(101, facts)  # b was sent while a prefilled: not alone after all
-        assert not first.alone
-
-    async def one_after_the_others_first_byte() -> None:
-        first = await ctl.lease("c", 100)
-        first.answering()
-        second = await ctl.lease("d", 100)
-        assert first.alone and second.alone
-        second.finish(101, facts)
-        first.finish(101, facts)
-
-    loop_thread.call(overlapping())
-    assert seen == []
-    loop_thread.call(one_after_the_others_first_byte())
-    assert seen == ["0", "0"]
-    assert ctl.replicas.all[0].prefilling == 0
+    prices = sg.gw.ctl.prices
+    learner = prices.learners[0]
+    s1 = prices.answered(0, 0.0, 0.02)
+    s2 = prices.answered(0, 0.01, 0.05)  # closes s1 (not yet ended: nothing learned)
+    s2b = prices.answered(0, 0.02, 0.051)
+    assert s2b is s2 and learner.samples == 0
+    prices.ended(0, s1, False, StepFacts(100, 0, 1))
+    assert learner.samples == 1  # s1 was closed and complete
+    prices.ended(0, s2, True, StepFacts(300, 200, 1))
+    prices.ended(0, s2b, False, None)  # failed: the stretch is left out
+    prices.answered(0, 1.0, 1.02)  # closes s2
+    assert learner.samples == 1 and learner.reload_samples == 0
 
 
 def test_the_replicas_view_needs_an_admin_key(loop_thread: LoopThread) -> None:

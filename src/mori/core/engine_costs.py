@@ -1,28 +1,29 @@
 """What a replica's engine really charges for a recompute and for a reload, learned from
-its answers: ``EngineCosts`` (the prices) and ``CostLearner`` (the fit).
+its answers: ``EngineCosts`` (the prices), ``Work`` (what a stretch of engine time was
+spent on) and ``CostLearner`` (the fit).
 
 The policy prices its moves by two estimates (``Policy.recompute_s``, ``Policy.reload_s``):
 a drop by the recompute of the program's context, a park by its reload from the host tier.
 Configured rates (``PolicyConfig.recompute_tok_s``, ``reload_gbps``) are a prior; a real
 engine may differ from them many times over (a CPU engine's prefill is ~50x slower than a
 GPU's; its host tier's reload costs a fixed 12-30 ms whatever its size, which a rate does
-not see). The gateway measures each request it sends to a replica that had no other
-request of the gateway in flight (so that the time is the request's own, not a queue's):
-the seconds from sending it to its first byte, the prompt tokens the engine computed
-(prompt less cached) and whether the program's KV came back from the host tier. From those:
+not see).
 
-- a request that was not reloaded costs ``base_s + recompute_per_token_s * computed``:
-  a least-squares line over the recent samples (each older sample's weight decays by
-  ``decay``), so a drop of a program of ``n`` tokens costs ``recompute_per_token_s * n``
-  more than keeping it (``base_s`` is paid by every request);
-- a reloaded request costs what that line says plus ``reload_fixed_s +
-  reload_per_token_s * cached``: a second line, over what the reloaded samples took
-  beyond the first line's prediction.
+The gateway cuts each replica's time into stretches, each the engine time of the prefills
+whose first bytes ended it (``mori.gateway.engine_prices``), and tells the learner what each
+stretch held (``Work``: requests, prompt tokens computed, reloads from the host tier, tokens
+reloaded) and how long it took. The learner fits
 
-A line is used once it has ``min_samples`` samples with some spread in tokens (else its
-slope is the prior's and only its level is learned). Slopes are never below zero and the
-fixed part never below zero. Pure: no clock, no I/O; samples in, prices out. All times in
-the unit the samples came in (the gateway converts to policy seconds).
+    seconds = base_s * requests + recompute_per_token_s * computed
+              + reload_fixed_s * reloads + reload_per_token_s * reloaded
+
+by least squares over the recent stretches (each older one's weight decays by ``decay``),
+pulled towards the prior (ridge: the prior counts as ``prior_weight`` stretches), so that
+a price the samples cannot tell (no reload seen yet; tokens that never vary) stays the
+prior's. A price is reported once ``min_samples`` stretches held that kind of work; no
+price is below zero (a coefficient the fit puts below zero is reported as zero). Pure: no
+clock, no I/O; samples in, prices out, in the unit the samples came in (the gateway
+converts to policy seconds).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CostLearner", "EngineCosts"]
+__all__ = ["CostLearner", "EngineCosts", "Work"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,105 +53,118 @@ class EngineCosts:
                            s(self.reload_per_token_s))
 
 
-class _Line:
-    """A weighted least-squares line y = a + b x, older samples decaying by ``decay``."""
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a stretch of engine time was spent on: ``requests`` prefills, ``computed``
+    prompt tokens computed, ``reloads`` of them with KV from the host tier, ``reloaded``
+    tokens those found cached."""
 
-    __slots__ = ("decay", "n", "w", "sx", "sy", "sxx", "sxy")
+    requests: int
+    computed: int
+    reloads: int = 0
+    reloaded: int = 0
 
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.n = 0
-        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+    def features(self) -> tuple[float, float, float, float]:
+        return (float(self.requests), float(self.computed), float(self.reloads),
+                float(self.reloaded))
 
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.n += 1
-        self.w = self.w * d + 1.0
-        self.sx = self.sx * d + x
-        self.sy = self.sy * d + y
-        self.sxx = self.sxx * d + x * x
-        self.sxy = self.sxy * d + x * y
 
-    def fit(self, min_spread: float, prior_slope: float) -> tuple[float, float]:
-        """(a, b); where the x values hardly differ (their weighted standard deviation
-        below ``min_spread``) the slope is ``prior_slope`` and only the level is fitted."""
-        mx, my = self.sx / self.w, self.sy / self.w
-        var = max(0.0, self.sxx / self.w - mx * mx)
-        if math.sqrt(var) < min_spread:
-            b = prior_slope
-        else:
-            b = max(0.0, (self.sxy / self.w - mx * my) / var)
-        return my - b * mx, b
+_N = 4  # base, recompute per token, reload fixed, reload per token
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting (None: singular)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                if f:
+                    for c in range(col, n + 1):
+                        m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 class CostLearner:
-    """One replica's learned prices (the module docstring). ``prior_recompute_per_token_s``
-    and ``prior_reload_per_token_s``: the configured rates, used as the slope where the
-    samples cannot tell one."""
+    """One replica's learned prices (the module docstring). The priors, per request and
+    per token in the samples' unit: ``prior_recompute_per_token_s`` and
+    ``prior_reload_per_token_s`` (the configured rates), ``prior_base_s`` and
+    ``prior_reload_fixed_s`` (0 unless told)."""
 
     def __init__(self, prior_recompute_per_token_s: float, prior_reload_per_token_s: float,
-                 *, min_samples: int = 16, decay: float = 0.98,
-                 min_spread_tokens: float = 32.0) -> None:
-        if min_samples < 2:
-            raise ValueError(f"min_samples must be >= 2, got {min_samples}")
+                 *, prior_base_s: float = 0.0, prior_reload_fixed_s: float = 0.0,
+                 min_samples: int = 16, decay: float = 0.99,
+                 prior_weight: float = 2.0) -> None:
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
-        self.prior_recompute = prior_recompute_per_token_s
-        self.prior_reload = prior_reload_per_token_s
+        if not prior_weight > 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        self.prior = (prior_base_s, prior_recompute_per_token_s, prior_reload_fixed_s,
+                      prior_reload_per_token_s)
         self.min_samples = min_samples
-        self.min_spread = min_spread_tokens
-        self._base = _Line(decay)
-        self._reload = _Line(decay)
-        self._pending: list[tuple[int, int, float]] = []  # reloads before the base line
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self._xx = [[0.0] * _N for _ in range(_N)]
+        self._xy = [0.0] * _N
+        self._w = 0.0
+        self.samples = 0
+        self.reload_samples = 0
 
-    @property
-    def samples(self) -> tuple[int, int]:
-        """(requests not reloaded, reloaded requests) seen."""
-        return self._base.n, self._reload.n + len(self._pending)
+    def observe(self, work: Work, seconds: float) -> None:
+        """A stretch of ``seconds`` of engine time spent on ``work``."""
+        if not (seconds >= 0 and math.isfinite(seconds)) or work.requests < 1 \
+                or min(work.computed, work.reloads, work.reloaded) < 0:
+            return
+        x = work.features()
+        d = self.decay
+        self._w = self._w * d + 1.0
+        for i in range(_N):
+            self._xy[i] = self._xy[i] * d + x[i] * seconds
+            row = self._xx[i]
+            for j in range(_N):
+                row[j] = row[j] * d + x[i] * x[j]
+        self.samples += 1
+        if work.reloads:
+            self.reload_samples += 1
 
-    def observe(self, computed_tokens: int, cached_tokens: int, seconds: float,
-                reloaded: bool) -> None:
-        """One request that ran alone: ``computed_tokens`` of its prompt computed,
-        ``cached_tokens`` found cached, ``seconds`` from its send to its first byte;
-        ``reloaded``: its program's KV was in the host tier when it was sent."""
-        if not (seconds >= 0 and math.isfinite(seconds)) or computed_tokens < 0 \
-                or cached_tokens < 0:
-            return
-        if not reloaded:
-            self._base.add(float(computed_tokens), seconds)
-            if self._pending and self._base.n >= self.min_samples:
-                pending, self._pending = self._pending, []
-                for c, k, s in pending:
-                    self._add_reload(c, k, s)
-            return
-        if self._base.n < self.min_samples:
-            if len(self._pending) < 4 * self.min_samples:
-                self._pending.append((computed_tokens, cached_tokens, seconds))
-            return
-        self._add_reload(computed_tokens, cached_tokens, seconds)
-
-    def _add_reload(self, computed: int, cached: int, seconds: float) -> None:
-        a, b = self._base.fit(self.min_spread, self.prior_recompute)
-        self._reload.add(float(cached), seconds - (a + b * computed))
+    def fit(self) -> tuple[float, float, float, float]:
+        """(base_s, recompute_per_token_s, reload_fixed_s, reload_per_token_s): the ridge
+        fit, each at least 0 (the priors where nothing was seen)."""
+        if not self._w:
+            return self.prior
+        a = [row[:] for row in self._xx]
+        b = self._xy[:]
+        for j in range(_N):
+            # the prior counts as prior_weight stretches of this feature's mean size
+            lam = self.prior_weight * max(a[j][j] / self._w, 1e-12)
+            a[j][j] += lam
+            b[j] += lam * self.prior[j]
+        x = _solve(a, b)
+        if x is None:
+            return self.prior
+        return (max(0.0, x[0]), max(0.0, x[1]), max(0.0, x[2]), max(0.0, x[3]))
 
     def costs(self) -> EngineCosts:
         """The prices learned so far (a move with too few samples: None)."""
-        if self._base.n < self.min_samples:
+        if self.samples < self.min_samples:
             return EngineCosts()
-        _, b = self._base.fit(self.min_spread, self.prior_recompute)
-        if self._reload.n < self.min_samples:
-            return EngineCosts(recompute_per_token_s=b)
-        d, c = self._reload.fit(self.min_spread, self.prior_reload)
-        return EngineCosts(b, max(0.0, d), c)
+        _, recompute, fixed, per_token = self.fit()
+        if self.reload_samples < self.min_samples:
+            return EngineCosts(recompute_per_token_s=recompute)
+        return EngineCosts(recompute, fixed, per_token)
 
     def view(self) -> dict[str, object]:
         """For ``/v1/replicas``: samples, and the prices in seconds (None: not yet)."""
         c = self.costs()
-        base_n, reload_n = self.samples
-        a = (self._base.fit(self.min_spread, self.prior_recompute)[0]
-             if base_n >= self.min_samples else None)
-        return {"samples": base_n, "reload_samples": reload_n,
-                "base_s": a,
+        return {"samples": self.samples, "reload_samples": self.reload_samples,
+                "base_s": self.fit()[0] if self.samples >= self.min_samples else None,
                 "recompute_per_token_s": c.recompute_per_token_s,
                 "reload_fixed_s": c.reload_fixed_s,
                 "reload_per_token_s": c.reload_per_token_s}

@@ -13,7 +13,6 @@ gateway's processes as plain dicts (``as_msg`` / ``from_msg``).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,12 +67,10 @@ class StepFacts:
     cached_tokens: int | None = None
     output_tokens: int | None = None
     tool_names: tuple[str, ...] = ()
-    first_byte_s: float | None = None
-    """Wall seconds from the request's send to the engine's first byte (None: unknown)."""
 
     def as_msg(self) -> dict[str, Any]:
         return {"p": self.prompt_tokens, "c": self.cached_tokens, "o": self.output_tokens,
-                "tools": list(self.tool_names), "t": self.first_byte_s}
+                "tools": list(self.tool_names)}
 
     @staticmethod
     def from_msg(m: dict[str, Any] | None) -> StepFacts | None:
@@ -84,11 +81,8 @@ class StepFacts:
             return v if isinstance(v, int) and not isinstance(v, bool) else None
 
         tools = m.get("tools") or ()
-        t = m.get("t")
-        seconds = (float(t) if isinstance(t, int | float) and not isinstance(t, bool)
-                   and math.isfinite(t) and t >= 0 else None)
         return StepFacts(num(m.get("p")), num(m.get("c")), num(m.get("o")),
-                         tuple(str(t)[:MAX_TOOL_NAME_CHARS] for t in tools), seconds)
+                         tuple(str(t)[:MAX_TOOL_NAME_CHARS] for t in tools))
 
 
 @dataclass(slots=True)

@@ -58,7 +58,7 @@ from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
-from mori.gateway.engine_prices import EnginePrices
+from mori.gateway.engine_prices import EnginePrices, Stretch
 from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo, SeenOrder
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
@@ -377,10 +377,15 @@ class Controller:
             self._end(program_id)
         self.decide()
 
-    def timed(self, replica: int, reloaded: bool, step: StepFacts) -> None:
-        """A request that ran alone on ``replica`` ended: it prices the engine
-        (``EnginePrices``)."""
-        self.prices.observe(replica, reloaded, step)
+    def answered(self, replica: int, sent: float) -> Stretch:
+        """A request sent to ``replica`` at ``sent`` got its first byte now
+        (``EnginePrices.answered``)."""
+        return self.prices.answered(replica, sent, self.wall())
+
+    def priced(self, replica: int, stretch: Stretch, reloaded: bool,
+               step: StepFacts | None) -> None:
+        """A request of ``stretch`` ended (``EnginePrices.ended``)."""
+        self.prices.ended(replica, stretch, reloaded, step)
 
     def release(self, program_id: str) -> bool:
         """The client says the program ended. False if the gateway does not know it."""

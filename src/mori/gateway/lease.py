@@ -7,11 +7,8 @@ an engine's prefetch) and then reports the KV ready (``prepare``), or, for an en
 that says when in its stream, reports it on that signal (``kv_ready``), so the reload
 counts as gated time as in the simulator; it marks the replica
 unhealthy on an engine failure that says so (``failed``), and reports the end of the
-step exactly once (``finish``), however the request ends. A request whose prefill ran
-alone (no other request of the gateway's was sent to its replica, or still waited there
-for its first byte, between its send and its first byte, ``answering``) also reports its
-time to first byte (``timed``), which prices the engine. Requests of other clients, and
-the gateway's own past their first byte (decoding), may still share the engine with it.
+step exactly once (``finish``), however the request ends. Its first byte (``answering``)
+and its usage price the engine (``mori.gateway.engine_prices``).
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from typing import Any, Protocol
 from mori.core.types import Capability
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import StepFacts
+from mori.gateway.engine_prices import Stretch
 from mori.gateway.held import Admission
 from mori.gateway.replicas import Replica
 
@@ -48,9 +46,15 @@ class LeaseHost(Protocol):
     def finished(self, program_id: str, context_tokens: int,
                  step: StepFacts | None = None) -> None: ...
 
-    def timed(self, replica: int, reloaded: bool, step: StepFacts) -> None:
-        """A request that ran alone on ``replica`` ended: its time to first byte and its
-        tokens price the engine (``mori.core.engine_costs``)."""
+    def wall(self) -> float: ...
+
+    def answered(self, replica: int, sent: float) -> Stretch:
+        """A request sent to ``replica`` at ``sent`` got its first byte now: the stretch
+        of engine time it ends (``mori.gateway.engine_prices``)."""
+
+    def priced(self, replica: int, stretch: Stretch, reloaded: bool,
+               step: StepFacts | None) -> None:
+        """A request of ``stretch`` ended (``step``: its usage; None: it failed)."""
 
 PRIORITY_LEVELS = 10
 """Priority hints run from 0 (busiest) to this (most idle): idleness in tenths."""
@@ -80,13 +84,8 @@ class RequestLease:
         self.prompt_tokens = prompt_tokens
         self.replica: Replica = ctl.replica(admission.replica)
         self.replica.in_flight += 1
-        # its time to first byte is its own, not a queue's, if no other request of the
-        # gateway's prefilled here while it did (``answering`` checks the second half)
-        self.alone = self.replica.prefilling == 0
-        self.replica.prefilling += 1
-        self.replica.sends += 1
-        self._send_no = self.replica.sends
-        self._prefilling = True
+        self.sent = ctl.wall()
+        self._stretch: Stretch | None = None  # the engine time its first byte ended
         self._done = False
         self._kv_ready = False
 
@@ -119,11 +118,8 @@ class RequestLease:
 
     def answering(self) -> None:
         """The engine's first byte came (its prefill is over): once."""
-        if self._prefilling:
-            self._prefilling = False
-            self.replica.prefilling -= 1
-            if self.replica.sends != self._send_no:
-                self.alone = False  # another was sent while it prefilled
+        if self._stretch is None and not self._done:
+            self._stretch = self._ctl.answered(self.replica.index, self.sent)
 
     def failed(self, e: UpstreamError) -> None:
         """The engine failed this request; a failure that says so marks it unhealthy."""
@@ -138,8 +134,7 @@ class RequestLease:
         if self._done:
             return
         self._done = True
-        self.answering()
         self.replica.in_flight -= 1
-        if self.alone and step is not None and step.first_byte_s is not None:
-            self._ctl.timed(self.replica.index, self.admission.reloaded, step)
+        if self._stretch is not None:
+            self._ctl.priced(self.replica.index, self._stretch, self.admission.reloaded, step)
         self._ctl.finished(self.program_id, context_tokens, step)

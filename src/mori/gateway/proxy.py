@@ -93,7 +93,6 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
                                   e.retry_after_s)
     try:
         await lease.prepare(req.path, req.body, req.stream)
-        sent = ctl.wall()
         hints = RequestHints(pid, priority=lease.priority, synthetic=req.synthetic)
         up = await lease.adapter.forward(req.path, req.body, req.stream, hints)
     except UpstreamError as e:
@@ -107,22 +106,21 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
         lease.finish(tokens)
         raise
     if up.chunks is None:
-        answered = ctl.wall()
         lease.answering()
-        gw.metrics.ttft.observe(answered - arrived)
+        gw.metrics.ttft.observe(ctl.wall() - arrived)
         body = up.body or b""
 
         def step_ended() -> None:  # once the answer is on its way: it waits for nothing
             ans = read_answer(req.engine_spec, body) if up.status == 200 \
                 else Answer(completion_tokens=0)
-            _book(gw, lease, req, ans, ans.completion_tokens or 0, answered - sent)
+            _book(gw, lease, req, ans, ans.completion_tokens or 0)
 
         if spec.gemini:
             status, out = translate_answer(up.status, body)
             headers = {**up.headers, "content-type": "application/json"}
             return PassThrough(status, out, headers, after=step_ended)
         return PassThrough(up.status, body, up.headers, after=step_ended)
-    stream = _Relay(gw, up, lease, req, arrived, sent)
+    stream = _Relay(gw, up, lease, req, arrived)
     relay = stream.run()
     # the first whole lines: until they come, the client can be answered with a status
     first = await anext(relay, None)  # started: closing it now always ends the lease
@@ -178,17 +176,15 @@ class _Relay:
     set and ``run`` ends without a chunk: the caller answers with that status.
     """
 
-    __slots__ = ("gw", "up", "lease", "req", "arrived", "sent", "first_byte_s", "refused")
+    __slots__ = ("gw", "up", "lease", "req", "arrived", "refused")
 
     def __init__(self, gw: Gateway, up: UpstreamResponse, lease: LeaseLike,
-                 req: ClientRequest, arrived: float, sent: float) -> None:
+                 req: ClientRequest, arrived: float) -> None:
         self.gw = gw
         self.up = up
         self.lease = lease
         self.req = req
         self.arrived = arrived
-        self.sent = sent  # wall time the engine was sent the request
-        self.first_byte_s: float | None = None
         self.refused: UpstreamError | None = None
 
     async def run(self) -> AsyncGenerator[bytes, None]:
@@ -219,10 +215,8 @@ class _Relay:
                 finally:
                     idle.disarm()
                 if first:
-                    now = gw.ctl.wall()
                     lease.answering()
-                    gw.metrics.ttft.observe(now - self.arrived)
-                    self.first_byte_s = now - self.sent
+                    gw.metrics.ttft.observe(gw.ctl.wall() - self.arrived)
                     first = False
                     limit = settings.stream_idle_timeout_s
                 pieces = watcher.feed(chunk)
@@ -267,7 +261,7 @@ class _Relay:
             with contextlib.suppress(Exception):
                 await self.up.aclose()  # the engine's request aborted unless it ended
             ans = watcher.answer
-            _book(gw, lease, req, ans, watcher.output_tokens(), self.first_byte_s)
+            _book(gw, lease, req, ans, watcher.output_tokens())
 
     def _idle_error(self, first: bool, seconds: float) -> UpstreamError:
         """The engine sent nothing in time: counted, and a 504 that has the replica
@@ -299,11 +293,10 @@ def for_client(e: UpstreamError, url: str) -> str:
 
 
 def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
-          output: int, first_byte_s: float | None) -> None:
+          output: int) -> None:
     """End the step with its counts: the engine's (its prompt count unless the request
     is synthetic, whose size the gateway knows) else the gateway's estimate, clamped to
-    what one request can hold (``StepUsage.bounded``; a clamp is counted and logged);
-    ``first_byte_s``: seconds from its send to the engine's first byte (None: none came)."""
+    what one request can hold (``StepUsage.bounded``; a clamp is counted and logged)."""
     prompt = lease.prompt_tokens
     engine_prompt = ans.prompt_tokens is not None and req.synthetic is None
     if engine_prompt:
@@ -323,9 +316,8 @@ def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
                     out_cap, usage.prompt, usage.cached, usage.output)
     gw.metrics.prompt_tokens.inc(usage.prompt)
     gw.metrics.completion_tokens.inc(usage.output)
-    lease.finish(usage.prompt + usage.output, StepFacts(
-        usage.prompt, usage.cached, usage.output, tuple(ans.tool_names),
-        first_byte_s if ans.prompt_tokens is not None else None))
+    lease.finish(usage.prompt + usage.output, StepFacts(usage.prompt, usage.cached,
+                                                        usage.output, tuple(ans.tool_names)))
 
 
 def context_window(gw: Gateway, model: str) -> int | None:

@@ -44,8 +44,6 @@ class Replica:
     missed: int = 0  # health probes missed in a row
     chain: asyncio.Future[None] | None = None  # tail of this replica's ordered controls
     engine_load: EngineLoad | None = None  # the engine's latest report (None: none)
-    prefilling: int = 0  # the gateway's requests sent here with no first byte yet
-    sends: int = 0  # the gateway's requests sent here so far
 
     @property
     def foreign_load(self) -> int:
