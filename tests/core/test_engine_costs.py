@@ -1,6 +1,6 @@
 """The engine's prices learned from its answers (``mori.core.engine_costs``), and how
 ``mori`` uses them: a recompute priced per token as measured, a park that waits out the
-reload's fixed engine time (``ReturnCost.park_pays``).
+reload's measured engine time (``ReturnCost.park_pays``).
 
 Capacities in tokens (1 byte each), as in ``test_return_cost``.
 """
@@ -103,14 +103,14 @@ def test_learned_prices_replace_the_configured_rates() -> None:
                                       reload_per_token_s=0.01))
     assert p.recompute_s(a) == pytest.approx(30.0)
     assert p.reload_s(a) == pytest.approx(2.6)
-    assert p.reload_fixed_s(a) == pytest.approx(2.0)
+    assert p.reload_engine_s(a) == pytest.approx(2.6)
     with pytest.raises(ValueError, match="no replica 1"):
         p.set_engine_costs(1, EngineCosts())
 
 
 def test_a_reload_with_a_fixed_price_parks_only_once_it_pays() -> None:
     """The engine charges 2 s per reload whatever its size: A (back in its tool call at
-    t = 1) is parked for B only once it has been away 2 s; without the learned price it
+    t = 1) is parked for B only once it has been away 2 s; without a measured price it
     parks at once (``test_return_cost``)."""
     p = make("mori", gpu=100, cpu=100, **RATE)
     p.set_engine_costs(0, EngineCosts(reload_fixed_s=2.0, reload_per_token_s=0.0))

@@ -1,6 +1,6 @@
 """``mori``'s work conservation (``PolicyConfig.fill_idle``, ``mori_idle_fill``): a
 replica with no step running takes a held request at once when the Acting programs in
-its way can all park in free CPU room, without waiting out a fixed reload price; never
+its way can all park in free CPU room, without waiting out the reload's price; never
 by drops that do not pay yet.
 
 Capacities in tokens (1 byte each); ``recompute_tok_s=10``: a 60-token context takes

@@ -7,7 +7,7 @@ a replica that is down). At the end every request was forwarded exactly once (on
 for each time it failed with its replica) and every program ended: no request lost.
 Some worlds have a disk tier, some lose replicas for a while, some start with
 programs found on the engines (a restarted gateway), and some price their replicas by
-learned engine costs (a fixed reload price makes ``mori`` wait before parking).
+learned engine costs (a measured reload price makes ``mori`` wait before parking).
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ def test_requests_that_ran_alone_price_the_engine(loop_thread: LoopThread,
         assert used == pytest.approx(measured["recompute_per_token_s"])
     else:
         assert used is None
+    # the dashboard shows them beside the replica's tiers, in ms per 1,000 tokens
+    (row,) = httpx.get(sg.url + "/dashboard/state").json()["frame"]["prices"]
+    assert row[:2] == [0, 19]
+    assert row[2] == pytest.approx(measured["recompute_per_token_s"] * 1e6, abs=0.01)
 
 
 def test_the_engine_time_is_cut_at_first_bytes_first_come_first_served() -> None:

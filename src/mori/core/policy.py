@@ -378,12 +378,15 @@ class Policy(ABC):
             return c.reload_fixed_s + c.reload_per_token_s * p.tokens
         return p.kv_bytes / (gbps * 1e9)
 
-    def reload_fixed_s(self, p: Program) -> float:
-        """The part of ``p``'s reload that does not overlap with the engine's compute: the
-        fixed cost its replica's engine was measured to charge per reload (0 where none
-        was learned; the link's per-token transfer overlaps, as the paper assumes)."""
+    def reload_engine_s(self, p: Program) -> float:
+        """The engine time a reload of ``p``'s KV takes, as its replica's engine was
+        measured to charge it (``set_engine_costs``: a fixed part and a part per token,
+        timed as the engine's own); 0 where none was measured: a reload over a GPU's link
+        overlaps the engine's compute, as the paper assumes."""
         c = self._costs_of(p)
-        return c.reload_fixed_s if c is not None and c.reload_fixed_s is not None else 0.0
+        if c is None or c.reload_fixed_s is None or c.reload_per_token_s is None:
+            return 0.0
+        return c.reload_fixed_s + c.reload_per_token_s * p.tokens
 
     def disk_reload_s(self, p: Program) -> float:
         """Seconds a reload of ``p``'s KV from its replica's disk tier is estimated to

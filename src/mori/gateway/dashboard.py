@@ -97,10 +97,25 @@ class LiveDashboard:
                   for pid, info in ctl.programs.items() if not info.anonymous}
         snap = take_snapshot(ctl.policy, ctl.now(), ctl.log.latest(DECISIONS_SHOWN),
                              time_scale=s.time_scale, agents=agents)
+        shown = frame(snap, self.history.latest)
+        shown["prices"] = [price_row(r, ctl.prices.learners[r].view())
+                           for r in range(len(ctl.replicas.all))]
         return {
-            "frame": frame(snap, self.history.latest),
+            "frame": shown,
             "charts": charts(self.history, (-self.keep_s, 0.0), origin=ctl.wall(),
                              x_label="s, 0 = now"),
             "meta": {"policy": s.policy, "replicas": len(ctl.replicas.all),
                      "time_scale": s.time_scale},
         }
+
+
+def price_row(replica: int, measured: dict[str, Any]) -> list[Any]:
+    """A replica's learned engine prices as the page shows them: [replica, stretches,
+    recompute ms per 1,000 tokens, reload ms fixed, reload ms per 1,000 tokens] (None:
+    not learned yet)."""
+    def ms(key: str, per: float) -> float | None:
+        v = measured.get(key)
+        return None if v is None else round(v * 1000 * per, 2)
+    return [replica, measured["samples"], ms("recompute_per_token_s", 1000),
+            ms("reload_fixed_s", 1), ms("reload_per_token_s", 1000)]
+

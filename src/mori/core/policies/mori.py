@@ -123,7 +123,7 @@ class MoriPolicy(Policy):
         self._idleness: IdlenessAt | None = None  # the round's, while it decides
         self.ranking = ranking or ReturnCost(
             self.placement, self.book, self.reload_s, self.recompute_s, self.disk,
-            self.load if self.config.load_window_s else None, self.reload_fixed_s)
+            self.load if self.config.load_window_s else None, self.reload_engine_s)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
         self.moves = Moves(self._promote, self._forward, self._demote_to)
@@ -201,7 +201,7 @@ class MoriPolicy(Policy):
             if self.disk is not None and self.disk.lands(q, idleness):
                 price = min(price, self.disk_reload_s(q))
             if self.ranking.parks(q, idleness):
-                price = min(price, self.reload_fixed_s(q))
+                price = min(price, self.reload_engine_s(q))
             return max(0.0, price - self.ranking.away_s(q, idleness.now))
         return math.inf
 

@@ -12,7 +12,7 @@ and, where the gateway reads it, no other client's request, ``Policy.replica_loa
 takes the oldest held request that can go there: a program parked or kept on disk there,
 or one with no KV anywhere, whose context fits the replica's GPU tier once Acting
 programs leave. They leave, the most idle first, only if they all park in the free room
-of the replica's CPU tier: a park waits out no fixed reload price on an idle engine
+of the replica's CPU tier: a park waits out no reload price on an idle engine
 (``ReturnCost.park_pays``), but a drop still waits until it pays. One request per idle
 replica per round: once it runs, the replica is no longer idle.
 

@@ -112,13 +112,12 @@ class ReturnCost(Ranking):
 
     - Parked: a program demoted into room in its replica's CPU tier returns by a reload.
       The link copies while the GPU computes, so the transfer costs the replica no GPU
-      time: by the paper's rule it may leave at once. Where the replica's engine was
-      measured to charge a fixed cost per reload on top (``reload_fixed_s``, learned
-      from its answers, ``mori.core.engine_costs``: vLLM's host tier on a CPU takes
-      12-30 ms whatever the size), it may leave once it has been away at least that
-      long (``park_pays``): the ski-rental rule on that fixed price. Measured
-      (docs/benchmarks.md, the bottleneck benchmark on the dev100 traces): parking at
-      once there made nearly every request a reload.
+      time: by the paper's rule it may leave at once. Where the gateway measured the
+      replica's engine spending its own time on reloads (``reload_engine_s``, learned
+      from its answers, ``mori.core.engine_costs``: vLLM's host tier on a CPU), it may
+      leave once it has been away at least that long (``park_pays``): the ski-rental
+      rule on the reload's price. Measured (docs/benchmarks.md, the bottleneck benchmark
+      on the dev100 traces): parking at once there made nearly every request a reload.
     - Dropped: a program with no room to park returns by a recompute of its whole
       context (``recompute_s``), which takes the GPU from every program on the replica.
       It may be dropped only once it has been away (in its tool call) at least that
@@ -158,9 +157,9 @@ class ReturnCost(Ranking):
                  reload_s: Callable[[Program], float],
                  recompute_s: Callable[[Program], float],
                  disk: DiskTier | None = None, load: ReplicaLoad | None = None,
-                 reload_fixed_s: Callable[[Program], float] | None = None) -> None:
+                 reload_engine_s: Callable[[Program], float] | None = None) -> None:
         self.placement = placement
-        self.reload_fixed_s = reload_fixed_s
+        self.reload_engine_s = reload_engine_s
         self.book = book
         self.reload_s = reload_s
         self.recompute_s = recompute_s
@@ -235,9 +234,9 @@ class ReturnCost(Ranking):
 
     def park_pays(self, p: Program, now: float) -> bool:
         """Whether ``p`` has been away at least as long as the engine time its reload
-        will take (``reload_fixed_s``): the ski-rental rule on a park's price."""
-        fixed = self.reload_fixed_s(p) if self.reload_fixed_s is not None else 0.0
-        return fixed <= 0.0 or self.away_s(p, now) >= fixed
+        will take (``reload_engine_s``): the ski-rental rule on a park's price."""
+        price = self.reload_engine_s(p) if self.reload_engine_s is not None else 0.0
+        return price <= 0.0 or self.away_s(p, now) >= price
 
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
         return (self.pays(p, idleness.now)

@@ -47,6 +47,12 @@
     f.tiers.forEach(function (r) {
       out.push(bar("r" + r[0] + " GPU", r[1], r[2], "gpu", r[5]));
       if (r[4] > 0) out.push(bar("r" + r[0] + " CPU", r[3], r[4], "cpu", r[6]));
+      (f.prices || []).forEach(function (p) {
+        if (p[0] !== r[0] || p[2] === null) return;
+        out.push('<div class="price">r' + p[0] + " engine: recompute " + p[2] + " ms / 1k tok" +
+          (p[3] === null ? "" : " · reload " + p[3] + " ms + " + p[4] + " ms / 1k tok") +
+          " (" + int(p[1]) + " stretches)</div>");
+      });
     });
     $("tiers").innerHTML = out.join("");
   }
