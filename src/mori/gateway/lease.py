@@ -84,7 +84,7 @@ class RequestLease:
         self.prompt_tokens = prompt_tokens
         self.replica: Replica = ctl.replica(admission.replica)
         self.replica.in_flight += 1
-        self.sent = ctl.wall()
+        self.sent = ctl.wall()  # when the engine got it: ``sending`` moves it on
         self._stretch: Stretch | None = None  # the engine time its first byte ended
         self._done = False
         self._kv_ready = False
@@ -106,6 +106,7 @@ class RequestLease:
         ready and reasoning starts, unless the engine will say when (a stream from an
         engine with ``KV_READY``: the relay calls ``kv_ready`` on its signal)."""
         await self._ctl.controls_done(self.replica.index)
+        self.sending()
         if await warm_up(self.adapter, self.program_id, self.admission.reloaded, path, body,
                          stream):
             self.kv_ready()
@@ -115,6 +116,10 @@ class RequestLease:
         if not self._done and not self._kv_ready:
             self._kv_ready = True
             self._ctl.kv_ready(self.program_id)
+
+    def sending(self) -> None:
+        """The request goes to the engine now (its KV controls done)."""
+        self.sent = self._ctl.wall()
 
     def answering(self) -> None:
         """The engine's first byte came (its prefill is over): once."""

@@ -193,6 +193,7 @@ class WorkerHub:
             lease.finish(lease.prompt_tokens)
             raise
         if rid in peer.leases:  # not abandoned meanwhile
+            lease.sending()
             peer.send({"op": "go", "id": rid, "replica": lease.replica.index,
                        "reloaded": lease.admission.reloaded, "priority": lease.priority})
 
