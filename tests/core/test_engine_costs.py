@@ -136,3 +136,17 @@ def test_a_drop_that_pays_first_goes_first() -> None:
     assert step(p, 6.9) == []
     assert step(p, 7.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
                             Forward("B", 0)]
+
+
+def test_a_parks_price_counts_the_programs_its_reload_delays() -> None:
+    """S keeps reasoning beside A: the reload's 2 s of engine time delays both, so A
+    parks for B only once it has been away 4 s (t = 1 + 4), as a drop's recompute is
+    priced (``ReturnCost.delayed``)."""
+    p = make("mori", gpu=120, cpu=100, **RATE)
+    p.set_engine_costs(0, EngineCosts(reload_fixed_s=2.0, reload_per_token_s=0.0))
+    step(p, 0.0, arrive("A", 60), arrive("S", 20))
+    step(p, 1.0, fin("A", 60))
+    assert step(p, 1.5, arrive("B", 60)) == []
+    assert step(p, 4.9) == []
+    assert step(p, 5.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
+                            Forward("B", 0)]

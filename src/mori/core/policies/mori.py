@@ -201,7 +201,7 @@ class MoriPolicy(Policy):
             if self.disk is not None and self.disk.lands(q, idleness):
                 price = min(price, self.disk_reload_s(q))
             if self.ranking.parks(q, idleness):
-                price = min(price, self.reload_engine_s(q))
+                price = min(price, self.ranking.park_s(q, idleness.now))
             return max(0.0, price - self.ranking.away_s(q, idleness.now))
         return math.inf
 

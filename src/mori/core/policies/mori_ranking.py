@@ -114,9 +114,10 @@ class ReturnCost(Ranking):
       The link copies while the GPU computes, so the transfer costs the replica no GPU
       time: by the paper's rule it may leave at once. Where the gateway measured the
       replica's engine spending its own time on reloads (``reload_engine_s``, learned
-      from its answers, ``mori.core.engine_costs``: vLLM's host tier on a CPU), it may
-      leave once it has been away at least that long (``park_pays``): the ski-rental
-      rule on the reload's price. Measured (docs/benchmarks.md, the bottleneck benchmark
+      from its answers, ``mori.core.engine_costs``: vLLM's host tier on a CPU), that
+      time is priced as a recompute's is, for every program it delays (``park_s``), and
+      the program may leave once it has been away that long (``park_pays``): the
+      ski-rental rule on the reload's price. Measured (docs/benchmarks.md, the bottleneck benchmark
       on the dev100 traces): parking at once there made nearly every request a reload.
     - Dropped: a program with no room to park returns by a recompute of its whole
       context (``recompute_s``), which takes the GPU from every program on the replica.
@@ -232,10 +233,18 @@ class ReturnCost(Ranking):
         return (disk is not None and self.away_s(p, idleness.now) >= disk.disk_reload_s(p)
                 and disk.lands(p, idleness))
 
-    def park_pays(self, p: Program, now: float) -> bool:
-        """Whether ``p`` has been away at least as long as the engine time its reload
-        will take (``reload_engine_s``): the ski-rental rule on a park's price."""
+    def park_s(self, p: Program, now: float) -> float:
+        """What parking ``p`` costs its replica, in seconds: the engine time its reload
+        was measured to take (``reload_engine_s``; 0 where none was: the link's copy
+        overlaps the compute), for each program that engine time delays (``delayed``), as
+        a drop's recompute is priced."""
         price = self.reload_engine_s(p) if self.reload_engine_s is not None else 0.0
+        return price * self.delayed(p.replica, now) if price > 0 else 0.0
+
+    def park_pays(self, p: Program, now: float) -> bool:
+        """Whether ``p`` has been away at least as long as its park costs (``park_s``):
+        the ski-rental rule on a park's price."""
+        price = self.park_s(p, now)
         return price <= 0.0 or self.away_s(p, now) >= price
 
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
