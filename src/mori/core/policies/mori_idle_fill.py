@@ -20,10 +20,10 @@ Off by default, as measured so far. Making room by drops too (whatever they cost
 up to 17% in the simulator (30B on one replica, no CPU tier, 50 programs, seed 0: 0.480
 against 0.576 steps per second with the rule off; 5% on three replicas with CPU ratio 2):
 a drop that does not pay yet comes back as a recompute on a busy engine, which costs more
-than the idle time it saved. By parks alone, as here: 2.276 against 2.356 on the second
-(-3%, one seed), no change in five other cells of the paper's settings; not yet measured
-on a real engine, where the measured reload price (which the simulator does not learn)
-is what it waives.
+than the idle time it saved (four other cells of the paper's settings: no change). By
+parks alone, as here, on the second cell only: 2.276 against 2.356 (-3%, one seed); not
+yet measured on a real engine, where the measured reload price (which the simulator
+does not learn) is what it waives.
 """
 
 from __future__ import annotations
