@@ -63,6 +63,7 @@ from vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx  # noqa: E402
 from mori.core.hardware import HardwarePreset  # noqa: E402
+from mori.core.linear import solve  # noqa: E402
 
 CACHE = Path(os.environ.get("MORI_CACHE", Path.home() / ".cache" / "mori"))
 MODEL = CACHE / "tiny-llama"
@@ -274,22 +275,6 @@ def prefill_terms(preset: HardwarePreset, tokens: int) -> tuple[int, float, floa
     return iters, float(tokens), attn
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """``a x = b`` by Gaussian elimination with partial pivoting; None if singular."""
-    n = len(b)
-    m = [[*row, y] for row, y in zip(a, b, strict=True)]
-    for c in range(n):
-        piv = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[piv][c]) < 1e-300:
-            return None
-        m[c], m[piv] = m[piv], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * y for x, y in zip(m[r], m[c], strict=True)]
-    return [m[r][n] / m[r][r] for r in range(n)]
-
-
 def _nnls(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
     """Least squares ``y = sum_j x_j row_j`` with every ``x_j >= 0``: the best of the
     unconstrained fits over each subset of the columns whose solution is non-negative
@@ -301,7 +286,7 @@ def _nnls(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
         cols = [j for j in range(k) if mask >> j & 1]
         ata = [[sum(r[i] * r[j] for r in rows) for j in cols] for i in cols]
         aty = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in cols]
-        sol = _solve(ata, aty)
+        sol = solve(ata, aty)
         if sol is None or min(sol) < 0:
             continue
         x = [0.0] * k

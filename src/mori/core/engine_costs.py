@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mori.core.linear import solve
+
 __all__ = ["CostLearner", "EngineCosts", "Work"]
 
 
@@ -70,24 +72,6 @@ class Work:
 
 
 _N = 4  # base, recompute per token, reload fixed, reload per token
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """``a x = b`` by Gaussian elimination with partial pivoting (None: singular)."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-300:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                if f:
-                    for c in range(col, n + 1):
-                        m[r][c] -= f * m[col][c]
-    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 class CostLearner:
@@ -146,7 +130,7 @@ class CostLearner:
             lam = self.prior_weight * max(a[j][j] / self._w, 1e-12)
             a[j][j] += lam
             b[j] += lam * self.prior[j]
-        x = _solve(a, b)
+        x = solve(a, b)
         if x is None:
             return self.prior
         return (max(0.0, x[0]), max(0.0, x[1]), max(0.0, x[2]), max(0.0, x[3]))
