@@ -311,6 +311,9 @@ def test_settings_added_later_keep_the_keys_and_records_of_earlier_runs() -> Non
     row = simulate(SimConfig(programs=2, duration_s=30.0), default_traces()).to_dict()
     older = {k: v for k, v in row.items() if k != "pcie_gbps"}
     assert result_from_dict(older).to_dict() == row
+    # the idle fill, off by default, leaves the keys of earlier runs as they were
+    assert "fill_idle" not in config_dict(cfg)["policy_config"]
+    assert result_from_dict({k: v for k, v in row.items() if k != "fill_idle"}).to_dict() == row
 
 
 def test_records_without_programs_per_replica_still_load() -> None:

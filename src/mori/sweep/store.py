@@ -66,6 +66,8 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
         # a gateway knob (the simulator has no other clients' load to weigh): runs are
         # keyed as before it existed
         del policy["spread_by_load"]
+    if isinstance(policy, dict) and policy.get("fill_idle") is False:
+        del policy["fill_idle"]  # added later, off by default: earlier runs keep their keys
     return out
 
 
@@ -74,7 +76,7 @@ OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1
                                      "max_wait_s": None, "recompute_tok_s": None,
                                      "disk_ratio": 0.0, "disk_kv_tokens": None,
                                      "disk": "nvme-gen5", "load_window_s": None,
-                                     "max_output_tokens": None}
+                                     "max_output_tokens": None, "fill_idle": False}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 OPTIONAL_MEASURES: dict[str, Any] = {"disk_hit_rate": 0.0, "disk_read_tokens": 0,
