@@ -259,6 +259,12 @@ def test_engine_failures_in_the_gemini_shape(loop_thread: LoopThread) -> None:
         err = events[-1]["error"]
         assert err["code"] >= 500 and err["status"] in ("INTERNAL", "UNAVAILABLE"), err
         assert "candidates" not in events[-1]
+    # the cut-off stream marked the replica down until a probe answers (every 0.1 s):
+    # wait for it, or the SDK's request would be refused (503) before reaching it
+    deadline = time.monotonic() + 15
+    while httpx.get(gw.url + "/healthz").json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the replica did not come back"
+        time.sleep(0.05)
     c = client(gw.url)
     with pytest.raises(genai_errors.ServerError) as e:  # the SDK raises the stream's error
         list(c.models.generate_content_stream(model="fake-model", contents="hello"))
