@@ -42,8 +42,9 @@ Every rule of section 4, and where a detail is ours:
   in Waiting (``mori_disk``).
 - Work conservation (ours, not the paper's; ``PolicyConfig.fill_idle``): after the
   promotions, a replica with no step running takes the oldest held request that can go
-  there, its Acting programs parking for it in free CPU room without waiting out a fixed
-  reload price (``mori_idle_fill``): holding a request on an idle engine wastes it.
+  there, its Acting programs parking for it in free CPU room without waiting out the
+  reload's price (``mori_idle_fill``; off by default): holding a request on an idle
+  engine wastes it.
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
   the promotions above, requests held ``max_wait_s`` or longer are served oldest first
   (``mori_aged``), Acting programs demoted for them; one that must wait for running

@@ -117,8 +117,9 @@ class ReturnCost(Ranking):
       from its answers, ``mori.core.engine_costs``: vLLM's host tier on a CPU), that
       time is priced as a recompute's is, for every program it delays (``park_s``), and
       the program may leave once it has been away that long (``park_pays``): the
-      ski-rental rule on the reload's price. Measured (docs/benchmarks.md, the bottleneck benchmark
-      on the dev100 traces): parking at once there made nearly every request a reload.
+      ski-rental rule on the reload's price. Measured (docs/benchmarks.md, the
+      bottleneck benchmark on the dev100 traces): parking at once there made nearly
+      every request a reload.
     - Dropped: a program with no room to park returns by a recompute of its whole
       context (``recompute_s``), which takes the GPU from every program on the replica.
       It may be dropped only once it has been away (in its tool call) at least that
