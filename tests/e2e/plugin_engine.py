@@ -59,9 +59,7 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
     (``conftest.ENGINE_RELEASES``)."""
     venv = _install_venv()
     model = _build_model(venv)
-    port, kv_port, label_port = free_port(), free_port(), free_port()
     name = name or ("vllm-plugin" if plugin else "vllm-plain")
-    log = tmp / f"{name}.log"
     env = {**os.environ, "MORI_VLLM_VENV": str(venv), "MORI_PYTHON": sys.executable,
            "MORI_VLLM_PLUGIN": "1" if plugin else "0", **release_env(release)}
     if cpu_gib is not None:
@@ -70,21 +68,56 @@ def start_engine(tmp: Path, *, plugin: bool, num_blocks: int, cpu_gib: float | N
         env["MORI_VLLM_DISK_GIB"], env["MORI_VLLM_DISK_DIR"] = repr(disk[0]), str(disk[1])
     if label_secret is not None:
         env["MORI_VLLM_LABEL_SECRET_FILE"] = str(label_secret)
+    failures: list[str] = []
+    for attempt in range(START_ATTEMPTS):
+        log = tmp / (f"{name}.log" if attempt == 0 else f"{name}.retry{attempt}.log")
+        started = _start_once(model, env, log, plugin, num_blocks)
+        if isinstance(started, tuple):
+            return started
+        failures.append(f"--- attempt {attempt + 1} ({log}):\n{started}")
+        if "timed out" in started:
+            break  # a slow machine will not start faster a second time
+    pytest.fail(f"vLLM ({name}) did not start:\n" + "\n".join(failures), pytrace=False)
+
+
+# An engine that dies while starting is started once more on fresh ports: a port that
+# ``free_port`` found free can be taken by another process before vLLM binds it.
+START_ATTEMPTS = 2
+
+
+def _start_once(model: Path, env: dict[str, str], log: Path, plugin: bool,
+                num_blocks: int) -> tuple[Engine, subprocess.Popen[bytes]] | str:
+    """One try at starting the engine: the engine and its process, or why it did not
+    start (the log's first error and its last lines)."""
+    port, kv_port, label_port = free_port(), free_port(), free_port()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", str(SCRIPTS / "start_vllm_cpu.sh"), str(model), str(port), str(kv_port),
-             str(num_blocks), str(label_port)], stdout=fh, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+             str(num_blocks), str(label_port)],
+            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     while not http_ok(url + "/health"):
-        if proc.poll() is not None or time.monotonic() - t0 > START_TIMEOUT_S:
+        timed_out = time.monotonic() - t0 > START_TIMEOUT_S
+        if proc.poll() is not None or timed_out:
             stop_group(proc)
-            tail = log.read_text(errors="replace")[-3000:]
-            pytest.fail(f"vLLM ({name}) did not start:\n{tail}", pytrace=False)
+            text = log.read_text(errors="replace")
+            why = f"timed out after {START_TIMEOUT_S} s" if timed_out else (
+                f"exited {proc.returncode}")
+            return f"{why}; first error:\n{first_error(text)}\n... last lines:\n{text[-1500:]}"
         time.sleep(1.0)
     return Engine(url, f"tcp://127.0.0.1:{label_port}" if plugin else None, log,
                   f"tcp://127.0.0.1:{kv_port}"), proc
+
+
+def first_error(log: str, around: int = 2500) -> str:
+    """The part of an engine's log from its first traceback or ERROR line: the root cause,
+    which the end of the log (the parent's own traceback) does not show."""
+    marks = [i for i in (log.find("Traceback"), log.find(" ERROR ")) if i >= 0]
+    if not marks:
+        return "(no traceback or ERROR line)"
+    start = log.rfind("\n", 0, min(marks)) + 1
+    return log[start:start + around]
 
 
 def with_and_without_plugin(tmp: Path, scenario: Callable[[Engine], T], *, num_blocks: int,
