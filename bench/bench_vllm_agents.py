@@ -107,6 +107,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from mori.cli.table import format_table  # noqa: E402
+from mori.core.calibration import EngineCalibration  # noqa: E402
 from mori.core.costmodel import CostModel  # noqa: E402
 from mori.core.hardware import get_preset  # noqa: E402
 from mori.engines.http import parse_prometheus  # noqa: E402
@@ -205,16 +206,42 @@ class Settings:
     cpu_blocks: int = 0  # host-tier blocks (0: no host tier)
     engine_cpus: frozenset[int] | None = None  # the engine's own CPUs (None: shared)
     mori_args: tuple[str, ...] = ()  # more flags for mori serve (arms c and d)
+    calibration: EngineCalibration | None = None  # this run's, else the preset's constants
 
 
-def policy_rates(time_scale: float) -> tuple[float, float]:
+def policy_rates(time_scale: float, calibration: EngineCalibration | None = None
+                 ) -> tuple[float, float]:
     """The recompute rate (tokens/s) and reload bandwidth (GB/s) of the engine, as the
-    ``cpu-tiny-llama`` preset models it (calibrated on this engine), in ``mori serve``'s
-    policy time: wall rates over the time scale. Left at ``mori serve``'s defaults (a
-    GPU's), the policy would price a drop at a fraction of what it costs here."""
+    ``cpu-tiny-llama`` preset models it (with ``calibration``: as measured at the start of
+    this run), in ``mori serve``'s policy time: wall rates over the time scale. Left at
+    ``mori serve``'s defaults (a GPU's), the policy would price a drop at a fraction of
+    what it costs here."""
     preset = get_preset(PRESET)
+    if calibration is not None:
+        preset = calibration.applied_to(preset)
     recompute = CostModel(preset).prefill_rate(context=2_048)
     return recompute / time_scale, preset.gpu.pcie_bw / 1e9 / time_scale
+
+
+CALIBRATION_SIZES = (256, 1024, 2048)
+"""Prefill sizes (engine tokens) the run's calibration times; reloads at those >= 512."""
+
+
+def calibrate(blocks: int, cpus: frozenset[int] | None, *, host_tier: bool
+              ) -> dict[str, Any]:
+    """This run's engine constants: ``bench/calibrate_cpu_engine.py``'s measurements on
+    one engine of ``blocks`` blocks on ``cpus`` (with a host tier where the arms have
+    one: their prefills write through to it), and the constants fitted to them."""
+    from calibrate_cpu_engine import fitted_constants, measure  # it imports this module
+
+    print("calibrating the engine ...", file=sys.stderr, flush=True)
+    points, step, reloads = measure(blocks, cpus, list(CALIBRATION_SIZES), 3,
+                                    host_tier=host_tier, one_engine=True)
+    constants = fitted_constants(points, step, reloads)
+    print("calibration: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()),
+          file=sys.stderr, flush=True)
+    return {"constants": constants, "prefill": points, "decode_step_s": step,
+            "reloads": reloads, "sizes": list(CALIBRATION_SIZES)}
 
 
 def max_output_tokens(traces: TraceSet) -> int:
@@ -274,7 +301,8 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             target = start_thunderagent(procs, logs, engine, exe, s.time_scale)
         else:
             target, gateway_log = start_mori(procs, logs, engine, s.time_scale, arm,
-                                             policy_rates(s.time_scale), s.mori_args)
+                                             policy_rates(s.time_scale, s.calibration),
+                                             s.mori_args)
         cfg = replay_config(target, s, ratio, max_model_len, max_output_tokens(traces))
         before = engine_counters(engine.url)
         with LoadSampler(engine.url) as load:
@@ -545,6 +573,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mori-args", default="", metavar="'FLAGS'",
                     help="more flags for mori serve in arms (c) and (d), one string, e.g. "
                          "'--no-learn-costs --no-fill-idle'")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                    help="first time the engine as bench/calibrate_cpu_engine.py does (one "
+                         "engine like the arms', about 2 minutes): mori serve is told the "
+                         "recompute and reload rates it measured, the results record it "
+                         "and bench/sim_fidelity.py simulates with it; the same engine "
+                         "runs several times slower on some days than on others "
+                         "(default: on; --no-calibrate: the preset's constants)")
     args = ap.parse_args(argv)
     named = SETTINGS[args.setting]
     for key in ("programs", "duration", "time_scale", "blocks"):
@@ -580,11 +615,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{'all' if front_cpus is None else sorted(front_cpus)}; logs in {logs}",
           file=sys.stderr)
     rows = []
+    measured: dict[str, Any] | None = None
     try:
+        if args.calibrate:
+            measured = calibrate(args.blocks, engine_cpus, host_tier=max(args.cpu_blocks) > 0)
+        calibration = (EngineCalibration.from_mapping(measured["constants"])
+                       if measured is not None else None)
         for cpu_blocks in args.cpu_blocks:
             settings = Settings(args.programs, args.duration, args.time_scale,
                                 args.token_scale, args.blocks, args.seed, cpu_blocks,
-                                engine_cpus, tuple(shlex.split(args.mori_args)))
+                                engine_cpus, tuple(shlex.split(args.mori_args)), calibration)
             for rnd in range(args.rounds):
                 for arm in arms:
                     print(f"host tier {cpu_blocks}, round {rnd + 1}/{args.rounds}: arm "
@@ -633,8 +673,10 @@ def main(argv: list[str] | None = None) -> int:
                             "front_cpus": None if front_cpus is None else sorted(front_cpus),
                             "traces": traces.name, "block_size": BLOCK_SIZE, "arms": arms,
                             "policy_rates": dict(zip(("recompute_tok_s", "reload_gbps"),
-                                                     policy_rates(args.time_scale),
-                                                     strict=True))},
+                                                     policy_rates(args.time_scale,
+                                                                  calibration),
+                                                     strict=True)),
+                            "calibration": measured},
                "arms": rows}
         args.json.write_text(json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n",
                              encoding="utf-8")

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -61,6 +60,7 @@ from benchutil import free_port  # noqa: E402
 from vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
+from mori.core.calibration import EngineCalibration  # noqa: E402
 from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx  # noqa: E402
 from mori.core.hardware import HardwarePreset  # noqa: E402
 from mori.core.linear import solve  # noqa: E402
@@ -366,12 +366,7 @@ def modelled_reload(cost: CostModel, tokens: int, share: float) -> float:
 
 
 def calibrated_preset(c: dict[str, float]) -> HardwarePreset:
-    base = get_preset(PRESET)
-    gpu = dataclasses.replace(base.gpu, flops=c["flops"], mem_bw=c["mem_bw"],
-                              pcie_bw=c.get("copy_bw", base.gpu.pcie_bw))
-    return dataclasses.replace(base, gpu=gpu, tau=c["tau"], eta_gemm=c["eta_gemm"],
-                               eta_attn=c["eta_attn"], eta_mem=c["eta_mem"],
-                               request_overhead_s=c["request_overhead_s"])
+    return EngineCalibration.from_mapping(c).applied_to(get_preset(PRESET))
 
 
 def modelled_prefill(cost: CostModel, tokens: int) -> float:
@@ -394,6 +389,63 @@ def report(points: list[tuple[int, float]], a: float, b: float, step: float,
     return format_table(("what", "measured ms", "line fit ms", "model ms", "model vs measured"),
                         rows,
                         (False, True, True, True, True))
+
+
+def measure(blocks: int, cpus: frozenset[int] | None, sizes: list[int], reps: int, *,
+            host_tier: bool, one_engine: bool = False
+            ) -> tuple[list[tuple[int, float]], float, list[dict[str, float]]]:
+    """Prefill points, the decode step and (``host_tier``) reload timings of an engine of
+    ``blocks`` blocks on ``cpus``. The prefill and decode are timed on an engine without
+    a host tier, the reloads on one with a host tier four times the pool; with
+    ``one_engine``, all on the latter (as an engine with a write-through host tier
+    prefills: what the benchmark's arms run)."""
+    log = Path(tempfile.mkdtemp(prefix="calibrate-cpu-engine-")) / "vllm.log"
+    tier_gib = 4 * blocks * block_bytes() / (1 << 30)
+    reloads: list[dict[str, float]] = []
+    proc, url = start_engine(blocks, log, cpu_gib=tier_gib if one_engine else 0.0, cpus=cpus)
+    try:
+        prompts = Prompts(url)
+        for _ in range(2):  # warm-up
+            timed_completion(url, prompts.of(256), 8)
+        points = measure_prefill(url, prompts, sizes, reps)
+        step = measure_decode(url, prompts, reps)
+        if host_tier and one_engine:
+            reloads = measure_reloads(url, prompts, sizes, blocks, reps)
+    finally:
+        stop_group(proc)
+    if host_tier and not one_engine:
+        log2 = log.with_name("vllm-host-tier.log")
+        # a host tier four times the pool: what was pushed out of the GPU stays there
+        proc, url = start_engine(blocks, log2, cpu_gib=tier_gib, cpus=cpus)
+        try:
+            prompts = Prompts(url)
+            for _ in range(2):
+                timed_completion(url, prompts.of(256), 8)
+            reloads = measure_reloads(url, prompts, sizes, blocks, reps)
+        finally:
+            stop_group(proc)
+    return points, step, reloads
+
+
+def measure_reloads(url: str, prompts: Prompts, sizes: list[int], blocks: int, reps: int
+                    ) -> list[dict[str, float]]:
+    """A reload timing for each of ``sizes`` of at least 512 tokens."""
+    out = []
+    for size in (s for s in sizes if s >= 512):
+        f, r, share = measure_reload(url, prompts, size, (blocks - 1) * 32, reps)
+        out.append({"tokens": size, "fresh_s": f, "host_tier_s": r, "host_tier_share": share})
+    return out
+
+
+def fitted_constants(points: list[tuple[int, float]], step: float,
+                     reloads: list[dict[str, float]]) -> dict[str, float]:
+    """The preset constants that reproduce the timings (``copy_bw`` when the reloads
+    give one)."""
+    constants = preset_constants(points, step)
+    copy_bw = copy_bandwidth(constants, reloads)
+    if copy_bw is not None:
+        constants["copy_bw"] = copy_bw
+    return constants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,40 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, rest)
     print(f"engine on CPUs {'all' if engine_cpus is None else sorted(engine_cpus)}",
           file=sys.stderr)
-    log = Path(tempfile.mkdtemp(prefix="calibrate-cpu-engine-")) / "vllm.log"
-    proc, url = start_engine(args.blocks, log, cpus=engine_cpus)
-    try:
-        prompts = Prompts(url)
-        for _ in range(2):  # warm-up
-            timed_completion(url, prompts.of(256), 8)
-        points = measure_prefill(url, prompts, sizes, args.reps)
-        step = measure_decode(url, prompts, args.reps)
-    finally:
-        stop_group(proc)
-    reloads: list[dict[str, float]] = []
-    if args.reload:
-        log2 = log.with_name("vllm-host-tier.log")
-        pool = (args.blocks - 1) * 32
-        # a host tier four times the pool: what was pushed out of the GPU stays there
-        proc, url = start_engine(args.blocks, log2,
-                                 cpu_gib=4 * args.blocks * block_bytes() / (1 << 30),
-                                 cpus=engine_cpus)
-        try:
-            prompts = Prompts(url)
-            for _ in range(2):
-                timed_completion(url, prompts.of(256), 8)
-            for size in (s for s in sizes if s >= 512):
-                f, r, share = measure_reload(url, prompts, size, pool, args.reps)
-                reloads.append({"tokens": size, "fresh_s": f, "host_tier_s": r,
-                                "host_tier_share": share})
-        finally:
-            stop_group(proc)
+    points, step, reloads = measure(args.blocks, engine_cpus, sizes, args.reps,
+                                    host_tier=args.reload)
     a, b = fit_line(points)
     qa, qb, qq = fit_quadratic(points) if len(points) >= 3 else (a, b, 0.0)
-    constants = preset_constants(points, step)
-    copy_bw = copy_bandwidth(constants, reloads)
-    if copy_bw is not None:
-        constants["copy_bw"] = copy_bw
+    constants = fitted_constants(points, step, reloads)
     print(f"fit: prefill seconds = {a:.4f} + {b:.3e} x tokens; decode step = {step:.4f} s")
     print(f"(quadratic: prefill seconds = {qa:.4f} + {qb:.3e} x tokens + {qq:.3e} x tokens^2)")
     print("preset constants: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()))

@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_vllm_agents import policy_rates  # noqa: E402
 
 from mori.cli.table import format_table  # noqa: E402
+from mori.core.calibration import EngineCalibration  # noqa: E402
 from mori.core.policy import PolicyConfig  # noqa: E402
 from mori.sim.config import SimConfig  # noqa: E402
 from mori.sim.metrics import RunResult  # noqa: E402
@@ -63,7 +64,7 @@ from mori.sim.runner import simulate  # noqa: E402
 from mori.traces import TraceSet, default_traces, load_traces  # noqa: E402
 
 PRESET = "cpu-tiny-llama"
-ARM_POLICY = {"a": "smg", "b": "thunderagent", "d": "mori"}
+ARM_POLICY = {"a": "smg", "b": "thunderagent", "c": "mori", "d": "mori"}
 """The simulator policy that models each bench arm (with a host tier: arm (a)
 ``lru-offload``, arm (b) ``thunderagent+offload``; see ``arm_policy``)."""
 WITH_HOST_TIER = {"a": "lru-offload", "b": "thunderagent+offload"}
@@ -124,14 +125,28 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
     cpu = max(0, int(settings.get("cpu_blocks", 0)) * block - gpu)
     recompute, reload = rates_of(settings)
     return SimConfig(
+        calibration=calibration_of(settings),
         policy=policy, programs=int(settings["programs"]), hardware=PRESET,
         duration_s=float(settings["duration_s"]), seed=int(settings["seed"]),
         max_context=int(arm["max_context"]), gpu_kv_tokens=gpu,
         # smg and thunderagent: an engine without a host tier
         cpu_kv_tokens=cpu if policy not in ("smg", "thunderagent") else 0,
+        plugin=arm["arm"] != "c",  # (c): mori serve on vLLM without the plug-in
         token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
         max_output_tokens=max_output,
         policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
+
+
+def calibration_of(settings: dict[str, Any]) -> EngineCalibration | None:
+    """The engine constants the bench measured at the start of its run (None: a file
+    from a run without ``--calibrate``; the preset's constants are simulated)."""
+    measured = settings.get("calibration")
+    if not measured:
+        return None
+    try:
+        return EngineCalibration.from_mapping(measured["constants"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"settings.calibration must hold the bench's constants: {e}") from e
 
 
 def real_cached_share(arm: dict[str, Any]) -> float | None:
@@ -166,7 +181,8 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
     diff_pp = None if real is None else 100.0 * (sim - real)
     completed = [r.get("requests_completed") for r in runs]
     return {
-        "arm": arm["arm"], "name": arm.get("name", ""), "sim_policy": policy,
+        "arm": arm["arm"], "name": arm.get("name", ""),
+        "sim_policy": policy if arm["arm"] != "c" else f"{policy}, no plug-in",
         "cpu_blocks": int(settings.get("cpu_blocks", 0)), "real_runs": len(runs),
         "real_prompt_tokens": _median([int(r["prompt_tokens"]) for r in runs]),
         "real_cached_share": real,
@@ -272,11 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", type=Path, default=None,
                     help="the trace set the bench replayed (default: the shipped one)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                    help="simulate with this calibration (`bench/calibrate_cpu_engine.py "
+                         "--json FILE`) instead of the one the bench recorded, e.g. for a "
+                         "file from a run without one (default: the bench's, else the "
+                         "preset's constants)")
     args = ap.parse_args(argv)
     try:
         doc = json.loads(args.bench_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        print(f"sim_fidelity: cannot read {args.bench_json}: {e}", file=sys.stderr)
+        if args.calibration is not None:
+            doc["settings"]["calibration"] = json.loads(
+                args.calibration.read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"sim_fidelity: cannot read {args.bench_json} or its calibration: {e}",
+              file=sys.stderr)
         return 2
     traces = load_traces(args.traces) if args.traces else default_traces()
     try:
@@ -289,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = s.get("cpu_blocks_runs", [s.get("cpu_blocks", 0)])
     print(f"{s['programs']} programs of {traces.name!r}, {s['duration_s']:g} s at time scale "
           f"{s['time_scale']:g}, token scale {s['token_scale']:g}, {s['blocks']} blocks, host "
-          f"tier {'/'.join(map(str, sizes))} blocks; simulated on {PRESET}")
+          f"tier {'/'.join(map(str, sizes))} blocks; simulated on {PRESET}"
+          f"{' as calibrated in the run' if s.get('calibration') else ' (its own constants)'}")
     print(table(report.rows) if report.rows else "no arm to compare")
     for line in orders(report.rows):
         print(line)

@@ -387,3 +387,31 @@ def test_load_window_flag_and_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     capsys.readouterr()
     assert main([*SMALL, "--load-window", "-1"]) == 2
     assert "load_window_s" in capsys.readouterr().err
+
+
+def test_a_calibration_file_sets_the_engine_constants(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    base, calibrated = tmp_path / "base.json", tmp_path / "calibrated.json"
+    assert main([*TINY_RUN, "--time-scale", "10", "--json", str(base)]) == 0
+    constants = {"tau": 0.05, "flops": 2e9, "eta_gemm": 0.5, "eta_attn": 0.5, "mem_bw": 2e10,
+                 "eta_mem": 1.0, "request_overhead_s": 0.05}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"constants": constants}))
+    assert main([*TINY_RUN, "--time-scale", "10", "--calibration", str(cal),
+                 "--json", str(calibrated)]) == 0
+    # the same engine, ten times slower per step: first tokens come later
+    for fast, slow in zip(json.loads(base.read_text()), json.loads(calibrated.read_text()),
+                          strict=True):
+        assert slow["ttft_mean_s"] > 2 * fast["ttft_mean_s"]
+    # a benchmark's results holding one are read too
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"settings": {"calibration": {"constants": constants}},
+                                 "arms": []}))
+    assert main([*TINY_RUN, "--duration", "10", "--calibration", str(bench)]) == 0
+    capsys.readouterr()
+    for text, expected in (("{", "cannot read it as JSON"), ('{"a": 1}', "no calibration in it"),
+                           ('{"constants": {"tau": 1}}', "the constant 'flops' is missing")):
+        cal.write_text(text)
+        assert main([*TINY_RUN, "--calibration", str(cal)]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and str(cal) in err and "Traceback" not in err

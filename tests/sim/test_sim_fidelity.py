@@ -36,9 +36,11 @@ def bench_doc(cpu_blocks: int) -> dict[str, Any]:
 def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
     report = fidelity_mod.fidelity(bench_doc(cpu_blocks=256), default_traces())
     # (a) and (b) ran with vLLM's own host tier: lru-offload and thunderagent+offload
+    # (c), MORI's decisions on vLLM without the plug-in: mori on an LRU engine
     assert [(r["arm"], r["sim_policy"]) for r in report.rows] == [
-        ("a", "lru-offload"), ("b", "thunderagent+offload"), ("d", "mori")]
-    a, b, d = report.rows
+        ("a", "lru-offload"), ("b", "thunderagent+offload"), ("c", "mori, no plug-in"),
+        ("d", "mori")]
+    a, b, c, d = report.rows
     assert a["real_cached_share"] == 0.5 and d["real_cached_share"] == 0.7
     for r in report.rows:
         assert r["sim_prompt_tokens"] > 0 and r["sim_requests_completed"] >= 0
@@ -50,15 +52,16 @@ def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
         assert r["real_requests_per_s"] == pytest.approx(17 / 6.0)  # 60 s at time scale 10
         assert r["sim_requests_per_s"] == pytest.approx(r["sim_requests_completed"] / 6.0)
         assert r["sim_gpu_kv_tokens"] == 127 * 32 and r["max_context"] == 370_000
-    # the write-through host tier less its mirror of the GPU pool, for both
-    assert (a["sim_cpu_kv_tokens"], b["sim_cpu_kv_tokens"], d["sim_cpu_kv_tokens"]) == (
-        (256 - 127) * 32,) * 3
-    assert report.notes == ["arm (c) is not modelled by the simulator; skipped"]
+    # the write-through host tier less its mirror of the GPU pool, for all (in (c) the
+    # engine's own, which its policy does not see)
+    assert [r["sim_cpu_kv_tokens"] for r in (a, b, c, d)] == [(256 - 127) * 32] * 4
+    assert report.notes == []
     text = fidelity_mod.table(report.rows)
     assert "lru-offload" in text and "mori" in text and "within 10 pp" in text
     plain = fidelity_mod.fidelity(bench_doc(cpu_blocks=0), default_traces())
     assert [(r["arm"], r["sim_policy"], r["sim_cpu_kv_tokens"]) for r in plain.rows] == [
-        ("a", "smg", 0), ("b", "thunderagent", 0), ("d", "mori", 0)]
+        ("a", "smg", 0), ("b", "thunderagent", 0), ("c", "mori, no plug-in", 0),
+        ("d", "mori", 0)]
 
 
 def test_rounds_give_medians_and_sizes_their_own_rows(fidelity_mod: ModuleType) -> None:
@@ -96,8 +99,8 @@ def test_fidelity_main_writes_json(fidelity_mod: ModuleType, tmp_path: Path,
     printed = capsys.readouterr().out
     assert "(d) arm d" in printed and "--cpu-blocks 0" not in printed
     data = json.loads(out.read_text())
-    assert [r["arm"] for r in data["rows"]] == ["a", "b", "d"]
-    assert data["rows"][2]["sim_cpu_kv_tokens"] == 0  # the bench ran without a host tier
+    assert [r["arm"] for r in data["rows"]] == ["a", "b", "c", "d"]
+    assert data["rows"][3]["sim_cpu_kv_tokens"] == 0  # the bench ran without a host tier
 
 
 def test_the_simulated_policy_gets_the_rates_the_gateway_was_told(
@@ -142,3 +145,33 @@ def test_the_simulated_answers_are_as_long_as_the_engines(fidelity_mod: ModuleTy
     cfg = fidelity_mod.sim_config(doc["settings"], rounds[0], "lru-offload", 2)
     assert cfg.max_output_tokens == 2
     assert "<= 2 tok" in fidelity_mod.table([row])
+
+
+CALIBRATION = {"tau": 0.006, "flops": 2e10, "eta_gemm": 0.4, "eta_attn": 1.0, "mem_bw": 2e10,
+               "eta_mem": 1.0, "request_overhead_s": 0.01, "copy_bw": 1.5e8}
+
+
+def test_the_run_is_simulated_with_the_calibration_the_bench_recorded(
+        fidelity_mod: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = bench_doc(cpu_blocks=256)
+    arm = doc["arms"][3]
+    assert fidelity_mod.sim_config(doc["settings"], arm, "mori").calibration is None
+    doc["settings"]["calibration"] = {"constants": CALIBRATION, "prefill": [[256, 0.04]]}
+    cfg = fidelity_mod.sim_config(doc["settings"], arm, "mori")
+    assert cfg.calibration is not None and cfg.calibration.as_dict() == CALIBRATION
+    # an engine far slower than the preset's completes fewer requests in the same window
+    fast = fidelity_mod.fidelity(bench_doc(cpu_blocks=256), default_traces()).rows
+    doc["settings"]["calibration"]["constants"] = {**CALIBRATION, "tau": 0.2,
+                                                   "request_overhead_s": 0.5}
+    slow = fidelity_mod.fidelity(doc, default_traces()).rows
+    assert sum(r["sim_requests_completed"] for r in slow) < sum(
+        r["sim_requests_completed"] for r in fast)
+    # --calibration FILE replaces the recorded one; a broken one is a clear error
+    bench, cal = tmp_path / "bench.json", tmp_path / "cal.json"
+    bench.write_text(json.dumps(bench_doc(cpu_blocks=256)))
+    cal.write_text(json.dumps({"constants": CALIBRATION}))
+    assert fidelity_mod.main([str(bench), "--calibration", str(cal)]) == 0
+    assert "as calibrated" in capsys.readouterr().out
+    cal.write_text(json.dumps({"constants": {**CALIBRATION, "flops": "fast"}}))
+    assert fidelity_mod.main([str(bench), "--calibration", str(cal)]) == 2
+    assert "flops must be a number" in capsys.readouterr().err

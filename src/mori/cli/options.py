@@ -260,6 +260,11 @@ OPTIONS: tuple[Option, ...] = (
                 "host-to-GPU link, which the policies also estimate with (default: the "
                 "preset's, see `mori presets`; 0: no usable link, no CPU tier is "
                 "simulated)"),
+    Option("calibration", Path, None, metavar="FILE",
+           help="engine constants measured on the machine modelled (the JSON file "
+                "`python bench/calibrate_cpu_engine.py --json FILE` writes, or a "
+                "benchmark's results holding one), applied to every preset of the run "
+                "(default: the presets' own)"),
     Option("max_output_tokens", int, _SIM.max_output_tokens, metavar="TOKENS",
            help="cut every step's output at this many tokens (after --token-scale), as a "
                 "model that ends its answers early (default: the trace's lengths)"),

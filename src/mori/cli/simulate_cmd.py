@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from mori.cli.options import BY_KEY, OPTIONS, OptionError, policy_config
 from mori.cli.table import left_out_note, results_table
+from mori.core.calibration import EngineCalibration
 from mori.core.costmodel import get_preset
 from mori.core.policies import POLICIES
 from mori.core.registry import UnknownNameError
@@ -67,6 +68,7 @@ class Settings:
     token_scale: float
     time_scale: float
     reload_gbps: float | None
+    calibration: Path | None
     max_output_tokens: int | None
     tick: float
     idleness_window: int
@@ -106,6 +108,7 @@ def build_grid(s: Settings) -> list[SimConfig]:
     for n in s.programs:
         if n < 1:
             raise UsageError(f"--programs must be >= 1 per replica (got {n})")
+    calibration = read_calibration(s.calibration) if s.calibration is not None else None
     return [
         SimConfig(policy=pol, programs=n * s.replicas, hardware=hw, cpu_ratio=cpu,
                   replicas=s.replicas, duration_s=s.duration, seed=s.seed,
@@ -115,10 +118,30 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.reload_gbps,
                   max_output_tokens=s.max_output_tokens, disk_ratio=disk,
                   disk_kv_tokens=s.disk_kv_tokens, disk=s.disk,
-                  policy_config=knobs)
+                  policy_config=knobs, calibration=calibration)
         for hw in s.preset for cpu in s.cpu_ratio for disk in s.disk_ratio
         for n in s.programs for pol in s.policy
     ]
+
+
+def read_calibration(path: Path) -> EngineCalibration:
+    """The engine calibration in ``path``: a calibration file (its ``constants``) or a
+    benchmark's results holding one (``settings.calibration.constants``)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--calibration {str(path)!r}: cannot read it as JSON: {e}") from None
+    if isinstance(doc, dict) and isinstance(doc.get("settings"), dict):
+        doc = doc["settings"].get("calibration")
+    constants = doc.get("constants") if isinstance(doc, dict) else None
+    if not isinstance(constants, dict):
+        raise UsageError(f"--calibration {str(path)!r}: no calibration in it (expected an "
+                         "object with 'constants', as bench/calibrate_cpu_engine.py --json "
+                         "writes, or a benchmark's results with settings.calibration)")
+    try:
+        return EngineCalibration.from_mapping(constants)
+    except ValueError as e:
+        raise UsageError(f"--calibration {str(path)!r}: {e}") from None
 
 
 def _check_output(path: Path | None, option: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mori.core.calibration import EngineCalibration
 from mori.core.costmodel import PRESETS
 from mori.core.hardware import DISKS
 from mori.core.policies import POLICIES
@@ -46,6 +47,15 @@ class SimConfig:
     - ``pcie_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
       the preset's (None: the preset's; 0: no usable link, so no CPU tier is simulated,
       as at CPU ratio 0).
+    - ``calibration``: engine constants measured on the machine being modelled
+      (:class:`~mori.core.calibration.EngineCalibration`), applied to the preset (None:
+      the preset's own).
+    - ``plugin``: the engine runs MORI's plug-in where the policy's engine profile has
+      one (typed eviction and admission, the policy's view of the host and disk tiers).
+      False: MORI's decisions in front of an engine without it (``mori serve`` on plain
+      vLLM): the engine keeps its host tier of ``cpu_kv_tokens`` (write-through, LRU)
+      unseen by the policy, admits first come first served and is told nothing of a
+      demotion.
     - ``max_output_tokens``: every step's output is cut at this many tokens (after
       ``token_scale``), as by a model that ends its answers early: the benchmark's
       random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
@@ -82,6 +92,8 @@ class SimConfig:
     disk_kv_tokens: int | None = None
     disk: str = "nvme-gen5"
     policy_config: PolicyConfig = PolicyConfig()
+    calibration: EngineCalibration | None = None
+    plugin: bool = True
 
     def __post_init__(self) -> None:
         problems = []

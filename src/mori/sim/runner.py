@@ -22,7 +22,7 @@ from mori.core.execution import DecisionExecutor
 from mori.core.hardware import HardwarePreset, get_disk
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, build_policy
-from mori.core.policy import Policy
+from mori.core.policy import EngineProfile, Policy
 from mori.core.types import Capability, KVLabel, Tier
 from mori.sim.clock import PRIO_TICK, PRIO_WORKLOAD, EventLoop
 from mori.sim.config import SimConfig
@@ -82,9 +82,22 @@ def disk_pages(config: SimConfig, cpu_tier: bool, gpu_pages: int) -> int:
     return pages
 
 
+def engine_profile(config: SimConfig, profile: EngineProfile) -> EngineProfile:
+    """The simulated engine under the policy: the policy's ``profile``, or, with
+    ``config.plugin`` False, the same engine without MORI's plug-in: its tiers evicted
+    LRU, requests admitted first come first served, told nothing of a demotion."""
+    if config.plugin:
+        return profile
+    return EngineProfile(cpu_tier=profile.cpu_tier, typed_eviction=False,
+                         drops_on_demote=False)
+
+
 def sim_preset(config: SimConfig) -> HardwarePreset:
-    """The preset simulated: ``config.hardware``, with ``pcie_gbps`` if given."""
+    """The preset simulated: ``config.hardware``, with ``config.calibration``'s engine
+    constants and ``pcie_gbps`` if given."""
     preset = get_preset(config.hardware)
+    if config.calibration is not None:
+        preset = config.calibration.applied_to(preset)
     if not config.pcie_gbps:  # None: the preset's; 0: no CPU tier (kv_pages), no reload
         return preset
     return dataclasses.replace(preset, gpu=dataclasses.replace(
@@ -125,9 +138,9 @@ class Simulation:
         policy_cls = POLICIES.get(config.policy)
         self.cost = CostModel(preset, time_scale=config.time_scale)
         page = preset.page_tokens
-        self.gpu_pages, self.cpu_pages = kv_pages(config, policy_cls.engine_profile.cpu_tier)
-        self.disk_pages = disk_pages(config, policy_cls.engine_profile.cpu_tier,
-                                     self.gpu_pages)
+        profile = engine_profile(config, policy_cls.engine_profile)
+        self.gpu_pages, self.cpu_pages = kv_pages(config, profile.cpu_tier)
+        self.disk_pages = disk_pages(config, profile.cpu_tier, self.gpu_pages)
         self.disk = get_disk(config.disk) if self.disk_pages else None
         max_ctx = context_cut(config)
         # the replay rules: prepared traces, seeded order and slot start times
@@ -157,9 +170,12 @@ class Simulation:
         self.programs = programs
         kv_bytes = preset.kv_bytes_per_token_per_gpu * preset.tp
         self.kv_bytes = kv_bytes
+        # without the plug-in the engine's host and disk tiers are its own: the policy
+        # neither sees nor moves what they hold
+        seen = 1 if config.plugin else 0
         cluster = ClusterSpec(config.replicas, self.gpu_pages * page * kv_bytes,
-                              self.cpu_pages * page * kv_bytes,
-                              self.disk_pages * page * kv_bytes)
+                              seen * self.cpu_pages * page * kv_bytes,
+                              seen * self.disk_pages * page * kv_bytes)
         knobs = config.policy_config
         if knobs.reload_gbps is None:  # the link this run models, in policy time
             knobs = dataclasses.replace(
@@ -180,7 +196,7 @@ class Simulation:
         self.policy: Policy = build_policy(config.policy, cluster, kv_bytes,
                                            dataclasses.replace(knobs, page_tokens=page))
         self.loop = EventLoop()
-        typed = policy_cls.engine_profile.typed_eviction
+        typed = profile.typed_eviction
         self.engines = [
             EngineReplica(i, self.cost, self.loop,
                           KVPools(self.gpu_pages, self.cpu_pages, typed, self.disk_pages),
@@ -188,7 +204,7 @@ class Simulation:
             for i in range(config.replicas)
         ]
         self.executor = DecisionExecutor(
-            policy_cls.engine_profile, lambda replica: SIM_ENGINE_CAPABILITIES, self, log)
+            profile, lambda replica: SIM_ENGINE_CAPABILITIES, self, log)
         self.live: dict[str, _Live] = {}
         self.c = Counters()
         self._ran = False

@@ -1,0 +1,40 @@
+"""``SimConfig.plugin`` False: MORI's decisions in front of an engine without its plug-in
+(``mori serve`` on plain vLLM, the real-engine benchmark's arm (c))."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mori.core.calibration import EngineCalibration
+from mori.sim.config import SimConfig
+from mori.sim.runner import Simulation
+from mori.traces import default_traces
+
+# the real-engine benchmark's engine: 255 usable blocks of 32 tokens, a 512-block host tier
+BASE = SimConfig(policy="mori", programs=16, hardware="cpu-tiny-llama", duration_s=1500.0,
+                 seed=1, max_context=378_058, gpu_kv_tokens=255 * 32,
+                 cpu_kv_tokens=(512 - 255) * 32, token_scale=0.01, time_scale=100.0,
+                 max_output_tokens=2)
+
+
+def test_the_engine_keeps_its_host_tier_and_the_policy_does_not_see_it() -> None:
+    traces = default_traces()
+    with_plugin = Simulation(BASE, traces)
+    without = Simulation(dataclasses.replace(BASE, plugin=False), traces)
+    assert with_plugin.policy.cluster.cpu_bytes and with_plugin.policy.cluster.cpu_bytes > 0
+    assert without.policy.cluster.cpu_bytes == 0  # the policy sees no host tier
+    assert without.cpu_pages == with_plugin.cpu_pages > 0  # the engine keeps one
+    assert not without.executor.profile.typed_eviction
+    assert not without.executor.profile.drops_on_demote
+    result = without.run()
+    # the engine's own write-through tier serves what its LRU pushed off the GPU
+    assert result.cpu_hit_rate > 0 and result.steps > 0
+
+
+def test_a_calibration_changes_the_simulated_engine() -> None:
+    slow = EngineCalibration(tau=0.05, flops=2e9, eta_gemm=0.5, eta_attn=0.5, mem_bw=2e10,
+                             eta_mem=1.0, request_overhead_s=0.05)
+    base = Simulation(BASE, default_traces())
+    calibrated = Simulation(dataclasses.replace(BASE, calibration=slow), default_traces())
+    assert calibrated.cost.preset.tau == 0.05 != base.cost.preset.tau
+    assert calibrated.cost.prefill_time(1_024) > 5 * base.cost.prefill_time(1_024)
