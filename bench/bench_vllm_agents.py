@@ -185,6 +185,38 @@ class LoadSampler:
                 "waiting_mean": sum(w for _, w in self.samples) / n}
 
 
+def cpu_times() -> dict[int, tuple[int, int]]:
+    """Each CPU's (busy, total) jiffies from ``/proc/stat`` (empty where there is none)."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        lines = Path("/proc/stat").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu" and name[3:].isdigit():
+            ticks = [int(f) for f in fields]
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+            out[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
+    return out
+
+
+def busy_shares(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]
+                ) -> dict[int, float]:
+    """Each CPU's busy share between two ``cpu_times`` readings."""
+    out = {}
+    for cpu, (busy, total) in after.items():
+        if cpu in before and total > before[cpu][1]:
+            out[cpu] = (busy - before[cpu][0]) / (total - before[cpu][1])
+    return out
+
+
+def mean_busy(shares: dict[int, float], cpus: frozenset[int] | None) -> float | None:
+    """The mean busy share of ``cpus`` (None: of all) over the replay, or None."""
+    these = [v for c, v in shares.items() if cpus is None or c in cpus]
+    return sum(these) / len(these) if these else None
+
+
 def tokens_per_text_token(url: str) -> float:
     """Engine tokens per ``CHARS_PER_TOKEN`` characters of text like replay's prompts
     (three-letter lowercase words), from the engine's ``/tokenize``."""
@@ -232,16 +264,21 @@ def calibrate(blocks: int, cpus: frozenset[int] | None, *, host_tier: bool
     """This run's engine constants: ``bench/calibrate_cpu_engine.py``'s measurements on
     one engine of ``blocks`` blocks on ``cpus`` (with a host tier where the arms have
     one: their prefills write through to it), and the constants fitted to them."""
-    from calibrate_cpu_engine import fitted_constants, measure  # it imports this module
+    from calibrate_cpu_engine import (  # it imports this module
+        fitted_constants,
+        measure,
+        tokenize_fit,
+    )
 
     print("calibrating the engine ...", file=sys.stderr, flush=True)
-    points, step, reloads = measure(blocks, cpus, list(CALIBRATION_SIZES), 3,
-                                    host_tier=host_tier, one_engine=True)
-    constants = fitted_constants(points, step, reloads)
+    m = measure(blocks, cpus, list(CALIBRATION_SIZES), 3, host_tier=host_tier,
+                one_engine=True)
+    constants = fitted_constants(m.points, m.step, m.reloads)
     print("calibration: " + ", ".join(f"{k}={v:.4g}" for k, v in constants.items()),
           file=sys.stderr, flush=True)
-    return {"constants": constants, "prefill": points, "decode_step_s": step,
-            "reloads": reloads, "sizes": list(CALIBRATION_SIZES)}
+    return {"constants": constants, "prefill": m.points, "decode_step_s": m.step,
+            "reloads": m.reloads, "tokenize": tokenize_fit(m.tokenize),
+            "sizes": list(CALIBRATION_SIZES)}
 
 
 def max_output_tokens(traces: TraceSet) -> int:
@@ -305,8 +342,10 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
                                              s.mori_args)
         cfg = replay_config(target, s, ratio, max_model_len, max_output_tokens(traces))
         before = engine_counters(engine.url)
+        cpu_before = cpu_times()
         with LoadSampler(engine.url) as load:
             result = run_replay(cfg, traces, thunderagent=arm == "b")
+        cpu_busy = busy_shares(cpu_before, cpu_times())
         time.sleep(1.0)  # the engine finishes aborting what the replay cancelled
         after = engine_counters(engine.url)
         window_s = s.duration_s / s.time_scale  # the replay's wall window
@@ -334,6 +373,9 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             "requests_per_s": result.steps / window_s,
             "output_tokens_per_s": d["generation"] / window_s,
             **load.summary(),
+            "engine_cpu_busy": mean_busy(cpu_busy, s.engine_cpus),
+            "front_cpu_busy": mean_busy(cpu_busy, None if s.engine_cpus is None else
+                                        frozenset(cpu_busy) - s.engine_cpus),
             "wall_s": round(result.wall_s, 2),
             "ttft_p50_wall_s": _wall(result.ttft_p50_s, s.time_scale),
             "ttft_p90_wall_s": _wall(result.ttft_p90_s, s.time_scale),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -391,9 +392,37 @@ def report(points: list[tuple[int, float]], a: float, b: float, step: float,
                         (False, True, True, True, True))
 
 
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One calibration's timings: ``points`` (prompt tokens, prefill seconds), the decode
+    ``step``, the ``reloads`` from the host tier and the ``tokenize`` points (prompt
+    tokens, seconds of one ``/tokenize`` call: what a gateway's exact token count costs
+    the engine's API server)."""
+
+    points: list[tuple[int, float]]
+    step: float
+    reloads: list[dict[str, float]]
+    tokenize: list[tuple[int, float]]
+
+
+def measure_tokenize(url: str, prompts: Prompts, sizes: list[int], reps: int
+                     ) -> list[tuple[int, float]]:
+    """(prompt tokens, median seconds) of ``/tokenize`` calls per size."""
+    out = []
+    for size in sizes:
+        text, times, count = prompts.of(size), [], 0
+        for _ in range(reps + 1):  # the first call warms the path
+            t0 = time.perf_counter()
+            count = prompts.count(text)
+            times.append(time.perf_counter() - t0)
+        out.append((count, statistics.median(times[1:])))
+    print("tokenize: " + ", ".join(f"{n} tokens {1e3 * t:.2f} ms" for n, t in out),
+          file=sys.stderr)
+    return out
+
+
 def measure(blocks: int, cpus: frozenset[int] | None, sizes: list[int], reps: int, *,
-            host_tier: bool, one_engine: bool = False
-            ) -> tuple[list[tuple[int, float]], float, list[dict[str, float]]]:
+            host_tier: bool, one_engine: bool = False) -> Measured:
     """Prefill points, the decode step and (``host_tier``) reload timings of an engine of
     ``blocks`` blocks on ``cpus``. The prefill and decode are timed on an engine without
     a host tier, the reloads on one with a host tier four times the pool; with
@@ -409,6 +438,7 @@ def measure(blocks: int, cpus: frozenset[int] | None, sizes: list[int], reps: in
             timed_completion(url, prompts.of(256), 8)
         points = measure_prefill(url, prompts, sizes, reps)
         step = measure_decode(url, prompts, reps)
+        tokenize = measure_tokenize(url, prompts, sizes, 2 * reps)
         if host_tier and one_engine:
             reloads = measure_reloads(url, prompts, sizes, blocks, reps)
     finally:
@@ -424,7 +454,7 @@ def measure(blocks: int, cpus: frozenset[int] | None, sizes: list[int], reps: in
             reloads = measure_reloads(url, prompts, sizes, blocks, reps)
         finally:
             stop_group(proc)
-    return points, step, reloads
+    return Measured(points, step, reloads, tokenize)
 
 
 def measure_reloads(url: str, prompts: Prompts, sizes: list[int], blocks: int, reps: int
@@ -435,6 +465,18 @@ def measure_reloads(url: str, prompts: Prompts, sizes: list[int], blocks: int, r
         f, r, share = measure_reload(url, prompts, size, (blocks - 1) * 32, reps)
         out.append({"tokens": size, "fresh_s": f, "host_tier_s": r, "host_tier_share": share})
     return out
+
+
+def tokenize_fit(points: list[tuple[int, float]]) -> dict[str, Any]:
+    """A ``/tokenize`` call's seconds as ``fixed_s + per_token_s x tokens`` (least
+    squares; a single size: all fixed), with the points."""
+    if len(points) >= 2 and len({n for n, _ in points}) >= 2:
+        a, b = fit_line(points)
+        if b < 0:
+            a, b = statistics.fmean(t for _, t in points), 0.0
+    else:
+        a, b = (points[0][1] if points else 0.0), 0.0
+    return {"fixed_s": max(0.0, a), "per_token_s": b, "points": points}
 
 
 def fitted_constants(points: list[tuple[int, float]], step: float,
@@ -477,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, rest)
     print(f"engine on CPUs {'all' if engine_cpus is None else sorted(engine_cpus)}",
           file=sys.stderr)
-    points, step, reloads = measure(args.blocks, engine_cpus, sizes, args.reps,
-                                    host_tier=args.reload)
+    measured = measure(args.blocks, engine_cpus, sizes, args.reps, host_tier=args.reload)
+    points, step, reloads = measured.points, measured.step, measured.reloads
     a, b = fit_line(points)
     qa, qb, qq = fit_quadratic(points) if len(points) >= 3 else (a, b, 0.0)
     constants = fitted_constants(points, step, reloads)
@@ -498,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         doc = {"prefill": points, "fit": {"a": a, "b": b, "decode_step": step},
                "quadratic_fit": {"a": qa, "b": qb, "q": qq},
-               "constants": constants, "reloads": reloads}
+               "constants": constants, "reloads": reloads,
+               "tokenize": tokenize_fit(measured.tokenize)}
         args.json.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -1,6 +1,6 @@
 """How close the simulator comes to the real vLLM CPU engine: the prefix-cached share.
 
-    python bench/sim_fidelity.py BENCH.json [--traces PATH] [--json OUT]
+    python bench/sim_fidelity.py BENCH.json [--traces PATH] [--calibration FILE] [--json OUT]
 
 ``BENCH.json`` is what ``python bench/bench_vllm_agents.py --json FILE`` wrote: its
 ``settings`` (programs, duration, time and token scales, engine blocks, host-tier blocks,
@@ -15,9 +15,20 @@ and the engine's pool of ``(blocks - 1) x 32`` tokens (vLLM keeps one block asid
                                 tier, evicted LRU, of ``cpu_blocks x 32`` tokens less the
                                 GPU pool
   b  ThunderAgent + vLLM     -> ``thunderagent``; with a host tier ``thunderagent+offload``
+  c  mori serve + vLLM       -> policy ``mori`` on an engine without the plug-in
+                                (``SimConfig.plugin`` False): the engine's own host tier,
+                                written through and evicted LRU, which the policy does not
+                                see; admission first come first served
   d  MORI + vLLM plug-in     -> policy ``mori``, CPU tier of ``cpu_blocks x 32`` tokens
                                 less the GPU pool (the host tier is write-through: it also
                                 mirrors the GPU; the gateway's vLLM adapter sizes it so)
+
+The engine is the ``cpu-tiny-llama`` preset with the engine constants the bench measured
+at the start of its run (``bench_vllm_agents.py --calibrate``, on by default: its
+``settings.calibration``), or those of ``--calibration FILE``
+(``bench/calibrate_cpu_engine.py --json FILE``); a file with neither is simulated with
+the preset's own constants, which a shared machine's engine may be several times off
+on another day.
 
 The simulated ``mori`` prices recomputes and reloads with the rates the bench told
 ``mori serve`` (``--recompute-tok-s``, ``--reload-gbps``): as the bench file records
@@ -28,8 +39,7 @@ tiny random-weight model stops at its end-of-sequence token after 1-2 tokens wha
 request (median over its rounds), rounded up (``max_output_tokens``); a file without
 those counts keeps the trace's lengths.
 
-Arm (c), MORI's decisions on an engine that evicts by its own LRU, has no simulator
-policy and is left out. The table compares the cached share of prompt tokens, real ((GPU
+The table compares the cached share of prompt tokens, real ((GPU
 hits + host-tier hits) / prompt tokens, from vLLM's counters) against simulated (GPU hits
 + CPU-tier reloads, / prompt tokens), and the requests completed per wall second. Where
 the bench ran several rounds, the real figures are the medians of an arm's rounds (the
@@ -41,6 +51,7 @@ real against simulated.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -70,6 +81,8 @@ ARM_POLICY = {"a": "smg", "b": "thunderagent", "c": "mori", "d": "mori"}
 WITH_HOST_TIER = {"a": "lru-offload", "b": "thunderagent+offload"}
 WITHIN_PP = 10.0
 """A simulated cached share within this many percentage points of the real one agrees."""
+WITHIN_RATE = 0.15
+"""Simulated requests per second within this share of the real ones agree."""
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -125,28 +138,45 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
     cpu = max(0, int(settings.get("cpu_blocks", 0)) * block - gpu)
     recompute, reload = rates_of(settings)
     return SimConfig(
-        calibration=calibration_of(settings),
+        calibration=calibration_of(settings, arm),
         policy=policy, programs=int(settings["programs"]), hardware=PRESET,
         duration_s=float(settings["duration_s"]), seed=int(settings["seed"]),
         max_context=int(arm["max_context"]), gpu_kv_tokens=gpu,
         # smg and thunderagent: an engine without a host tier
         cpu_kv_tokens=cpu if policy not in ("smg", "thunderagent") else 0,
         plugin=arm["arm"] != "c",  # (c): mori serve on vLLM without the plug-in
+        learn_costs="--no-learn-costs" not in str(settings.get("mori_args", "")),
         token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
         max_output_tokens=max_output,
         policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
 
 
-def calibration_of(settings: dict[str, Any]) -> EngineCalibration | None:
+GATEWAY_TOKENIZES = frozenset({"c", "d"})
+"""The arms whose gateway asks the engine's ``/tokenize`` for every request
+(``mori serve --exact-tokens``, as the bench starts it)."""
+
+
+def calibration_of(settings: dict[str, Any], arm: dict[str, Any] | None = None
+                   ) -> EngineCalibration | None:
     """The engine constants the bench measured at the start of its run (None: a file
-    from a run without ``--calibrate``; the preset's constants are simulated)."""
+    from a run without ``--calibrate``; the preset's constants are simulated). For an
+    arm whose gateway asks ``/tokenize`` for every request, that call's measured time
+    at the arm's mean prompt is added to the time each request costs the engine
+    (``request_overhead_s``): the API server that answers it runs on the engine's CPU."""
     measured = settings.get("calibration")
     if not measured:
         return None
     try:
-        return EngineCalibration.from_mapping(measured["constants"])
+        cal = EngineCalibration.from_mapping(measured["constants"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"settings.calibration must hold the bench's constants: {e}") from e
+    fit = measured.get("tokenize")
+    if arm is None or arm.get("arm") not in GATEWAY_TOKENIZES or not isinstance(fit, dict):
+        return cal
+    requests = int(arm.get("requests_with_usage") or arm.get("requests_completed") or 0)
+    prompt = int(arm.get("prompt_tokens") or 0) / requests if requests else 0.0
+    extra = float(fit.get("fixed_s", 0.0)) + float(fit.get("per_token_s", 0.0)) * prompt
+    return dataclasses.replace(cal, request_overhead_s=cal.request_overhead_s + max(0.0, extra))
 
 
 def real_cached_share(arm: dict[str, Any]) -> float | None:
@@ -199,11 +229,18 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
         "real_requests_per_s": _median([float(c) / window_s for c in completed
                                         if c is not None]),
         "sim_requests_per_s": result.steps / window_s,
+        "rate_error": rate_error(result.steps / window_s, _median(
+            [float(c) / window_s for c in completed if c is not None])),
         "sim_gpu_kv_tokens": result.gpu_kv_capacity_tokens,
         "sim_cpu_kv_tokens": result.cpu_kv_capacity_tokens,
         "max_context": result.max_context,
         "sim_max_output_tokens": cap,
     }
+
+
+def rate_error(sim: float, real: float | None) -> float | None:
+    """(simulated - real) / real requests per second (None: no real figure)."""
+    return None if not real else (sim - real) / real
 
 
 def arm_order(rows: list[dict[str, Any]], key: str) -> list[str]:
@@ -260,7 +297,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a text table."""
     headers = ("host tier", "arm", "sim policy", "real cached", "(GPU / CPU)", "sim cached",
                "(GPU / CPU)", "diff (pp)", f"within {WITHIN_PP:g} pp", "req/s real",
-               "req/s sim", "sim answers")
+               "req/s sim", "sim vs real", f"within {WITHIN_RATE:.0%}", "sim answers")
     out = []
     for r in rows:
         diff = "-" if r["diff_pp"] is None else f"{r['diff_pp']:+.1f}"
@@ -274,6 +311,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_pct(r['sim_cached_share_gpu'])} / {_pct(r['sim_cached_share_cpu'])}",
             diff, within, "-" if real_req is None else f"{real_req:.2f}",
             f"{r['sim_requests_per_s']:.2f}",
+            "-" if r["rate_error"] is None else f"{r['rate_error']:+.0%}",
+            "-" if r["rate_error"] is None else (
+                "yes" if abs(r["rate_error"]) <= WITHIN_RATE else "no"),
             "trace" if r.get("sim_max_output_tokens") is None else
             f"<= {r['sim_max_output_tokens']} tok"])
     right = [True, False, False] + [True] * (len(headers) - 3)

@@ -247,3 +247,23 @@ def test_a_finished_request_keeps_only_whole_pages() -> None:
     loop.run(100.0)
     assert rec.done and eng.pools.entries["a"].gpu == 3  # 3 pages + 15 tokens computed
     eng.pools.check()
+
+
+def test_a_reload_on_the_engine_takes_engine_time_not_the_link() -> None:
+    """``reload_on_engine`` (the CPU build copies its host tier on its own CPU): the
+    request is ready at once and the copy lengthens the iteration that starts it."""
+    preset = dataclasses.replace(get_preset("h200-qwen3-30b-a3b"), reload_on_engine=True)
+    cost = CostModel(preset)
+    loop, rec = EventLoop(), Recorder()
+    eng = EngineReplica(0, cost, loop, KVPools(10_000, 10_000, True), rec, True)
+    eng.submit(SimRequest("a", prompt=6400, reuse=0, output=1, arrived=0.0))
+    loop.run(10.0)
+    eng.evict("a")
+    loop.at(20.0, 1, eng.submit, SimRequest("a", prompt=7000, reuse=6400, output=1, arrived=20.0))
+    loop.run(100.0)
+    assert rec.ready[-1] == ("a", 20.0)  # no wait for a link
+    first = dict(rec.first)["a"] if len(rec.first) == 1 else rec.first[-1][1]
+    expect = 20.0 + cost.reload_time(6400) + cost.iteration_time(
+        600, prefill_attn_ctx(600, 6400), 0, 0)
+    assert first == pytest.approx(expect)
+    assert eng.stats.cpu_hit_tokens == 6400 and eng.stats.recomputed_tokens == 0

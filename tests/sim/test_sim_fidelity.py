@@ -51,6 +51,7 @@ def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
         assert r["real_requests_completed"] == 17 and r["real_runs"] == 1
         assert r["real_requests_per_s"] == pytest.approx(17 / 6.0)  # 60 s at time scale 10
         assert r["sim_requests_per_s"] == pytest.approx(r["sim_requests_completed"] / 6.0)
+        assert r["rate_error"] == pytest.approx(r["sim_requests_per_s"] / (17 / 6.0) - 1)
         assert r["sim_gpu_kv_tokens"] == 127 * 32 and r["max_context"] == 370_000
     # the write-through host tier less its mirror of the GPU pool, for all (in (c) the
     # engine's own, which its policy does not see)
@@ -58,6 +59,7 @@ def test_fidelity_rows_and_notes(fidelity_mod: ModuleType) -> None:
     assert report.notes == []
     text = fidelity_mod.table(report.rows)
     assert "lru-offload" in text and "mori" in text and "within 10 pp" in text
+    assert "within 15%" in text and f"{a['rate_error']:+.0%}" in text
     plain = fidelity_mod.fidelity(bench_doc(cpu_blocks=0), default_traces())
     assert [(r["arm"], r["sim_policy"], r["sim_cpu_kv_tokens"]) for r in plain.rows] == [
         ("a", "smg", 0), ("b", "thunderagent", 0), ("c", "mori, no plug-in", 0),

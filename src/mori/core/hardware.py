@@ -188,6 +188,9 @@ class HardwarePreset:
     # tokenization and output path), seconds, charged to the engine: on the CPU build
     # they share the engine's CPU (0: not modelled, as for the GPU presets)
     request_overhead_s: float = 0.0
+    # the host tier's copy runs on the engine's own processor (the CPU build: no link
+    # beside the compute), so a reload takes the engine's time instead of overlapping it
+    reload_on_engine: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -401,6 +404,7 @@ def _build_presets() -> Registry[HardwarePreset]:
             eta_attn=_CPU_VLLM_ETA_ATTN,
             tau=_CPU_VLLM_TAU,
             request_overhead_s=_CPU_VLLM_REQUEST_OVERHEAD_S,
+            reload_on_engine=True,
         ),
     )
     for preset in presets:

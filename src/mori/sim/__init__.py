@@ -1,6 +1,6 @@
 """The discrete-event simulator: engine replicas, closed-loop replay, metrics."""
 
-MODEL_VERSION = 7
+MODEL_VERSION = 8
 """Bumped whenever a change to the simulator or a policy changes results for the same
 settings, so stored sweep results from an older model are not reused.
 
@@ -22,4 +22,8 @@ rate prices one at a context the model holds (the tiny CPU model's 4,064 tokens,
 7: the write-through host tier copies only GPU pages whose KV is computed: while pages are
 reserved for KV not computed yet (a running request's prompt tail and output), the CPU
 pool may hold that much more (``KVPools.cpu_room``), and it evicts when they are written;
-a request that ends keeps only its whole pages (engines cache whole blocks)."""
+a request that ends keeps only its whole pages (engines cache whole blocks).
+8: on a preset whose host-tier copy runs on the engine's own processor
+(``reload_on_engine``: ``cpu-tiny-llama``) a reload takes engine time in the iteration
+that starts the request, not a link's beside the compute, and ``mori`` prices a park by
+it (``SimConfig.learn_costs``, as ``mori serve --learn-costs`` learns it)."""

@@ -56,6 +56,10 @@ class SimConfig:
       vLLM): the engine keeps its host tier of ``cpu_kv_tokens`` (write-through, LRU)
       unseen by the policy, admits first come first served and is told nothing of a
       demotion.
+    - ``learn_costs``: where the preset's reloads take the engine's time
+      (``reload_on_engine``, the CPU build), the policy prices a park by that time, as
+      ``mori serve --learn-costs`` learns it from such an engine (False: as
+      ``--no-learn-costs``, a park costs the engine nothing). No effect elsewhere.
     - ``max_output_tokens``: every step's output is cut at this many tokens (after
       ``token_scale``), as by a model that ends its answers early: the benchmark's
       random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
@@ -94,6 +98,7 @@ class SimConfig:
     policy_config: PolicyConfig = PolicyConfig()
     calibration: EngineCalibration | None = None
     plugin: bool = True
+    learn_costs: bool = True
 
     def __post_init__(self) -> None:
         problems = []

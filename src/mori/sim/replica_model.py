@@ -22,6 +22,9 @@ What it models (docs/costmodel.md; the names follow SGLang):
   path, which on the CPU engine share the engine's CPU; 0 for the GPU presets, whose API
   server runs beside the GPU). An approximation: the real path runs partly before the
   request is queued and partly after its last token.
+- Reloads on the engine (the preset's ``reload_on_engine``, the CPU build, whose host
+  tier is copied by the engine's own CPU): a reload is not put on a link beside the
+  compute but added to the iteration that starts the request's prefill, as engine time.
 - Iterations: a prefill chunk (``chunk_size`` tokens, first come first served across
   requests) plus one decode token for every running request, timed by the cost model.
   Pure-decode stretches are advanced in one event to the next change (a request ends, or
@@ -58,6 +61,7 @@ class SimRequest:
     first_token_at: float | None = None
     switched: bool = False  # forwarded to another replica than the program's last step
     started: bool = False  # its prefill has begun (its request overhead is charged)
+    reload_s: float = 0.0  # a reload the engine itself does (``reload_on_engine``), charged then
     pages: int = 0  # GPU pages it holds (prompt + output), set at admission
     held: int = 0  # of those, the pages that held KV at admission
     aborted: bool = False  # the client went away (real-time engine only; see abort())
@@ -279,11 +283,10 @@ class EngineReplica:
         ctx = self._dctx
         dt = self.cost.iteration_time(new, attn, batch, ctx)
         overhead = self.cost.request_overhead
-        if overhead:
-            for r, _ in parts:
-                if not r.started:
-                    r.started = True
-                    dt += overhead
+        for r, _ in parts:
+            if not r.started:
+                r.started = True
+                dt += overhead + r.reload_s
         self._schedule(now + dt, self._end_mixed, parts, dt)
 
     def _end_mixed(self, parts: list[tuple[SimRequest, int]], dt: float) -> None:
@@ -381,7 +384,9 @@ class EngineReplica:
             st.switch_recomputed_tokens += max(0, r.reuse - hit)
         st.prefill_tokens += r.remaining
         ready = now
-        if reload_pages:
+        if reload_pages and self.cost.preset.reload_on_engine:
+            r.reload_s = self.cost.reload_time(reload_pages * page)  # in its first iteration
+        elif reload_pages:
             start = max(now, self._link_free)
             self._link_free = start + self.cost.reload_time(reload_pages * page)
             ready = self._link_free

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mori.core.costmodel import CostModel, get_preset
 from mori.core.decision_log import DecisionLog
+from mori.core.engine_costs import EngineCosts
 from mori.core.events import KVReady, ProgramEnded, RequestArrived, StepFinished
 from mori.core.execution import DecisionExecutor
 from mori.core.hardware import HardwarePreset, get_disk
@@ -195,6 +196,13 @@ class Simulation:
                 min(RECOMPUTE_RATE_CONTEXT, preset.model.context_window)))
         self.policy: Policy = build_policy(config.policy, cluster, kv_bytes,
                                            dataclasses.replace(knobs, page_tokens=page))
+        if preset.reload_on_engine and config.learn_costs:
+            # what a gateway learns from such an engine (``mori serve --learn-costs``):
+            # a reload costs the engine its copy time
+            per_token = self.cost.reload_time(1_000_000) / 1_000_000
+            for replica in range(config.replicas):
+                self.policy.set_engine_costs(replica, EngineCosts(
+                    reload_fixed_s=0.0, reload_per_token_s=per_token))
         self.loop = EventLoop()
         typed = profile.typed_eviction
         self.engines = [

@@ -1,5 +1,6 @@
-"""``SimConfig.plugin`` False: MORI's decisions in front of an engine without its plug-in
-(``mori serve`` on plain vLLM, the real-engine benchmark's arm (c))."""
+"""The real-engine benchmark's engine in the simulator: without MORI's plug-in
+(``SimConfig.plugin`` False, ``mori serve`` on plain vLLM, the benchmark's arm (c)),
+calibrated beside the run, its reloads priced as a gateway learns them."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def test_a_calibration_changes_the_simulated_engine() -> None:
     calibrated = Simulation(dataclasses.replace(BASE, calibration=slow), default_traces())
     assert calibrated.cost.preset.tau == 0.05 != base.cost.preset.tau
     assert calibrated.cost.prefill_time(1_024) > 5 * base.cost.prefill_time(1_024)
+
+
+def test_the_policy_prices_a_park_by_the_engine_time_its_reload_takes() -> None:
+    """On an engine whose reloads take its own time (``reload_on_engine``), the policy
+    gets the price ``mori serve --learn-costs`` would learn; ``learn_costs`` False, none."""
+    traces = default_traces()
+    learned = Simulation(BASE, traces)
+    costs = learned.policy.engine_costs[0]
+    assert costs is not None and costs.reload_fixed_s == 0.0
+    per_token = learned.cost.reload_time(1_000_000) / 1_000_000
+    assert costs.reload_per_token_s == per_token > 0
+    plain = Simulation(dataclasses.replace(BASE, learn_costs=False), traces)
+    assert plain.policy.engine_costs[0] is None
+    # an engine whose link overlaps the compute (the GPU presets): nothing to learn
+    gpu = Simulation(SimConfig(policy="mori", programs=4, duration_s=60.0), traces)
+    assert gpu.policy.engine_costs[0] is None
