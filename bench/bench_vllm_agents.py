@@ -4,7 +4,7 @@ many prompt tokens each recomputes.
     python bench/bench_vllm_agents.py [--setting default|bottleneck] [--programs N]
         [--duration S] [--time-scale X] [--token-scale 0.01] [--blocks N]
         [--cpu-blocks N[,N...]] [--rounds 1] [--engine-cpus auto] [--seed 0]
-        [--arms a,b,c,d] [--mori-args 'FLAGS'] [--json FILE]
+        [--arms a,b,c,d] [--mori-args 'FLAGS'] [--no-calibrate] [--json FILE]
 
 ``--setting default`` (8 programs, time scale 10, 128 blocks, host tier 256) is bound by
 the programs' tool time; ``--setting bottleneck`` (32 programs, time scale 100, 256
@@ -15,9 +15,19 @@ had requests queued (``vllm:num_requests_waiting`` > 0, sampled every 0.25 s). W
 ``--rounds N`` every arm runs N times, alternating (a b c d, a b c d, ...), and a summary
 gives each arm's median and range and (d)'s ratio to each other arm round by round. With
 two or more CPUs the engine runs on one of its own (``--engine-cpus``) and everything
-else on the rest, as a GPU's compute is not its host's. ``mori serve`` is told the
-engine's recompute rate and reload bandwidth (the ``cpu-tiny-llama`` preset's, in policy
-time).
+else on the rest, as a GPU's compute is not its host's; each arm records the mean busy
+share of the engine's CPUs and of the rest over its replay (``/proc/stat``).
+
+First (``--calibrate``, the default) the engine is timed as
+``bench/calibrate_cpu_engine.py`` times it, on one engine like the arms' (the same pool
+and CPUs, a host tier): prefills of 256, 1,024 and 2,048 fresh tokens, a decode step,
+reloads from the host tier and ``/tokenize`` calls, about two minutes. ``mori serve`` is
+told the recompute rate and reload bandwidth of the ``cpu-tiny-llama`` preset with the
+constants fitted to those timings, in policy time (``--no-calibrate``: the preset's
+own), and the results record the timings and constants (``settings.calibration``), which
+``bench/sim_fidelity.py`` simulates with. The same engine on this shared machine has run
+six times slower on one day than on another, so a run is compared with a calibration of
+its own.
 
 The same agent programs (the shipped real traces, or ``--traces``; the same ``--seed``)
 are replayed closed-loop by ``mori replay``'s client against four arms, each on a fresh

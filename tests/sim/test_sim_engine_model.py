@@ -59,6 +59,16 @@ def test_scale_program_scales_every_count_and_subagents() -> None:
     assert scale_program(p, 1.0) is p
 
 
+def test_scale_program_keeps_a_recorded_uncached_count_within_the_prompt() -> None:
+    """A step's ``new_tokens`` (synthetic and recorded traces carry it) scales with its
+    prompt; it was left whole, past the scaled prompt, and the step refused itself."""
+    p = ProgramTrace("p", (Step(24_325, 3, 2.0, GapKind.TOOL, new_tokens=24_325),
+                           Step(25_000, 3, 0.0, GapKind.END, 24_325, new_tokens=675),
+                           Step(25_100, 3, 0.0, GapKind.END, 25_000, new_tokens=0)))
+    q = scale_program(p, 0.01)
+    assert [(s.prompt_tokens, s.new_tokens) for s in q.steps] == [(243, 243), (250, 7), (251, 0)]
+
+
 def test_the_engine_sees_scaled_tokens() -> None:
     cfg = SimConfig(policy="smg", programs=1, duration_s=100, stagger_s=0, hardware=TINY,
                     token_scale=0.01)

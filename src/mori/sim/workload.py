@@ -74,7 +74,8 @@ def scale_tokens(n: int, token_scale: float) -> int:
 def scale_program(p: ProgramTrace, token_scale: float) -> ProgramTrace:
     """``p`` (prepared) with every token count scaled by :func:`scale_tokens`, its
     subagents' too: prompt and output; the reusable prefix as the replay sends it (0
-    stays 0, else at most the scaled prompt); the shared prefix likewise."""
+    stays 0, else at most the scaled prompt); the shared prefix likewise; a recorded
+    count of uncached tokens (``new_tokens``) at most the scaled prompt."""
     if token_scale == 1.0:
         return p
     steps = []
@@ -83,9 +84,12 @@ def scale_program(p: ProgramTrace, token_scale: float) -> ProgramTrace:
         reuse = min(scale_tokens(s.reuse_tokens, token_scale), prompt) if s.reuse_tokens else 0
         subs = tuple(SubagentSpawn(sp.delay_s, scale_program(sp.program, token_scale))
                      for sp in s.subagents)
+        new = (None if s.new_tokens is None
+               else min(scale_tokens(s.new_tokens, token_scale), prompt) if s.new_tokens
+               else 0)
         steps.append(replace(s, prompt_tokens=prompt, reuse_tokens=reuse,
                              output_tokens=scale_tokens(s.output_tokens, token_scale),
-                             subagents=subs))
+                             subagents=subs, new_tokens=new))
     shared = (scale_tokens(p.shared_prefix_tokens, token_scale)
               if p.shared_prefix_tokens else 0)
     return replace(p, steps=tuple(steps), shared_prefix_tokens=shared)
