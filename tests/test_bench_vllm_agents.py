@@ -122,3 +122,27 @@ def test_summary_and_verdict_over_rounds(agents: ModuleType) -> None:
                         "(min 1.000, median 1.200)")
     assert lines[1].startswith("(d) / (b) requests per second, by round: 1.600 ")
     assert len(lines) == 2  # no line of (d) over itself
+
+
+def test_cpu_busy_shares_between_two_readings(agents: ModuleType) -> None:
+    before = {0: (100, 1_000), 1: (500, 1_000)}
+    after = {0: (150, 1_100), 1: (600, 1_100), 2: (5, 10)}  # CPU 2: no first reading
+    shares = agents.busy_shares(before, after)
+    assert shares == {0: pytest.approx(0.5), 1: pytest.approx(1.0)}
+    assert agents.mean_busy(shares, frozenset({1})) == pytest.approx(1.0)
+    assert agents.mean_busy(shares, None) == pytest.approx(0.75)
+    assert agents.mean_busy(shares, frozenset({7})) is None
+    now = agents.cpu_times()  # this machine's, where /proc/stat exists
+    assert all(0 <= busy <= total for busy, total in now.values())
+
+
+def test_the_run_calibration_sets_the_rates_mori_serve_is_told(agents: ModuleType) -> None:
+    from mori.core.calibration import EngineCalibration
+
+    preset_rates = agents.policy_rates(100.0)
+    slow = EngineCalibration(tau=0.005, flops=1.9e10, eta_gemm=0.37, eta_attn=1.0,
+                             mem_bw=2e10, eta_mem=1.0, request_overhead_s=0.01,
+                             copy_bw=1.5e8)
+    recompute, reload = agents.policy_rates(100.0, slow)
+    assert recompute < preset_rates[0] / 2  # the slower engine recomputes more slowly
+    assert reload == pytest.approx(1.5e8 / 1e9 / 100.0)

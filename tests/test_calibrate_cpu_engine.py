@@ -54,3 +54,15 @@ def test_the_copy_rate_is_fitted_to_the_reloads(cal: ModuleType) -> None:
         1, prefill_attn_ctx(1, n - 1), 0, 0)
     assert left == pytest.approx(n * cost.preset.kv_bytes_per_token_per_gpu / 2.0e8)
     assert cal.copy_bandwidth(c, []) is None
+
+
+def test_the_tokenize_fit_is_a_line_never_below_zero(cal: ModuleType) -> None:
+    fit = cal.tokenize_fit([(256, 0.0018), (1_026, 0.0025), (2_047, 0.0033)])
+    assert fit["per_token_s"] == pytest.approx((0.0033 - 0.0018) / (2_047 - 256), rel=0.1)
+    assert fit["fixed_s"] + fit["per_token_s"] * 1_026 == pytest.approx(0.0025, rel=0.05)
+    # one size, or times that fall with size: a fixed cost only
+    assert cal.tokenize_fit([(512, 0.002)]) == {"fixed_s": 0.002, "per_token_s": 0.0,
+                                                 "points": [(512, 0.002)]}
+    falling = cal.tokenize_fit([(256, 0.003), (2_048, 0.001)])
+    assert falling["per_token_s"] == 0.0 and falling["fixed_s"] == pytest.approx(0.002)
+    assert cal.tokenize_fit([])["fixed_s"] == 0.0
