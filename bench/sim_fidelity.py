@@ -167,8 +167,8 @@ def calibration_of(settings: dict[str, Any], arm: dict[str, Any] | None = None
     if not measured:
         return None
     try:
-        cal = EngineCalibration.from_mapping(measured["constants"])
-    except (KeyError, TypeError, ValueError) as e:
+        cal = EngineCalibration.from_document(measured)
+    except ValueError as e:
         raise ValueError(f"settings.calibration must hold the bench's constants: {e}") from e
     fit = measured.get("tokenize")
     if arm is None or arm.get("arm") not in GATEWAY_TOKENIZES or not isinstance(fit, dict):
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.calibration is not None:
             doc["settings"]["calibration"] = json.loads(
                 args.calibration.read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         print(f"sim_fidelity: cannot read {args.bench_json} or its calibration: {e}",
               file=sys.stderr)
         return 2

@@ -410,6 +410,7 @@ def test_a_calibration_file_sets_the_engine_constants(tmp_path: Path,
     assert main([*TINY_RUN, "--duration", "10", "--calibration", str(bench)]) == 0
     capsys.readouterr()
     for text, expected in (("{", "cannot read it as JSON"), ('{"a": 1}', "no calibration in it"),
+                           ("[" * 100_000, "cannot read it as JSON"),  # too deep to parse
                            ('{"constants": {"tau": 1}}', "the constant 'flops' is missing")):
         cal.write_text(text)
         assert main([*TINY_RUN, "--calibration", str(cal)]) == 2

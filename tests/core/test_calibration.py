@@ -55,3 +55,13 @@ def test_a_calibration_is_frozen() -> None:
     cal = EngineCalibration.from_mapping(CONSTANTS)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cal.tau = 1.0  # type: ignore[misc]
+
+
+def test_a_document_holds_a_calibration_file_or_a_benchmarks_results() -> None:
+    own = EngineCalibration.from_document({"constants": CONSTANTS})
+    bench = EngineCalibration.from_document(
+        {"settings": {"calibration": {"constants": CONSTANTS, "prefill": []}}, "arms": []})
+    assert own == bench == EngineCalibration.from_mapping(CONSTANTS)
+    for doc in ({}, [], None, {"settings": {"seed": 1}}, {"constants": [1, 2]}):
+        with pytest.raises(ValueError, match="no calibration in it"):
+            EngineCalibration.from_document(doc)

@@ -129,17 +129,10 @@ def read_calibration(path: Path) -> EngineCalibration:
     benchmark's results holding one (``settings.calibration.constants``)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise UsageError(f"--calibration {str(path)!r}: cannot read it as JSON: {e}") from None
-    if isinstance(doc, dict) and isinstance(doc.get("settings"), dict):
-        doc = doc["settings"].get("calibration")
-    constants = doc.get("constants") if isinstance(doc, dict) else None
-    if not isinstance(constants, dict):
-        raise UsageError(f"--calibration {str(path)!r}: no calibration in it (expected an "
-                         "object with 'constants', as bench/calibrate_cpu_engine.py --json "
-                         "writes, or a benchmark's results with settings.calibration)")
     try:
-        return EngineCalibration.from_mapping(constants)
+        return EngineCalibration.from_document(doc)
     except ValueError as e:
         raise UsageError(f"--calibration {str(path)!r}: {e}") from None
 

@@ -81,6 +81,21 @@ class EngineCalibration:
             values[f.name] = float(raw)
         return cls(**values)  # type: ignore[arg-type]
 
+    @classmethod
+    def from_document(cls, doc: Any) -> EngineCalibration:
+        """The calibration a parsed JSON document holds: a calibration file's
+        (``constants``, as ``bench/calibrate_cpu_engine.py --json`` writes it) or a
+        benchmark's results' (``settings.calibration.constants``); ``ValueError`` saying
+        what was expected where there is none."""
+        if isinstance(doc, dict) and isinstance(doc.get("settings"), dict):
+            doc = doc["settings"].get("calibration")
+        constants = doc.get("constants") if isinstance(doc, dict) else None
+        if not isinstance(constants, dict):
+            raise ValueError("no calibration in it (expected an object with 'constants', as "
+                             "bench/calibrate_cpu_engine.py --json writes, or a benchmark's "
+                             "results with settings.calibration)")
+        return cls.from_mapping(constants)
+
     def as_dict(self) -> dict[str, float]:
         """The constants, as a calibration file holds them (``copy_bw`` only if known)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
