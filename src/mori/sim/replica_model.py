@@ -283,10 +283,11 @@ class EngineReplica:
         ctx = self._dctx
         dt = self.cost.iteration_time(new, attn, batch, ctx)
         overhead = self.cost.request_overhead
-        for r, _ in parts:
-            if not r.started:
-                r.started = True
-                dt += overhead + r.reload_s
+        if overhead or self.cost.preset.reload_on_engine:  # else nothing to charge
+            for r, _ in parts:
+                if not r.started:
+                    r.started = True
+                    dt += overhead + r.reload_s
         self._schedule(now + dt, self._end_mixed, parts, dt)
 
     def _end_mixed(self, parts: list[tuple[SimRequest, int]], dt: float) -> None:
