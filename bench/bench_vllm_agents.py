@@ -722,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
                             "rounds": args.rounds, "setting": args.setting,
                             "engine_cpus": None if engine_cpus is None else sorted(engine_cpus),
                             "mori_args": args.mori_args,
+                            # mori serve hands the policy its engine's waiting count
+                            # (Policy.set_engine_queues); runs before it did not
+                            "mori_reads_engine_queues": True,
                             "front_cpus": None if front_cpus is None else sorted(front_cpus),
                             "traces": traces.name, "block_size": BLOCK_SIZE, "arms": arms,
                             "policy_rates": dict(zip(("recompute_tok_s", "reload_gbps"),

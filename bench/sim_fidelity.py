@@ -145,13 +145,19 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
         # smg and thunderagent: an engine without a host tier
         cpu_kv_tokens=cpu if policy not in ("smg", "thunderagent") else 0,
         plugin=arm["arm"] != "c",  # (c): mori serve on vLLM without the plug-in
+        # mori serve reads its engine's queue (runs recorded before it did: not)
+        engine_queues=(arm["arm"] in MORI_SERVE_ARMS
+                       and bool(settings.get("mori_reads_engine_queues", False))),
         learn_costs="--no-learn-costs" not in str(settings.get("mori_args", "")),
         token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
         max_output_tokens=max_output,
         policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
 
 
-GATEWAY_TOKENIZES = frozenset({"c", "d"})
+MORI_SERVE_ARMS = frozenset({"c", "d"})
+"""The arms behind ``mori serve``."""
+
+GATEWAY_TOKENIZES = MORI_SERVE_ARMS
 """The arms whose gateway asks the engine's ``/tokenize`` for every request
 (``mori serve --exact-tokens``, as the bench starts it)."""
 
@@ -333,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
                          "--json FILE`) instead of the one the bench recorded, e.g. for a "
                          "file from a run without one (default: the bench's, else the "
                          "preset's constants)")
+    ap.add_argument("--engine-queues", action=argparse.BooleanOptionalAction, default=None,
+                    help="whether the run's mori serve read its engine's waiting count "
+                         "(default: as the run recorded; runs recorded before the bench "
+                         "said so: no)")
     args = ap.parse_args(argv)
     try:
         doc = json.loads(args.bench_json.read_text(encoding="utf-8"))
+        if args.engine_queues is not None:
+            doc["settings"]["mori_reads_engine_queues"] = args.engine_queues
         if args.calibration is not None:
             doc["settings"]["calibration"] = json.loads(
                 args.calibration.read_text(encoding="utf-8"))

@@ -237,9 +237,12 @@ class FakeWorld:
                  outages: list[tuple[float, float, int]] = (),  # type: ignore[assignment]
                  restored: list[tuple[str, int, int, Tier, IdlenessHistory | None]
                  ] = (),  # type: ignore[assignment]
+                 queues: list[tuple[float, int, int]] = (),  # type: ignore[assignment]
                  ) -> None:
         """``batch``: observe every event of one instant before deciding once (the
         default decides after every observation). ``outages``: (down at, up at, replica).
+        ``queues``: (at, replica, waiting): the engine of ``replica`` reports ``waiting``
+        requests queued from then on (``Policy.set_engine_queues``).
         ``restored``: (program, context tokens, replica, tier, idleness history or None)
         found on the engines at time 0, before any request."""
         self.batch = batch
@@ -262,6 +265,9 @@ class FakeWorld:
         for down, up, replica in outages:
             self._at(down, "down", "", replica)
             self._at(up, "up", "", replica)
+        self.waiting: list[int | None] = [None] * policy.cluster.replicas
+        for at, replica, waiting in queues:
+            self._at(at, "queue", str(waiting), replica)
         if self.tick_s is not None:
             self._at(self.tick_s, "tick", "", 0)
 
@@ -353,6 +359,11 @@ class FakeWorld:
                 continue
             if kind in ("down", "up"):
                 self._replica(step, kind == "down")
+                self._decide()
+                continue
+            if kind == "queue":
+                self.waiting[step] = int(pid)
+                self.p.set_engine_queues(self.waiting, t)
                 self._decide()
                 continue
             run = self.runs[pid]

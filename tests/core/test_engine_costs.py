@@ -150,3 +150,44 @@ def test_a_parks_price_counts_the_programs_its_reload_delays() -> None:
     assert step(p, 4.9) == []
     assert step(p, 5.0) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
                             Forward("B", 0)]
+
+
+def test_a_park_waits_while_the_engine_queues() -> None:
+    """The same 2 s reload, but the engine reports requests waiting from t = 0: A's room
+    keeps nobody from work while the engine's own queue is full, so A stays past t = 3
+    (``ReturnCost.unqueued``); once the engine reports no queue, A's 3 s away pay for its
+    park at once. (A window of 1 ms makes the shares follow the readings.)"""
+    p = make("mori", gpu=100, cpu=100, load_window_s=0.001, **RATE)
+    p.set_engine_costs(0, EngineCosts(reload_fixed_s=2.0, reload_per_token_s=0.0))
+    p.set_engine_queues([2], 0.0)
+    step(p, 0.0, arrive("A", 60))
+    step(p, 1.0, fin("A", 60))
+    assert step(p, 1.5, arrive("B", 60)) == []
+    assert step(p, 3.0) == [] and step(p, 10.0) == []
+    assert where(p, "A") == (GPU, 0) and where(p, "B") == (NONE, None)
+    p.set_engine_queues([0], 10.0)
+    assert step(p, 10.1) == [Demote("A", 0, GPU, CPU), Promote("B", 0, NONE),
+                             Forward("B", 0)]
+
+
+def test_a_drop_waits_while_the_engine_queues() -> None:
+    """No CPU tier: A's drop costs its 6 s recompute; with the engine queued half the time
+    since, it pays only after 12 s away, not 6 (a window of 1 ms: the readings below
+    alternate every 1 s, so the queue share reads 0 or 1 as they say)."""
+    p = make("mori", gpu=100, cpu=0, load_window_s=0.001, **RATE)
+    step(p, 0.0, arrive("A", 60))
+    step(p, 1.0, fin("A", 60))
+    p.set_engine_queues([1], 1.0)
+    assert step(p, 2.0, arrive("B", 60)) == []
+    assert step(p, 7.5) == []  # 6.5 s away, queued: price inf
+    p.set_engine_queues([None], 7.5)  # no reading: no queue known
+    assert step(p, 7.6) == [Demote("A", 0, GPU, NONE), Promote("B", 0, NONE),
+                            Forward("B", 0)]
+
+
+def test_engine_readings_are_checked() -> None:
+    p = make("mori", gpu=100, cpu=100, replicas=2)
+    with pytest.raises(ValueError, match="2 replicas"):
+        p.set_engine_queues([0], 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        p.set_engine_queues([0, -1], 0.0)

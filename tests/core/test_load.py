@@ -85,3 +85,16 @@ def test_shares_stay_in_range_and_running_counts_match(ops: list[tuple[str, int,
         for r in range(3):
             assert load.running(r) == sum(1 for x in where.values() if x == r)
             assert 0.0 <= load.share(r, now) <= 1.0
+
+
+def test_the_queue_share_follows_the_engines_readings() -> None:
+    load = ReplicaLoad(2, 60.0)
+    assert load.queue_share(0, 0.0) == 0.0 and load.queue_share(1, 1e6) == 0.0
+    load.queued(0, True, 0.0)
+    assert load.queue_share(0, 60.0) == pytest.approx(1 - math.exp(-1.0))
+    load.queued(0, False, 60.0)
+    assert load.queue_share(0, 120.0) == pytest.approx((1 - math.exp(-1.0)) * math.exp(-1.0))
+    assert load.queue_share(1, 120.0) == 0.0  # the other replica was never told of one
+    load.queued(1, True, 120.0)
+    load.lost(1, 180.0)  # a replica that went down has no queue since
+    assert load.queue_share(1, 1e6) < 1e-6

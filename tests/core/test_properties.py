@@ -7,7 +7,8 @@ a replica that is down). At the end every request was forwarded exactly once (on
 for each time it failed with its replica) and every program ended: no request lost.
 Some worlds have a disk tier, some lose replicas for a while, some start with
 programs found on the engines (a restarted gateway), and some price their replicas by
-learned engine costs (a measured reload price makes ``mori`` wait before parking).
+learned engine costs (a measured reload price makes ``mori`` wait before parking), and
+some have engines that report requests queued for a while (``mori``'s moves wait then).
 """
 
 from __future__ import annotations
@@ -79,9 +80,13 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
     restored = [(p.pid, draw(st.integers(1, p.peak())), draw(st.integers(0, replicas - 1)),
                  draw(st.sampled_from([Tier.GPU, Tier.CPU])), draw(st.none() | histories()))
                 for p in programs if draw(st.integers(0, 3)) == 0]
+    queues = draw(st.lists(st.tuples(st.one_of(TENTHS, TENTHS.map(lambda t: 10 * t)),
+                                     st.integers(0, replicas - 1), st.integers(0, 3)),
+                           max_size=4))
     return dict(
         programs=programs,
         outages=[(at, at + span / 10, r) for at, span, r in outages],
+        queues=queues,
         restored=restored,
         batch=draw(st.booleans()),
         replicas=replicas,
@@ -124,7 +129,8 @@ def run_world(name: str, w: dict[str, object]) -> FakeWorld:
     limit = time_limit(programs, config.tick_s) + sum(up - down for down, up, _ in outages)
     world = FakeWorld(policy, programs, limit, batch=bool(w.get("batch", False)),
                       outages=outages,
-                      restored=list(w.get("restored", [])))  # type: ignore[call-overload]
+                      restored=list(w.get("restored", [])),  # type: ignore[call-overload]
+                      queues=list(w.get("queues", [])))  # type: ignore[call-overload]
     world.run()
     return world
 

@@ -14,7 +14,7 @@ from mori.core.policy import PolicyConfig
 from mori.engines.base import EngineLoad
 from mori.engines.http import load_from_metrics
 from mori.gateway.config import GatewaySettings
-from mori.gateway.replicas import Replica
+from mori.gateway.replicas import Replica, Replicas
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -55,6 +55,15 @@ def test_foreign_load_is_what_the_engine_serves_beyond_the_gateways_requests() -
     assert r.foreign_load == 6  # 8 on the engine, 2 of them the gateway's
     r.in_flight = 9
     assert r.foreign_load == 0  # sent since the reading
+
+
+def test_the_engines_waiting_counts_reach_the_policy_as_read() -> None:
+    """``Replicas.engine_waiting``: each engine's latest waiting count, None where no
+    reading; what ``Controller.decide`` hands the policy (``Policy.set_engine_queues``)."""
+    reps = Replicas([None, None, None], health_interval_s=1.0)  # type: ignore[list-item]
+    reps[0].engine_load = EngineLoad(running=1, waiting=3)
+    reps[2].engine_load = EngineLoad(running=2, waiting=0)
+    assert reps.engine_waiting() == [3, None, 0]
 
 
 @pytest.mark.parametrize("spread_by_load", [True, False])

@@ -30,6 +30,10 @@ def test_requests_that_ran_alone_price_the_engine(loop_thread: LoopThread,
             pass
     rows = httpx.get(sg.url + "/v1/replicas").json()["data"]
     assert len(rows) == 1 and rows[0]["healthy"] is True
+    # the policy's recent shares: its steps ran one at a time; the simulated engine
+    # queued none of them (each was sent after the last ended)
+    shares = rows[0]["shares"]
+    assert 0 < shares["busy"] <= 1 and shares["queued"] == 0
     costs = rows[0]["costs"]
     measured = costs["measured"]
     # one stretch a request; the last one stays open until a next first byte ends it

@@ -55,3 +55,19 @@ def test_the_policy_prices_a_park_by_the_engine_time_its_reload_takes() -> None:
     # an engine whose link overlaps the compute (the GPU presets): nothing to learn
     gpu = Simulation(SimConfig(policy="mori", programs=4, duration_s=60.0), traces)
     assert gpu.policy.engine_costs[0] is None
+
+
+def test_the_policy_reads_the_engines_queue_only_when_told() -> None:
+    """``engine_queues``: the policy is told the engine's waiting count at each decision,
+    as ``mori serve`` reads it; the engine of this setting queues (one at a time on the
+    CPU), so the replica's queue share is above 0 at the end, and the moves differ. Off
+    (the default): never told, the share stays 0."""
+    traces = default_traces()
+    reading = Simulation(dataclasses.replace(BASE, engine_queues=True), traces)
+    r1 = reading.run()
+    assert reading.policy.load.queue_share(0, reading.loop.now) > 0
+    blind = Simulation(BASE, traces)
+    r0 = blind.run()
+    assert blind.policy.load.queue_share(0, blind.loop.now) == 0
+    assert r1.steps > 0 and r0.steps > 0
+    assert (r1.steps, r1.recomputed_tokens) != (r0.steps, r0.recomputed_tokens)

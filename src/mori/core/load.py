@@ -7,6 +7,12 @@ seconds): a replica busy for the last ``window_s`` reads about 0.63 if it was id
 before, 1.0 after many windows of being busy. A replica nobody has used yet reads 1.0,
 the cautious guess (MORI's drop price assumes a busy engine until it learns otherwise).
 
+A replica is *queued* while its engine reports requests waiting for admission (its own
+batching full, or loads of KV in progress): ``queued``, told by whoever reads the
+engines (the gateway, from each engine's running and waiting counts). Its queue share is
+that indicator averaged the same way; a replica whose engine was never read reads 0 (no
+queue known), so a world that reads no engine (the simulator) sees the busy share alone.
+
 Pure bookkeeping: time is passed in; the policy calls ``started`` on each forward,
 ``finished`` on each step's end (or a program's end while its step runs) and ``lost``
 when a replica goes down.
@@ -17,37 +23,54 @@ from __future__ import annotations
 import math
 
 
+class DecayedShare:
+    """The recent share of time an on/off indicator was on: an exponential average with
+    time constant ``window_s``, starting at ``initial``."""
+
+    __slots__ = ("window_s", "_share", "_at", "on")
+
+    def __init__(self, window_s: float, initial: float) -> None:
+        self.window_s = window_s
+        self._share = initial
+        self._at: float | None = None
+        self.on = False
+
+    def at(self, now: float) -> float:
+        """The share at ``now``, in [0, 1]."""
+        at = self._at
+        if at is None or now <= at:
+            return min(1.0, max(0.0, self._share))
+        keep = math.exp(-(now - at) / self.window_s)
+        return min(1.0, max(0.0, self._share * keep + (1.0 - keep) * (1.0 if self.on else 0.0)))
+
+    def set(self, on: bool, now: float) -> None:
+        """The indicator is ``on`` from ``now``."""
+        self._share = self.at(now)
+        self._at = now if self._at is None else max(self._at, now)
+        self.on = on
+
+
 class ReplicaLoad:
-    """Per replica, the recent share of time its engine had a step to run (see the
-    module docstring)."""
+    """Per replica, the recent share of time its engine had a step to run, and the
+    recent share of time it had requests waiting (see the module docstring)."""
 
     def __init__(self, replicas: int, window_s: float) -> None:
         if not (window_s > 0 and math.isfinite(window_s)):
             raise ValueError(f"window_s must be a positive number of seconds, got {window_s}")
         self.window_s = window_s
-        self._share = [1.0] * replicas
-        self._at: list[float | None] = [None] * replicas
+        self._busy = [DecayedShare(window_s, 1.0) for _ in range(replicas)]
+        self._queue = [DecayedShare(window_s, 0.0) for _ in range(replicas)]
         self._running = [0] * replicas
         self._where: dict[str, int] = {}  # program -> the replica its step runs on
 
-    def _decayed(self, replica: int, now: float) -> float:
-        at = self._at[replica]
-        share = self._share[replica]
-        if at is None or now <= at:
-            return share
-        keep = math.exp(-(now - at) / self.window_s)
-        return share * keep + (1.0 - keep) * (1.0 if self._running[replica] else 0.0)
-
-    def _advance(self, replica: int, now: float) -> None:
-        self._share[replica] = self._decayed(replica, now)
-        at = self._at[replica]
-        self._at[replica] = now if at is None else max(at, now)
+    def _settle(self, replica: int, now: float) -> None:
+        self._busy[replica].set(self._running[replica] > 0, now)
 
     def started(self, program_id: str, replica: int, now: float) -> None:
         """``program_id``'s step was forwarded to ``replica``."""
         self.finished(program_id, now)  # at most one step per program
-        self._advance(replica, now)
         self._running[replica] += 1
+        self._settle(replica, now)
         self._where[program_id] = replica
 
     def finished(self, program_id: str, now: float) -> None:
@@ -55,13 +78,14 @@ class ReplicaLoad:
         r = self._where.pop(program_id, None)
         if r is None:
             return
-        self._advance(r, now)
         self._running[r] -= 1
+        self._settle(r, now)
 
     def lost(self, replica: int, now: float) -> None:
         """``replica`` went down: its running steps are gone."""
-        self._advance(replica, now)
         self._running[replica] = 0
+        self._settle(replica, now)
+        self._queue[replica].set(False, now)
         for pid in [p for p, r in self._where.items() if r == replica]:
             del self._where[pid]
 
@@ -71,4 +95,12 @@ class ReplicaLoad:
 
     def share(self, replica: int, now: float) -> float:
         """``replica``'s busy share at ``now``, in [0, 1]."""
-        return min(1.0, max(0.0, self._decayed(replica, now)))
+        return self._busy[replica].at(now)
+
+    def queued(self, replica: int, waiting: bool, now: float) -> None:
+        """``replica``'s engine reports requests waiting (``waiting``) from ``now``."""
+        self._queue[replica].set(waiting, now)
+
+    def queue_share(self, replica: int, now: float) -> float:
+        """``replica``'s queue share at ``now``, in [0, 1] (0: never told of a queue)."""
+        return self._queue[replica].at(now)

@@ -258,6 +258,18 @@ class Policy(ABC):
             raise ValueError(f"replica loads must be >= 0, got {list(loads)}")
         self.replica_loads = tuple(loads)
 
+    def set_engine_queues(self, waiting: Sequence[int | None], now: float) -> None:
+        """Tell the policy how many requests each replica's engine reports waiting for
+        admission at ``now`` (None: no reading; taken as no queue). Each replica's queue
+        share (``ReplicaLoad.queue_share``) follows these readings."""
+        if len(waiting) != self.cluster.replicas:
+            raise ValueError(f"{len(waiting)} engine readings for {self.cluster.replicas} "
+                             "replicas")
+        for r, n in enumerate(waiting):
+            if n is not None and n < 0:
+                raise ValueError(f"waiting counts must be >= 0, got {list(waiting)}")
+            self.load.queued(r, bool(n), now)
+
     def check_integrity(self) -> None:
         self.placement.check_integrity(capacity=True)
         for pid, p in self.programs.items():

@@ -359,18 +359,23 @@ class Routes:
         return JSONResponse({"object": "list", "data": rows})
 
     async def replicas(self, request: Request) -> Response:
-        """Per replica: health, load, and the engine's prices as measured
-        (``EnginePrices.view``) beside those the policy uses."""
+        """Per replica: health, load, the policy's busy and queue shares
+        (``ReplicaLoad``), and the engine's prices as measured (``EnginePrices.view``)
+        beside those the policy uses."""
         if (denied := self._denied(request, admin=True)) is not None:
             return denied
         ctl = self.gw.ctl
         rows = []
+        now = ctl.now()
         for r in ctl.replicas.all:
             load = r.engine_load
             rows.append({"replica": r.index, "url": r.adapter.url, "kind": r.adapter.kind,
                          "healthy": r.healthy, "in_flight": r.in_flight,
                          "engine_load": None if load is None else
                          {"running": load.running, "waiting": load.waiting},
+                         # the policy's recent shares: a step running, requests waiting
+                         "shares": {"busy": ctl.policy.load.share(r.index, now),
+                                    "queued": ctl.policy.load.queue_share(r.index, now)},
                          "costs": ctl.prices.view(r.index)})
         return JSONResponse({"object": "list", "data": rows})
 

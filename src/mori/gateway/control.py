@@ -539,6 +539,7 @@ class Controller:
         now = self.now()
         if self.policy.config.spread_by_load:
             self.policy.set_replica_loads(self.replicas.foreign_loads())
+        self.policy.set_engine_queues(self.replicas.engine_waiting(), now)
         self.executor.execute(now, self.policy.decide(now))
         orphans, self._orphans = self._orphans, []
         for pid in orphans:  # after this round's decisions, so rounds do not interleave

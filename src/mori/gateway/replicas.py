@@ -89,6 +89,11 @@ class Replicas:
         if self.load_interval_s > 0:
             self._loads = asyncio.create_task(self._load_loop())
 
+    def engine_waiting(self) -> list[int | None]:
+        """Each replica's engine's latest waiting count, in order (None: no reading)."""
+        return [r.engine_load.waiting if r.engine_load is not None else None
+                for r in self.all]
+
     def foreign_loads(self) -> list[int]:
         """Each replica's ``Replica.foreign_load``, in order."""
         return [r.foreign_load for r in self.all]

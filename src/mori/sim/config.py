@@ -60,6 +60,12 @@ class SimConfig:
       (``reload_on_engine``, the CPU build), the policy prices a park by that time, as
       ``mori serve --learn-costs`` learns it from such an engine (False: as
       ``--no-learn-costs``, a park costs the engine nothing). No effect elsewhere.
+    - ``engine_queues``: the policy is told, at each decision, how many requests each
+      replica's engine has waiting (queued for admission or loading KV), as ``mori
+      serve`` reads its engines' waiting counts (``Policy.set_engine_queues``; the
+      gateway samples them every ``--load-interval``, the simulator reads them exactly).
+      False (the default, and every sweep): no reading, so a replica's queue share stays
+      0 and the policy prices its moves as before the gateway read them.
     - ``max_output_tokens``: every step's output is cut at this many tokens (after
       ``token_scale``), as by a model that ends its answers early: the benchmark's
       random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
@@ -99,6 +105,7 @@ class SimConfig:
     calibration: EngineCalibration | None = None
     plugin: bool = True
     learn_costs: bool = True
+    engine_queues: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -124,6 +124,12 @@ class EngineReplica:
         self._seq = 0
 
     # -- interface used by the driver -------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests the engine has waiting: not admitted yet, or admitted and loading
+        their KV (what vLLM counts in ``num_requests_waiting``)."""
+        return len(self.waiting) + self.loading
+
     def submit(self, req: SimRequest) -> None:
         self._seq += 1
         req.seq = self._seq

@@ -272,6 +272,8 @@ class Simulation:
 
     def _decide(self) -> None:
         t0 = time.perf_counter()
+        if self.config.engine_queues:
+            self.policy.set_engine_queues([e.queued for e in self.engines], self.loop.now)
         decisions = self.policy.decide(self.loop.now)
         self.c.policy_time_s += time.perf_counter() - t0
         self.c.decisions += 1

@@ -134,6 +134,15 @@ class ReturnCost(Ranking):
       one; ``load``, None: always busy). Measured (docs/benchmarks.md, the bottleneck
       benchmark): on an engine idle most of the time the old count held requests the
       engine had room for.
+    - Only while the engine could run more: a program's room stands idle for the request
+      it keeps out only while the engine has no queue of its own; while requests wait
+      inside the engine, the newcomer would wait there instead, and the move would only
+      add its return's cost. So both prices count over the replica's unqueued share
+      (``unqueued``: the engine's waiting count, as the gateway reads it; 1 where no
+      engine is read, as in the simulator): a move pays once the program has been away
+      its price over that share. Measured (docs/benchmarks.md, the bottleneck benchmark
+      on the CPU engine): parks there had made the policy trade GPU hits for reloads
+      while the engine queued.
     - Room to park made by dropping: where the CPU tier is at least as large as the GPU
       tier, a program may park by pushing out of the CPU tier programs more idle than it
       whose drop pays (``cpu_droppable``). Where it is smaller, only free room parks; a
@@ -182,8 +191,20 @@ class ReturnCost(Ranking):
 
     def drop_s(self, p: Program, now: float) -> float:
         """What dropping ``p`` costs its replica, in seconds: its recompute, for each
-        program the recompute delays (``delayed``)."""
-        return self.recompute_s(p) * self.delayed(p.replica, now)
+        program the recompute delays (``delayed``), over the replica's unqueued share
+        (``unqueued``)."""
+        return _over(self.recompute_s(p) * self.delayed(p.replica, now),
+                     self.unqueued(p.replica, now))
+
+    def unqueued(self, replica: int | None, now: float) -> float:
+        """The recent share of time ``replica``'s engine had no request waiting (1: no
+        queue known). A program's room stands idle for the one it keeps out only while
+        the engine could have run more: while the engine's own queue is full, the
+        newcomer would wait there instead, so only that share of a program's time away
+        counts toward its leaving."""
+        if replica is None or self.load is None:
+            return 1.0
+        return 1.0 - self.load.queue_share(replica, now)
 
     @staticmethod
     def away_s(p: Program, now: float) -> float:
@@ -237,10 +258,12 @@ class ReturnCost(Ranking):
     def park_s(self, p: Program, now: float) -> float:
         """What parking ``p`` costs its replica, in seconds: the engine time its reload
         was measured to take (``reload_engine_s``; 0 where none was: the link's copy
-        overlaps the compute), for each program that engine time delays (``delayed``), as
-        a drop's recompute is priced."""
+        overlaps the compute), for each program that engine time delays (``delayed``),
+        over the replica's unqueued share, as a drop's recompute is priced."""
         price = self.reload_engine_s(p) if self.reload_engine_s is not None else 0.0
-        return price * self.delayed(p.replica, now) if price > 0 else 0.0
+        if price <= 0:
+            return 0.0
+        return _over(price * self.delayed(p.replica, now), self.unqueued(p.replica, now))
 
     def park_pays(self, p: Program, now: float) -> bool:
         """Whether ``p`` has been away at least as long as its park costs (``park_s``):
@@ -256,3 +279,11 @@ class ReturnCost(Ranking):
     def cpu_droppable(self, q: Program, idleness: IdlenessAt) -> bool:
         assert q.replica is not None
         return not self.large_tier(q.replica) or self.pays(q, idleness.now)
+
+
+def _over(price: float, share: float) -> float:
+    """``price`` paid back only during ``share`` of the time: ``price / share`` (inf at
+    a share of 0, whatever the price; 0 stays 0)."""
+    if price <= 0:
+        return 0.0
+    return price / share if share > 0 else math.inf
