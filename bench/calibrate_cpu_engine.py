@@ -49,6 +49,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +277,7 @@ def prefill_terms(preset: HardwarePreset, tokens: int) -> tuple[int, float, floa
     return iters, float(tokens), attn
 
 
-def _nnls(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+def _nnls(rows: Sequence[tuple[float, ...]], ys: list[float]) -> list[float]:
     """Least squares ``y = sum_j x_j row_j`` with every ``x_j >= 0``: the best of the
     unconstrained fits over each subset of the columns whose solution is non-negative
     (the columns are few)."""

@@ -39,6 +39,15 @@ tiny random-weight model stops at its end-of-sequence token after 1-2 tokens wha
 request (median over its rounds), rounded up (``max_output_tokens``); a file without
 those counts keeps the trace's lengths.
 
+Arms ``c`` and ``d`` read their engine's queue as ``mori serve`` does
+(``SimConfig.engine_queues``) where the run's gateway did
+(``settings.mori_reads_engine_queues``; ``--engine-queues`` says so for a run recorded
+before the bench did). Each arm's requests spend, outside the engine and the gateway's
+hold, the fronts' time the run measured for it (``SimConfig.front_s``: the client's hops
+and the gateway's path besides its hold, from the engine's and the gateway's TTFT
+histograms; ``--no-fronts``: none; a run recorded before the bench measured them: none):
+measured, not predicted. The table shows the TTFT (wall ms) real and simulated beside it.
+
 The table compares the cached share of prompt tokens, real ((GPU
 hits + host-tier hits) / prompt tokens, from vLLM's counters) against simulated (GPU hits
 + CPU-tier reloads, / prompt tokens), and the requests completed per wall second. Where
@@ -127,7 +136,7 @@ def output_cap(runs: list[dict[str, Any]]) -> int | None:
 
 
 def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
-               max_output: int | None = None) -> SimConfig:
+               max_output: int | None = None, front_s: float = 0.0) -> SimConfig:
     """The simulation of one bench arm: its workload and the engine's pools, the
     answers cut at ``max_output`` tokens (None: the trace's), and the policy priced with
     the rates the real gateway was told."""
@@ -150,8 +159,20 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
                        and bool(settings.get("mori_reads_engine_queues", False))),
         learn_costs="--no-learn-costs" not in str(settings.get("mori_args", "")),
         token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
-        max_output_tokens=max_output,
+        max_output_tokens=max_output, front_s=front_s,
         policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
+
+
+def front_of(runs: list[dict[str, Any]]) -> float | None:
+    """The fronts' time per request the bench measured for an arm, in seconds (the
+    median over its rounds): the client's hops, and the gateway's path besides its hold
+    (``bench_vllm_agents.latency_split``); None where the run did not measure it."""
+    per_run = []
+    for r in runs:
+        hop, path = r.get("client_hop_mean_ms"), r.get("gateway_path_mean_ms")
+        if hop is not None:
+            per_run.append(max(0.0, hop + (path or 0.0)) / 1000.0)
+    return statistics.median(per_run) if per_run else None
 
 
 MORI_SERVE_ARMS = frozenset({"c", "d"})
@@ -205,7 +226,8 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
     arm = runs[0]
     policy = arm_policy(arm["arm"], settings)
     cap = output_cap(runs)
-    result: RunResult = simulate(sim_config(settings, arm, policy, cap), traces)
+    front = front_of(runs) if settings.get("sim_fronts", True) else None
+    result: RunResult = simulate(sim_config(settings, arm, policy, cap, front or 0.0), traces)
     window_s = float(settings["duration_s"]) / float(settings["time_scale"])
 
     def share(r: dict[str, Any], key: str) -> float | None:
@@ -237,11 +259,22 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
         "sim_requests_per_s": result.steps / window_s,
         "rate_error": rate_error(result.steps / window_s, _median(
             [float(c) / window_s for c in completed if c is not None])),
+        # TTFT in wall milliseconds: the simulator's engine runs time_scale times slower
+        # than the trace's clock, as the replay's does against the wall
+        "real_ttft_p50_ms": _ms(_median([r.get("ttft_p50_wall_s") for r in runs])),
+        "real_ttft_p90_ms": _ms(_median([r.get("ttft_p90_wall_s") for r in runs])),
+        "sim_ttft_p50_ms": _ms(result.ttft_p50_s / float(settings["time_scale"])),
+        "sim_ttft_p90_ms": _ms(result.ttft_p90_s / float(settings["time_scale"])),
+        "sim_front_ms": _ms(front),
         "sim_gpu_kv_tokens": result.gpu_kv_capacity_tokens,
         "sim_cpu_kv_tokens": result.cpu_kv_capacity_tokens,
         "max_context": result.max_context,
         "sim_max_output_tokens": cap,
     }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None or math.isnan(seconds) else 1000.0 * seconds
 
 
 def rate_error(sim: float, real: float | None) -> float | None:
@@ -299,11 +332,16 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1%}"
 
 
+def _ttft(p50: float | None, p90: float | None) -> str:
+    return "-" if p50 is None or p90 is None else f"{p50:,.0f} / {p90:,.0f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """The comparison as a text table."""
     headers = ("host tier", "arm", "sim policy", "real cached", "(GPU / CPU)", "sim cached",
                "(GPU / CPU)", "diff (pp)", f"within {WITHIN_PP:g} pp", "req/s real",
-               "req/s sim", "sim vs real", f"within {WITHIN_RATE:.0%}", "sim answers")
+               "req/s sim", "sim vs real", f"within {WITHIN_RATE:.0%}",
+               "TTFT p50/p90 ms real", "sim", "fronts ms", "sim answers")
     out = []
     for r in rows:
         diff = "-" if r["diff_pp"] is None else f"{r['diff_pp']:+.1f}"
@@ -320,6 +358,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             "-" if r["rate_error"] is None else f"{r['rate_error']:+.0%}",
             "-" if r["rate_error"] is None else (
                 "yes" if abs(r["rate_error"]) <= WITHIN_RATE else "no"),
+            _ttft(r.get("real_ttft_p50_ms"), r.get("real_ttft_p90_ms")),
+            _ttft(r.get("sim_ttft_p50_ms"), r.get("sim_ttft_p90_ms")),
+            "-" if r.get("sim_front_ms") is None else f"{r['sim_front_ms']:.1f}",
             "trace" if r.get("sim_max_output_tokens") is None else
             f"<= {r['sim_max_output_tokens']} tok"])
     right = [True, False, False] + [True] * (len(headers) - 3)
@@ -343,9 +384,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="whether the run's mori serve read its engine's waiting count "
                          "(default: as the run recorded; runs recorded before the bench "
                          "said so: no)")
+    ap.add_argument("--fronts", action=argparse.BooleanOptionalAction, default=True,
+                    help="simulate each arm with the fronts' time per request the run "
+                         "measured (SimConfig.front_s; runs that did not measure it: none)")
     args = ap.parse_args(argv)
     try:
         doc = json.loads(args.bench_json.read_text(encoding="utf-8"))
+        doc["settings"]["sim_fronts"] = args.fronts
         if args.engine_queues is not None:
             doc["settings"]["mori_reads_engine_queues"] = args.engine_queues
         if args.calibration is not None:

@@ -146,3 +146,55 @@ def test_the_run_calibration_sets_the_rates_mori_serve_is_told(agents: ModuleTyp
     recompute, reload = agents.policy_rates(100.0, slow)
     assert recompute < preset_rates[0] / 2  # the slower engine recomputes more slowly
     assert reload == pytest.approx(1.5e8 / 1e9 / 100.0)
+
+
+class _Timers(http.server.BaseHTTPRequestHandler):
+    """A /metrics with the engine's TTFT histogram and the gateway's two, each reading
+    advancing the counts (``readings`` of (sum, count) per histogram)."""
+
+    readings: list[dict[str, tuple[float, int]]] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        now = _Timers.readings.pop(0)
+        body = "".join(f'{name}_sum{{model_name="m"}} {total}\n{name}_count{{model_name="m"}} '
+                       f"{count}\n" for name, (total, count) in now.items())
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_mean_ttft_is_split_between_engine_gateway_and_hops(agents: ModuleType) -> None:
+    _Timers.readings = [
+        {"vllm:time_to_first_token_seconds": (1.0, 10), "mori_ttft_seconds": (2.0, 10),
+         "mori_gate_wait_seconds": (0.5, 10)},
+        {"vllm:time_to_first_token_seconds": (3.0, 30), "mori_ttft_seconds": (8.0, 30),
+         "mori_gate_wait_seconds": (2.5, 30)},
+    ]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Timers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        keys = ("engine_ttft", "gateway_ttft", "gateway_held")
+        before, after = agents.timer_sums(url, keys), agents.timer_sums(url, keys)
+    finally:
+        server.shutdown()
+    means = agents.timer_means(before, after)
+    # 20 requests between the readings: 2 s engine, 6 s gateway, 2 s held
+    assert means == pytest.approx({"engine_ttft": 0.1, "gateway_ttft": 0.3,
+                                   "gateway_held": 0.1})
+    split = agents.latency_split(0.35, means)
+    assert split == pytest.approx({"ttft_mean_ms": 350.0, "engine_ttft_mean_ms": 100.0,
+                                   "gateway_held_mean_ms": 100.0,
+                                   "gateway_path_mean_ms": 100.0, "client_hop_mean_ms": 50.0})
+    line = agents.latency_line({"arm": "d", "round": 1, **split})
+    assert line == ("(d, round 1) TTFT mean 350.0 ms = engine 100.0 + held at the gateway "
+                    "100.0 + gateway path 100.0 + client hops 50.0")
+    # straight to the engine (arm a): the rest is the client's hop; nothing counted: None
+    direct = agents.latency_split(0.12, {"engine_ttft": 0.1})
+    assert direct == pytest.approx({"ttft_mean_ms": 120.0, "engine_ttft_mean_ms": 100.0,
+                                    "client_hop_mean_ms": 20.0})
+    assert agents.timer_means({}, {"engine_ttft": (0.0, 0.0)}) == {"engine_ttft": None}
+    assert agents.latency_line({"arm": "a", "round": 1, "ttft_mean_ms": None}) is None

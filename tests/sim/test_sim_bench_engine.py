@@ -5,6 +5,9 @@ calibrated beside the run, its reloads priced as a gateway learns them."""
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import pytest
 
 from mori.core.calibration import EngineCalibration
 from mori.sim.config import SimConfig
@@ -71,3 +74,20 @@ def test_the_policy_reads_the_engines_queue_only_when_told() -> None:
     assert blind.policy.load.queue_share(0, blind.loop.now) == 0
     assert r1.steps > 0 and r0.steps > 0
     assert (r1.steps, r1.recomputed_tokens) != (r0.steps, r0.recomputed_tokens)
+
+
+def test_the_fronts_time_delays_each_request_and_shows_in_its_ttft() -> None:
+    """``front_s``: each request reaches the policy that much later (scaled as the
+    engine's durations are); its TTFT counts the delay, the gateway's hold does not, and
+    a closed loop with longer round trips completes fewer steps."""
+    traces = default_traces()
+    base = dataclasses.replace(BASE, programs=4, duration_s=600.0)
+    plain = Simulation(base, traces).run()
+    slow = Simulation(dataclasses.replace(base, front_s=0.05), traces).run()
+    front = 0.05 * base.time_scale  # 5 s of the engine's clock
+    assert slow.ttft_p50_s >= plain.ttft_p50_s + 0.9 * front
+    assert slow.steps < plain.steps
+    assert slow.gate_wait_mean_s < front  # the delay is not counted as held
+    for bad in (-0.01, math.inf, math.nan):
+        with pytest.raises(ValueError, match="front_s"):
+            dataclasses.replace(base, front_s=bad)

@@ -177,3 +177,40 @@ def test_the_run_is_simulated_with_the_calibration_the_bench_recorded(
     cal.write_text(json.dumps({"constants": {**CALIBRATION, "flops": "fast"}}))
     assert fidelity_mod.main([str(bench), "--calibration", str(cal)]) == 2
     assert "flops must be a number" in capsys.readouterr().err
+
+
+def test_mori_serves_arms_read_the_engines_queue_where_the_run_did(
+        fidelity_mod: ModuleType, tmp_path: Path) -> None:
+    doc = bench_doc(cpu_blocks=256)
+    arms = {a["arm"]: a for a in doc["arms"]}
+    # a run recorded before the bench said so: no reading
+    assert not fidelity_mod.sim_config(doc["settings"], arms["d"], "mori").engine_queues
+    doc["settings"]["mori_reads_engine_queues"] = True
+    assert [fidelity_mod.sim_config(doc["settings"], arms[a], "mori").engine_queues
+            for a in "abcd"] == [False, False, True, True]
+    # --engine-queues / --no-engine-queues override what the file says
+    bench = tmp_path / "run.json"
+    bench.write_text(json.dumps(doc))
+    assert fidelity_mod.main([str(bench), "--no-engine-queues"]) == 0
+
+
+def test_each_arm_spends_the_fronts_time_the_run_measured(fidelity_mod: ModuleType) -> None:
+    """The client's hops plus the gateway's path (median over the rounds), in seconds;
+    none where the run did not measure them, and never below 0."""
+    assert fidelity_mod.front_of([{"arm": "a"}]) is None
+    assert fidelity_mod.front_of([{"client_hop_mean_ms": 4.0}]) == pytest.approx(0.004)
+    rounds = [{"client_hop_mean_ms": 5.0, "gateway_path_mean_ms": 20.0},
+              {"client_hop_mean_ms": 3.0, "gateway_path_mean_ms": 40.0},
+              {"client_hop_mean_ms": -9.0, "gateway_path_mean_ms": 1.0}]
+    assert fidelity_mod.front_of(rounds) == pytest.approx(0.025)
+    doc = bench_doc(cpu_blocks=256)
+    for a in doc["arms"]:
+        a.update({"client_hop_mean_ms": 2.0, "gateway_path_mean_ms": 30.0,
+                  "ttft_p50_wall_s": 0.1, "ttft_p90_wall_s": 0.2})
+    rows = fidelity_mod.fidelity(doc, default_traces()).rows
+    assert [r["sim_front_ms"] for r in rows] == pytest.approx([32.0] * 4)
+    assert rows[0]["real_ttft_p50_ms"] == pytest.approx(100.0)
+    assert rows[0]["sim_ttft_p50_ms"] >= 32.0  # the fronts' time is in its TTFT
+    doc["settings"]["sim_fronts"] = False  # what --no-fronts sets
+    assert all(r["sim_front_ms"] is None
+               for r in fidelity_mod.fidelity(doc, default_traces()).rows)

@@ -66,6 +66,13 @@ class SimConfig:
       gateway samples them every ``--load-interval``, the simulator reads them exactly).
       False (the default, and every sweep): no reading, so a replica's queue share stays
       0 and the policy prices its moves as before the gateway read them.
+    - ``front_s``: the fronts' time per request, in seconds of the engine's clock (scaled
+      by ``time_scale`` as engine durations are): what a request spends outside the
+      engine and the gateway's hold, from the client's send to the gateway's decision on
+      it (the client's and the gateway's hops, the gateway's ``/tokenize`` call).
+      Modelled as that delay before the policy sees the request; the time is in its TTFT.
+      0 (the default): none. ``bench/sim_fidelity.py`` sets it from what the bench
+      measured (``latency_split``), so it is measured, not predicted.
     - ``max_output_tokens``: every step's output is cut at this many tokens (after
       ``token_scale``), as by a model that ends its answers early: the benchmark's
       random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
@@ -106,6 +113,7 @@ class SimConfig:
     plugin: bool = True
     learn_costs: bool = True
     engine_queues: bool = False
+    front_s: float = 0.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -127,6 +135,9 @@ class SimConfig:
                                                and self.pcie_gbps >= 0):
             problems.append(f"pcie_gbps must be a finite number >= 0 (got {self.pcie_gbps})")
         problems += self._kv_problems()
+        if not (math.isfinite(self.front_s) and self.front_s >= 0):
+            problems.append(f"front_s must be a finite number of seconds >= 0 "
+                            f"(got {self.front_s})")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             problems.append(f"max_output_tokens must be >= 1 (got {self.max_output_tokens})")
         if self.replicas < 1:

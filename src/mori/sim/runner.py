@@ -204,6 +204,7 @@ class Simulation:
                 self.policy.set_engine_costs(replica, EngineCosts(
                     reload_fixed_s=0.0, reload_per_token_s=per_token))
         self.loop = EventLoop()
+        self._front_s = config.front_s * config.time_scale  # the fronts' time, scaled
         typed = profile.typed_eviction
         self.engines = [
             EngineReplica(i, self.cost, self.loop,
@@ -267,7 +268,14 @@ class Simulation:
         live.req = SimRequest(live.pid, s.prompt_tokens, s.reuse_tokens, output, now,
                               shared=shared)
         self.c.requests += 1
-        self.policy.observe(RequestArrived(live.pid, s.prompt_tokens), now)
+        if self._front_s > 0:  # the fronts' time: the gateway sees it that much later
+            self.loop.at(now + self._front_s, PRIO_WORKLOAD, self._at_gateway, live)
+        else:
+            self._at_gateway(live)
+
+    def _at_gateway(self, live: _Live) -> None:
+        assert live.req is not None
+        self.policy.observe(RequestArrived(live.pid, live.req.prompt), self.loop.now)
         self._decide()
 
     def _decide(self) -> None:
@@ -283,7 +291,7 @@ class Simulation:
     def submit(self, program_id: str, replica: int, reload: bool) -> None:
         live = self.live[program_id]
         assert live.req is not None, f"forward of {program_id} without a held request"
-        self.c.gate_wait.append(self.loop.now - live.req.arrived)
+        self.c.gate_wait.append(self.loop.now - live.req.arrived - self._front_s)
         live.req.switched = self.c.churn.forwarded(program_id, replica)
         self.engines[replica].submit(live.req)
 
