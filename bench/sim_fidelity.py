@@ -180,7 +180,14 @@ MORI_SERVE_ARMS = frozenset({"c", "d"})
 
 GATEWAY_TOKENIZES = MORI_SERVE_ARMS
 """The arms whose gateway asks the engine's ``/tokenize`` for every request
-(``mori serve --exact-tokens``, as the bench starts it)."""
+(``mori serve --exact-tokens``, as the bench starts it, unless its ``--mori-args`` say
+``--no-exact-tokens``: ``tokenizes``)."""
+
+
+def tokenizes(settings: dict[str, Any], arm: str) -> bool:
+    """Whether the run's gateway for ``arm`` asked ``/tokenize`` for every request."""
+    flags = str(settings.get("mori_args", "")).split()
+    return arm in GATEWAY_TOKENIZES and "--no-exact-tokens" not in flags
 
 
 def calibration_of(settings: dict[str, Any], arm: dict[str, Any] | None = None
@@ -198,7 +205,7 @@ def calibration_of(settings: dict[str, Any], arm: dict[str, Any] | None = None
     except ValueError as e:
         raise ValueError(f"settings.calibration must hold the bench's constants: {e}") from e
     fit = measured.get("tokenize")
-    if arm is None or arm.get("arm") not in GATEWAY_TOKENIZES or not isinstance(fit, dict):
+    if arm is None or not tokenizes(settings, str(arm.get("arm"))) or not isinstance(fit, dict):
         return cal
     requests = int(arm.get("requests_with_usage") or arm.get("requests_completed") or 0)
     prompt = int(arm.get("prompt_tokens") or 0) / requests if requests else 0.0

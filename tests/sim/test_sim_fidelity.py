@@ -214,3 +214,27 @@ def test_each_arm_spends_the_fronts_time_the_run_measured(fidelity_mod: ModuleTy
     doc["settings"]["sim_fronts"] = False  # what --no-fronts sets
     assert all(r["sim_front_ms"] is None
                for r in fidelity_mod.fidelity(doc, default_traces()).rows)
+
+
+def test_the_tokenize_call_is_charged_where_the_gateway_made_it(
+        fidelity_mod: ModuleType) -> None:
+    """``mori serve --exact-tokens`` (the bench's) asks the engine's /tokenize for every
+    request: its measured time at the arm's mean prompt is added to each request's engine
+    time for arms (c) and (d); not for (a), nor where ``--mori-args`` said
+    ``--no-exact-tokens``."""
+    doc = bench_doc(cpu_blocks=256)
+    doc["settings"]["calibration"] = {"constants": CALIBRATION,
+                                      "tokenize": {"fixed_s": 0.002, "per_token_s": 1e-6}}
+    arms = {a["arm"]: {**a, "requests_completed": 100} for a in doc["arms"]}
+    base = CALIBRATION["request_overhead_s"]
+    extra = 0.002 + 1e-6 * 10_000 / 100  # 10,000 prompt tokens over 100 requests
+
+    def overhead(arm: str) -> float:
+        cal = fidelity_mod.calibration_of(doc["settings"], arms[arm])
+        return float(cal.request_overhead_s)
+
+    assert overhead("a") == pytest.approx(base)
+    assert overhead("c") == pytest.approx(base + extra)
+    assert overhead("d") == pytest.approx(base + extra)
+    doc["settings"]["mori_args"] = "--no-exact-tokens --no-fill-idle"
+    assert overhead("d") == pytest.approx(base)

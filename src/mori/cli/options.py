@@ -448,8 +448,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            choices=("debug", "info", "warning", "error"), help="debug, info, warning or error"),
     Option("exact_tokens", bool, _GATEWAY.exact_tokens,
            help="count prompt tokens with the engine's tokenizer where it offers one (one "
-                "more round trip per request) instead of estimating 4 characters per token "
-                "(default: off)"),
+                "more round trip per request) instead of estimating them from the text, "
+                "scaled by what the engine counted for earlier requests (default: off)"),
     Option("learn_costs", bool, _GATEWAY.learn_costs,
            help="price each replica's recomputes and reloads by what its engine was "
                 "measured to charge (from requests that ran alone: first byte against "

@@ -39,6 +39,7 @@ from mori.gateway.endpoint import CompletionEndpoint, GatewayApp, unauthorized
 from mori.gateway.metrics import GatewayMetrics, GatewayState, ReplicaRow, distributions
 from mori.gateway.record import TraceRecorder
 from mori.gateway.state import StateKeeper, load_state
+from mori.gateway.token_ratio import TokenRatio
 from mori.protocol.apis import API_BY_PATH
 from mori.protocol.errors import clip
 from mori.protocol.fields import anonymous_program_id
@@ -84,6 +85,7 @@ class Gateway:
         self._refreshing: set[asyncio.Task[None]] = set()
         self.keys = KeyRing(settings.api_keys, settings.admin_keys)
         self.aliases = ModelAliases.parse(settings.model_aliases)
+        self.token_ratio = TokenRatio()
         self.dashboard = LiveDashboard(self)
         self.state_keeper: StateKeeper | None = None  # --state
 

@@ -11,6 +11,7 @@ from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.aliases import ModelAliases
 from mori.gateway.auth import KeyRing
 from mori.gateway.config import GatewaySettings
+from mori.gateway.token_ratio import TokenRatio
 
 
 class LeaseLike(Protocol):
@@ -56,6 +57,7 @@ class Serving(Protocol):
     model_ids: frozenset[str]
     metrics: Any  # GatewayMetrics, or a worker's tally of the same names
     aliases: ModelAliases
+    token_ratio: TokenRatio
 
     @property
     def ctl(self) -> Admitter: ...

@@ -63,6 +63,7 @@ class ClientRequest:
     synthetic: dict[str, Any] | None  # the ``mori`` field, validated
     spec: ApiSpec  # the API it came in on
     sent: dict[str, Any] | None = None  # the client's body, where ``body`` translates it
+    estimated: int | None = None  # its size from its text, where the gateway estimated it
 
     @property
     def client_body(self) -> dict[str, Any]:

@@ -314,6 +314,8 @@ def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
                     "limit %s); booked as prompt %d, cached %s, output %d", req.program_id,
                     lease.adapter.url, told.prompt, told.cached, told.output, context,
                     out_cap, usage.prompt, usage.cached, usage.output)
+    if engine_prompt and req.estimated is not None:
+        gw.token_ratio.observe(req.model, req.estimated, usage.prompt)
     gw.metrics.prompt_tokens.inc(usage.prompt)
     gw.metrics.completion_tokens.inc(usage.output)
     lease.finish(usage.prompt + usage.output, StepFacts(usage.prompt, usage.cached,
@@ -334,7 +336,8 @@ def context_window(gw: Gateway, model: str) -> int | None:
 
 async def prompt_tokens(gw: Gateway, req: ClientRequest) -> int:
     """The request's prompt size: the synthetic size, an engine's exact count (with
-    ``exact_tokens``), or the gateway's estimate."""
+    ``exact_tokens``), or the gateway's estimate scaled by what the engines counted for
+    earlier estimates (``TokenRatio``)."""
     if req.synthetic is not None and "prompt_tokens" in req.synthetic:
         return max(1, int(req.synthetic["prompt_tokens"]))
     if gw.settings.exact_tokens and req.path in (CHAT, COMPLETIONS):
@@ -345,4 +348,5 @@ async def prompt_tokens(gw: Gateway, req: ClientRequest) -> int:
                     if n is not None:
                         return max(1, n)
                 break
-    return estimate_prompt_tokens(req)
+    req.estimated = estimate_prompt_tokens(req)
+    return gw.token_ratio.scaled(req.model, req.estimated)

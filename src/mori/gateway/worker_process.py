@@ -56,6 +56,7 @@ from mori.gateway.held import GateRejected
 from mori.gateway.ipc import FrameTooLarge, LinkClosed, WorkerLink, frame_limit
 from mori.gateway.lease import warm_up
 from mori.gateway.metrics import WORKER_TALLIES
+from mori.gateway.token_ratio import TokenRatio
 from mori.gateway.worker_pool import WorkerSpec
 from mori.protocol.errors import RequestError
 from mori.protocol.fields import anonymous_program_id
@@ -243,6 +244,7 @@ class WorkerGateway:
         self.models: list[dict[str, Any]] = []
         self.model_ids: frozenset[str] = frozenset()
         self.aliases = ModelAliases.parse(settings.model_aliases)
+        self.token_ratio = TokenRatio()
         self.link = link
         self._ctl = RemoteAdmitter(link, adapters)
         self._gpu_tokens = gpu_tokens
