@@ -80,12 +80,12 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
         return refused
     pid = req.program_id
     assert pid is not None, "the endpoint names every request's program"
+    arrived = ctl.wall()  # before the prompt is counted: an engine's /tokenize is in its TTFT
     tokens = await prompt_tokens(gw, req)
     if tokens > gw.gpu_tokens():
         return api_error_response(spec, 400, f"the prompt ({tokens} tokens) does not fit the "
                                   f"GPU KV capacity of one replica ({gw.gpu_tokens()} tokens)",
                                   "messages", "context_length_exceeded")
-    arrived = ctl.wall()
     try:
         lease = await ctl.lease(pid, tokens, anonymous, facts)
     except GateRejected as e:
