@@ -42,11 +42,13 @@ those counts keeps the trace's lengths.
 Arms ``c`` and ``d`` read their engine's queue as ``mori serve`` does
 (``SimConfig.engine_queues``) where the run's gateway did
 (``settings.mori_reads_engine_queues``; ``--engine-queues`` says so for a run recorded
-before the bench did). Each arm's requests spend, outside the engine and the gateway's
-hold, the fronts' time the run measured for it (``SimConfig.front_s``: the client's hops
-and the gateway's path besides its hold, from the engine's and the gateway's TTFT
-histograms; ``--no-fronts``: none; a run recorded before the bench measured them: none):
-measured, not predicted. The table shows the TTFT (wall ms) real and simulated beside it.
+before the bench did). With ``--fronts``, each arm's requests spend, outside the engine
+and the gateway's hold, the fronts' time the run measured for it (``SimConfig.front_s``:
+the client's hops and the gateway's path besides its hold, from the engine's and the
+gateway's TTFT histograms; a run recorded before the bench measured them: none):
+measured, not predicted, and approximate (means over request sets that differ at the
+window's ends), so off by default. The table shows the TTFT (wall ms) real and
+simulated beside it.
 
 The table compares the cached share of prompt tokens, real ((GPU
 hits + host-tier hits) / prompt tokens, from vLLM's counters) against simulated (GPU hits
@@ -233,7 +235,7 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
     arm = runs[0]
     policy = arm_policy(arm["arm"], settings)
     cap = output_cap(runs)
-    front = front_of(runs) if settings.get("sim_fronts", True) else None
+    front = front_of(runs) if settings.get("sim_fronts", False) else None
     result: RunResult = simulate(sim_config(settings, arm, policy, cap, front or 0.0), traces)
     window_s = float(settings["duration_s"]) / float(settings["time_scale"])
 
@@ -391,9 +393,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="whether the run's mori serve read its engine's waiting count "
                          "(default: as the run recorded; runs recorded before the bench "
                          "said so: no)")
-    ap.add_argument("--fronts", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--fronts", action=argparse.BooleanOptionalAction, default=False,
                     help="simulate each arm with the fronts' time per request the run "
-                         "measured (SimConfig.front_s; runs that did not measure it: none)")
+                         "measured (SimConfig.front_s; runs that did not measure it: none). "
+                         "Off by default: the measurement subtracts means over request sets "
+                         "that differ at the window's ends, and varied from 3 to 100 ms a "
+                         "request between runs of the same arm")
     args = ap.parse_args(argv)
     try:
         doc = json.loads(args.bench_json.read_text(encoding="utf-8"))

@@ -71,8 +71,8 @@ class SimConfig:
       engine and the gateway's hold, from the client's send to the gateway's decision on
       it (the client's and the gateway's hops, the gateway's ``/tokenize`` call).
       Modelled as that delay before the policy sees the request; the time is in its TTFT.
-      0 (the default): none. ``bench/sim_fidelity.py`` sets it from what the bench
-      measured (``latency_split``), so it is measured, not predicted.
+      0 (the default): none. ``bench/sim_fidelity.py --fronts`` sets it from what the
+      bench measured (``latency_split``): measured, not predicted.
     - ``max_output_tokens``: every step's output is cut at this many tokens (after
       ``token_scale``), as by a model that ends its answers early: the benchmark's
       random-weight model stops at its end-of-sequence token after 1-2 tokens whatever
