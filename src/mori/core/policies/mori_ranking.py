@@ -140,9 +140,8 @@ class ReturnCost(Ranking):
       add its return's cost. So both prices count over the replica's unqueued share
       (``unqueued``: the engine's waiting count, as the gateway reads it; 1 where no
       engine is read, as in the simulator): a move pays once the program has been away
-      its price over that share. Measured (docs/benchmarks.md, the bottleneck benchmark
-      on the CPU engine): parks there had made the policy trade GPU hits for reloads
-      while the engine queued.
+      its price over that share (measured: docs/benchmarks.md, "Moves that wait while
+      the engine queues").
     - Room to park made by dropping: where the CPU tier is at least as large as the GPU
       tier, a program may park by pushing out of the CPU tier programs more idle than it
       whose drop pays (``cpu_droppable``). Where it is smaller, only free room parks; a
