@@ -1,4 +1,4 @@
-"""A round ``IndexedRound.blocked`` (``mori_round``) finds blocked decides nothing when run in full.
+"""A round ``IndexedPromotion.blocked`` (``mori_promote``) finds blocked decides nothing when run in full.
 
 The round skips its walk when the first CPU candidate cannot be placed and nothing
 else can move. Here the skip is disabled and every round runs in full; whenever the
@@ -18,11 +18,10 @@ from test_differential import _large_world, crowded
 from test_properties import time_limit
 
 from mori.core import ordered
-from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import POLICIES, MoriPolicy
-from mori.core.policies.mori import IdlenessAt
-from mori.core.policies.mori_round import IndexedRound
+from mori.core.policies.mori_promote import IndexedPromotion
+from mori.core.policies.mori_round import Round
 from mori.core.policy import PolicyConfig
 
 NAMES = ["mori", "mori-ski", "mori-pack", "mori-yield"]
@@ -38,26 +37,26 @@ def checked(name: str) -> type[MoriPolicy]:
 
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
-            self.round.run = self._checked_run  # type: ignore[method-assign]
+            self.promotion.run = self._checked_run  # type: ignore[method-assign]
 
         def _state(self) -> object:
             return (self.book.index.entries(), list(self.book.avail), set(self.book.open),
                     list(self.book.sums.acting), list(self.book.sums.reasoning),
                     self.book.sums.gpu_used, [gq.used for gq in self.placement.gpu])
 
-        def _checked_run(self, now: float, out: list[Decision], idleness: IdlenessAt,
-                         held_for: int | None = None) -> None:
-            rnd = self.round
+        def _checked_run(self, rnd: Round) -> None:
+            promotion = self.promotion
+            out = rnd.out
             self.book.flush()
             first = self.book.index.cpu_all.first()
-            blocked = (held_for is None and len(self.book.index) > 0 and first is not None
-                       and IndexedRound.blocked(rnd, first[1], first[2]))
+            blocked = (rnd.held_for is None and len(self.book.index) > 0 and first is not None
+                       and IndexedPromotion.blocked(promotion, first[1], first[2]))
             before, n = self._state(), len(out)
-            rnd.blocked = lambda kv, c: False  # type: ignore[method-assign]
+            promotion.blocked = lambda kv, c: False  # type: ignore[method-assign]
             try:
-                IndexedRound.run(rnd, now, out, idleness, held_for)
+                IndexedPromotion.run(promotion, rnd)  # type: ignore[arg-type]
             finally:
-                del rnd.blocked
+                del promotion.blocked
             type(self).rounds += 1
             if blocked:
                 type(self).claimed += 1

@@ -108,7 +108,8 @@ def _check_round(p: Policy, now: float, out: list[Decision]) -> None:
         assert _reasoning_kv(p, r) + oldest.kv_bytes > cap, (
             f"t={now}: {oldest.program_id} held since {oldest.ready_at} fits replica {r}")
     assert isinstance(p, MoriPolicy)
-    pid, waits_for = p.book.aged_wait
+    assert p.aged is not None
+    pid, waits_for = p.aged.waiting
     assert pid == oldest.program_id and waits_for in replicas
     for d in out:
         if isinstance(d, Promote) and d.replica == waits_for:

@@ -59,21 +59,22 @@ from typing import ClassVar, Protocol
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
 from mori.core.policies.mori_aged import WaitBound
-from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_disk import DiskTier
 from mori.core.policies.mori_idle_fill import IdleFill
 from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
+from mori.core.policies.mori_promote import IndexedPromotion
+from mori.core.policies.mori_promote_scan import ScanPromotion
 from mori.core.policies.mori_ranking import Ranking, ReturnCost
 from mori.core.policies.mori_room import RoomMaker
-from mori.core.policies.mori_round import IndexedRound
-from mori.core.policies.mori_scan_round import ScanRound
+from mori.core.policies.mori_round import IdlenessAt, Round
 from mori.core.policies.moves import Moves
 from mori.core.policy import EngineProfile, Policy, PolicyConfig
 from mori.core.program import Program
 from mori.core.types import Status, Tier
 
-__all__ = ["MoriPolicy", "IdlenessAt", "Rebalancer"]
+__all__ = ["MoriPolicy", "IdlenessAt", "Rebalancer", "Round"]
 
 
 class Rebalancer(Protocol):
@@ -81,7 +82,7 @@ class Rebalancer(Protocol):
     not a request needs room (``mori-binary``'s offloading by label, ``mori-yield``'s
     yielding affinity). MORI itself has none."""
 
-    def rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None: ...
+    def rebalance(self, rnd: Round) -> None: ...
 
 
 class MoriPolicy(Policy):
@@ -94,15 +95,16 @@ class MoriPolicy(Policy):
     - ``choice`` (``mori_placement``): which replica a program goes to;
     - ``room`` (``mori_room``): who leaves, and where room is made;
     - ``aged`` (``mori_aged``): the bound on waiting (None without one);
-    - ``round``: the promotions, from the index (``mori_round``), or by scanning every
-      held request where the index cannot serve (``mori_scan_round``);
+    - ``promotion``: the promotions, from the index (``mori_promote``), or by scanning
+      every held request where the index cannot serve (``mori_promote_scan``);
     - ``rebalancer``: a variant's moves on every round (None for MORI);
     - ``disk`` (``mori_disk``): who is kept on a replica's disk tier (None without one);
     - ``idle_fill`` (``mori_idle_fill``): an idle replica takes a held request (None:
       off, or a variant's ranking).
 
     The parts change the table only through ``moves`` (``moves``), the policy's own
-    moves, so the book stays exact.
+    moves, so the book stays exact. Each decision is one ``Round`` (``mori_round``),
+    created in ``_decide`` and handed to every phase.
     """
 
     name = "mori"
@@ -119,25 +121,24 @@ class MoriPolicy(Policy):
         self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
                              self.config)
         self.disk = (DiskTier(self.placement, self.programs, self.disk_reload_s,
-                              self.recompute_s, super()._demote_to)
+                              self.recompute_s, self._demote_to)
                      if self.cluster.disk_bytes else None)
-        self._idleness: IdlenessAt | None = None  # the round's, while it decides
         self.ranking = ranking or ReturnCost(
             self.placement, self.book, self.reload_s, self.recompute_s, self.disk,
             self.load if self.config.load_window_s else None, self.reload_engine_s)
         self.choice = ReplicaChoice(self.placement, self.book, self._spread_loads,
                                     spreads=self.spreads)
-        self.moves = Moves(self._promote, self._forward, self._demote_to)
+        self.moves = Moves(self._promote, self._forward_in, self._demote_to, self._drop)
         self.room = RoomMaker(self.placement, self.programs, self._ready_gpu, self.book,
                               self.choice, self.ranking, self.moves)
         self.aged = (WaitBound(self.config.max_wait_s, self.held_since, self.cluster,
                                self.placement, self.book, self.choice, self.room, self.moves)
                      if self.config.max_wait_s else None)
-        self.round: IndexedRound | ScanRound = (
-            IndexedRound(self.placement, self._ready_gpu, self.book, self.choice, self.room,
-                         self.moves) if self.book.incremental
-            else ScanRound(self.placement, self.cluster, self._ready, self.choice, self.room,
-                           self.moves))
+        self.promotion: IndexedPromotion | ScanPromotion = (
+            IndexedPromotion(self.placement, self._ready_gpu, self.book, self.choice,
+                             self.room, self.moves) if self.book.incremental
+            else ScanPromotion(self.placement, self.cluster, self._ready, self.choice,
+                               self.room, self.moves))
         self.rebalancer: Rebalancer | None = None
         self.idle_fill = (IdleFill(self.placement, self.book, self.load, self.held_since,
                                    self._foreign_load, self.room, self.moves)
@@ -220,30 +221,31 @@ class MoriPolicy(Policy):
     def _spread_loads(self) -> tuple[int, ...] | None:
         return self.replica_loads if self.config.spread_by_load else None
 
-    # -- the disk tier: where a program that would go to no tier goes instead -----------
-    def _demote_to(self, p: Program, to: Tier, replica: int | None,
-                   out: list[Decision]) -> None:
-        idleness = self._idleness
-        if (to is Tier.NONE and self.disk is not None and idleness is not None
-                and self.disk.take(p, out, idleness)):
+    # -- the moves the parts make (``Moves``) -------------------------------------------
+    def _drop(self, p: Program, rnd: Round) -> None:
+        """``p`` leaves the GPU or CPU tier for no faster tier: to its replica's disk
+        where the disk tier takes it (``DiskTier.take``), else to none."""
+        if self.disk is not None and self.disk.take(p, rnd):
             return
-        super()._demote_to(p, to, replica, out)
+        self._demote_to(p, Tier.NONE, None, rnd.out)
 
     def _promote(self, p: Program, replica: int, out: list[Decision]) -> None:
         if p.tier is Tier.DISK and p.replica != replica:
             # its KV is on another replica's disk: that copy is dropped, it recomputes here
-            super()._demote_to(p, Tier.NONE, None, out)
+            self._demote_to(p, Tier.NONE, None, out)
         super()._promote(p, replica, out)
 
-    # -- the book kept up to date around every change of a program ----------------------
-    def _forward(self, p: Program, now: float, out: list[Decision]) -> None:
-        held = self.book.round_idleness
-        if held is not None:
-            # a candidate's idleness as the round ranked it (held), before its step starts
+    def _forward_in(self, p: Program, rnd: Round) -> None:
+        """Forward ``p``'s held request in round ``rnd``. While the promotions walk the
+        index, the candidate's idleness this round is the one it was ranked by (its
+        index key), before its step starts."""
+        if rnd.walking:
             key = self.book.index.key_of(p.program_id)
             if key is not None:
-                held.hold(p, key[2])
-        super()._forward(p, now, out)
+                rnd.idleness.hold(p, key[2])
+        self._forward(p, rnd.now, rnd.out)
+
+    # -- the book kept up to date around every change of a program ----------------------
 
     def _resize(self, p: Program, tokens: int) -> None:
         super()._resize(p, tokens)
@@ -265,26 +267,31 @@ class MoriPolicy(Policy):
         super().check_integrity()
         self.book.check()
 
-    # -- the decision round ------------------------------------------------------------
+    # -- the decision round (``mori_round``) --------------------------------------------
     def _decide(self, now: float, out: list[Decision]) -> None:
         if not self._ready and not self.book.grown and self.rebalancer is None:
             # no request held and no tier grew: no rule below has anything to do (the
             # most common round in a gateway, after each step's end); the candidate
             # index is brought up to date as the full round would
-            if self.book.incremental:
-                self.book.flush()
+            self.book.flush()
             return
-        idleness = IdlenessAt(now)
-        self._idleness = idleness
+        rnd = Round.at(now, out)
+        # 1. a variant's moves on every round
         if self.rebalancer is not None:
-            self.rebalancer.rebalance(now, out, idleness)
+            self.rebalancer.rebalance(rnd)
+        # 2. the queues a program grew past capacity: disk, then GPU and CPU
         if self.disk is not None and self.book.grown:
-            self.disk.fix_overflow(self.book.grown, out, idleness)
-        self.room.fix_overflow(out, idleness)
-        held_for = self.aged.serve(now, out, idleness) if self.aged is not None else None
+            self.disk.fix_overflow(self.book.grown, rnd)
+        self.room.fix_overflow(rnd)
+        # 3. requests held past the bound go first; one left waiting reserves its replica
+        if self.aged is not None:
+            rnd.held_for = self.aged.serve(rnd)
+        # 4. the held requests of GPU-resident programs go
         if self._ready_gpu:
             for p in self.ready_on_gpu():
                 self._forward(p, now, out)
-        self.round.run(now, out, idleness, held_for)
+        # 5. the other held requests, by priority
+        self.promotion.run(rnd)
+        # 6. an idle replica takes a held request
         if self.idle_fill is not None and self._ready:
-            self.idle_fill.fill(now, out, idleness)
+            self.idle_fill.fill(rnd)

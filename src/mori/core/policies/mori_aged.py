@@ -1,20 +1,20 @@
 """Bounded waiting (``mori`` module docstring; ours, not the paper's, whose rule lets a
 request wait for ever): requests held ``PolicyConfig.max_wait_s`` or longer are served
 before the round's promotions, oldest first. ``WaitBound``, a part of ``MoriPolicy``
-(its ``aged`` field), holds the rule; the round reserves the replica one of them waits
-for (``mori_round``).
+(its ``aged`` field), holds the rule and the request it last left waiting; the round
+reserves the replica that request waits for (``Round.held_for``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec, Placement
-from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.mori_round import Round
 from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Tier
@@ -38,27 +38,36 @@ class WaitBound:
         self.choice = choice
         self.room = room
         self.moves = moves
+        self.waiting: tuple[str, int] = ("", -1)
+        """The request past the bound left waiting for its replica's running steps to
+        end, and that replica (``serve``); kept from round to round."""
 
-    def serve(self, now: float, out: list[Decision], idleness: IdlenessAt) -> int | None:
+    def waits_for(self, ready: Callable[[str], bool]) -> int:
+        """The replica the request last left waiting waits for, if it is still held
+        (``ready``), else -1."""
+        pid, r = self.waiting
+        return r if ready(pid) else -1
+
+    def serve(self, rnd: Round) -> int | None:
         """Requests held ``max_wait_s`` or longer go first, oldest first, each onto the
         replica that can hold it soonest; for it, that replica's Acting programs are
         demoted, most idle first. When one cannot be placed yet (its replica's running
         steps must end first), the rest wait behind it and its replica is returned: the
         round reserves that replica's free space for it, so nobody is promoted there
         ahead of it."""
-        for c in self.held_since(now - self.max_wait_s):
+        for c in self.held_since(rnd.now - self.max_wait_s):
             if c.tier is Tier.GPU:
                 continue  # resident: forwarded this round
             r = self.replica_for(c)
             if r is None:
                 continue  # larger than a whole GPU tier: it can never be placed
             gq = self.placement.gpu[r]
-            for p in self.room.most_idle_acting(r, c.kv_bytes - gq.free(), idleness):
-                self.room.offload(p, r, out, idleness, keep=c)
+            for p in self.book.most_idle_acting(r, c.kv_bytes - gq.free(), rnd.idleness):
+                self.room.offload(p, r, rnd, keep=c)
             if not gq.fits(c.kv_bytes):
-                self.book.aged_wait = (c.program_id, r)
+                self.waiting = (c.program_id, r)
                 return r
-            self.moves.place(c, r, now, out)
+            self.moves.place(c, r, rnd)
         return None
 
     def replica_for(self, c: Program) -> int | None:
@@ -69,16 +78,16 @@ class WaitBound:
         if c.tier in AFFINE:
             return c.replica
         if self.cluster.gpu_bytes is None:
-            return self.choice.best_fit(c, [0] * len(self.placement.gpu))
+            return self.choice.best_fit(c)
         cap = self.cluster.gpu_bytes
         if c.kv_bytes > cap:
             return None
-        r = self.choice.best_fit(c, [0] * len(self.placement.gpu))
+        r = self.choice.best_fit(c)
         if r is not None:
             return r
         gpus, acting = self.placement.gpu, self.book.sums.acting
         best = max(range(len(gpus)), key=lambda q: (cap - gpus[q].used + acting[q], -q))
         if cap - gpus[best].used + acting[best] >= c.kv_bytes:
             return best
-        pid, last = self.book.aged_wait
+        pid, last = self.waiting
         return last if pid == c.program_id and last < len(gpus) else best

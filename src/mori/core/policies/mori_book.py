@@ -10,6 +10,8 @@ through the book's public fields.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from mori.core.ledger import ClusterSpec, Placement
 from mori.core.policies.mori_index import (
     AFFINE,
@@ -19,6 +21,7 @@ from mori.core.policies.mori_index import (
     ReplicaSums,
     priority,
 )
+from mori.core.policies.mori_round import IdlenessAt, Round
 from mori.core.policy import PolicyConfig
 from mori.core.program import Program
 from mori.core.types import Status, Tier
@@ -48,7 +51,8 @@ class MoriBook:
         self.avail = ReplicaOrder(n, self.cap)  # GPU free space beyond the reservation
         self._room = ReplicaOrder(n, self.cap)  # GPU free space + its Acting programs' KV
         self._room_stale: set[int] = set()  # and in _room (read only to place a new program)
-        self.round_reserve: dict[int, int] = {}  # the round's reservation (make_room)
+        self._round: Round | None = None  # the round whose reservations ``avail``
+        # counts, while the indexed promotions run (``attach``)
         self.open: set[int] = set()  # replicas where one of its CPU candidates may fit
         self._stale: set[int] = set()  # replicas whose membership of open is to check
         # per replica, most idle first at any time: its Acting GPU programs, and all of
@@ -57,10 +61,6 @@ class MoriBook:
         self.cpu_idle = [IdlenessOrder() for _ in range(n)]
         self._touched: dict[str, Program] = {}  # to re-index before the next round
         self.grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
-        self.frozen = False  # inside a round's promotions: the index is being walked
-        self.round_idleness: IdlenessAt | None = None  # the round's idleness while frozen
-        self.aged_wait: tuple[str, int] = ("", -1)  # the request past the bound that
-        # waits for its replica's steps to end, and that replica (``WaitBound.serve``)
 
     # -- bookkeeping around every change of a program -----------------------------------
     def resized(self, p: Program) -> None:
@@ -105,6 +105,35 @@ class MoriBook:
             self.sync(was)
         self._touched[p.program_id] = p
 
+    # -- reads whose fast form needs the index (``incremental``), else a scan ------------
+    def cpu_by_idleness(self, r: int, idleness: IdlenessAt) -> Iterable[Program]:
+        """Replica ``r``'s CPU queue, most idle first (ties: the later request first)."""
+        if self.incremental:
+            return self.cpu_idle[r].descending(idleness, idleness.now)
+        return sorted((self.programs[pid] for pid in self.placement.cpu[r].members),
+                      key=idleness.desc)
+
+    def most_idle_acting(self, r: int, need: float, idleness: IdlenessAt) -> list[Program]:
+        """Replica ``r``'s Acting GPU programs, most idle first, until their KV covers
+        ``need`` bytes (all of them if it never does; none if ``need`` <= 0)."""
+        chosen: list[Program] = []
+        acting = self.gpu_acting[r]
+        for p in acting.descending(idleness, idleness.now) if need > 0 and len(acting) else ():
+            if need <= 0:
+                break
+            chosen.append(p)
+            need -= p.kv_bytes
+        return chosen
+
+    def acting_to_leave(self, r: int, need: float, idleness: IdlenessAt) -> list[Program]:
+        """Replica ``r``'s Acting GPU programs that leave first when its queue is
+        ``need`` bytes over capacity, most idle first (ties: the later request first):
+        cut to what must leave from the replica's order, or every one of them sorted."""
+        if self.incremental:
+            return self.most_idle_acting(r, need, idleness)
+        members = (self.programs[pid] for pid in self.placement.gpu[r].members)
+        return sorted((p for p in members if p.status is Status.ACTING), key=idleness.desc)
+
     def cap_of(self, r: int) -> int:
         """Replica ``r``'s GPU capacity now (0 while it is down)."""
         return 0 if r in self.placement.down else self.cap
@@ -117,7 +146,9 @@ class MoriBook:
         """Replica ``r``'s GPU queue or its programs' statuses changed."""
         if not self.incremental:
             return
-        avail = self.cap_of(r) - self.placement.gpu[r].used - self.round_reserve.get(r, 0)
+        rnd = self._round
+        avail = (self.cap_of(r) - self.placement.gpu[r].used
+                 - (rnd.reserve.get(r, 0) if rnd is not None else 0))
         if avail != self.avail[r]:
             self.avail.set(r, avail)
             self._stale.add(r)  # whether a CPU candidate of r fits may have changed
@@ -136,10 +167,28 @@ class MoriBook:
         if r is not None:
             self._stale.add(r)
 
+    def attach(self, rnd: Round) -> None:
+        """Count ``rnd``'s reservations in ``avail`` until ``detach``: the indexed
+        promotions (``mori_promote``) read the room beyond them from it."""
+        self._round = rnd
+        for r in rnd.reserve:
+            self.sync(r)
+
+    def detach(self) -> None:
+        """End the attached round's reservations in ``avail``."""
+        rnd = self._round
+        self._round = None
+        if rnd is not None:
+            for r in rnd.reserve:
+                self.sync(r)
+
     def flush(self) -> None:
-        """Re-index the programs changed since the last flush (not while walking), and
-        recheck which replicas may fit one of their CPU candidates."""
-        assert not self.frozen
+        """Re-index the programs changed since the last flush (never while a round walks
+        the index), and recheck which replicas may fit one of their CPU candidates."""
+        assert self._round is None or not self._round.walking
+        if not self.incremental:
+            self._touched.clear()  # nothing is indexed
+            return
         if not self._touched and not self._stale:
             return
         idx = self.index
@@ -196,27 +245,3 @@ class MoriBook:
         self.avail.check()
         self._room.check()
 
-
-class IdlenessAt:
-    """Idleness of each program, computed once per decision round."""
-
-    __slots__ = ("now", "_memo")
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-        self._memo: dict[str, float] = {}
-
-    def __call__(self, p: Program) -> float:
-        v = self._memo.get(p.program_id)
-        if v is None:
-            v = p.tracker.idleness(self.now)
-            self._memo[p.program_id] = v
-        return v
-
-    def hold(self, p: Program, value: float) -> None:
-        """Take ``value`` as ``p``'s idleness this round unless one was computed already."""
-        self._memo.setdefault(p.program_id, value)
-
-    def desc(self, p: Program) -> tuple[float, int]:
-        """Sort key: highest idleness first, then the most recent request last in."""
-        return (-self(p), -p.ready_seq)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from mori.core.decisions import Decision
 from mori.core.ledger import Placement
-from mori.core.policies.mori_book import IdlenessAt
+from mori.core.policies.mori_round import IdlenessAt, Round
 from mori.core.program import Program
 from mori.core.types import Tier
 
@@ -43,8 +43,8 @@ Demote = Callable[[Program, Tier, "int | None", list[Decision]], None]
 class DiskTier:
     """Each replica's disk queue (see the module docstring).
 
-    ``demote`` is the policy's plain move off a tier (``Policy._demote_to``, which does
-    not come back here); ``disk_reload_s`` and ``recompute_s`` its estimates.
+    ``demote`` is the policy's move off a tier to the tier named (``Moves.demote_to``);
+    ``disk_reload_s`` and ``recompute_s`` its estimates.
     """
 
     def __init__(self, placement: Placement, programs: dict[str, Program],
@@ -90,22 +90,21 @@ class DiskTier:
         disk."""
         return p.replica is not None and self.victims(p, p.replica, idleness) is not None
 
-    def take(self, p: Program, out: list[Decision], idleness: IdlenessAt) -> bool:
+    def take(self, p: Program, rnd: Round) -> bool:
         """Move ``p`` (leaving a GPU or CPU tier for none) to its replica's disk if it
         goes there (pushing out who must leave); False if it does not."""
         r = p.replica
         if r is None or p.tier not in (Tier.GPU, Tier.CPU):
             return False
-        victims = self.victims(p, r, idleness)
+        victims = self.victims(p, r, rnd.idleness)
         if victims is None:
             return False
         for q in victims:
-            self.demote(q, Tier.NONE, None, out)
-        self.demote(p, Tier.DISK, r, out)
+            self.demote(q, Tier.NONE, None, rnd.out)
+        self.demote(p, Tier.DISK, r, rnd.out)
         return True
 
-    def fix_overflow(self, grown: set[tuple[Tier, int]], out: list[Decision],
-                     idleness: IdlenessAt) -> None:
+    def fix_overflow(self, grown: set[tuple[Tier, int]], rnd: Round) -> None:
         """Bring each disk queue over capacity back to it (a program on disk grew when its
         request arrived): its most idle programs go to no tier."""
         for t, r in sorted(grown):
@@ -114,7 +113,8 @@ class DiskTier:
             dq = self.placement.disk[r]
             if not dq.over():
                 continue
-            for q in sorted((self.programs[pid] for pid in dq.members), key=idleness.desc):
+            for q in sorted((self.programs[pid] for pid in dq.members),
+                            key=rnd.idleness.desc):
                 if not dq.over():
                     break
-                self.demote(q, Tier.NONE, None, out)
+                self.demote(q, Tier.NONE, None, rnd.out)

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from mori.core.decisions import Decision
 from mori.core.ledger import Placement
 from mori.core.load import ReplicaLoad
-from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.mori_round import Round
 from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Tier
@@ -65,13 +65,13 @@ class IdleFill:
         return (r not in self.placement.down and self.load.running(r) == 0
                 and self.foreign(r) == 0 and bool(self.placement.gpu[r].capacity))
 
-    def fill(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
+    def fill(self, rnd: Round) -> None:
         """Each idle replica takes the oldest held request that can go there."""
         gpus = self.placement.gpu
         idle = [r for r in range(len(gpus)) if self.idle(r)]
         if not idle:
             return
-        for c in self.held_since(now):
+        for c in self.held_since(rnd.now):
             if not idle:
                 return
             if c.tier is Tier.GPU:
@@ -80,13 +80,13 @@ class IdleFill:
             if r is None:
                 continue
             gq = gpus[r]
-            leave = self.room.most_idle_acting(r, c.kv_bytes - gq.free(), idleness)
+            leave = self.book.most_idle_acting(r, c.kv_bytes - gq.free(), rnd.idleness)
             cq = self.placement.cpu[r]
             if sum(p.kv_bytes for p in leave) > (cq.free() if cq.capacity else 0):
                 continue  # room only by drops: those wait until they pay
             for p in leave:
-                self.room.offload(p, r, out, idleness, keep=c)
-            self.moves.place(c, r, now, out)
+                self.room.offload(p, r, rnd, keep=c)
+            self.moves.place(c, r, rnd)
             idle.remove(r)
 
     def _where(self, c: Program, idle: list[int]) -> int | None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from mori.core.ledger import Placement
 from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_index import AFFINE
+from mori.core.policies.mori_round import Round
 from mori.core.program import Program
 
 __all__ = ["ReplicaChoice"]
@@ -49,22 +50,22 @@ class ReplicaChoice:
             return [c.replica]  # affinity: reload locally (from its CPU or disk queue)
         return list(range(len(self.placement.gpu)))
 
-    def spread(self, order: list[Program], reserve: list[int]) -> dict[str, int] | None:
+    def spread(self, order: list[Program], rnd: Round) -> dict[str, int] | None:
         """Where the admitted cacheless programs (``order``: largest first) go instead of
         Best-Fit-Decreasing (program id -> replica), or None to pack them: each onto the
-        replica with the most room beyond its ``reserve`` (the lowest index among
-        equals), if that places every one."""
+        replica with the most room beyond the round's reservation (the lowest index
+        among equals), if that places every one."""
         gpus = self.placement.gpu
         n = len(gpus)
         if not self.spreads or n == 1 or not order:
             return None
         loads = self.loads()
-        if self.book.frozen:  # the indexed round: the replicas' rooms are kept in order
+        if rnd.walking:  # the indexed round: the replicas' rooms are kept in order
             if loads is not None:
                 return self.spread_by_load(order, [self.book.avail[r] for r in range(n)],
                                            loads)
             return self.spread_indexed(order)
-        free = [gq.free() - reserve[r] for r, gq in enumerate(gpus)]
+        free = [gq.free() - rnd.reserved(r) for r, gq in enumerate(gpus)]
         if loads is not None:
             return self.spread_by_load(order, free, loads)
         out: dict[str, int] = {}
@@ -116,11 +117,13 @@ class ReplicaChoice:
             avail.set(r, room)
         return out
 
-    def best_fit(self, c: Program, reserve: list[int]) -> int | None:
-        """The replica ``c`` fits tightest (beyond ``reserve``), of those it may go to."""
+    def best_fit(self, c: Program, rnd: Round | None = None) -> int | None:
+        """The replica ``c`` fits tightest (beyond ``rnd``'s reservation, if any), of
+        those it may go to."""
         best: tuple[float, int] | None = None
         for r in self.replicas_for(c):
-            left = self.placement.gpu[r].free() - reserve[r] - c.kv_bytes
+            left = (self.placement.gpu[r].free() - (rnd.reserved(r) if rnd is not None else 0)
+                    - c.kv_bytes)
             if left >= 0 and (best is None or left < best[0]):
                 best = (left, r)
         return None if best is None else best[1]

@@ -15,7 +15,7 @@ rule (``MoriPolicy``'s ``ranking``) instead of overriding its methods:
 (``victim_ok`` is MORI's), ``any_time`` whether it may leave at any time
 (``displaceable`` is MORI's); ``own``, both. The round's fast paths assume them: the
 room plan from sums (``RoomMaker.plan_fast``) both, the blocked-round check
-(``IndexedRound.blocked``, which needs no Acting program to be displaced) ``any_victim``
+(``IndexedPromotion.blocked``, which needs no Acting program to be displaced) ``any_victim``
 only.
 """
 
@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 from mori.core.ledger import Placement
 from mori.core.load import ReplicaLoad
-from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_disk import DiskTier
+from mori.core.policies.mori_round import IdlenessAt
 from mori.core.program import Program
 
 
@@ -237,10 +238,7 @@ class ReturnCost(Ranking):
         if not self.large_tier(r):
             return False
         mine = idleness(p)
-        ranked = (self.book.cpu_idle[r].descending(idleness, idleness.now)
-                  if self.book.incremental
-                  else sorted((self.book.programs[pid] for pid in cq.members), key=idleness.desc))
-        for q in ranked:
+        for q in self.book.cpu_by_idleness(r, idleness):
             if need <= 0 or idleness(q) <= mine:
                 break
             if self.pays(q, idleness.now):

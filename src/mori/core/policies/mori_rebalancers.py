@@ -34,11 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec, Placement
-from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_aged import WaitBound
+from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_ranking import Threshold
 from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.mori_round import Round
 from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Status, Tier
@@ -57,27 +58,29 @@ class OffloadIdle:
         self.programs = programs
         self.room = room
 
-    def rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
+    def rebalance(self, rnd: Round) -> None:
         for r, gq in enumerate(self.placement.gpu):
             for pid in list(gq.members):
                 p = self.programs[pid]
-                if p.status is Status.ACTING and self.threshold.idle(idleness(p)):
-                    self.room.offload(p, r, out, idleness)
+                if p.status is Status.ACTING and self.threshold.idle(rnd.idleness(p)):
+                    self.room.offload(p, r, rnd)
 
 
 class YieldAffinity:
     """``mori-yield``'s moves on every round (see the module docstring). ``ready``: the
     policy's held requests (shared); ``reload_s`` and ``recompute_s``: its estimates
-    (``Policy.reload_s``, ``Policy.recompute_s``)."""
+    (``Policy.reload_s``, ``Policy.recompute_s``); ``aged``: its bound on waiting (None
+    without one), whose waiting request's replica no program yields to."""
 
     def __init__(self, cluster: ClusterSpec, placement: Placement, book: MoriBook,
                  ready: dict[str, Program], held_since: Callable[[float], Iterator[Program]],
                  reload_s: Callable[[Program], float], recompute_s: Callable[[Program], float],
-                 moves: Moves) -> None:
+                 moves: Moves, aged: WaitBound | None) -> None:
         self.cluster = cluster
         self.placement = placement
         self.book = book
         self.ready = ready
+        self.aged = aged
         self.held_since = held_since
         self.reload_s = reload_s
         self.recompute_s = recompute_s
@@ -87,7 +90,8 @@ class YieldAffinity:
         """How long ``p``'s request waits at home before it may move."""
         return max(0.0, self.recompute_s(p) - self.reload_s(p))
 
-    def rebalance(self, now: float, out: list[Decision], idleness: IdlenessAt) -> None:
+    def rebalance(self, rnd: Round) -> None:
+        now = rnd.now
         cap = self.cluster.gpu_bytes
         gpus = self.placement.gpu
         if cap is None or len(gpus) < 2:
@@ -96,9 +100,8 @@ class YieldAffinity:
         if not held:
             return
         homes = {p.replica for p in held}
-        pid, aged = self.book.aged_wait
-        if pid not in self.ready:
-            aged = -1  # that request has been served (or ended)
+        # the replica a request past the bound waits for (-1: none, or served since)
+        aged = self.aged.waits_for(self.ready.__contains__) if self.aged is not None else -1
         acting = self.book.sums.acting
         for c in held:
             home = c.replica
@@ -113,5 +116,5 @@ class YieldAffinity:
                     best = r
             if best is None:
                 continue
-            self.moves.demote_to(c, Tier.NONE, None, out)
-            self.moves.place(c, best, now, out)
+            self.moves.drop(c, rnd)
+            self.moves.place(c, best, rnd)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from mori.core.decisions import Decision
 from mori.core.ledger import Placement
-from mori.core.policies.mori_book import IdlenessAt, MoriBook
+from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_ranking import Ranking
+from mori.core.policies.mori_round import IdlenessAt, Round
 from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Status, Tier
@@ -42,22 +42,22 @@ class RoomMaker:
         self.ranking = ranking
         self.moves = moves
 
-    def offload(self, p: Program, replica: int, out: list[Decision], idleness: IdlenessAt,
-                 keep: Program | None = None) -> None:
-        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit.
+    def offload(self, p: Program, replica: int, rnd: Round, keep: Program | None = None) -> None:
+        """Demote ``p`` off the GPU of ``replica``: to CPU if it (can be made to) fit,
+        else it leaves the faster tiers (``Moves.drop``: to the replica's disk where
+        that tier takes it, else to none).
 
         ``keep`` (the program being made room for) is never pushed out of the CPU.
         Under a ranking that does not rank the CPU tier (``Ranking.ranks_cpu``) nobody
         is pushed out of it: ``p`` goes to no tier if it does not fit.
         """
+        idleness = rnd.idleness
         cq = self.placement.cpu[replica]
         if not cq.fits(p.kv_bytes) and cq.capacity and self.ranking.ranks_cpu:
             need = p.kv_bytes - int(cq.free())
             mine = idleness(p)
             victims = []
-            ranked = (self.book.cpu_idle[replica].descending(idleness, idleness.now) if self.book.incremental
-                      else sorted((self.programs[pid] for pid in cq.members), key=idleness.desc))
-            for q in ranked:
+            for q in self.book.cpu_by_idleness(replica, idleness):
                 if need <= 0 or idleness(q) <= mine:
                     break
                 if q is keep or not self.ranking.cpu_droppable(q, idleness):
@@ -66,11 +66,13 @@ class RoomMaker:
                 need -= q.kv_bytes
             if need <= 0:
                 for q in victims:
-                    self.moves.demote_to(q, Tier.NONE, None, out)
-        to = Tier.CPU if cq.fits(p.kv_bytes) and cq.capacity else Tier.NONE
-        self.moves.demote_to(p, to, replica, out)
+                    self.moves.drop(q, rnd)
+        if cq.fits(p.kv_bytes) and cq.capacity:
+            self.moves.demote_to(p, Tier.CPU, replica, rnd.out)
+        else:
+            self.moves.drop(p, rnd)
 
-    def fix_overflow(self, out: list[Decision], idleness: IdlenessAt) -> None:
+    def fix_overflow(self, rnd: Round) -> None:
         """Bring every queue over capacity back to it: a GPU queue's Acting programs
         leave, then its held ones, the most idle first (``overflow_order``); a CPU
         queue's programs go to no tier, the most idle first. Only a queue where a
@@ -91,56 +93,38 @@ class RoomMaker:
         for r in grown:
             gq = pl.gpu[r]
             if gq.over():
-                order = (self.overflow_order(r, idleness) if self.book.incremental
-                         else self.overflow_order_scan(r, idleness))
-                for p in order:
+                for p in self.overflow_order(r, rnd.idleness):
                     if not gq.over():
                         break
-                    self.offload(p, r, out, idleness)
+                    self.offload(p, r, rnd)
                 assert not gq.over(), "reasoning programs alone exceed the GPU tier"
         for r in grown_cpu:
             cq = pl.cpu[r]
             if cq.over():
-                for p in sorted((self.programs[pid] for pid in cq.members), key=idleness.desc):
+                for p in sorted((self.programs[pid] for pid in cq.members),
+                                key=rnd.idleness.desc):
                     if not cq.over():
                         break
-                    self.moves.demote_to(p, Tier.NONE, None, out)
-
-    def most_idle_acting(self, r: int, need: float, idleness: IdlenessAt) -> list[Program]:
-        """Replica ``r``'s Acting GPU programs, most idle first, until their KV covers
-        ``need`` bytes (all of them if it never does; none if ``need`` <= 0)."""
-        chosen: list[Program] = []
-        acting = self.book.gpu_acting[r]
-        for p in acting.descending(idleness, idleness.now) if need > 0 and len(acting) else ():
-            if need <= 0:
-                break
-            chosen.append(p)
-            need -= p.kv_bytes
-        return chosen
-
-    def overflow_order_scan(self, r: int, idleness: IdlenessAt) -> list[Program]:
-        """Who leaves an overfull GPU queue first: its Acting programs, then its held
-        ones, the most idle first (ties: the later request first)."""
-        members = [self.programs[pid] for pid in self.placement.gpu[r].members]
-        acting = [p for p in members if p.status is Status.ACTING]
-        held = [p for p in members if p.status is Status.GATED]
-        return sorted(acting, key=idleness.desc) + sorted(held, key=idleness.desc)
+                    self.moves.drop(p, rnd)
 
     def overflow_order(self, r: int, idleness: IdlenessAt) -> list[Program]:
-        """``overflow_order_scan`` cut to the programs that must leave, the Acting ones
-        taken from the replica's ``IdlenessOrder`` instead of sorting every member. The
-        held ones' idleness is computed as the scan computes it: they are forwarded later
-        in the round, and a later look at their idleness must find the value the scan left."""
+        """Who leaves an overfull GPU queue first: its Acting programs, then its held
+        ones, the most idle first (ties: the later request first); the Acting ones cut
+        to what must leave where the book keeps them in order
+        (``MoriBook.acting_to_leave``). The held ones' idleness is computed in full: they
+        are forwarded later in the round, and a later look at their idleness must find
+        the value computed here."""
         gq = self.placement.gpu[r]
         assert gq.capacity is not None
-        order = self.most_idle_acting(r, gq.used - gq.capacity, idleness)
+        order = self.book.acting_to_leave(r, gq.used - gq.capacity, idleness)
         held = sorted((p for p in self.ready_gpu.values() if p.replica == r), key=idleness.desc)
         return order + held
 
-    def plan_fast(self, c: Program, reserve: list[int], idleness: IdlenessAt) -> RoomPlan:
+    def plan_fast(self, c: Program, rnd: Round) -> RoomPlan:
         """``plan`` when every Acting and Reasoning program may make room (MORI's
         own rules), from the per-replica sums and orders instead of the members."""
         gpus, sums = self.placement.gpu, self.book.sums
+        idleness = rnd.idleness
         if c.tier is Tier.NONE and len(gpus) > 1:
             # room is made once a round; a replica may be reserved already for a request
             # past the bound (its _avail counts the reservation, its _room does not)
@@ -166,7 +150,7 @@ class RoomMaker:
             if not self.ready_gpu:  # no held request on a GPU: every replica would have
                 # all of its room later, but for a reservation: the first unreserved one
                 # where the demoted keep their KV in DRAM, else the first unreserved
-                held = self.book.round_reserve
+                held = rnd.reserve
                 up = [q for q in range(len(gpus))
                       if not held.get(q) and q not in self.placement.down]
                 if up:
@@ -178,7 +162,7 @@ class RoomMaker:
         now_best: tuple[bool, float, float, int] | None = None
         later_best: tuple[float, bool, int] | None = None
         for r in self.choice.replicas_for(c):
-            free = gpus[r].free() - reserve[r]
+            free = gpus[r].free() - rnd.reserved(r)
             room = free + sums.acting[r]
             later = room + sums.reasoning[r]
             lands = self.cpu_takes(r, c.kv_bytes - free)
@@ -191,18 +175,18 @@ class RoomMaker:
         assert later_best is not None
         if now_best is not None:
             r = -now_best[3]
-            later = gpus[r].free() - reserve[r] + sums.acting[r] + sums.reasoning[r]
+            later = gpus[r].free() - rnd.reserved(r) + sums.acting[r] + sums.reasoning[r]
             return RoomPlan(r, 0.0, later, None)
         return RoomPlan(-later_best[2], 0.0, later_best[0], None)
 
-    def plan(self, c: Program, now: float, idleness: IdlenessAt, reserve: list[int]) -> RoomPlan:
+    def plan(self, c: Program, rnd: Round) -> RoomPlan:
         """Where room for ``c`` is made. Among the replicas where it can be made now: one
         whose CPU tier takes what is demoted (``cpu_takes``), then the one with the most
         free space (the fewest demotions), then the one whose first program to leave is
         the most idle (``first_victim_idleness``), then the lowest index. Else the one
         with the most room once its running steps end (then whose CPU tier takes what
         is demoted, then the lowest index)."""
-        ranking = self.ranking
+        ranking, idleness = self.ranking, rnd.idleness
         every = ranking.any_victim  # victim_ok holds for all: no idleness to compute
         mine = 0.0 if every else idleness(c)
         plans = []
@@ -217,10 +201,10 @@ class RoomMaker:
             else:
                 reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
                                 and (every or ranking.victim_ok(idleness(p), mine)))
-            room = gq.free() - reserve[r] + sum(p.kv_bytes for p in acting)
+            room = gq.free() - rnd.reserved(r) + sum(p.kv_bytes for p in acting)
             plans.append(RoomPlan(r, room, room + reasoning, acting))
         def free(t: RoomPlan) -> float:
-            return self.placement.gpu[t.replica].free() - reserve[t.replica]
+            return self.placement.gpu[t.replica].free() - rnd.reserved(t.replica)
 
         def lands(t: RoomPlan) -> bool:
             return self.cpu_takes(t.replica, c.kv_bytes - free(t))
@@ -269,12 +253,12 @@ class RoomMaker:
         cq = self.placement.cpu[r]
         return bool(cq.capacity) and cq.free() >= need
 
-    def make(self, c: Program, now: float, out: list[Decision], idleness: IdlenessAt,
-                   reserve: list[int]) -> None:
-        if self.book.frozen and self.ranking.own:
-            plan = self.plan_fast(c, reserve, idleness)
-        else:
-            plan = self.plan(c, now, idleness, reserve)
+    def make(self, c: Program, rnd: Round) -> None:
+        """Make room for ``c`` where ``plan`` says (``plan_fast`` under MORI's own ranking
+        while the index is walked) and place it; or, if running steps must end first,
+        demote the Acting programs now and reserve the replica's free space for ``c``
+        for the rest of the round; or, if even that cannot make room, demote nobody."""
+        plan = self.plan_fast(c, rnd) if rnd.walking and self.ranking.own else self.plan(c, rnd)
         if plan.room_later < c.kv_bytes:
             return  # cannot be made to fit yet: demote nobody, wait
         r = plan.replica
@@ -282,21 +266,20 @@ class RoomMaker:
         acting = plan.acting
         if acting is None:  # every Acting program of the replica may go, most idle first:
             # as many as it takes
-            acting = self.most_idle_acting(r, c.kv_bytes - (gq.free() - reserve[r]), idleness)
+            acting = self.book.most_idle_acting(
+                r, c.kv_bytes - (gq.free() - rnd.reserved(r)), rnd.idleness)
         for p in acting:
-            if gq.free() - reserve[r] >= c.kv_bytes:
+            if gq.free() - rnd.reserved(r) >= c.kv_bytes:
                 break
-            self.offload(p, r, out, idleness, keep=c)
-        if gq.free() - reserve[r] >= c.kv_bytes:
-            self.moves.place(c, r, now, out)
+            self.offload(p, r, rnd, keep=c)
+        if gq.free() - rnd.reserved(r) >= c.kv_bytes:
+            self.moves.place(c, r, rnd)
             return
         # the Reasoning programs will make up the rest when their steps end (lazy
         # demotion: a later round demotes them as Acting programs); until then hold
         # what is free for c
-        reserve[r] = max(reserve[r], int(gq.free()))
-        if self.book.frozen:
-            self.book.round_reserve[r] = reserve[r]
-            self.book.sync(r)
+        rnd.reserve[r] = max(rnd.reserved(r), int(gq.free()))
+        self.book.sync(r)
 
 
 class RoomPlan(NamedTuple):

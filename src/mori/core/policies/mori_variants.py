@@ -121,7 +121,7 @@ class MoriYieldPolicy(MoriPolicy):
         super().__init__(cluster, kv_bytes_per_token, config, ranking=Ranking())
         self.rebalancer = YieldAffinity(self.cluster, self.placement, self.book, self._ready,
                                         self.held_since, self.reload_s, self.recompute_s,
-                                        self.moves)
+                                        self.moves, self.aged)
 
 
 class MoriPaperPolicy(MoriPolicy):

@@ -1,31 +1,30 @@
 """MORI's promotions by scanning every held request (``mori`` module docstring): the
-round as first written, where the index of ``mori_round`` cannot serve.
+round's promotions as first written, the reference for the indexed ones.
 
-The index needs a held program's priority to stay fixed while it waits, and managed
-GPU capacities (``MoriBook.incremental``). ``mori-no-exclusion`` counts the time a
-request is held as acting time, so its priority moves; a gateway in front of engines
-whose capacity it does not manage has none. For these, ``ScanRound``, a part of
-``MoriPolicy`` (its ``round`` field, in place of ``IndexedRound``), sorts the held
-requests by priority each round and tries each on every replica. Its decisions are the
-reference for ``IndexedRound``'s (``test_differential``).
+The index (``mori_promote``) needs a held program's priority to stay fixed while it
+waits (``MoriBook.incremental``). ``mori-no-exclusion`` counts the time a request is
+held as acting time, so its priority moves: for it, ``ScanPromotion``, a part of
+``MoriPolicy`` (its ``promotion`` field, in place of ``IndexedPromotion``), sorts the
+held requests by priority (``mori_index.priority``) each round and tries each on every
+replica. Its decisions are the reference for ``IndexedPromotion``'s
+(``test_differential``, through ``tests/core/reference_policies.py``).
 """
 
 from __future__ import annotations
 
-from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec, Placement
-from mori.core.policies.mori_book import IdlenessAt
-from mori.core.policies.mori_index import AFFINE
+from mori.core.policies.mori_index import AFFINE, priority
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_room import RoomMaker
+from mori.core.policies.mori_round import Round
 from mori.core.policies.moves import Moves
 from mori.core.program import Program
 from mori.core.types import Tier
 
-__all__ = ["ScanRound"]
+__all__ = ["ScanPromotion"]
 
 
-class ScanRound:
+class ScanPromotion:
     """The plain promotions of one policy. ``ready``: the policy's held requests
     (shared)."""
 
@@ -38,23 +37,21 @@ class ScanRound:
         self.room = room
         self.moves = moves
 
-    def run(self, now: float, out: list[Decision], idleness: IdlenessAt,
-            held_for: int | None = None) -> None:
+    def run(self, rnd: Round) -> None:
+        """(0) CPU- and disk-queue candidates onto their own replica, in priority order;
+        (1, 2) the cacheless ones admitted as a batch and spread or packed; then what is
+        left backfilled into free space. Only the first candidate that does not fit
+        makes room (``RoomMaker.make``)."""
         pl = self.placement
         cap = self.cluster.gpu_bytes
         cands = [p for p in self.ready.values() if p.tier is not Tier.GPU]
         if not cands:
             return
-
-        def priority(p: Program) -> tuple[int, int, float, int]:
-            level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
-            return (level, p.tokens if level == 2 else 0, idleness(p), p.ready_seq)
-
-        cands.sort(key=priority)
+        idleness = rnd.idleness
+        cands.sort(key=lambda p: priority(p, idleness(p)))
         gpus = pl.gpu
-        reserve = [0] * len(gpus)
-        if held_for is not None:  # a request past the bound waits for it (mori_aged)
-            reserve[held_for] = int(gpus[held_for].free())
+        if rnd.held_for is not None:  # a request past the bound waits for it (mori_aged)
+            rnd.reserve[rnd.held_for] = int(gpus[rnd.held_for].free())
         blocked = False
         # the most room any replica has beyond its reservation, or None when a move may
         # have changed it: once a candidate has been blocked, a cacheless one larger than
@@ -66,7 +63,7 @@ class ScanRound:
 
         def place(c: Program, r: int) -> None:
             nonlocal most
-            self.moves.place(c, r, now, out)
+            self.moves.place(c, r, rnd)
             most = None
 
         def place_or_make_room(c: Program) -> None:
@@ -74,15 +71,15 @@ class ScanRound:
             nonlocal blocked, most
             if blocked and c.tier is Tier.NONE:
                 if most is None:
-                    most = max(gq.free() - reserve[r] for r, gq in enumerate(gpus))
+                    most = max(gq.free() - rnd.reserved(r) for r, gq in enumerate(gpus))
                 if c.kv_bytes > most:
                     return
-            r = self.choice.best_fit(c, reserve)
+            r = self.choice.best_fit(c, rnd)
             if r is not None:
                 place(c, r)
             elif not blocked:
                 blocked = True
-                self.room.make(c, now, out, idleness, reserve)
+                self.room.make(c, rnd)
                 most = None
 
         # (0) CPU-queue programs: their own replica (affinity), in priority order
@@ -93,7 +90,7 @@ class ScanRound:
         # largest first, each onto the replica with the most room if that places them
         # all (choice.spread), else onto the replica it fits tightest (Best-Fit-Decreasing)
         waiting = [c for c in cands if c.tier is Tier.NONE and not fits_nowhere(c)]
-        room = sum(max(0.0, gq.free() - reserve[r]) for r, gq in enumerate(gpus))
+        room = sum(max(0.0, gq.free() - rnd.reserved(r)) for r, gq in enumerate(gpus))
         batch: list[Program] = []
         for c in waiting:
             if c.kv_bytes > room:
@@ -101,10 +98,10 @@ class ScanRound:
             batch.append(c)
             room -= c.kv_bytes
         order = sorted(batch, key=lambda p: (-p.kv_bytes, p.ready_seq))
-        spread = self.choice.spread(order, reserve)
+        spread = self.choice.spread(order, rnd)
         placed: set[str] = set()
         for c in order:
-            r = spread[c.program_id] if spread is not None else self.choice.best_fit(c, reserve)
+            r = spread[c.program_id] if spread is not None else self.choice.best_fit(c, rnd)
             if r is not None:
                 place(c, r)
                 placed.add(c.program_id)
