@@ -263,7 +263,7 @@ def policy_rates(time_scale: float, calibration: EngineCalibration | None = None
     if calibration is not None:
         preset = calibration.applied_to(preset)
     recompute = CostModel(preset).prefill_rate(context=2_048)
-    return recompute / time_scale, preset.gpu.pcie_bw / 1e9 / time_scale
+    return recompute / time_scale, preset.gpu.reload_bw / 1e9 / time_scale
 
 
 CALIBRATION_SIZES = (64, 256, 1024, 2048)

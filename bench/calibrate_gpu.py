@@ -6,7 +6,7 @@ layer count).
 
 Needs only PyTorch with CUDA (no engine). Prints one table per measurement and writes
 every figure as JSON (``--out``); ``docs/costmodel.md`` sets them beside the presets'
-efficiencies (``eta_mem``, ``eta_gemm``, ``eta_attn``, ``pcie_bw``). Each figure is the
+efficiencies (``eta_mem``, ``eta_gemm``, ``eta_attn``, ``reload_bw``). Each figure is the
 median of ``--reps`` timed runs after a warm-up, timed with CUDA events.
 
     python bench/calibrate_gpu.py --out calib.json [--reps 20]

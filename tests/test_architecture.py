@@ -6,7 +6,8 @@ engines, enginesim < gateway, replay, sweep < cli. ``mori.protocol`` uses no thi
 library but Starlette and uvicorn; the simulator (``mori.sim``, the real-time engine
 included) no HTTP library; the engine adapters (``mori.engines``) no simulator. The vLLM
 plug-in (``mori.vllm_plugin``, loaded inside vLLM's processes) imports nothing else of
-MORI, and the others import only its protocol, which needs no vLLM. ruff and mypy (strict,
+MORI but the pure eviction order (``mori.core.eviction_order`` and the enums it ranks),
+and the others import only its protocol, which needs no vLLM. ruff and mypy (strict,
 on the packages listed in pyproject.toml) must pass.
 """
 
@@ -59,10 +60,13 @@ LAYERS = {
     # the label channel's engine end: messages, server, label table (neither engine)
     "plugin_channel": set(),
     # run inside vLLM's and SGLang's processes: nothing of MORI but themselves and the
-    # label channel
+    # label channel (and ENGINE_SIDE_CORE)
     "vllm_plugin": {"plugin_channel"},
     "sglang_plugin": {"plugin_channel"},
 }
+# what the engine-side layers (the label channel, the plug-ins) may import of the core:
+# the one eviction order and the enums it ranks, pure and stdlib-only
+ENGINE_SIDE_CORE = {"mori.core.eviction_order", "mori.core.types"}
 # what the other layers may import of the plug-in: its protocol (it needs no vLLM; the
 # engine adapters speak the label channel with it) and its connector config (`mori
 # vllm-args` prints it; it checks the installed vLLM's release with compat); the rest runs
@@ -86,6 +90,8 @@ def test_layers_import_one_way(layer: str) -> None:
         for name in imports_of(path):
             if name.startswith("mori."):
                 if name in PLUGIN_API and layer != "protocol":
+                    continue
+                if name in ENGINE_SIDE_CORE:
                     continue
                 other = name.split(".")[1]
                 assert other in allowed, f"{path.relative_to(ROOT)} imports {name}"

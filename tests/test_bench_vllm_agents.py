@@ -55,7 +55,7 @@ def test_policy_rates_are_the_presets_in_policy_time(agents: ModuleType) -> None
     preset = get_preset("cpu-tiny-llama")
     recompute, reload = agents.policy_rates(100.0)
     assert recompute == pytest.approx(CostModel(preset).prefill_rate(context=2_048) / 100)
-    assert reload == pytest.approx(preset.gpu.pcie_bw / 1e9 / 100)
+    assert reload == pytest.approx(preset.gpu.reload_bw / 1e9 / 100)
     assert agents.policy_rates(10.0)[0] == pytest.approx(10 * recompute)
 
 

@@ -329,15 +329,15 @@ def test_former_spellings_still_work_and_warn(tmp_path: Path,
     for flag, instead in (("--hardware", "--preset"), ("--window", "--idleness-window"),
                           ("--pcie-gbps", "--reload-gbps")):
         assert f"mori: {flag} is deprecated and will be removed; use {instead}" in err
-    assert [(r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in old] == [
-        (r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in new] == [
+    assert [(r["hardware"], r["idleness_window"], r["reload_gbps"]) for r in old] == [
+        (r["hardware"], r["idleness_window"], r["reload_gbps"]) for r in new] == [
         ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(new)
     cfg = tmp_path / "old.toml"
     cfg.write_text('hardware = "h200-80g-qwen2.5-7b"\nwindow = 3\npcie-gbps = 7\n')
     rows = run_json(tmp_path, "--config", str(cfg))
     err = capsys.readouterr().err
     assert "config key 'hardware'" in err and "use 'preset'" in err
-    assert [(r["hardware"], r["idleness_window"], r["pcie_gbps"]) for r in rows] == [
+    assert [(r["hardware"], r["idleness_window"], r["reload_gbps"]) for r in rows] == [
         ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(rows)
 
 

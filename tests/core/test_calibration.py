@@ -20,7 +20,7 @@ def test_a_calibration_round_trips_and_sets_the_engine_constants() -> None:
     preset = cal.applied_to(base)
     assert (preset.tau, preset.eta_gemm, preset.request_overhead_s) == (
         CONSTANTS["tau"], CONSTANTS["eta_gemm"], CONSTANTS["request_overhead_s"])
-    assert (preset.gpu.flops, preset.gpu.pcie_bw) == (CONSTANTS["flops"], CONSTANTS["copy_bw"])
+    assert (preset.gpu.flops, preset.gpu.reload_bw) == (CONSTANTS["flops"], CONSTANTS["copy_bw"])
     # what a calibration does not hold stays the preset's: the model, the pool, chunking
     assert (preset.model, preset.chunk_size, preset.gpu_kv_capacity_tokens) == (
         base.model, base.chunk_size, base.gpu_kv_capacity_tokens)
@@ -32,7 +32,7 @@ def test_without_a_copy_rate_the_preset_keeps_its_own() -> None:
     cal = EngineCalibration.from_mapping({k: v for k, v in CONSTANTS.items() if k != "copy_bw"})
     assert cal.copy_bw is None and "copy_bw" not in cal.as_dict()
     base = get_preset("cpu-tiny-llama")
-    assert cal.applied_to(base).gpu.pcie_bw == base.gpu.pcie_bw
+    assert cal.applied_to(base).gpu.reload_bw == base.gpu.reload_bw
 
 
 @pytest.mark.parametrize(("change", "message"), [

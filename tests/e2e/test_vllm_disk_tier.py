@@ -9,11 +9,12 @@ without (the same tier, unbound: least recently used first).
    to the host tier, and from it to the disk tier (33 files; the host tier keeps 32).
 2. On the plug-in engine the label channel labels A ``cold`` (MORI parked it on disk),
    B ``busy`` and C ``inactive``.
-3. D sends a prompt of about 28 blocks. The GPU gives up A's blocks (cold goes with
-   inactive, the older first; LRU: A, the oldest), the host tier gives up most of A's,
-   B's and C's chunks for D's (inactive C and cold A first), and the disk tier (48) must
-   give up about 12 files for D's (MORI's order: inactive C, then busy B, keeping cold A;
-   LRU: the oldest, A, first).
+3. D sends a prompt of about 40 blocks. The GPU gives up C's blocks, then A's, then a
+   few of B's (MORI's GPU order, ``mori.core.eviction_order``: inactive, cold, idle,
+   busy; LRU: A, the oldest, first), the host tier gives up A's, B's and C's chunks for
+   D's (inactive C and cold A first), and the disk tier (48) must give up about 24 files
+   for D's (MORI's order: inactive C, then busy B, keeping cold A; LRU: the oldest, A,
+   first).
 4. The plug-in's ``residency`` names each program's chunks on disk; then A and C are asked
    again.
 
@@ -47,7 +48,7 @@ FILE_BYTES = CHUNK_BYTES + 56  # + mori.vllm_plugin.disk_tier.HEADER.size (the h
 CPU_GIB = CPU_CHUNKS * CHUNK_BYTES / (1 << 30)
 DISK_GIB = DISK_CHUNKS * FILE_BYTES / (1 << 30)
 PROGRAM_BLOCKS = 12
-PRESSURE_BLOCKS = 28
+PRESSURE_BLOCKS = 40  # C's and A's GPU blocks must all go (cold after inactive)
 READ = "vllm:kv_offload_tiering_read_bytes_total"
 WRITTEN = "vllm:kv_offload_tiering_write_bytes_total"
 

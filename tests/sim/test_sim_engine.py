@@ -146,6 +146,24 @@ def test_typed_eviction_order_is_reversed_between_tiers() -> None:
     pools.check()
 
 
+def test_a_cold_programs_waiting_request_is_admitted_after_idle_before_inactive() -> None:
+    """Typed admission ranks every label (``mori.core.eviction_order``: busy, idle,
+    cold, inactive); a program parked on the disk tier (cold) is admitted too."""
+    cost, loop, rec, eng = make()
+    eng.submit(SimRequest("first", prompt=100, reuse=0, output=2, arrived=0.0))  # runs now
+    for pid, label in (("gone", KVLabel.INACTIVE), ("cold", KVLabel.COLD),
+                       ("idle", KVLabel.IDLE), ("busy", KVLabel.BUSY)):
+        eng.set_label(pid, label)
+        eng.submit(SimRequest(pid, prompt=100, reuse=0, output=2, arrived=0.0))
+    assert [r.program_id for r in eng.waiting] == ["gone", "cold", "idle", "busy"]
+    eng._admit(loop.now)
+    assert not eng.waiting
+    assert [r.program_id for r in eng.prefill] == ["first", "busy", "idle", "cold", "gone"]
+    loop.run(100.0)
+    assert sorted(pid for pid, _ in rec.done) == ["busy", "cold", "first", "gone", "idle"]
+    eng.pools.check()
+
+
 def test_plain_lru_ignores_labels() -> None:
     pools = KVPools(gpu_pages=20, cpu_pages=0, typed=False)
     for pid, label, t in (("busy", KVLabel.BUSY, 0.0), ("idle", KVLabel.IDLE, 1.0)):

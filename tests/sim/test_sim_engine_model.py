@@ -28,8 +28,8 @@ def one_step(prompt: int = 1_000, output: int = 8) -> TraceSet:
     dict(token_scale=0.0), dict(token_scale=-1.0), dict(token_scale=math.nan),
     dict(time_scale=0.0), dict(time_scale=math.inf), dict(time_scale=-2.0),
     dict(gpu_kv_tokens=0), dict(hardware=TINY, gpu_kv_tokens=31),
-    dict(cpu_kv_tokens=-1), dict(pcie_gbps=-5.0),
-    dict(pcie_gbps=math.inf), dict(max_output_tokens=0),
+    dict(cpu_kv_tokens=-1), dict(reload_gbps=-5.0),
+    dict(reload_gbps=math.inf), dict(max_output_tokens=0),
 ])
 def test_bad_engine_settings_are_refused(bad: dict[str, object]) -> None:
     name = next(k for k in bad if k != "hardware")
@@ -114,7 +114,7 @@ def test_time_scale_multiplies_engine_durations() -> None:
     assert two == pytest.approx(2 * one, rel=1e-9)
 
 
-def test_pcie_gbps_sets_the_reload_bandwidth() -> None:
+def test_reload_gbps_sets_the_reload_bandwidth() -> None:
     def sim(**kw: object) -> Simulation:
         return Simulation(SimConfig(policy="mori", programs=30, duration_s=600, **kw),  # type: ignore[arg-type]
                           default_traces())
@@ -122,11 +122,11 @@ def test_pcie_gbps_sets_the_reload_bandwidth() -> None:
     base = sim().cost.reload_time(100_000)
     assert base == pytest.approx(100_000 * get_preset("h200-qwen3-30b-a3b").kv_bytes_per_token_per_gpu
                                  / 50e9)
-    assert sim(pcie_gbps=5.0).cost.reload_time(100_000) == pytest.approx(10 * base)
-    assert sim(pcie_gbps=50.0).run().to_dict()["pcie_gbps"] == 50.0
+    assert sim(reload_gbps=5.0).cost.reload_time(100_000) == pytest.approx(10 * base)
+    assert sim(reload_gbps=50.0).run().to_dict()["reload_gbps"] == 50.0
     # reload-heavy: mori's steps wait longer for their KV on a slower link
     fast = sim().run()
-    slow = sim(pcie_gbps=0.5).run()
+    slow = sim(reload_gbps=0.5).run()
     assert fast.reloaded_tokens > 0
     assert slow.ttft_mean_s > fast.ttft_mean_s
 
@@ -171,7 +171,7 @@ def test_a_reload_bandwidth_of_zero_is_no_cpu_tier() -> None:
 
     for policy in ("mori", "mori-paper", "mori-ski", "mori-yield", "lru-offload",
                    "thunderagent+offload"):
-        cut = SimConfig(policy=policy, programs=6, duration_s=300.0, pcie_gbps=0.0)
+        cut = SimConfig(policy=policy, programs=6, duration_s=300.0, reload_gbps=0.0)
         none = SimConfig(policy=policy, programs=6, duration_s=300.0, cpu_ratio=0.0)
         a, b = simulate(cut, default_traces()), simulate(none, default_traces())
         assert a.cpu_kv_capacity_tokens == 0 and a.reloaded_tokens == 0

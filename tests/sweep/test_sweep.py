@@ -306,14 +306,28 @@ def test_sweep_quiet_prints_the_tables_and_nothing_else(
 
 def test_settings_added_later_keep_the_keys_and_records_of_earlier_runs() -> None:
     cfg = SimConfig(duration_s=60)
-    assert "pcie_gbps" not in config_dict(cfg)  # at its default: the key is as before
-    assert run_key(dataclasses.replace(cfg, pcie_gbps=12.5), "x") != run_key(cfg, "x")
+    assert "reload_gbps" not in config_dict(cfg)  # at its default: the key is as before
+    assert run_key(dataclasses.replace(cfg, reload_gbps=12.5), "x") != run_key(cfg, "x")
     row = simulate(SimConfig(programs=2, duration_s=30.0), default_traces()).to_dict()
-    older = {k: v for k, v in row.items() if k != "pcie_gbps"}
+    older = {k: v for k, v in row.items() if k not in ("reload_gbps", "policy_reload_gbps")}
     assert result_from_dict(older).to_dict() == row
     # the idle fill, off by default, leaves the keys of earlier runs as they were
     assert "fill_idle" not in config_dict(cfg)["policy_config"]
     assert result_from_dict({k: v for k, v in row.items() if k != "fill_idle"}).to_dict() == row
+
+
+def test_records_with_the_former_reload_names_still_load() -> None:
+    """A record written before the simulated link's reload bandwidth was ``reload_gbps``
+    holds it as ``pcie_gbps``, and the policy's estimate as ``reload_gbps``."""
+    cfg = SimConfig(programs=2, duration_s=30.0, reload_gbps=20.0,
+                    policy_config=PolicyConfig(reload_gbps=7.0))
+    row = simulate(cfg, default_traces()).to_dict()
+    assert (row["reload_gbps"], row["policy_reload_gbps"]) == (20.0, 7.0)
+    older = {k: v for k, v in row.items() if k not in ("reload_gbps", "policy_reload_gbps")}
+    older |= {"pcie_gbps": 20.0, "reload_gbps": 7.0}
+    loaded = result_from_dict(older)
+    assert loaded.config.reload_gbps == 20.0 and loaded.config.policy_config.reload_gbps == 7.0
+    assert loaded.to_dict() == row
 
 
 def test_records_without_programs_per_replica_still_load() -> None:

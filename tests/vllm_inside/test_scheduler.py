@@ -124,7 +124,7 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
         run_to_completion(s)
         a, b = s.mori_labels.blocks_of("a"), s.mori_labels.blocks_of("b")
         assert len(a) == len(b) == 3 and not a & b
-        assert q.sizes() == {"unhashed": 7, "inactive": 0, "idle": 0, "busy": 9}
+        assert q.sizes() == {"unhashed": 7, "inactive": 0, "cold": 0, "idle": 0, "busy": 9}
         # what a restarted gateway reads: each program's cached blocks, in tokens
         res = dealer("residency")
         assert (res["gpu"], res["cpu"], res["inactive"]) == (
@@ -158,7 +158,8 @@ def test_mori_scheduler_end_to_end(configs: Any, endpoint: str, dealer: Any,
 
         # reset: every hash is gone, the queue is re-sorted
         assert s.reset_prefix_cache()
-        assert q.sizes() == {"unhashed": NUM_BLOCKS - 1, "inactive": 0, "idle": 0, "busy": 0}
+        assert q.sizes() == {"unhashed": NUM_BLOCKS - 1, "inactive": 0, "cold": 0, "idle": 0,
+                             "busy": 0}
         assert dealer("residency")["gpu"] == {}
     finally:
         s.shutdown()

@@ -52,7 +52,7 @@ def test_eviction_order_unhashed_inactive_idle_busy() -> None:
     rev = lambda ids: list(reversed(ids))  # noqa: E731
     assert p.order() == (unhashed + rev(inactive) + rev(idle)
                          + rev(busy) + rev(nolabel) + rev(anon))
-    assert p.queue.sizes() == {"unhashed": 5, "inactive": 2, "idle": 2, "busy": 6}
+    assert p.queue.sizes() == {"unhashed": 5, "inactive": 2, "cold": 0, "idle": 2, "busy": 6}
     # the pool evicts in that order: unhashed, then inactive, then idle
     got = [b.block_id for b in p.pool.get_new_blocks(8)]
     assert got == unhashed + rev(inactive) + [idle[1]]
@@ -60,15 +60,17 @@ def test_eviction_order_unhashed_inactive_idle_busy() -> None:
     assert p.cached(toks(0, 2)) == p.cached(toks(3, 2)) == p.cached(toks(4, 2)) == 2
 
 
-def test_a_cold_programs_blocks_share_the_inactive_list() -> None:
-    # cold: parked on the disk tier; its GPU blocks go with the inactive ones, LRU between
+def test_a_cold_programs_blocks_go_after_the_inactive_before_the_idle() -> None:
+    # cold: parked on the disk tier; its GPU blocks have their own list, between the
+    # inactive and the idle ones (the GPU order of mori.core.eviction_order), although
+    # they are the least recent
     p = make_pool(16)
     cold = p.serve("cold", toks(0, 2))
     idle = p.serve("idle", toks(1, 2))
     inactive = p.serve("inactive", toks(2, 2))
     p.set({"cold": "cold", "idle": "idle", "inactive": "inactive"})
-    assert p.queue.sizes()["inactive"] == 4
-    assert p.hashed_order()[:6] == cold[::-1] + inactive[::-1] + idle[::-1]
+    assert p.queue.sizes()["inactive"] == p.queue.sizes()["cold"] == 2
+    assert p.hashed_order()[:6] == inactive[::-1] + cold[::-1] + idle[::-1]
 
 
 def test_lru_within_a_label() -> None:
@@ -166,7 +168,7 @@ def test_reset_prefix_cache_then_rebuild() -> None:
     assert p.queue.sizes()["inactive"] == 2
     assert p.pool.reset_prefix_cache()
     assert p.queue.rebuild() == 2
-    assert p.queue.sizes() == {"unhashed": 7, "inactive": 0, "idle": 0, "busy": 0}
+    assert p.queue.sizes() == {"unhashed": 7, "inactive": 0, "cold": 0, "idle": 0, "busy": 0}
 
 
 def test_queue_semantics_match_vllms() -> None:

@@ -115,7 +115,7 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   human_gap=s.human_gap, human_gap_cap_s=s.human_gap_cap,
                   max_context=s.max_context, share_prefix=s.share_prefix,
                   gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
-                  token_scale=s.token_scale, time_scale=s.time_scale, pcie_gbps=s.reload_gbps,
+                  token_scale=s.token_scale, time_scale=s.time_scale, reload_gbps=s.reload_gbps,
                   max_output_tokens=s.max_output_tokens, disk_ratio=disk,
                   disk_kv_tokens=s.disk_kv_tokens, disk=s.disk,
                   policy_config=knobs, calibration=calibration)
@@ -231,7 +231,8 @@ def write_json(results: list[RunResult], path: Path) -> None:
                     encoding="utf-8")
 
 
-def table_text(results: list[RunResult], replicas: int, pcie_gbps: float | None = None) -> str:
+def table_text(results: list[RunResult], replicas: int,
+               reload_gbps: float | None = None) -> str:
     """The results table; its programs column counts programs per replica, like
     ``--programs``. A title line above it says so with more than one replica, and names
     a ``--reload-gbps`` other than the presets'."""
@@ -239,8 +240,8 @@ def table_text(results: list[RunResult], replicas: int, pcie_gbps: float | None 
     title = []
     if replicas > 1:
         title.append(f"DP={replicas} (programs column: per replica; x{replicas} in all)")
-    if pcie_gbps is not None:
-        title.append(f"KV reloads at {pcie_gbps:g} GB/s per GPU")
+    if reload_gbps is not None:
+        title.append(f"KV reloads at {reload_gbps:g} GB/s per GPU")
     return "\n".join([*title, table]) if title else table
 
 

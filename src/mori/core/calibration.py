@@ -106,7 +106,7 @@ class EngineCalibration:
     def applied_to(self, preset: HardwarePreset) -> HardwarePreset:
         """``preset`` with these engine constants (its model, pools and chunking kept)."""
         gpu = dataclasses.replace(preset.gpu, flops=self.flops, mem_bw=self.mem_bw,
-                                  pcie_bw=self.copy_bw or preset.gpu.pcie_bw)
+                                  reload_bw=self.copy_bw or preset.gpu.reload_bw)
         return dataclasses.replace(preset, gpu=gpu, tau=self.tau, eta_gemm=self.eta_gemm,
                                    eta_attn=self.eta_attn, eta_mem=self.eta_mem,
                                    request_overhead_s=self.request_overhead_s)

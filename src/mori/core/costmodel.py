@@ -255,7 +255,7 @@ class CostModel:
         """
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
-        return tokens * self._kv_bytes_gpu / self.preset.gpu.pcie_bw * self.time_scale
+        return tokens * self._kv_bytes_gpu / self.preset.gpu.reload_bw * self.time_scale
 
     def disk_read_time(self, tokens: int, disk: DiskSpec) -> float:
         """Seconds to bring ``tokens`` tokens of KV from ``disk`` to the GPU(s).

@@ -147,10 +147,12 @@ class GPUSpec:
     hbm_bytes: int
     mem_bw: float
     flops: float
-    pcie_bw: float = 50e9  # per direction, pinned host memory (45-55 GB/s in practice)
+    # KV reloads host to GPU (the PCIe link; `--reload-gbps` sets it in GB/s): per
+    # direction, pinned host memory (45-55 GB/s in practice)
+    reload_bw: float = 50e9
 
     def __post_init__(self) -> None:
-        if self.hbm_bytes <= 0 or self.mem_bw <= 0 or self.flops <= 0 or self.pcie_bw <= 0:
+        if self.hbm_bytes <= 0 or self.mem_bw <= 0 or self.flops <= 0 or self.reload_bw <= 0:
             raise ValueError(f"{self.name}: memory, bandwidths and FLOP/s must be positive")
 
 
@@ -352,7 +354,7 @@ CPU_VLLM = GPUSpec(
     + CPU_VLLM_POOL_TOKENS * TINY_LLAMA.kv_bytes_per_token,
     mem_bw=_CPU_VLLM_MEM_BW,
     flops=_CPU_VLLM_FLOPS,
-    pcie_bw=_CPU_VLLM_COPY_BW,
+    reload_bw=_CPU_VLLM_COPY_BW,
 )
 
 # --- Presets -----------------------------------------------------------------------

@@ -12,8 +12,9 @@ tables hold what MORI knows instead:
   new content. A block used by more than ``max_programs_per_block`` programs is marked
   *widely shared* and kept busy (which one of them runs next is anyone's guess).
 
-A block's label is the most protective label of its programs (``busy`` > ``idle`` >
-``cold`` > ``inactive``): a prefix that a busy program shares with an inactive one is still needed.
+A block's label is the most protective label of its programs on the GPU (``busy`` >
+``idle`` > ``cold`` > ``inactive``, the GPU's order of ``mori.core.eviction_order``): a
+prefix that a busy program shares with an inactive one is still needed.
 
 The default label — of a program the gateway has not labelled, and of a block no known
 program used (requests without ``session_id``) — is ``busy``, the most protective one:
@@ -29,7 +30,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-PROTECTION = {"inactive": 0, "cold": 1, "idle": 2, "busy": 3}
+from mori.core.eviction_order import label_ranks
+from mori.core.types import Tier
+
+# label -> protection of a GPU block (higher is evicted later): the GPU's eviction order
+PROTECTION = label_ranks(Tier.GPU)
 DEFAULT_LABEL = "busy"
 MAX_PROGRAMS = 65536
 MAX_PROGRAMS_PER_BLOCK = 64

@@ -3,18 +3,21 @@
 A node's *owners* are the programs whose requests inserted or matched it (the gateway
 names a request's program in the ``x-smg-routing-key`` header, which SGLang keeps as the
 request's ``routing_key``; the value is percent-encoded, :func:`routing_key`). A node
-owned by more than :data:`MAX_OWNERS` programs is *widely shared* and counts as busy.
-Its class, on each tier:
+owned by more than :data:`MAX_OWNERS` programs is *widely shared* and counts as
+the tier's most protected label (busy on the GPU, idle on the host: which owner runs
+next is anyone's guess). Its class, on each tier:
 
 - no owner (a request that did not come through the gateway): ``unowned``;
-- else the most protective label of its owners (``busy`` > ``idle`` > ``inactive``; a
-  program the gateway has not labelled is ``busy``, as in the vLLM plug-in).
+- else the most protective label of its owners on that tier (a program the gateway has
+  not labelled is ``busy``, as in the vLLM plug-in).
 
-Eviction takes the smallest key first: ``(class rank, last access time)``. On the GPU
-the ranks are unowned 0, inactive 1, idle 2, busy 3; on HiCache's host tier unowned 0,
-inactive 1, busy 2, idle 3 (a busy program's KV is on the GPU as well; an idle one's
-host copy is what saves its recompute). While no label is known (no gateway has spoken,
-or it cleared the table) every node has rank 0: SGLang's own LRU, exactly.
+Eviction takes the smallest key first: ``(class rank, last access time)``. ``unowned``
+ranks 0, below every label (a plug-in-local class); the labels follow, in the tier's
+order of ``mori.core.eviction_order``: on the GPU inactive 1, cold 2, idle 3, busy 4; on
+HiCache's host tier inactive 1, cold 2, busy 3, idle 4 (a busy program's KV is on the
+GPU as well; an idle one's host copy is what saves its recompute). While no label is
+known (no gateway has spoken, or it cleared the table) every node has rank 0: SGLang's
+own LRU, exactly.
 """
 
 from __future__ import annotations
@@ -22,12 +25,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from urllib.parse import quote, unquote
 
-from mori.plugin_channel.labels import PROTECTION, LabelTable
+from mori.core.eviction_order import label_ranks, most_protected
+from mori.core.types import Tier
+from mori.plugin_channel.labels import LabelTable
 
 MAX_OWNERS = 64
 ROUTING_HEADER = "x-smg-routing-key"
-DEVICE_RANK = {"unowned": 0, "inactive": 1, "cold": 2, "idle": 3, "busy": 4}
-HOST_RANK = {"unowned": 0, "inactive": 1, "cold": 2, "busy": 3, "idle": 4}
+UNOWNED = "unowned"  # no program owns the node: evicted before every label
+# class -> rank, lowest evicted first: unowned, then the labels in the tier's order
+DEVICE_RANK = {UNOWNED: 0} | {n: 1 + r for n, r in label_ranks(Tier.GPU).items()}
+HOST_RANK = {UNOWNED: 0} | {n: 1 + r for n, r in label_ranks(Tier.CPU).items()}
+DEVICE_WIDE = most_protected(Tier.GPU).value  # the class of a widely shared node
+HOST_WIDE = most_protected(Tier.CPU).value
 WIDE = "\x00wide"  # the owner set of a widely shared node holds only this mark
 
 
@@ -55,18 +64,20 @@ def add_owner(owners: set[str], program: str) -> None:
     owners.add(program)
 
 
-def node_class(owners: Iterable[str], labels: LabelTable) -> str:
-    """``unowned``, or the most protective label of ``owners`` (module doc)."""
-    best: str | None = None
+def node_class(owners: Iterable[str], labels: LabelTable, host: bool = False) -> str:
+    """``unowned``, or the most protective label of ``owners`` on the GPU (on the host
+    tier with ``host``; module doc)."""
+    ranks, top = (HOST_RANK, HOST_WIDE) if host else (DEVICE_RANK, DEVICE_WIDE)
+    best = UNOWNED
     for program in owners:
         if program == WIDE:
-            return "busy"
+            return top
         label = labels.label(program)
-        if best is None or PROTECTION[label] > PROTECTION[best]:
+        if ranks[label] > ranks[best]:
             best = label
-            if label == "busy":
+            if label == top:
                 break
-    return "unowned" if best is None else best
+    return best
 
 
 def eviction_key(owners: Iterable[str], last_access: float, labels: LabelTable,
@@ -75,4 +86,4 @@ def eviction_key(owners: Iterable[str], last_access: float, labels: LabelTable,
     if len(labels) == 0:
         return (0, last_access)
     ranks = HOST_RANK if host else DEVICE_RANK
-    return (ranks[node_class(owners, labels)], last_access)
+    return (ranks[node_class(owners, labels, host)], last_access)

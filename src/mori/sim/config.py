@@ -44,7 +44,7 @@ class SimConfig:
     - ``time_scale``: every engine duration (iterations, KV reloads) is multiplied by it:
       the engine runs that many times slower relative to the trace's gaps, which is what
       replaying a trace at ``--time-scale`` T against a real engine amounts to.
-    - ``pcie_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
+    - ``reload_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
       the preset's (None: the preset's; 0: no usable link, so no CPU tier is simulated,
       as at CPU ratio 0).
     - ``calibration``: engine constants measured on the machine being modelled
@@ -103,7 +103,7 @@ class SimConfig:
     cpu_kv_tokens: int | None = None
     token_scale: float = 1.0
     time_scale: float = 1.0
-    pcie_gbps: float | None = None
+    reload_gbps: float | None = None
     max_output_tokens: int | None = None
     disk_ratio: float = 0.0
     disk_kv_tokens: int | None = None
@@ -131,9 +131,9 @@ class SimConfig:
         for name in ("token_scale", "time_scale"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)})")
-        if self.pcie_gbps is not None and not (math.isfinite(self.pcie_gbps)
-                                               and self.pcie_gbps >= 0):
-            problems.append(f"pcie_gbps must be a finite number >= 0 (got {self.pcie_gbps})")
+        if self.reload_gbps is not None and not (math.isfinite(self.reload_gbps)
+                                               and self.reload_gbps >= 0):
+            problems.append(f"reload_gbps must be a finite number >= 0 (got {self.reload_gbps})")
         problems += self._kv_problems()
         if not (math.isfinite(self.front_s) and self.front_s >= 0):
             problems.append(f"front_s must be a finite number of seconds >= 0 "

@@ -25,10 +25,10 @@ disk (a write the replica charges on its disk link, ``disk_written``) instead of
 lost, except those labelled inactive; pages evicted from the disk pool are lost. With no
 CPU pool, pages evicted from the GPU go to disk directly (through a host buffer).
 
-Eviction order: with ``typed`` (MORI), by type label first, reversed per tier
-(GPU: inactive, cold, idle, busy; CPU: inactive, cold, busy, idle; disk: inactive, busy,
-idle, cold), then least recently used; otherwise plain LRU. Pinned programs (a request
-running) are never evicted.
+Eviction order: with ``typed`` (MORI), by type label first, in each tier's order of
+``mori.core.eviction_order`` (GPU: inactive, cold, idle, busy; CPU: inactive, cold, busy,
+idle; disk: inactive, busy, idle, cold), then least recently used; otherwise plain LRU.
+Pinned programs (a request running) are never evicted.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 
-from mori.core.types import KVLabel
+from mori.core.eviction_order import ranks
+from mori.core.types import KVLabel, Tier
 
-_GPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.COLD: 1, KVLabel.IDLE: 2, KVLabel.BUSY: 3}
-_CPU_RANK = {KVLabel.INACTIVE: 0, KVLabel.COLD: 1, KVLabel.BUSY: 2, KVLabel.IDLE: 3}
-_DISK_RANK = {KVLabel.INACTIVE: 0, KVLabel.BUSY: 1, KVLabel.IDLE: 2, KVLabel.COLD: 3}
+_GPU_RANK = ranks(Tier.GPU)
+_CPU_RANK = ranks(Tier.CPU)
+_DISK_RANK = ranks(Tier.DISK)
 _NO_RANK = dict.fromkeys(KVLabel, 0)  # plain LRU
 
 # an eviction-order record: (tier rank, last access, entry seq, entry version, entry)

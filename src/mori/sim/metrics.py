@@ -173,12 +173,13 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     ``--programs`` gives; derived, not a :class:`SimConfig` field). The policy knobs a
     record carries are ``tick_s``, ``idleness_window``, ``binary_threshold`` and
     ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``, and the
-    ``reload_gbps`` and ``recompute_tok_s`` asked for (None: the simulated link's and
-    the cost model's), and MORI's ``max_wait_s``, ``load_window_s`` and ``fill_idle``;
+    ``policy_reload_gbps`` (the policy's ``reload_gbps``) and ``recompute_tok_s`` asked
+    for (None: the simulated link's and the cost model's), and MORI's ``max_wait_s``, ``load_window_s`` and ``fill_idle``;
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
-    are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``pcie_gbps`` the
-    reload bandwidth asked for (None: the preset's); ``disk_ratio``, ``disk_kv_tokens``
+    are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``reload_gbps`` the
+    simulated link's reload bandwidth asked for (``SimConfig.reload_gbps``, None: the
+    preset's); ``disk_ratio``, ``disk_kv_tokens``
     and ``disk`` the disk tier asked for.
     """
     c, p = config, config.policy_config
@@ -190,12 +191,13 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "share_prefix": c.share_prefix, "stagger_s": c.stagger_s,
             "gpu_kv_tokens": c.gpu_kv_tokens, "cpu_kv_tokens": c.cpu_kv_tokens,
             "token_scale": c.token_scale, "time_scale": c.time_scale,
-            "pcie_gbps": c.pcie_gbps, "max_output_tokens": c.max_output_tokens,
+            "reload_gbps": c.reload_gbps, "max_output_tokens": c.max_output_tokens,
             "disk_ratio": c.disk_ratio,
             "disk_kv_tokens": c.disk_kv_tokens, "disk": c.disk, "tick_s": p.tick_s,
             "idleness_window": p.idleness_window, "binary_threshold": p.binary_threshold,
             "acting_token_weight": p.acting_token_weight,
-            "acting_token_decay": p.acting_token_decay, "reload_gbps": p.reload_gbps,
+            "acting_token_decay": p.acting_token_decay,
+            "policy_reload_gbps": p.reload_gbps,
             "max_wait_s": p.max_wait_s, "recompute_tok_s": p.recompute_tok_s,
             "load_window_s": p.load_window_s, "fill_idle": p.fill_idle}
 

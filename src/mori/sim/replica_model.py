@@ -1,11 +1,12 @@
 """A simulated engine replica: continuous batching over a paged GPU/CPU KV cache.
 
 What it models (docs/costmodel.md; the names follow SGLang):
-- Admission: waiting requests enter in order (under typed eviction, busy-labelled before
-  idle-labelled, docs/system.md, "Typed offloading in the engine"; otherwise first come first served). Admitting one
-  pins its program's pages and reserves pages for prompt + output (the engine is told
-  the output length; a real engine reserves an estimate); if the GPU cannot be made to
-  hold them by evicting unpinned pages, admission stops (head-of-line), as SGLang does.
+- Admission: waiting requests enter in order (under typed eviction, busy-labelled
+  first, then idle, cold, inactive: ``mori.core.eviction_order``; docs/system.md, "Typed
+  offloading in the engine"; otherwise first come first served). Admitting one pins
+  its program's pages and reserves pages for prompt + output (the engine is told the
+  output length; a real engine reserves an estimate); if the GPU cannot be made to hold
+  them by evicting unpinned pages, admission stops (head-of-line), as SGLang does.
 - Prefix reuse: only the step's reusable prefix (from the trace's block hashes) can hit;
   hits on the GPU are free, hits on the CPU are reloaded over PCIe (one host-to-device
   link per replica, first come first served; it overlaps with compute), hits on the disk
@@ -38,10 +39,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mori.core.costmodel import CostModel, prefill_attn_ctx
+from mori.core.eviction_order import admission_rank
 from mori.core.hardware import DiskSpec
 from mori.core.types import KVLabel
 from mori.sim.clock import PRIO_ENGINE, EventLoop
 from mori.sim.kvcache import KVEntry, KVPools
+
+_ADMISSION_RANK = {label: admission_rank(label) for label in KVLabel}
 
 
 @dataclass(slots=True, eq=False)
@@ -347,9 +351,9 @@ class EngineReplica:
     def _admit(self, now: float) -> None:
         if not self.waiting:
             return
-        if self.typed_admission:
-            rank = {KVLabel.BUSY: 0, KVLabel.IDLE: 1, KVLabel.INACTIVE: 2}
-            self.waiting.sort(key=lambda r: (rank[self.pools.entry(r.program_id).label], r.seq))
+        if self.typed_admission:  # busy, idle, cold, inactive (mori.core.eviction_order)
+            entry, rank = self.pools.entry, _ADMISSION_RANK
+            self.waiting.sort(key=lambda r: (rank[entry(r.program_id).label], r.seq))
         admitted = 0
         for r in self.waiting:
             if not self._try_admit(r, now):

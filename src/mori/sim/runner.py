@@ -55,7 +55,7 @@ def kv_pages(config: SimConfig, cpu_tier: bool) -> tuple[int, int]:
     gpu_tokens = (config.gpu_kv_tokens if config.gpu_kv_tokens is not None
                   else preset.gpu_kv_capacity_tokens)
     gpu_pages = gpu_tokens // page
-    if not cpu_tier or config.pcie_gbps == 0:  # no link: nothing could be reloaded
+    if not cpu_tier or config.reload_gbps == 0:  # no link: nothing could be reloaded
         return gpu_pages, 0
     if config.cpu_kv_tokens is not None:
         return gpu_pages, config.cpu_kv_tokens // page
@@ -69,7 +69,7 @@ def disk_pages(config: SimConfig, cpu_tier: bool, gpu_pages: int) -> int:
     the drive's capacity."""
     preset = get_preset(config.hardware)
     page = preset.page_tokens
-    if not cpu_tier or config.pcie_gbps == 0:
+    if not cpu_tier or config.reload_gbps == 0:
         return 0
     pages = (config.disk_kv_tokens // page if config.disk_kv_tokens is not None
              else int(gpu_pages * config.disk_ratio))
@@ -95,14 +95,14 @@ def engine_profile(config: SimConfig, profile: EngineProfile) -> EngineProfile:
 
 def sim_preset(config: SimConfig) -> HardwarePreset:
     """The preset simulated: ``config.hardware``, with ``config.calibration``'s engine
-    constants and ``pcie_gbps`` if given."""
+    constants and ``reload_gbps`` if given."""
     preset = get_preset(config.hardware)
     if config.calibration is not None:
         preset = config.calibration.applied_to(preset)
-    if not config.pcie_gbps:  # None: the preset's; 0: no CPU tier (kv_pages), no reload
+    if not config.reload_gbps:  # None: the preset's; 0: no CPU tier (kv_pages), no reload
         return preset
     return dataclasses.replace(preset, gpu=dataclasses.replace(
-        preset.gpu, pcie_bw=config.pcie_gbps * 1e9))
+        preset.gpu, reload_bw=config.reload_gbps * 1e9))
 
 
 def context_cut(config: SimConfig) -> int:
@@ -180,12 +180,12 @@ class Simulation:
         knobs = config.policy_config
         if knobs.reload_gbps is None:  # the link this run models, in policy time
             knobs = dataclasses.replace(
-                knobs, reload_gbps=0.0 if config.pcie_gbps == 0
-                else preset.gpu.pcie_bw / 1e9 / config.time_scale)
+                knobs, reload_gbps=0.0 if config.reload_gbps == 0
+                else preset.gpu.reload_bw / 1e9 / config.time_scale)
         if self.disk is not None and knobs.disk_read_gbps is None:
             # the disk this run models, in policy time: its read, or the PCIe links
             # it is pipelined through where those are slower
-            bw = min(self.disk.read_bw, preset.gpu.pcie_bw * preset.tp)
+            bw = min(self.disk.read_bw, preset.gpu.reload_bw * preset.tp)
             knobs = dataclasses.replace(
                 knobs, disk_read_gbps=bw / 1e9 / config.time_scale,
                 disk_latency_s=self.disk.latency_s * config.time_scale)

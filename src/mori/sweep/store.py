@@ -71,8 +71,9 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
     return out
 
 
-OPTIONAL_SETTINGS: dict[str, Any] = {"pcie_gbps": None, "acting_token_weight": 1.0,
-                                     "acting_token_decay": False, "reload_gbps": None,
+OPTIONAL_SETTINGS: dict[str, Any] = {"reload_gbps": None, "acting_token_weight": 1.0,
+                                     "acting_token_decay": False,
+                                     "policy_reload_gbps": None,
                                      "max_wait_s": None, "recompute_tok_s": None,
                                      "disk_ratio": 0.0, "disk_kv_tokens": None,
                                      "disk": "nvme-gen5", "load_window_s": None,
@@ -127,6 +128,7 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
     """
     hints = typing.get_type_hints(RunResult)
     measured = set(hints) - set(RESULT_CONTEXT)
+    data = _renamed_settings(data)
     data = {**OPTIONAL_SETTINGS, **OPTIONAL_MEASURES, **data}
     if set(data) | {_DERIVED} != measured | set(RESULT_SETTINGS):
         raise ValueError("the record's fields are not those of RunResult")
@@ -140,9 +142,10 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
         values[name] = value
     policy_keys = {f.name for f in dataclasses.fields(PolicyConfig)}
     sim_keys = {f.name for f in dataclasses.fields(SimConfig)}
-    config = SimConfig(
-        **{k: data[k] for k in RESULT_SETTINGS if k in sim_keys},
-        policy_config=PolicyConfig(**{k: data[k] for k in RESULT_SETTINGS if k in policy_keys}))
+    knobs = {k: data[k] for k in RESULT_SETTINGS if k in policy_keys and k not in sim_keys}
+    knobs.update({name: data[key] for key, name in _POLICY_SETTINGS.items()})
+    config = SimConfig(**{k: data[k] for k in RESULT_SETTINGS if k in sim_keys},
+                       policy_config=PolicyConfig(**knobs))
     if data.get(_DERIVED, config.programs_per_replica) != config.programs_per_replica:
         raise ValueError(f"the record's {_DERIVED} is not programs / replicas")
     return RunResult(config=config, traces=data["traces"], max_context=data["max_context"],
@@ -151,6 +154,23 @@ def result_from_dict(data: dict[str, Any]) -> RunResult:
 
 _DERIVED = "programs_per_replica"
 """The setting of a flat record that is not a :class:`SimConfig` field."""
+
+_POLICY_SETTINGS = {"policy_reload_gbps": "reload_gbps"}
+"""Settings of a flat record named apart from their :class:`PolicyConfig` field (the
+field's name is a :class:`SimConfig` field's too)."""
+
+
+def _renamed_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """A flat record with the settings' present names. A record written before the
+    simulated link's reload bandwidth was named ``reload_gbps`` has it as ``pcie_gbps``
+    (the old name, still read; never written) and the policy's ``reload_gbps`` under
+    that name: a record has ``policy_reload_gbps`` from then on."""
+    if "policy_reload_gbps" in data:
+        return data
+    data = dict(data)
+    policy = data.pop("reload_gbps", None)
+    link = data.pop("pcie_gbps", None)
+    return {**data, "reload_gbps": link, "policy_reload_gbps": policy}
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -15,8 +15,8 @@ worker and host spec are in ``host_tier``; ``connector_config.kv_transfer_config
 flag that loads them). It evicts host chunks by class, in this order: ``inactive`` first,
 then ``cold`` (a program MORI parked on the disk tier, which holds its chunks), then
 ``busy``, then ``idle`` (kept longest: an idle program's next turn is the one the host
-tier saves; a busy program's KV is on the GPU anyway), least recently used first within a
-class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
+tier saves; a busy program's KV is on the GPU anyway; ``mori.core.eviction_order``), least
+recently used first within a class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
 (``v1/kv_offload/cpu/policies/lru.py``; see :class:`MoriCachePolicy` for what changed in
 0.33). A chunk's class is the most protective (``idle`` >
 ``busy`` > ``cold`` > ``inactive``) label among the programs whose requests used it; a chunk no known
@@ -60,6 +60,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
+from mori.core.eviction_order import eviction_order, label_ranks, most_protected
+from mori.core.types import Tier
 from mori.plugin_channel import kv_hints
 from mori.plugin_channel.labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
@@ -68,10 +70,12 @@ from .connector_config import PROGRAM_KEY
 
 logger = logging.getLogger("vllm.mori_plugin.cpu_tier")
 
-# Protection of a host chunk by label (higher is evicted later).
-CPU_PROTECTION = {"inactive": 0, "cold": 1, "busy": 2, "idle": 3}
-EVICT_ORDER = ("inactive", "cold", "busy", "idle")  # evicted first .. last
-WIDE_CLASS = "idle"  # a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs
+# Protection of a host chunk by label (higher is evicted later): the CPU tier's order of
+# mori.core.eviction_order
+CPU_PROTECTION = label_ranks(Tier.CPU)
+EVICT_ORDER = tuple(label.value for label in eviction_order(Tier.CPU))  # first .. last
+# a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs: the most protected class
+WIDE_CLASS = most_protected(Tier.CPU).value
 MIRROR_INACTIVE_CLASS = "busy"  # an inactive program's chunk in a mirror-only tier
 COMPACT_MIN = 64  # heaps are rebuilt when they hold > max(this, 4 x evictable) entries
 

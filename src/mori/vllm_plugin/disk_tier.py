@@ -23,7 +23,7 @@ through ``primary_kv_view`` (the tier's shared memory); an out-of-tree tier is n
   store that does not fit evicts ready chunks (none being read or written) in MORI's
   order: ``inactive`` first, then ``busy`` (its KV is on the GPU), then ``idle`` (on the
   CPU tier too), then ``cold`` (MORI parked the program here: the disk holds its only
-  copy), least recently used first within a class. A chunk's class is the most protective
+  copy; ``mori.core.eviction_order``), least recently used first within a class. A chunk's class is the most protective
   label of the programs that stored or touched it (``kv_transfer_params["mori_program"]``,
   as the CPU tier's policy reads it); a chunk no known program used is ``busy``, so an
   unbound tier evicts by LRU. A chunk whose programs were all dropped is ``inactive``.
@@ -75,15 +75,20 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from mori.core.eviction_order import eviction_order, label_ranks, most_protected
+from mori.core.types import Tier
 from mori.plugin_channel.labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
 
 from .cpu_tier import TierLabels, program_of
 
 logger = logging.getLogger("vllm.mori_plugin.disk_tier")
 
-DISK_PROTECTION = {"inactive": 0, "busy": 1, "idle": 2, "cold": 3}
-EVICT_ORDER = ("inactive", "busy", "idle", "cold")  # evicted first .. last
-WIDE_CLASS = "cold"  # a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs
+# Protection of a disk chunk by label (higher is evicted later): the disk tier's order of
+# mori.core.eviction_order
+DISK_PROTECTION = label_ranks(Tier.DISK)
+EVICT_ORDER = tuple(label.value for label in eviction_order(Tier.DISK))  # first .. last
+# a chunk used by more than MAX_PROGRAMS_PER_BLOCK programs: the most protected class
+WIDE_CLASS = most_protected(Tier.DISK).value
 MAGIC = b"MORIKV01"
 HEADER = struct.Struct("<8sQI36s")  # magic, payload bytes, CRC-32, key (zero padded)
 SUFFIX = ".kv"

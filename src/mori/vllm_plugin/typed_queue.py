@@ -4,10 +4,13 @@ vLLM 0.32 keeps every free KV block (the cached ones that are eviction candidate
 included) in one ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): a doubly
 linked list threaded through the blocks' own ``prev_free_block`` / ``next_free_block``
 fields, whose head is evicted first. :class:`TypedFreeBlockQueue` has the same methods with
-the same meaning, and keeps four such lists instead of one, evicted in this order:
+the same meaning, and keeps five such lists instead of one, evicted in this order:
 
 1. blocks without a hash (``block.block_hash is None``: never a prefix-cache hit);
-2. ``inactive`` blocks; 3. ``idle`` blocks; 4. ``busy`` blocks.
+2. ``inactive`` blocks; 3. ``cold`` blocks (a program parked on the disk tier); 4.
+   ``idle`` blocks; 5. ``busy`` blocks.
+
+The labelled lists follow the GPU's order of ``mori.core.eviction_order``.
 
 Within a list the order is vLLM's: ``append`` / ``append_n`` put blocks at the tail (most
 recently used, evicted last), ``prepend_n`` at the head (evicted first), so a list is LRU.
@@ -41,11 +44,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
-UNHASHED, INACTIVE, IDLE, BUSY = 0, 1, 2, 3
-CLASS_NAMES = ("unhashed", "inactive", "idle", "busy")  # eviction order: first is evicted first
-# ``cold`` (parked on the disk tier) shares the inactive list: its GPU blocks go first, as
-# an inactive program's, its KV being on disk (LRU between the two)
-LABEL_CLASS = {"inactive": INACTIVE, "cold": INACTIVE, "idle": IDLE, "busy": BUSY}
+from mori.core.eviction_order import eviction_order, ranks
+from mori.core.types import Tier
+
+# the lists, evicted first .. last: blocks without a hash, then one list per label in the
+# GPU's order of mori.core.eviction_order (inactive, cold, idle, busy)
+UNHASHED = 0
+LABEL_CLASS = {label.value: 1 + rank for label, rank in ranks(Tier.GPU).items()}
+INACTIVE, COLD, IDLE, BUSY = (LABEL_CLASS[n] for n in ("inactive", "cold", "idle", "busy"))
+CLASS_NAMES = ("unhashed", *(label.value for label in eviction_order(Tier.GPU)))
 
 # The methods of vLLM 0.32's FreeKVCacheBlockQueue that code outside it calls (BlockPool:
 # popleft, popleft_n, remove, append, append_n, prepend_n, num_free_blocks; the simple
@@ -86,7 +93,8 @@ class TypedFreeBlockQueue:
     """Drop-in for ``FreeKVCacheBlockQueue`` with one LRU list per eviction class.
 
     ``blocks``: the free blocks, in eviction order (as vLLM's constructor takes them);
-    ``label_of(block)``: the label (``busy``/``idle``/``inactive``) of a hashed block;
+    ``label_of(block)``: the label (``busy``/``idle``/``cold``/``inactive``) of a hashed
+    block (any other counts as ``busy``);
     ``on_pop(block)``: called for each block ``popleft``/``popleft_n`` hand out (the pool
     reuses it for new content, so what was known about the old content is stale).
     """
