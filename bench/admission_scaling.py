@@ -36,7 +36,10 @@ import time
 from pathlib import Path
 
 import aiohttp
-from benchutil import pct, raise_nofile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import pct, raise_nofile
 
 PROMPT = "x" * 4000  # about 1,000 tokens at the gateway's 4 characters a token
 

@@ -22,11 +22,15 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-from benchutil import raise_nofile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import raise_nofile
 
 ADMIN = "sk-bench-admin"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -68,7 +68,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchutil import child_pids, cpu_seconds, free_port
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import child_pids, cpu_seconds, free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -221,7 +223,7 @@ def api_list(text: str) -> list[str]:
 def serve_upstream(port: int) -> None:
     """``trivial_upstream``'s server, answering each API's path with its own minimal
     body (``APIS``): what ``--api`` runs against."""
-    import trivial_upstream as tu
+    from bench import trivial_upstream as tu
 
     answers = {b"/v1/chat/completions": tu._response(b"200 OK", tu._COMPLETION)}
     for api in APIS.values():

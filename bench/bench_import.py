@@ -22,7 +22,9 @@ import uuid
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from benchutil import HWM_SOURCE, scratch_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import HWM_SOURCE, scratch_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "tests" / "data" / "claude-code"

@@ -68,11 +68,17 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
-from benchutil import free_port, pct, raise_nofile, rss_mb, tail
-from soak_faults import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from tqdm import tqdm
+
+from bench.benchutil import free_port, pct, raise_nofile, rss_mb, tail
+from bench.soak_faults import (
     FAULT_SERVE_DEFAULTS,
     Child,
     Faults,
@@ -81,8 +87,7 @@ from soak_faults import (
     note,
     wait_up,
 )
-from soak_report import Sample, Stats, metric_sum, report, serve_flag
-from tqdm import tqdm
+from bench.soak_report import Sample, Stats, metric_sum, report, serve_flag
 
 
 class Soak:

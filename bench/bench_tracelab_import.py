@@ -27,7 +27,9 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from benchutil import HWM_SOURCE, scratch_dir
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import HWM_SOURCE, scratch_dir
 
 RELEASE = {"claude": (140_338, 2_676), "codex": (216_823, 1_589)}  # rows, sessions
 T0 = datetime(2026, 1, 5, tzinfo=UTC).timestamp()

@@ -100,8 +100,10 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from ttft_split import latency_line, latency_split, timer_means, timer_sums
-from vllm_arms import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.ttft_split import latency_line, latency_split, timer_means, timer_sums
+from bench.vllm_arms import (
     BLOCK_SIZE,
     ArmFailed,
     Processes,
@@ -278,7 +280,7 @@ def calibrate(blocks: int, cpus: frozenset[int] | None, *, host_tier: bool
     """This run's engine constants: ``bench/calibrate_cpu_engine.py``'s measurements on
     one engine of ``blocks`` blocks on ``cpus`` (with a host tier where the arms have
     one: their prefills write through to it), and the constants fitted to them."""
-    from calibrate_cpu_engine import (  # it imports this module
+    from bench.calibrate_cpu_engine import (  # it imports this module
         fitted_constants,
         measure,
         tokenize_fit,

@@ -29,9 +29,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-from bench_vllm_agents import (  # noqa: E402
+from bench.bench_vllm_agents import (  # noqa: E402
     Settings,
     engine_counters,
     max_output_tokens,
@@ -40,7 +40,7 @@ from bench_vllm_agents import (  # noqa: E402
     run_replay,
     tokens_per_text_token,
 )
-from vllm_arms import (  # noqa: E402
+from bench.vllm_arms import (  # noqa: E402
     ArmFailed,
     Processes,
     block_bytes,
@@ -48,7 +48,6 @@ from vllm_arms import (  # noqa: E402
     start_engine,
     start_mori,
 )
-
 from mori.cli.table import format_table  # noqa: E402
 from mori.replay.metrics import parse_prometheus  # noqa: E402
 from mori.traces import default_traces  # noqa: E402

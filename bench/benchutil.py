@@ -1,7 +1,7 @@
 """Helpers the benchmark scripts share: free ports, the open-file limit, a process's RSS
 and CPU time, its children, percentiles, the end of a log file, a scratch folder, a
-``mori sweep``'s runs. (Run
-from ``bench/``, so scripts import it by name.)"""
+``mori sweep``'s runs. (Scripts import it as ``bench.benchutil``: ``bench/`` is a
+package, and a script run as ``python bench/X.py`` puts the repo root on ``sys.path``.)"""
 
 from __future__ import annotations
 

@@ -55,12 +55,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-from bench_vllm_agents import split_cpus  # noqa: E402
-from benchutil import free_port  # noqa: E402
-from vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
-
+from bench.bench_vllm_agents import split_cpus  # noqa: E402
+from bench.benchutil import free_port  # noqa: E402
+from bench.vllm_arms import block_bytes, pinned_to, stop_group  # noqa: E402
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.calibration import EngineCalibration  # noqa: E402
 from mori.core.costmodel import CostModel, get_preset, prefill_attn_ctx  # noqa: E402

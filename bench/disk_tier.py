@@ -24,7 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchutil import sweep_runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import sweep_runs
 
 Cell = tuple[str, str, float, int]  # traces, preset, cpu ratio, programs per replica
 Runs = dict[Cell, dict[tuple[str, float], dict[str, Any]]]  # (policy, disk ratio) -> run

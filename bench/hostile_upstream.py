@@ -36,10 +36,14 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
-from benchutil import cpu_seconds, free_port, pct
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import cpu_seconds, free_port, pct
 
 PIECE = 64 * 1024
 

@@ -21,7 +21,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from benchutil import sweep_runs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import sweep_runs
 
 Cell = tuple[str, int, float, int]  # preset, replicas, cpu ratio, programs per replica
 

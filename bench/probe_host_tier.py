@@ -33,12 +33,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-from bench_vllm_agents import engine_counters, split_cpus  # noqa: E402
-from calibrate_cpu_engine import Prompts, post, start_engine  # noqa: E402
-from vllm_arms import BLOCK_SIZE, block_bytes, stop_group  # noqa: E402
-
+from bench.bench_vllm_agents import engine_counters, split_cpus  # noqa: E402
+from bench.calibrate_cpu_engine import Prompts, post, start_engine  # noqa: E402
+from bench.vllm_arms import BLOCK_SIZE, block_bytes, stop_group  # noqa: E402
 from mori.cli.table import format_table  # noqa: E402
 
 

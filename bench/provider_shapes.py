@@ -21,8 +21,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from never_loses import load, ratios
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
 
+from bench.never_loses import load, ratios
 from mori.traces.jsonl import write_traceset
 from mori.traces.loading import load_traces, shipped_traces
 from mori.traces.model import TraceSet

@@ -32,8 +32,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import rss_mb  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
+from bench.benchutil import rss_mb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

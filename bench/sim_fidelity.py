@@ -73,10 +73,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 
-from bench_vllm_agents import policy_rates  # noqa: E402
-
+from bench.bench_vllm_agents import policy_rates  # noqa: E402
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.calibration import EngineCalibration  # noqa: E402
 from mori.core.policy import PolicyConfig  # noqa: E402

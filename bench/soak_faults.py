@@ -12,15 +12,20 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from benchutil import free_port, tail
-from soak_report import metric_sum, placement, serve_flag
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
+
 from tqdm import tqdm
 
+from bench.benchutil import free_port, tail
+from bench.soak_report import metric_sum, placement, serve_flag
+
 if TYPE_CHECKING:
-    from bench_soak import Soak
+    from bench.bench_soak import Soak
 
 # the children run without these, so the bench can read the engines and the gateway
 CHILD_ENV_DROP = ("MORI_ENGINE_TOKEN", "MORI_API_KEYS", "MORI_ADMIN_KEYS")

@@ -7,10 +7,13 @@ the window's ends, and a part can come out negative."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
-from vllm_arms import http_get
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench.` when run as a script
 
+from bench.vllm_arms import http_get
 from mori.engines.http import parse_prometheus
 
 TIMERS = {  # histograms whose mean over an arm is read from their _sum and _count

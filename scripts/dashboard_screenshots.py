@@ -6,7 +6,9 @@ Live: ``mori serve`` (2 simulated replicas, an admin key) driven by ``mori repla
 
     python scripts/dashboard_screenshots.py [--out docs] [--chromium /usr/bin/chromium]
 
-Needs Debian's ``chromium`` and the ``playwright`` package (both come with the tests).
+Needs Debian's ``chromium`` and the ``playwright`` package (both come with the tests;
+without root, ``scripts/chromium_env.sh`` fetches the browser and prints its path:
+``--chromium "$(scripts/chromium_env.sh | tail -1)"``).
 """
 
 from __future__ import annotations

@@ -8,26 +8,19 @@ import argparse
 import http.server
 import threading
 import time
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from bench import bench_vllm_agents
 from mori.core.costmodel import CostModel
 from mori.core.hardware import get_preset
-from support.bench_module import BENCH, load_bench
 
 
 @pytest.fixture(scope="module")
-def agents() -> Iterator[ModuleType]:
-    import sys
-
-    sys.path.insert(0, str(BENCH))  # its sibling vllm_arms
-    try:
-        yield load_bench("bench_vllm_agents")
-    finally:
-        sys.path.remove(str(BENCH))
+def agents() -> ModuleType:
+    return bench_vllm_agents
 
 
 def test_cpu_blocks_take_a_list(agents: ModuleType) -> None:

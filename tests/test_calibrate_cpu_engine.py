@@ -7,13 +7,13 @@ from types import ModuleType
 
 import pytest
 
+from bench import calibrate_cpu_engine
 from mori.core.costmodel import CostModel, prefill_attn_ctx
-from support.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def cal() -> ModuleType:
-    return load_bench("calibrate_cpu_engine")
+    return calibrate_cpu_engine
 
 
 def test_nnls_recovers_non_negative_coefficients(cal: ModuleType) -> None:

@@ -1,24 +1,26 @@
 """A real headless Chromium for the dashboard's browser tests, driven by Playwright.
 
-The browser is Debian's ``chromium`` package (``/usr/bin/chromium``, or ``$MORI_CHROMIUM``),
-not one Playwright downloads. When it is missing, the ``browser`` fixture installs it
-with ``apt-get`` (as root, or with password-less ``sudo``), once per machine.
-``MORI_SKIP_BROWSER=1`` skips these tests; anything else that goes wrong fails them
-with what to do.
+The browser is Debian's ``chromium`` package, fetched without root by
+``scripts/chromium_env.sh`` (apt-get download, unpacked with dpkg -x into
+``~/.cache/mori/chromium``; the first run on a machine takes about a minute, later runs
+reuse it), or ``$MORI_CHROMIUM`` where that names another build. The script's path is
+asked for once per test session. When the script cannot provide a browser (no apt-get,
+Debian's repositories unreachable) the browser tests are skipped, with the script's own
+words as the reason; ``MORI_SKIP_BROWSER=1`` skips them outright.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-CHROMIUM = Path(os.environ.get("MORI_CHROMIUM", "/usr/bin/chromium"))
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chromium_env.sh"
 INSTALL_TIMEOUT_S = 900
 # as root in a container, without the sandbox; no network of its own (these machines may
 # have none) and a fresh profile each launch
@@ -27,33 +29,32 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-sync", "--disable-dev-shm-usage"]
 
 
-def _apt(*args: str) -> subprocess.CompletedProcess[str]:
-    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    return subprocess.run([*sudo, "apt-get", *args], capture_output=True, text=True,
-                          timeout=INSTALL_TIMEOUT_S,
-                          env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+@cache
+def _fetch_chromium() -> tuple[Path | None, str]:
+    """The browser's path from ``scripts/chromium_env.sh``, or None and why not."""
+    try:
+        res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True,
+                             timeout=INSTALL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"{SCRIPT.name} ran past {INSTALL_TIMEOUT_S} s"
+    lines = res.stdout.strip().splitlines()
+    if res.returncode == 0 and lines and Path(lines[-1]).exists():
+        return Path(lines[-1]), ""
+    return None, f"{SCRIPT.name} exited {res.returncode}: {res.stderr.strip()[-1500:]}"
 
 
 def ensure_chromium() -> Path:
-    if CHROMIUM.exists():
-        return CHROMIUM
     if os.environ.get("MORI_SKIP_BROWSER") == "1":
         pytest.skip("MORI_SKIP_BROWSER=1: the dashboard's browser tests are skipped")
-    can_install = shutil.which("apt-get") is not None and (
-        os.geteuid() == 0 or shutil.which("sudo") is not None)
-    log = ""
-    if can_install:
-        res = _apt("install", "-y", "-q", "chromium")
-        if res.returncode != 0:  # stale package lists: refresh them once, then retry
-            _apt("update", "-q")
-            res = _apt("install", "-y", "-q", "chromium")
-        log = (res.stdout + res.stderr)[-2000:]
-    if not CHROMIUM.exists():
-        pytest.fail(f"the dashboard's browser tests need Chromium at {CHROMIUM}: install "
-                    "Debian's package (apt-get install chromium), point MORI_CHROMIUM at "
-                    "another build, or set MORI_SKIP_BROWSER=1 to skip them. "
-                    + (f"apt-get said:\n{log}" if log else "apt-get cannot run here."))
-    return CHROMIUM
+    if os.environ.get("MORI_CHROMIUM"):
+        path = Path(os.environ["MORI_CHROMIUM"])
+        if not path.exists():
+            pytest.fail(f"MORI_CHROMIUM={path} does not exist")
+        return path
+    path, why = _fetch_chromium()
+    if path is None:
+        pytest.skip(f"no headless Chromium for the dashboard's browser tests: {why}")
+    return path
 
 
 @pytest.fixture(scope="module")

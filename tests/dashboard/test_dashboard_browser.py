@@ -30,6 +30,8 @@ USER = "sk-dash-user-9a7b2d"
 ROWS = "#programs tbody tr"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
+pytestmark = pytest.mark.e2e  # a real browser (scripts/chromium_env.sh fetches it)
+
 
 @dataclass(frozen=True)
 class Live:

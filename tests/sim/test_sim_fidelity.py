@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from bench import bench_vllm_agents, sim_fidelity
 from mori.traces import default_traces
-from support.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def fidelity_mod() -> ModuleType:
-    return load_bench("sim_fidelity")
+    return sim_fidelity
 
 
 def bench_doc(cpu_blocks: int) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def test_the_simulated_policy_gets_the_rates_the_gateway_was_told(
         fidelity_mod: ModuleType) -> None:
     doc = bench_doc(cpu_blocks=256)
     arm = doc["arms"][3]
-    bench = load_bench("bench_vllm_agents")
+    bench = bench_vllm_agents
     # a file from before the bench recorded them: today's preset, as the bench computes
     cfg = fidelity_mod.sim_config(doc["settings"], arm, "mori")
     expect = bench.policy_rates(10.0)

@@ -7,15 +7,15 @@ from types import ModuleType
 
 import pytest
 
+from bench import ta_churn
 from mori.sim.config import SimConfig
 from mori.sim.runner import Simulation
 from mori.traces import default_traces
-from support.bench_module import load_bench
 
 
 @pytest.fixture(scope="module")
 def churn() -> ModuleType:
-    return load_bench("ta_churn")
+    return ta_churn
 
 
 def test_counts_match_the_decisions_and_change_none(churn: ModuleType) -> None:

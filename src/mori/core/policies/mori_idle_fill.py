@@ -16,14 +16,8 @@ of the replica's CPU tier: a park waits out no reload price on an idle engine
 (``ReturnCost.park_pays``), but a drop still waits until it pays. One request per idle
 replica per round: once it runs, the replica is no longer idle.
 
-Off by default, as measured so far. Making room by drops too (whatever they cost) lost
-up to 17% in the simulator (30B on one replica, no CPU tier, 50 programs, seed 0: 0.480
-against 0.576 steps per second with the rule off; 5% on three replicas with CPU ratio 2):
-a drop that does not pay yet comes back as a recompute on a busy engine, which costs more
-than the idle time it saved (four other cells of the paper's settings: no change). By
-parks alone, as here, on the second cell only: 2.276 against 2.356 (-3%, one seed); not
-yet measured on a real engine, where the measured reload price (which the simulator
-does not learn) is what it waives.
+Off by default, as measured so far (it lost throughput in the simulator). Measured:
+docs/results.md, "Filling an idle replica (`--fill-idle`)".
 """
 
 from __future__ import annotations

@@ -6,12 +6,10 @@ where it fits most tightly, which leaves the largest holes for the rest.
 ``ReplicaChoice`` holds these choices, a part of the policy (``MoriPolicy.choice``); the
 rules that call them are in ``mori.MoriPolicy`` and its other parts.
 
-The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it). Measured
-(docs/results.md, "Placement across replicas"): with three replicas and a handful of programs
-it put every program on one replica while the others sat idle, and near capacity it
-packed new programs onto the fullest replica, which then overflowed as their contexts
-grew (910 demotions to the CPU tier in an hour, against 15 now). With one
-replica there is no choice and nothing changes.
+The paper places by Best-Fit-Decreasing always (``mori-pack`` keeps it), which puts a
+handful of programs on one replica and, near capacity, overflows the fullest. With one
+replica there is no choice and nothing changes. Measured: docs/results.md, "Placement
+across replicas".
 
 With ``PolicyConfig.spread_by_load`` the spreading first prefers the replica serving the
 fewest requests that are not the policy's own (``Policy.set_replica_loads``: in the

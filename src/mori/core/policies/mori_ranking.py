@@ -17,6 +17,9 @@ rule (``MoriPolicy``'s ``ranking``) instead of overriding its methods:
 room plan from sums (``RoomMaker.plan_fast``) both, the blocked-round check
 (``IndexedPromotion.blocked``, which needs no Acting program to be displaced) ``any_victim``
 only.
+
+Measured (the rules against each other, ``ReturnCost``'s parts): docs/results.md, "MORI
+that never loses"; docs/benchmarks.md, "The engine as the bottleneck".
 """
 
 from __future__ import annotations
