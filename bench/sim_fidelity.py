@@ -7,8 +7,9 @@
 seed, trace set) and one row per arm with the engine's own token counters. Each arm that
 the simulator can model is simulated with the same workload on the ``cpu-tiny-llama``
 preset (the tiny model on vLLM's CPU build): the same programs, duration, seed, trace
-set, context cut (the arm's ``max_context``, trace tokens), token scale and time scale,
-and the engine's pool of ``(blocks - 1) x 32`` tokens (vLLM keeps one block aside):
+set, context cut (the arm's ``max_context``, trace tokens), token scale, the replay's time
+scale as the engine's slowdown (``SimConfig.engine_slowdown``), and the engine's pool
+of ``(blocks - 1) x 32`` tokens (vLLM keeps one block aside):
 
   a  vLLM direct (LRU)       -> policy ``smg`` with no host tier (``--cpu-blocks 0``);
                                 with one, ``lru-offload``: the engine's write-through host
@@ -159,7 +160,10 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
         engine_queues=(arm["arm"] in MORI_SERVE_ARMS
                        and bool(settings.get("mori_reads_engine_queues", False))),
         learn_costs="--no-learn-costs" not in str(settings.get("mori_args", "")),
-        token_scale=float(settings["token_scale"]), time_scale=float(settings["time_scale"]),
+        # the replay ran the trace's clock time_scale times faster than the wall: to the
+        # trace, the real engine was that many times slower
+        token_scale=float(settings["token_scale"]),
+        engine_slowdown=float(settings["time_scale"]),
         max_output_tokens=max_output, front_s=front_s,
         policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
 
@@ -267,8 +271,9 @@ def compare_arm(settings: dict[str, Any], runs: list[dict[str, Any]], traces: Tr
         "sim_requests_per_s": result.steps / window_s,
         "rate_error": rate_error(result.steps / window_s, _median(
             [float(c) / window_s for c in completed if c is not None])),
-        # TTFT in wall milliseconds: the simulator's engine runs time_scale times slower
-        # than the trace's clock, as the replay's does against the wall
+        # TTFT in wall milliseconds: the simulator's engine runs engine_slowdown (the
+        # replay's time_scale) times slower than the trace's clock, as the replay's does
+        # against the wall
         "real_ttft_p50_ms": _ms(_median([r.get("ttft_p50_wall_s") for r in runs])),
         "real_ttft_p90_ms": _ms(_median([r.get("ttft_p90_wall_s") for r in runs])),
         "sim_ttft_p50_ms": _ms(result.ttft_p50_s / float(settings["time_scale"])),

@@ -191,28 +191,28 @@ TINY_RUN = ["simulate", "--quiet", "--preset", "cpu-tiny-llama", "--policy", "sm
 def test_engine_model_options_reach_the_runs(tmp_path: Path) -> None:
     out = tmp_path / "tiny.json"
     assert main([*TINY_RUN, "--gpu-kv-tokens", "2050", "--cpu-kv-tokens", "1024",
-                 "--time-scale", "10", "--max-context", "150000", "--json", str(out)]) == 0
+                 "--engine-slowdown", "10", "--max-context", "150000", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["policy"], r["gpu_kv_tokens"], r["cpu_kv_tokens"], r["token_scale"],
-             r["time_scale"], r["gpu_kv_capacity_tokens"], r["cpu_kv_capacity_tokens"])
+             r["engine_slowdown"], r["gpu_kv_capacity_tokens"], r["cpu_kv_capacity_tokens"])
             for r in rows] == [("smg", 2050, 1024, 0.01, 10.0, 2048, 0),
                                ("mori", 2050, 1024, 0.01, 10.0, 2048, 1024)]
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text('gpu-kv-tokens = 4064\ncpu_kv_tokens = 0\ntime-scale = 2\n'
+    cfg.write_text('gpu-kv-tokens = 4064\ncpu_kv_tokens = 0\nengine-slowdown = 2\n'
                    'token_scale = 0.01\njson = "cfg.json"\n')
     assert main(["simulate", "--quiet", "--config", str(cfg), "--preset", "cpu-tiny-llama",
                  "--policy", "mori", "--programs", "2", "--duration", "30"]) == 0
     row = json.loads((tmp_path / "cfg.json").read_text())[0]
-    assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"], row["time_scale"],
+    assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"], row["engine_slowdown"],
             row["max_context"]) == (4_064, 0, 2.0, 406_400)
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [
     ("--token-scale", "0", "token_scale must be > 0"),
-    ("--time-scale", "-1", "time_scale must be > 0"),
+    ("--engine-slowdown", "-1", "engine_slowdown must be > 0"),
     ("--gpu-kv-tokens", "16", "gpu_kv_tokens must hold at least one page of 32 tokens"),
     ("--cpu-kv-tokens", "-5", "cpu_kv_tokens must be >= 0"),
-    ("--time-scale", "inf", "finite"),
+    ("--engine-slowdown", "inf", "finite"),
 ])
 def test_bad_engine_model_options_exit_2(capsys: pytest.CaptureFixture[str], flag: str,
                                          value: str, expected: str) -> None:
@@ -318,27 +318,31 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(argv: list[str]) -> 
 
 def test_former_spellings_still_work_and_warn(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """--hardware, --window and --pcie-gbps (and their config keys) became --preset,
-    --idleness-window and --reload-gbps: the old ones give the same runs, with a warning."""
+    """--hardware, --window, --pcie-gbps and --time-scale (and their config keys) became
+    --preset, --idleness-window, --reload-gbps and --engine-slowdown: the old ones give the
+    same runs, with a warning."""
     new = run_json(tmp_path, "--preset", "h200-80g-qwen2.5-7b", "--idleness-window", "3",
-                   "--reload-gbps", "7")
+                   "--reload-gbps", "7", "--engine-slowdown", "2")
     assert "deprecated" not in capsys.readouterr().err
     old = run_json(tmp_path, "--hardware", "h200-80g-qwen2.5-7b", "--window", "3",
-                   "--pcie-gbps", "7")
+                   "--pcie-gbps", "7", "--time-scale", "2")
     err = capsys.readouterr().err
     for flag, instead in (("--hardware", "--preset"), ("--window", "--idleness-window"),
-                          ("--pcie-gbps", "--reload-gbps")):
+                          ("--pcie-gbps", "--reload-gbps"),
+                          ("--time-scale", "--engine-slowdown")):
         assert f"mori: {flag} is deprecated and will be removed; use {instead}" in err
-    assert [(r["hardware"], r["idleness_window"], r["reload_gbps"]) for r in old] == [
-        (r["hardware"], r["idleness_window"], r["reload_gbps"]) for r in new] == [
-        ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(new)
+    def settings(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["hardware"], r["idleness_window"], r["reload_gbps"], r["engine_slowdown"]
+    assert [settings(r) for r in old] == [settings(r) for r in new] == [
+        ("h200-80g-qwen2.5-7b", 3, 7.0, 2.0)] * len(new)
     cfg = tmp_path / "old.toml"
-    cfg.write_text('hardware = "h200-80g-qwen2.5-7b"\nwindow = 3\npcie-gbps = 7\n')
+    cfg.write_text('hardware = "h200-80g-qwen2.5-7b"\nwindow = 3\npcie-gbps = 7\n'
+                   'time-scale = 2\n')
     rows = run_json(tmp_path, "--config", str(cfg))
     err = capsys.readouterr().err
     assert "config key 'hardware'" in err and "use 'preset'" in err
-    assert [(r["hardware"], r["idleness_window"], r["reload_gbps"]) for r in rows] == [
-        ("h200-80g-qwen2.5-7b", 3, 7.0)] * len(rows)
+    assert "config key 'time-scale'" in err and "use 'engine-slowdown'" in err
+    assert [settings(r) for r in rows] == [("h200-80g-qwen2.5-7b", 3, 7.0, 2.0)] * len(rows)
 
 
 def test_disk_tier_flags_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -392,12 +396,12 @@ def test_load_window_flag_and_config(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_a_calibration_file_sets_the_engine_constants(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     base, calibrated = tmp_path / "base.json", tmp_path / "calibrated.json"
-    assert main([*TINY_RUN, "--time-scale", "10", "--json", str(base)]) == 0
+    assert main([*TINY_RUN, "--engine-slowdown", "10", "--json", str(base)]) == 0
     constants = {"tau": 0.05, "flops": 2e9, "eta_gemm": 0.5, "eta_attn": 0.5, "mem_bw": 2e10,
                  "eta_mem": 1.0, "request_overhead_s": 0.05}
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"constants": constants}))
-    assert main([*TINY_RUN, "--time-scale", "10", "--calibration", str(cal),
+    assert main([*TINY_RUN, "--engine-slowdown", "10", "--calibration", str(cal),
                  "--json", str(calibrated)]) == 0
     # the same engine, ten times slower per step: first tokens come later
     for fast, slow in zip(json.loads(base.read_text()), json.loads(calibrated.read_text()),

@@ -396,9 +396,9 @@ def test_tiny_llama_parameters_from_its_config() -> None:
 
 
 @pytest.mark.parametrize("scale", [0.5, 2.0, 10.0])
-def test_time_scale_multiplies_every_duration(scale: float) -> None:
+def test_engine_slowdown_multiplies_every_duration(scale: float) -> None:
     base = CostModel(get_preset("h200-qwen3-30b-a3b"))
-    slow = CostModel(base.preset, time_scale=scale)
+    slow = CostModel(base.preset, engine_slowdown=scale)
     for args in [(8_192, prefill_attn_ctx(8_192, 1_000), 0, 0), (0, 0.0, 16, 40_000),
                  (512, prefill_attn_ctx(512, 0), 32, 100_000)]:
         assert slow.iteration_time(*args) == pytest.approx(scale * base.iteration_time(*args))
@@ -410,9 +410,9 @@ def test_time_scale_multiplies_every_duration(scale: float) -> None:
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
-def test_bad_time_scale_is_refused(scale: float) -> None:
-    with pytest.raises(ValueError, match="time_scale"):
-        CostModel(get_preset("h200-qwen3-30b-a3b"), time_scale=scale)
+def test_bad_engine_slowdown_is_refused(scale: float) -> None:
+    with pytest.raises(ValueError, match="engine_slowdown"):
+        CostModel(get_preset("h200-qwen3-30b-a3b"), engine_slowdown=scale)
 
 
 # bench/calibrate_cpu_engine.py --reps 5 --reload, 2026-12-05 (the engine on one CPU of its

@@ -17,7 +17,7 @@ from mori.traces import default_traces
 # the real-engine benchmark's engine: 255 usable blocks of 32 tokens, a 512-block host tier
 BASE = SimConfig(policy="mori", programs=16, hardware="cpu-tiny-llama", duration_s=1500.0,
                  seed=1, max_context=378_058, gpu_kv_tokens=255 * 32,
-                 cpu_kv_tokens=(512 - 255) * 32, token_scale=0.01, time_scale=100.0,
+                 cpu_kv_tokens=(512 - 255) * 32, token_scale=0.01, engine_slowdown=100.0,
                  max_output_tokens=2)
 
 
@@ -84,7 +84,7 @@ def test_the_fronts_time_delays_each_request_and_shows_in_its_ttft() -> None:
     base = dataclasses.replace(BASE, programs=4, duration_s=600.0)
     plain = Simulation(base, traces).run()
     slow = Simulation(dataclasses.replace(base, front_s=0.05), traces).run()
-    front = 0.05 * base.time_scale  # 5 s of the engine's clock
+    front = 0.05 * base.engine_slowdown  # 5 s of the engine's clock
     assert slow.ttft_p50_s >= plain.ttft_p50_s + 0.9 * front
     assert slow.steps < plain.steps
     assert slow.gate_wait_mean_s < front  # the delay is not counted as held

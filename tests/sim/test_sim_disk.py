@@ -42,7 +42,7 @@ def test_a_disk_read_is_pipelined_through_pcie_and_pays_its_latency_once() -> No
     assert cost.disk_read_time(n, fast) == pytest.approx(cost.reload_time(n))  # PCIe binds
     assert cost.disk_write_time(n, NVME_GEN5) == pytest.approx(n * kv / 10e9)
     assert cost.disk_read_time(0, NVME_GEN5) == 0.0
-    slow = CostModel(get_preset(B70), time_scale=3.0)
+    slow = CostModel(get_preset(B70), engine_slowdown=3.0)
     assert slow.disk_read_time(n, NVME_GEN5) == pytest.approx(3 * one)
 
 

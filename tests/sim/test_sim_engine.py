@@ -184,18 +184,18 @@ def test_pinned_pages_are_never_evicted() -> None:
     assert e.gpu == 10
 
 
-def with_overhead(overhead_s: float, time_scale: float = 1.0):
+def with_overhead(overhead_s: float, engine_slowdown: float = 1.0):
     preset = dataclasses.replace(get_preset("h200-qwen3-30b-a3b"),
                                  request_overhead_s=overhead_s)
-    cost = CostModel(preset, time_scale=time_scale)
+    cost = CostModel(preset, engine_slowdown=engine_slowdown)
     loop = EventLoop()
     rec = Recorder()
     eng = EngineReplica(0, cost, loop, KVPools(10_000, 10_000, True), rec, True)
     return cost, loop, rec, eng
 
 
-def test_the_request_overhead_is_charged_once_scaled_by_the_time_scale() -> None:
-    cost, loop, rec, eng = with_overhead(0.01, time_scale=100.0)
+def test_the_request_overhead_is_charged_once_scaled_by_the_engine_slowdown() -> None:
+    cost, loop, rec, eng = with_overhead(0.01, engine_slowdown=100.0)
     assert cost.request_overhead == pytest.approx(1.0)
     chunk = cost.preset.chunk_size
     eng.submit(SimRequest("a", prompt=chunk + 100, reuse=0, output=3, arrived=0.0))

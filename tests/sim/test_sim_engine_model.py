@@ -1,4 +1,4 @@
-"""Modelling a given engine: KV pool overrides, token scale and time scale of a run."""
+"""Modelling a given engine: KV pool overrides, token scale and engine slowdown of a run."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def one_step(prompt: int = 1_000, output: int = 8) -> TraceSet:
 
 @pytest.mark.parametrize("bad", [
     dict(token_scale=0.0), dict(token_scale=-1.0), dict(token_scale=math.nan),
-    dict(time_scale=0.0), dict(time_scale=math.inf), dict(time_scale=-2.0),
+    dict(engine_slowdown=0.0), dict(engine_slowdown=math.inf), dict(engine_slowdown=-2.0),
     dict(gpu_kv_tokens=0), dict(hardware=TINY, gpu_kv_tokens=31),
     dict(cpu_kv_tokens=-1), dict(reload_gbps=-5.0),
     dict(reload_gbps=math.inf), dict(max_output_tokens=0),
@@ -103,10 +103,10 @@ def test_max_context_stays_in_trace_tokens() -> None:
     assert r.max_context == window * 100 and r.programs_left_out == 0
 
 
-def test_time_scale_multiplies_engine_durations() -> None:
+def test_engine_slowdown_multiplies_engine_durations() -> None:
     def ttft(scale: float) -> float:
         cfg = SimConfig(policy="smg", programs=1, duration_s=1_000, stagger_s=0,
-                        hardware=TINY, time_scale=scale)
+                        hardware=TINY, engine_slowdown=scale)
         return simulate(cfg, one_step()).ttft_mean_s
 
     one, two = ttft(1.0), ttft(2.0)
@@ -152,14 +152,14 @@ def test_cpu_kv_tokens_override_the_cpu_ratio() -> None:
 
 def test_the_record_carries_the_engine_settings() -> None:
     cfg = SimConfig(policy="mori", programs=2, duration_s=30, hardware=TINY,
-                    gpu_kv_tokens=2_048, cpu_kv_tokens=4_096, token_scale=0.01, time_scale=10,
+                    gpu_kv_tokens=2_048, cpu_kv_tokens=4_096, token_scale=0.01, engine_slowdown=10,
                     max_context=150_000)
     row = simulate(cfg, default_traces()).to_dict()
     assert list(row)[:len(RESULT_SETTINGS)] == list(RESULT_SETTINGS)
     assert {k: row[k] for k in ("gpu_kv_tokens", "cpu_kv_tokens", "token_scale",
-                                "time_scale")} == {"gpu_kv_tokens": 2_048,
+                                "engine_slowdown")} == {"gpu_kv_tokens": 2_048,
                                                    "cpu_kv_tokens": 4_096,
-                                                   "token_scale": 0.01, "time_scale": 10}
+                                                   "token_scale": 0.01, "engine_slowdown": 10}
     assert (row["gpu_kv_capacity_tokens"], row["cpu_kv_capacity_tokens"]) == (2_048, 4_096)
 
 
@@ -180,7 +180,7 @@ def test_a_reload_bandwidth_of_zero_is_no_cpu_tier() -> None:
 
 def test_a_recompute_is_priced_at_a_context_the_model_holds() -> None:
     # the tiny CPU model holds 4,064 tokens: its rate, not one at 32k it cannot reach
-    cfg = SimConfig(policy="mori", programs=1, duration_s=10, hardware=TINY, time_scale=100)
+    cfg = SimConfig(policy="mori", programs=1, duration_s=10, hardware=TINY, engine_slowdown=100)
     sim = Simulation(cfg, one_step())
     cost = sim.cost
     assert sim.policy.config.recompute_tok_s == pytest.approx(cost.prefill_rate(4_064))

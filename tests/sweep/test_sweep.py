@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 import time
@@ -15,11 +16,13 @@ import mori.sweep.local
 from mori.cli.main import main
 from mori.core.policies import PAPER_POLICIES
 from mori.core.policy import PolicyConfig
+from mori.sim import MODEL_VERSION
 from mori.sim.config import SimConfig
 from mori.sim.metrics import NONDETERMINISTIC_FIELDS, RunResult
 from mori.sim.runner import simulate
 from mori.sweep import SWEEPS, expand, settings_of
-from mori.sweep.store import config_dict, result_from_dict, run_key
+from mori.sweep.grid import Run, Setting
+from mori.sweep.store import RECORD_FORMAT, RunStore, config_dict, result_from_dict, run_key
 from mori.traces import default_traces
 
 SMOKE_STEM = "h200-qwen3-30b-a3b_cpu1_dp1"
@@ -328,6 +331,37 @@ def test_records_with_the_former_reload_names_still_load() -> None:
     loaded = result_from_dict(older)
     assert loaded.config.reload_gbps == 20.0 and loaded.config.policy_config.reload_gbps == 7.0
     assert loaded.to_dict() == row
+
+
+def test_records_with_the_former_slowdown_name_keep_their_keys_and_load(
+        tmp_path: Path) -> None:
+    """``SimConfig.engine_slowdown`` was ``time_scale``: a run's key hashes it under that
+    name (keys of earlier runs unchanged), and a record holding it so still loads."""
+    cfg = SimConfig(programs=2, duration_s=30.0, engine_slowdown=3.0)
+    assert config_dict(cfg)["engine_slowdown"] == 3.0
+    former = {("time_scale" if k == "engine_slowdown" else k): v
+              for k, v in config_dict(cfg).items()}
+    payload = {"format": RECORD_FORMAT, "config": former, "traces": "x",
+               "model": MODEL_VERSION}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    assert run_key(cfg, "x") == hashlib.sha256(text.encode()).hexdigest()[:24]
+    row = simulate(cfg, default_traces()).to_dict()
+    assert row["engine_slowdown"] == 3.0 and "time_scale" not in row
+    older = {("time_scale" if k == "engine_slowdown" else k): v for k, v in row.items()}
+    loaded = result_from_dict(older)
+    assert loaded.config.engine_slowdown == 3.0 and loaded.to_dict() == row
+    # a stored record with the former name in its config and result is found and read
+    traces = default_traces()
+    store = RunStore(tmp_path, traces)
+    store.prepare()
+    run = Run(Setting(cfg.hardware, cfg.cpu_ratio, cfg.replicas), 2, cfg)
+    store.save(run, simulate(cfg, traces))
+    record = json.loads(store.path(run).read_text())
+    record["config"] = former
+    record["result"] = older
+    store.path(run).write_text(json.dumps(record))
+    got = store.load(run)
+    assert got is not None and got.to_dict() == row
 
 
 def test_records_without_programs_per_replica_still_load() -> None:

@@ -251,9 +251,10 @@ OPTIONS: tuple[Option, ...] = (
            help="engine tokens per trace token: every prompt, reusable prefix and output "
                 "length is multiplied by S, rounded, at least 1, as `mori replay "
                 "--token-scale` sends them"),
-    Option("time_scale", float, _SIM.time_scale, metavar="T",
-           help="engine slowdown: every engine duration (steps, KV reloads) is multiplied "
-                "by T, as when a trace is replayed at `--time-scale T` against a real engine"),
+    Option("engine_slowdown", float, _SIM.engine_slowdown, metavar="T",
+           old=("time_scale",),  # the former spelling (flag and config key), still read
+           help="every engine duration (steps, KV reloads) is multiplied by T, as when a "
+                "trace is replayed with `mori replay --time-scale T` against a real engine"),
     Option("reload_gbps", float, _SIM.reload_gbps, metavar="GB/S",
            old=("pcie_gbps",),  # the former spelling (flag and config key), still read
            help="KV reload bandwidth from the CPU tier, GB/s per GPU: the simulated "

@@ -66,7 +66,7 @@ class Settings:
     disk_kv_tokens: int | None
     disk: str
     token_scale: float
-    time_scale: float
+    engine_slowdown: float
     reload_gbps: float | None
     calibration: Path | None
     max_output_tokens: int | None
@@ -115,7 +115,7 @@ def build_grid(s: Settings) -> list[SimConfig]:
                   human_gap=s.human_gap, human_gap_cap_s=s.human_gap_cap,
                   max_context=s.max_context, share_prefix=s.share_prefix,
                   gpu_kv_tokens=s.gpu_kv_tokens, cpu_kv_tokens=s.cpu_kv_tokens,
-                  token_scale=s.token_scale, time_scale=s.time_scale, reload_gbps=s.reload_gbps,
+                  token_scale=s.token_scale, engine_slowdown=s.engine_slowdown, reload_gbps=s.reload_gbps,
                   max_output_tokens=s.max_output_tokens, disk_ratio=disk,
                   disk_kv_tokens=s.disk_kv_tokens, disk=s.disk,
                   policy_config=knobs, calibration=calibration)

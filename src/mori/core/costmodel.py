@@ -9,9 +9,9 @@ with tensor-parallel degree t (docs/costmodel.md):
 
 The linear layers of all tokens share one weight read, hence the max (roofline). Decode
 attention is a KV read, so it sits in the memory term; prefill attention is compute.
-Every duration is multiplied by the model's ``time_scale`` (1 by default): an engine
+Every duration is multiplied by the model's ``engine_slowdown`` (1 by default): an engine
 whose clock runs that many times slower than the workload's, as when a trace is replayed
-at ``--time-scale T`` against a real engine.
+with ``mori replay --time-scale T`` against a real engine.
 The specs and presets live in ``mori.core.hardware`` and are re-exported here.
 """
 
@@ -55,12 +55,12 @@ def prefill_attn_ctx(new: int, cached: int) -> float:
 class CostModel:
     """Step times for one replica described by a ``HardwarePreset``. Immutable.
 
-    ``time_scale``: every duration it gives (iterations, decode runs, reloads) is
+    ``engine_slowdown``: every duration it gives (iterations, decode runs, reloads) is
     multiplied by this factor (> 0); the preset's figures are for 1.
     """
 
     preset: HardwarePreset
-    time_scale: float = 1.0
+    engine_slowdown: float = 1.0
     # Per-unit times, precomputed once (seconds per token / per byte / per FLOP unit).
     _s_per_linear_token: float = field(init=False, repr=False, compare=False)
     _s_per_attn_unit: float = field(init=False, repr=False, compare=False)
@@ -74,9 +74,10 @@ class CostModel:
     _weights: dict[int, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
-            raise ValueError(f"time_scale must be a finite number > 0 (got {self.time_scale})")
-        p, k = self.preset, self.time_scale
+        if not (math.isfinite(self.engine_slowdown) and self.engine_slowdown > 0):
+            raise ValueError(f"engine_slowdown must be a finite number > 0 "
+                             f"(got {self.engine_slowdown})")
+        p, k = self.preset, self.engine_slowdown
         m, g, t = p.model, p.gpu, p.tp
         set_ = object.__setattr__
         set_(self, "_s_per_linear_token",
@@ -246,7 +247,7 @@ class CostModel:
     def request_overhead(self) -> float:
         """Seconds each request costs the engine beyond its tokens' compute (the
         preset's ``request_overhead_s``: HTTP, tokenization, the output path)."""
-        return self.preset.request_overhead_s * self.time_scale
+        return self.preset.request_overhead_s * self.engine_slowdown
 
     def reload_time(self, tokens: int) -> float:
         """Seconds to copy ``tokens`` tokens of KV from host to GPU over PCIe.
@@ -255,7 +256,7 @@ class CostModel:
         """
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
-        return tokens * self._kv_bytes_gpu / self.preset.gpu.reload_bw * self.time_scale
+        return tokens * self._kv_bytes_gpu / self.preset.gpu.reload_bw * self.engine_slowdown
 
     def disk_read_time(self, tokens: int, disk: DiskSpec) -> float:
         """Seconds to bring ``tokens`` tokens of KV from ``disk`` to the GPU(s).
@@ -271,8 +272,8 @@ class CostModel:
             return 0.0
         p = self.preset
         disk_s = tokens * p.kv_bytes_per_token_per_gpu * p.tp / disk.read_bw
-        return (disk.latency_s + max(disk_s, self.reload_time(tokens) / self.time_scale)) \
-            * self.time_scale
+        return (disk.latency_s + max(disk_s, self.reload_time(tokens) / self.engine_slowdown)) \
+            * self.engine_slowdown
 
     def disk_write_time(self, tokens: int, disk: DiskSpec) -> float:
         """Seconds ``disk`` takes to write ``tokens`` tokens of the replica's KV (from
@@ -280,4 +281,4 @@ class CostModel:
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         p = self.preset
-        return tokens * p.kv_bytes_per_token_per_gpu * p.tp / disk.write_bw * self.time_scale
+        return tokens * p.kv_bytes_per_token_per_gpu * p.tp / disk.write_bw * self.engine_slowdown

@@ -41,9 +41,10 @@ class SimConfig:
       is multiplied by it, rounded, at least 1 (as ``mori replay --token-scale`` sends
       them). ``max_context`` stays in trace tokens (None: the context window divided by
       ``token_scale``, as the replay cuts at ``max_model_len / token_scale``).
-    - ``time_scale``: every engine duration (iterations, KV reloads) is multiplied by it:
+    - ``engine_slowdown``: every engine duration (iterations, KV reloads) is multiplied by it:
       the engine runs that many times slower relative to the trace's gaps, which is what
-      replaying a trace at ``--time-scale`` T against a real engine amounts to.
+      replaying a trace with ``mori replay --time-scale`` T against a real engine amounts
+      to.
     - ``reload_gbps``: the host-to-GPU bandwidth of KV reloads, GB/s per GPU, instead of
       the preset's (None: the preset's; 0: no usable link, so no CPU tier is simulated,
       as at CPU ratio 0).
@@ -67,7 +68,7 @@ class SimConfig:
       False (the default, and every sweep): no reading, so a replica's queue share stays
       0 and the policy prices its moves as before the gateway read them.
     - ``front_s``: the fronts' time per request, in seconds of the engine's clock (scaled
-      by ``time_scale`` as engine durations are): what a request spends outside the
+      by ``engine_slowdown`` as engine durations are): what a request spends outside the
       engine and the gateway's hold, from the client's send to the gateway's decision on
       it (the client's and the gateway's hops, the gateway's ``/tokenize`` call).
       Modelled as that delay before the policy sees the request; the time is in its TTFT.
@@ -102,7 +103,7 @@ class SimConfig:
     gpu_kv_tokens: int | None = None
     cpu_kv_tokens: int | None = None
     token_scale: float = 1.0
-    time_scale: float = 1.0
+    engine_slowdown: float = 1.0
     reload_gbps: float | None = None
     max_output_tokens: int | None = None
     disk_ratio: float = 0.0
@@ -125,10 +126,10 @@ class SimConfig:
         if not isinstance(self.policy_config, PolicyConfig):  # its own fields checked it
             problems.append(f"policy_config must be a PolicyConfig (got {self.policy_config!r})")
         for name in ("cpu_ratio", "disk_ratio", "duration_s", "human_gap_cap_s", "stagger_s", "token_scale",
-                     "time_scale"):
+                     "engine_slowdown"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name} must be a finite number (got {getattr(self, name)})")
-        for name in ("token_scale", "time_scale"):
+        for name in ("token_scale", "engine_slowdown"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name} must be > 0 (got {getattr(self, name)})")
         if self.reload_gbps is not None and not (math.isfinite(self.reload_gbps)

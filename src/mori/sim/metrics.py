@@ -107,7 +107,7 @@ class RunResult(RunTotals):
     were cut at, in trace tokens (``config.max_context``, or the model's context window
     divided by ``config.token_scale`` when that is None). Token counts (``prompt_tokens``,
     ``output_tokens``, ...) are the engine's, after the token scale; times are simulated
-    seconds, engine durations multiplied by ``config.time_scale``.
+    seconds, engine durations multiplied by ``config.engine_slowdown``.
     ``gpu_hit_rate`` and ``cpu_hit_rate``: the shares of ``prompt_tokens`` found in the
     GPU pool and reloaded from the CPU tier, ``disk_hit_rate`` the share read back from
     the disk tier (the three sum to the prefix-cached share); ``reloaded_tokens`` counts
@@ -190,7 +190,7 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "human_gap_cap_s": c.human_gap_cap_s, "max_context": max_context,
             "share_prefix": c.share_prefix, "stagger_s": c.stagger_s,
             "gpu_kv_tokens": c.gpu_kv_tokens, "cpu_kv_tokens": c.cpu_kv_tokens,
-            "token_scale": c.token_scale, "time_scale": c.time_scale,
+            "token_scale": c.token_scale, "engine_slowdown": c.engine_slowdown,
             "reload_gbps": c.reload_gbps, "max_output_tokens": c.max_output_tokens,
             "disk_ratio": c.disk_ratio,
             "disk_kv_tokens": c.disk_kv_tokens, "disk": c.disk, "tick_s": p.tick_s,

@@ -137,7 +137,7 @@ class Simulation:
         self.trace_name = traces.name
         preset = sim_preset(config)
         policy_cls = POLICIES.get(config.policy)
-        self.cost = CostModel(preset, time_scale=config.time_scale)
+        self.cost = CostModel(preset, engine_slowdown=config.engine_slowdown)
         page = preset.page_tokens
         profile = engine_profile(config, policy_cls.engine_profile)
         self.gpu_pages, self.cpu_pages = kv_pages(config, profile.cpu_tier)
@@ -181,14 +181,14 @@ class Simulation:
         if knobs.reload_gbps is None:  # the link this run models, in policy time
             knobs = dataclasses.replace(
                 knobs, reload_gbps=0.0 if config.reload_gbps == 0
-                else preset.gpu.reload_bw / 1e9 / config.time_scale)
+                else preset.gpu.reload_bw / 1e9 / config.engine_slowdown)
         if self.disk is not None and knobs.disk_read_gbps is None:
             # the disk this run models, in policy time: its read, or the PCIe links
             # it is pipelined through where those are slower
             bw = min(self.disk.read_bw, preset.gpu.reload_bw * preset.tp)
             knobs = dataclasses.replace(
-                knobs, disk_read_gbps=bw / 1e9 / config.time_scale,
-                disk_latency_s=self.disk.latency_s * config.time_scale)
+                knobs, disk_read_gbps=bw / 1e9 / config.engine_slowdown,
+                disk_latency_s=self.disk.latency_s * config.engine_slowdown)
         if knobs.recompute_tok_s is None:  # this run's prefill rate (scaled durations)
             # of a context the model can hold (the default 32k is past the tiny CPU
             # model's window, where the rate would be a tenth of any real recompute's)
@@ -204,7 +204,7 @@ class Simulation:
                 self.policy.set_engine_costs(replica, EngineCosts(
                     reload_fixed_s=0.0, reload_per_token_s=per_token))
         self.loop = EventLoop()
-        self._front_s = config.front_s * config.time_scale  # the fronts' time, scaled
+        self._front_s = config.front_s * config.engine_slowdown  # the fronts' time, scaled
         typed = profile.typed_eviction
         self.engines = [
             EngineReplica(i, self.cost, self.loop,

@@ -100,11 +100,30 @@ def _fields_dict(obj: Any) -> dict[str, Any]:
     return out
 
 
+KEYED_AS: dict[str, str] = {"engine_slowdown": "time_scale"}
+"""Settings hashed into a run's key under their former name, so that runs recorded
+before the rename keep their keys (``SimConfig.engine_slowdown`` was ``time_scale``)."""
+
+
+def _former_names(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a :func:`config_dict`) with the renamed settings under their former
+    names (:data:`KEYED_AS`), as they are hashed into a run's key."""
+    return {KEYED_AS.get(k, k): v for k, v in config.items()}
+
+
+def _present_names(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded ``config`` with the renamed settings under their present names: the
+    inverse of :func:`_former_names` (a record written before the rename has them so)."""
+    former = {old: new for new, old in KEYED_AS.items()}
+    return {former.get(k, k): v for k, v in config.items()}
+
+
 def run_key(config: SimConfig, digest: str) -> str:
-    """The stable key of one run: a hash of its config, its trace set's digest and the
-    simulator's ``MODEL_VERSION``."""
-    payload = {"format": RECORD_FORMAT, "config": config_dict(config), "traces": digest,
-               "model": MODEL_VERSION}
+    """The stable key of one run: a hash of its config (renamed settings under their
+    former names, :data:`KEYED_AS`), its trace set's digest and the simulator's
+    ``MODEL_VERSION``."""
+    payload = {"format": RECORD_FORMAT, "config": _former_names(config_dict(config)),
+               "traces": digest, "model": MODEL_VERSION}
     return _sha256_json(payload)[:24]
 
 
@@ -161,10 +180,13 @@ field's name is a :class:`SimConfig` field's too)."""
 
 
 def _renamed_settings(data: dict[str, Any]) -> dict[str, Any]:
-    """A flat record with the settings' present names. A record written before the
-    simulated link's reload bandwidth was named ``reload_gbps`` has it as ``pcie_gbps``
-    (the old name, still read; never written) and the policy's ``reload_gbps`` under
-    that name: a record has ``policy_reload_gbps`` from then on."""
+    """A flat record with the settings' present names (the old names are still read,
+    never written). A record written before the simulated link's reload bandwidth was
+    named ``reload_gbps`` has it as ``pcie_gbps`` and the policy's ``reload_gbps`` under
+    that name: a record has ``policy_reload_gbps`` from then on. One written before the
+    engine's slowdown was named ``engine_slowdown`` has it as ``time_scale``."""
+    if "time_scale" in data and "engine_slowdown" not in data:
+        data = {("engine_slowdown" if k == "time_scale" else k): v for k, v in data.items()}
     if "policy_reload_gbps" in data:
         return data
     data = dict(data)
@@ -229,7 +251,8 @@ class RunStore:
             return None
         traces = record.get("traces")
         if (record.get("format") != RECORD_FORMAT or record.get("key") != self.key(run)
-                or record.get("config") != config_dict(run.config)
+                or not isinstance(record.get("config"), dict)
+                or _present_names(record["config"]) != config_dict(run.config)
                 or not isinstance(traces, dict) or traces.get("sha256") != self.digest
                 or not isinstance(record.get("result"), dict)):
             return None

@@ -40,7 +40,7 @@ Ours, not the paper's:
   as in MORI, unguarded. Every other rule is MORI's.
 
   The bandwidth is ``PolicyConfig.reload_gbps``: the simulator gives its modelled link
-  (``--reload-gbps`` or the preset's, divided by ``--time-scale``); elsewhere it defaults
+  (``--reload-gbps`` or the preset's, divided by ``--engine-slowdown``); elsewhere it defaults
   to ``DEFAULT_RELOAD_GBPS`` (``Policy.reload_s``).
 - ``mori-yield``: MORI whose affinity may yield (``YieldAffinity``, in
   ``mori_rebalancers``, says when and where).
