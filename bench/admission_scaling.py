@@ -76,7 +76,7 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     serve = ["serve", "--port", "0", "--time-scale", str(args.time_scale),
              "--gpu-kv-tokens", str(args.gpu_kv_tokens), "--cpu-ratio", str(args.cpu_ratio),
              "--program-idle-timeout", str(args.idle_timeout),
-             "--max-gated", "100000", "--max-connections", "4096",
+             "--max-held", "100000", "--max-connections", "4096",
              "--log-level", "warning"]
     cmd = [sys.executable, "-m", "mori", *serve]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

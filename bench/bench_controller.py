@@ -91,7 +91,7 @@ async def measure(policy: str, programs: int, events: int, seed: int = 0,
     rng = random.Random(seed)
     replicas = max(1, programs // PER_REPLICA)
     adapters: list[EngineAdapter] = [NullAdapter() for _ in range(replicas)]
-    settings = GatewaySettings(policy=policy, max_gated=10 * (programs + idle),
+    settings = GatewaySettings(policy=policy, max_held=10 * (programs + idle),
                                program_ttl_s=0.0)
     clock = Clock()
     caps = [KVCapacity(GPU_TOKENS, CPU_TOKENS, 16, 1)] * replicas

@@ -41,7 +41,7 @@ def start_serve(replicas: int) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "mori", "serve", "--port", "0", "--replicas", str(replicas),
          "--time-scale", "50", "--admin-key", ADMIN, "--api-key", ADMIN,
-         "--log-level", "warning", "--max-gated", "100000"],
+         "--log-level", "warning", "--max-held", "100000"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None

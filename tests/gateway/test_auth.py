@@ -45,7 +45,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     lt = LoopThread()
-    sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, gate_timeout_s=30,
+    sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, hold_timeout_s=30,
                                                  api_keys=(KEY_A, KEY_B),
                                                  admin_keys=(KEY_ADMIN,)))
     try:

@@ -44,7 +44,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     lt = LoopThread()
-    sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, gate_timeout_s=30))
+    sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, hold_timeout_s=30))
     model = httpx.get(sim.url + "/v1/models").json()["data"][0]["id"]
     try:
         yield Served(lt, sim.url, sim.gw, sim.engines[0], model)

@@ -14,7 +14,7 @@ from mori.engines.base import EngineAdapter, KVCapacity, RequestHints, UpstreamR
 from mori.gateway.app import policy_for
 from mori.gateway.config import GatewaySettings
 from mori.gateway.control import Controller
-from mori.gateway.held import GateRejected
+from mori.gateway.held import AdmissionRejected
 from mori.gateway.metrics import GatewayMetrics
 from mori.gateway.replicas import Replicas
 
@@ -154,7 +154,7 @@ def test_a_thunderagent_pause_tells_the_engine_nothing() -> None:
 def test_a_held_request_times_out_then_its_orphan_forward_ends_the_step() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         la = await ctl.lease("a", 900)  # reasoning: nothing can be demoted for b
-        with pytest.raises(GateRejected) as e:
+        with pytest.raises(AdmissionRejected) as e:
             await ctl.lease("b", 600)
         assert e.value.status == 503
         assert ctl.policy.programs["b"].status is Status.GATED  # still held for a retry
@@ -162,7 +162,7 @@ def test_a_held_request_times_out_then_its_orphan_forward_ends_the_step() -> Non
         la.finish(900)  # a acting: b is forwarded, nobody waits, its step ends at once
         assert ctl.programs["b"].orphan_forwards == 1
         assert ctl.policy.programs["b"].status is Status.ACTING
-    run(body, gate_timeout_s=0.05)
+    run(body, hold_timeout_s=0.05)
 
 
 def test_the_gate_queue_is_bounded() -> None:
@@ -170,13 +170,13 @@ def test_the_gate_queue_is_bounded() -> None:
         await ctl.lease("a", 900)
         first = asyncio.ensure_future(ctl.lease("b", 600))
         await asyncio.sleep(0)
-        with pytest.raises(GateRejected) as e:
+        with pytest.raises(AdmissionRejected) as e:
             await ctl.lease("c", 600)
         assert e.value.status == 429 and e.value.retry_after_s == 5.0
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-    run(body, max_gated=1)
+    run(body, max_held=1)
 
 
 def test_kv_ready_turns_the_wait_before_reasoning_into_gated_time() -> None:
@@ -237,7 +237,7 @@ def test_a_tick_looks_only_at_the_programs_past_the_ttl(held: int) -> None:
 def test_an_unhealthy_replica_answers_503_and_leaves_no_program_reasoning() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         ctl.replicas.mark_unhealthy(0, "connection refused")
-        with pytest.raises(GateRejected) as e:
+        with pytest.raises(AdmissionRejected) as e:
             await ctl.lease("p", 100)
         # the client is told to retry; the engine's URL and error stay in the log and
         # /healthz (for admins)
@@ -253,11 +253,11 @@ def test_an_unhealthy_replica_answers_503_and_leaves_no_program_reasoning() -> N
 def test_a_second_request_in_flight_and_a_released_program_get_409() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         lease = await ctl.lease("p", 100)
-        with pytest.raises(GateRejected) as e:
+        with pytest.raises(AdmissionRejected) as e:
             await ctl.lease("p", 100)
         assert e.value.status == 409
         assert ctl.release("p")  # pending until its response ends
-        with pytest.raises(GateRejected):
+        with pytest.raises(AdmissionRejected):
             await ctl.lease("p", 100)
         lease.finish(110)
         assert "p" not in ctl.policy.programs

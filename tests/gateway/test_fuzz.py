@@ -83,7 +83,7 @@ def assert_error_shape(path: str, body: Any, why: Any = None) -> None:
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
     lt = LoopThread()
-    url = serve_on_simulated(lt, GatewaySettings(time_scale=100.0, gate_timeout_s=30)).url
+    url = serve_on_simulated(lt, GatewaySettings(time_scale=100.0, hold_timeout_s=30)).url
     with httpx.Client(timeout=30) as client:
         model = client.get(url + "/v1/models").json()["data"][0]["id"]
         try:

@@ -32,7 +32,7 @@ def metric(text: str, name: str) -> float:
 
 
 def start_gateway(lt: LoopThread, policy: str, replicas: int) -> tuple[str, Gateway]:
-    settings = GatewaySettings(policy=policy, time_scale=20.0, gate_timeout_s=60)
+    settings = GatewaySettings(policy=policy, time_scale=20.0, hold_timeout_s=60)
     cfg = ServeConfig(replicas=replicas, preset="h200-qwen3-30b-a3b", cpu_ratio=0.5,
                       gpu_kv_tokens=GPU_TOKENS, settings=settings)
     adapters, handles = lt.call(start_simulated_backends(cfg))

@@ -189,7 +189,7 @@ def test_gated_request_times_out_with_retry_after_and_queue_is_bounded(
         loop_thread: LoopThread) -> None:
     fake = FakeEngine(token_delay_s=0.02)
     # 3 programs of ~300 tokens; the GPU holds one at a time
-    _, gw = start(loop_thread, fake, kv_tokens=400, gate_timeout_s=0.3, max_gated=1,
+    _, gw = start(loop_thread, fake, kv_tokens=400, hold_timeout_s=0.3, max_held=1,
                   retry_after_s=2)
     body_a = {"model": "fake-model", "max_tokens": 100, "stream": True, "program_id": "a",
               "messages": [{"role": "user", "content": "x" * 1100}]}

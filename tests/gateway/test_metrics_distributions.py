@@ -54,7 +54,7 @@ def test_state_renders_gauge_histograms_by_tier() -> None:
     idleness, ctx = distributions([("gpu", 0.1, 5_000), ("gpu", 0.7, 70_000),
                                ("cpu", 0.9, 40_000)])
     m = GatewayMetrics()
-    m.watch(lambda: GatewayState(programs={}, gated=0, replicas=[], idleness=idleness,
+    m.watch(lambda: GatewayState(programs={}, held=0, replicas=[], idleness=idleness,
                                  context=ctx))
     text = m.render().decode()
     assert "# TYPE mori_program_idleness_ratio histogram" in text

@@ -88,7 +88,7 @@ def test_a_keys_listing_reads_only_its_own_programs(served: SimGateway,
     assert ask(served, KEY_A, "mine").status_code == 200
     # many programs of another namespace, straight into the controller's books
     for i in range(2000):
-        ctl.owned.setdefault("elsewhere", set()).add(f"elsewhere/q{i}")
+        ctl.quotas.owned.setdefault("elsewhere", set()).add(f"elsewhere/q{i}")
     read: list[str] = []
     real = ctl.describe
 
@@ -100,5 +100,5 @@ def test_a_keys_listing_reads_only_its_own_programs(served: SimGateway,
     rows = page(served, KEY_A)["data"]
     assert [r["program_id"] for r in rows] == ["mine"]
     assert len(read) == 1  # not 2,001
-    del ctl.owned["elsewhere"]
+    del ctl.quotas.owned["elsewhere"]
     httpx.post(served.url + "/v1/programs/mine/release", headers=auth(KEY_A))

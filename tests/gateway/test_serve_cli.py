@@ -26,12 +26,12 @@ def config(argv: list[str]):  # type: ignore[no-untyped-def]
 def test_flags_and_config_file_map_onto_one_config(tmp_path: Path) -> None:
     f = tmp_path / "serve.toml"
     f.write_text('policy = "thunderagent"\nreplicas = 3\ntime-scale = 10\n'
-                 'gate_timeout = 30\nbackend = ["sim=http://127.0.0.1:9"]\n')
+                 'hold_timeout = 30\nbackend = ["sim=http://127.0.0.1:9"]\n')
     cfg = config(["--config", str(f), "--replicas", "2"])
     assert cfg.replicas == 2  # the flag wins
     assert cfg.settings.policy == "thunderagent"
     assert cfg.settings.time_scale == 10.0
-    assert cfg.settings.gate_timeout_s == 30.0
+    assert cfg.settings.hold_timeout_s == 30.0
     assert cfg.backends == ["sim=http://127.0.0.1:9"]
     assert config([]).settings.policy == "mori" and config([]).port == 8000
 
@@ -82,9 +82,34 @@ def test_bad_config_file_names_the_key(tmp_path: Path, capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert "unknown key 'colour'" in err and "serve.toml" in err
     assert "idleness-window" in err and "backend" in err  # the valid keys are listed
-    f.write_text("max-gated = 'many'\n")
+    f.write_text("max-held = 'many'\n")
     assert main(["serve", "--config", str(f)]) == 2
-    assert "key 'max-gated': expected an integer" in capsys.readouterr().err
+    assert "key 'max-held': expected an integer" in capsys.readouterr().err
+
+
+def test_former_held_spellings_still_work_and_warn(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-gated and --gate-timeout (and their config keys) became --max-held and
+    --hold-timeout: the old ones still set the same fields, with a warning, and stay out
+    of the help."""
+    new = config(["--max-held", "7", "--hold-timeout", "12"]).settings
+    assert "deprecated" not in capsys.readouterr().err
+    old = config(["--max-gated", "7", "--gate-timeout", "12"]).settings
+    err = capsys.readouterr().err
+    for flag, instead in (("--max-gated", "--max-held"), ("--gate-timeout", "--hold-timeout")):
+        assert f"mori: {flag} is deprecated and will be removed; use {instead}" in err
+    assert old == new and (new.max_held, new.hold_timeout_s) == (7, 12.0)
+    f = tmp_path / "old.toml"
+    f.write_text("max-gated = 7\ngate_timeout = 12\n")
+    assert config(["--config", str(f)]).settings == new
+    err = capsys.readouterr().err
+    assert "config key 'max-gated'" in err and "use 'max-held'" in err
+    assert "config key 'gate_timeout'" in err and "use 'hold-timeout'" in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--max-held" in out and "--hold-timeout" in out
+    assert "--max-gated" not in out and "--gate-timeout" not in out
 
 
 def test_mori_serve_command_serves_the_openai_client() -> None:
@@ -114,7 +139,7 @@ def test_mori_serve_command_serves_the_openai_client() -> None:
 def test_the_example_config_file_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     cfg = config(["--config", str(root / "examples" / "serve.toml")])
-    assert cfg.replicas == 2 and cfg.settings.gate_timeout_s == 300.0
+    assert cfg.replicas == 2 and cfg.settings.hold_timeout_s == 300.0
     assert cfg.settings.load_interval_s == 1.0
     assert cfg.settings.policy_config.spread_by_load is False
 

@@ -148,7 +148,7 @@ def test_keys_hold_on_every_process() -> None:
 def test_a_worker_that_goes_away_leaves_no_program_reasoning(tmp_path: object) -> None:
     lt = LoopThread()
     try:
-        sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, gate_timeout_s=30),
+        sim = serve_on_simulated(lt, GatewaySettings(time_scale=50.0, hold_timeout_s=30),
                                  gpu_kv_tokens=20_000)
         hub = WorkerHub(sim.gw)
         path = os.path.join(str(tmp_path), "hub.sock")

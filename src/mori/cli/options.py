@@ -325,10 +325,12 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option("time_scale", float, _GATEWAY.time_scale, metavar="X",
            help="policy and simulated-engine seconds per wall second (> 1 runs traces "
                 "faster than real time)"),
-    Option("max_gated", int, _GATEWAY.max_gated, metavar="N",
-           help="requests that may wait for GPU residency at once; more get 429"),
-    Option("gate_timeout", float, _GATEWAY.gate_timeout_s, metavar="S", field="gate_timeout_s",
-           help="seconds a request may wait for GPU residency before a 503 with Retry-After"),
+    Option("max_held", int, _GATEWAY.max_held, metavar="N", old=("max_gated",),
+           help="requests that may be held at once, waiting for GPU residency; more get 429"),
+    Option("hold_timeout", float, _GATEWAY.hold_timeout_s, metavar="S", field="hold_timeout_s",
+           old=("gate_timeout",),
+           help="seconds a request may be held, waiting for GPU residency, before a 503 with "
+                "Retry-After"),
     Option("stream_write_timeout", float, _GATEWAY.stream_write_timeout_s, metavar="S",
            field="stream_write_timeout_s",
            help="seconds a streamed answer may wait for a client that stopped reading "

@@ -1,4 +1,5 @@
-"""The gateway's end of the label channel to the MORI plug-in in one vLLM engine.
+"""The gateway's end of the label channel to the MORI plug-in in one engine (vLLM or
+SGLang: ``mori.engines.plugin_link``, which both adapters hold).
 
 The plug-in binds a ZMQ ``ROUTER`` at the label endpoint; ``LabelChannel`` connects a
 ``DEALER`` and speaks the protocol of ``mori.plugin_channel.protocol``: one JSON frame per

@@ -1,13 +1,22 @@
 """The gateway's HTTP app: ``create_app(settings, adapters)`` (no globals).
 
-Endpoints (handlers in ``Routes``): ``POST /v1/chat/completions`` and
-``/v1/completions`` (streaming and not), ``GET /v1/models``, ``GET /v1/programs``,
-``GET /v1/programs/{id}``, ``POST /v1/programs/{id}/release``, ``GET /v1/decisions``
-(the recent decision log), ``GET /v1/residency`` (per replica: where the policy placed
-programs, and where the engine reports their KV, for engines that report it),
-``GET /v1/replicas`` (per replica: health, load, the engine's learned prices),
-``GET /healthz``, ``GET /metrics``, and the dashboard: ``GET /dashboard`` (the page) and
-``GET /dashboard/state`` (what it shows; admin only), see ``mori.gateway.dashboard``.
+Endpoints (the route table: ``Routes.table``):
+
+- the model calls, ``POST`` (``CompletionEndpoint``, ``mori.gateway.endpoint``; every
+  API of ``mori.protocol.apis``): ``/v1/chat/completions`` and ``/v1/completions``
+  (OpenAI's, streaming and not), ``/v1/messages`` (Anthropic's Messages) and
+  ``/v1/messages/count_tokens`` (its token counting), ``/v1/responses`` (OpenAI's
+  Responses), and the Gemini API's methods under ``/v1beta/models/`` and ``/v1/models/``
+  (``MODEL:generateContent``, ``:streamGenerateContent``, ``:countTokens``);
+- ``GET /v1/models``; ``GET /v1/programs`` (a page at a time), ``GET /v1/programs/{id}``,
+  ``POST /v1/programs/{id}/release``;
+- ``GET /v1/decisions`` (the recent decision log), ``GET /v1/residency`` (per replica:
+  where the policy placed programs, and where the engine reports their KV, for engines
+  that report it), ``GET /v1/replicas`` (per replica: health, load, the engine's learned
+  prices);
+- ``GET /healthz``, ``GET /metrics``;
+- the dashboard: ``GET /dashboard`` (the page) and ``GET /dashboard/state`` (what it
+  shows; admin only), see ``mori.gateway.dashboard``.
 """
 
 from __future__ import annotations
@@ -130,7 +139,7 @@ class Gateway:
         self.controller = Controller(policy, self.adapters, self.metrics, self.settings)
         if self.settings.record is not None:
             try:
-                self.controller.recorder = TraceRecorder(
+                self.controller.recording.recorder = TraceRecorder(
                     self.settings.record, keep_text=self.settings.record_text,
                     text_max_bytes=self.settings.record_text_max_bytes)
             except (TraceError, OSError) as e:
@@ -215,7 +224,7 @@ class Gateway:
         oldest = next(ctl.policy.held_since(now), None)
         return GatewayState(
             programs={(t.value, s.value): n for (t, s), n in ctl.policy.status_counts().items()},
-            gated=ctl.policy.held_count, replicas=rows,
+            held=ctl.policy.held_count, replicas=rows,
             oldest_wait_s=(now - oldest.ready_at) / ctl.settings.time_scale if oldest else 0.0,
             promotions={t.value: counts.promotions[t] for t in Tier},
             demotions={t.value: counts.demotions[t]
@@ -321,7 +330,7 @@ class Routes:
         admin = p.access is Access.ADMIN
         if after is not None and not admin:
             after = p.internal(after)
-        owner = None if admin else self.gw.ctl.owner_of(p.internal(""))
+        owner = None if admin else self.gw.ctl.quotas.owner_of(p.internal(""))
         rows, more = self.gw.ctl.describe_page(owner, after, limit)
         if not admin:
             rows = [mine for row in rows if (mine := _as_seen_by(p, row)) is not None]

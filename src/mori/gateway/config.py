@@ -23,13 +23,13 @@ class GatewaySettings:
 
     ``policy`` and ``policy_config``: the registered policy and its knobs (its
     ``page_tokens`` is replaced by the engines' page size at startup).
-    ``time_scale``: policy seconds per wall second. ``max_gated``: the most requests
-    held at once (beyond: 429). ``gate_timeout_s``: the longest a request is held
+    ``time_scale``: policy seconds per wall second. ``max_held``: the most requests
+    held at once (beyond: 429). ``hold_timeout_s``: the longest a request is held
     (beyond: 503). ``retry_after_s``: the ``Retry-After`` of 429 and 503 answers.
     ``program_ttl_s``: a program idle (Acting) this long is released (0: never).
     ``abandoned_grace_s``: a context of a session left behind when a newer one began (a
     compaction, a ``/clear``) is released this long after (0: only by ``program_ttl_s``;
-    ``mori.gateway.control``).
+    ``mori.gateway.sessions``).
     ``max_body_bytes``: the largest request body (beyond: 413).
     The bounds on every connection (``mori.gateway.bounds``): ``max_header_bytes``, the
     largest request head (beyond: 431); ``header_timeout_s``, the longest a head may take
@@ -83,8 +83,8 @@ class GatewaySettings:
     policy: str = "mori"
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     time_scale: float = 1.0
-    max_gated: int = 1024
-    gate_timeout_s: float = 300.0
+    max_held: int = 1024
+    hold_timeout_s: float = 300.0
     retry_after_s: float = 5.0
     program_ttl_s: float = 3600.0
     abandoned_grace_s: float = 30.0
@@ -134,7 +134,7 @@ class GatewaySettings:
             raise ValueError(f"allowed_hosts must be host names (got {self.allowed_hosts})")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; valid: {', '.join(POLICIES.names())}")
-        for name in ("time_scale", "gate_timeout_s", "health_interval_s",
+        for name in ("time_scale", "hold_timeout_s", "health_interval_s",
                      "stream_write_timeout_s", "header_timeout_s", "keep_alive_timeout_s",
                      "body_timeout_s", "health_timeout_s", "first_byte_timeout_s",
                      "state_interval_s", "stream_idle_timeout_s"):
@@ -151,8 +151,8 @@ class GatewaySettings:
                              f"{self.max_programs_per_key})")
         if self.health_failures < 1:
             raise ValueError(f"health_failures must be >= 1 (got {self.health_failures})")
-        if self.max_gated < 1:
-            raise ValueError(f"max_gated must be >= 1 (got {self.max_gated})")
+        if self.max_held < 1:
+            raise ValueError(f"max_held must be >= 1 (got {self.max_held})")
         if self.max_sse_line_bytes < 1024:
             raise ValueError(f"max_sse_line_bytes must be >= 1024 (got "
                              f"{self.max_sse_line_bytes})")

@@ -9,13 +9,18 @@ request (see ``mori.gateway.held``), the KV controls go to the replicas in order
 (``mori.gateway.replicas``). It decides on every event and on every tick of policy time
 (wall x ``time_scale``); a tick also releases programs idle past ``program_ttl_s``.
 
+It holds the gateway's program table (``mori.gateway.programs``) and admits requests;
+the rest is in parts it holds as fields: the per-key quotas (``quotas``,
+``mori.gateway.quotas``), the sessions with each program's parent and the contexts left
+behind (``sessions``, ``mori.gateway.sessions``), the trace recording (``recording``,
+``mori.gateway.recording``) and the engines' prices (``prices``,
+``mori.gateway.engine_prices``).
+
 Programs that linger are let go sooner where the wire says they are done. A side request
 (``RequestFacts.side``: a tool-less one-shot, ``mori.protocol.apis.is_side_request``) is
-a one-step program, released at its step's end. When a new context of a session begins
-(``_new_program``), the session's other contexts that wait for nothing (Acting, not in a
-tool call, nothing in flight or held) and started no live program were left behind: a
-compaction's or a ``/clear``'s old conversation, a subagent that gave its report. Each
-is released ``abandoned_grace_s`` later unless a request of its own comes first.
+a one-step program, released at its step's end. When a new context of a session begins,
+the contexts it left behind are released ``abandoned_grace_s`` later unless a request of
+their own comes first (``mori.gateway.sessions``).
 
 A replica marked unhealthy (``mori.gateway.replicas``: refused, dead, or missing its
 health probes) is reported to the policy as ``ReplicaDown``: its programs go to Waiting
@@ -23,9 +28,9 @@ and are placed again on the healthy replicas, where their next step recomputes; 
 requests in flight end at once (503, or an error event in a stream), in this process and
 in the workers (``replica_listeners``). When it answers again it rejoins
 (``ReplicaUp``), and the programs that were moved off it are labelled inactive there.
-At start, ``restore`` reads what the engines still hold (``/mori/v1/residency`` and the
-like) and gives each program found its place back (``ProgramRestored``): a restarted
-gateway routes each program to the replica that holds its KV.
+At start, ``restore`` reads what the engines still hold (``mori.gateway.restore``) and
+gives each program found its place back (``ProgramRestored``): a restarted gateway routes
+each program to the replica that holds its KV.
 
 A request goes through ``lease()``: admission, then a ``RequestLease`` that covers the
 forward until ``finish`` (``mori.gateway.lease``).
@@ -36,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,11 +63,15 @@ from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.config import GatewaySettings
 from mori.gateway.engine_prices import EnginePrices, Stretch
-from mori.gateway.held import Admission, GateRejected, HeldRequest, ProgramInfo, SeenOrder
+from mori.gateway.held import Admission, AdmissionRejected, HeldRequest
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import GatewayMetrics
-from mori.gateway.record import StepRecord, TraceRecorder
+from mori.gateway.programs import ProgramInfo, SeenOrder
+from mori.gateway.quotas import KeyQuotas
+from mori.gateway.recording import Recording
 from mori.gateway.replicas import Replica, Replicas
+from mori.gateway.restore import read_residency
+from mori.gateway.sessions import Sessions
 
 log = logging.getLogger("mori.gateway")
 
@@ -89,8 +97,8 @@ class Controller:
         self.replica_listeners: list[Callable[[int, bool, str], None]] = []
         """Called with (replica, healthy, why) on each change (the workers' hub)."""
         self._moved_off: dict[int, set[str]] = {}  # a down replica: the programs moved
-        self._keyed = bool(settings.api_keys or settings.admin_keys)
-        self.owned: dict[str, set[str]] = {}  # a key's namespace -> its live programs
+        self.quotas = KeyQuotas(bool(settings.api_keys or settings.admin_keys),
+                                settings.max_programs_per_key)
         self._wall = clock or asyncio.get_running_loop().time
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         self._t0 = self._wall()
@@ -103,10 +111,8 @@ class Controller:
                                          _Target(self), self.log)
         self._orphans: list[str] = []
         self._ticker: asyncio.Task[None] | None = None
-        self.sessions: dict[str, set[str]] = {}  # a client session's live programs
-        self._abandoned: dict[str, float] = {}  # a context left behind -> its release (wall)
-        self.recorder: TraceRecorder | None = None  # set by the gateway (--record)
-        self._epoch_offset = time.time() - self._wall()
+        self.sessions = Sessions(self.programs, policy, self._wall, settings.abandoned_grace_s)
+        self.recording = Recording(self._wall)  # its recorder set by the gateway (--record)
         self.prices = EnginePrices(policy, len(adapters), settings.time_scale,
                                    settings.learn_costs)
 
@@ -134,12 +140,7 @@ class Controller:
         for p in self.programs.values():
             if p.held is not None:
                 p.held.reject(503, "the gateway is shutting down")
-        if self.recorder is not None:
-            try:
-                self.recorder.close(self.epoch(self.wall()))
-            except Exception:
-                log.exception("closing the recorded trace failed")
-            self.recorder = None
+        self.recording.close()
 
     async def _tick_loop(self, period_s: float) -> None:
         while True:
@@ -153,7 +154,7 @@ class Controller:
     def tick(self) -> None:
         """One tick of the control loop: expire idle programs, decide."""
         self._expire_programs()
-        self._release_abandoned()
+        self.sessions.release_due(self._end)
         self.decide()
 
     # -- the request path ---------------------------------------------------------------
@@ -161,15 +162,15 @@ class Controller:
                     facts: RequestFacts | None = None) -> RequestLease:
         """Admit the request (waiting while it is held) and lease its replica.
 
-        Raises ``GateRejected``: 409, 429, 503 (held too long, or its replica is down).
+        Raises ``AdmissionRejected``: 409, 429, 503 (held too long, or its replica is down).
         """
         adm = await self.admit(program_id, prompt_tokens, anonymous, facts)
         lease = RequestLease(self, program_id, adm, prompt_tokens)
         r = lease.replica
         if not r.healthy:
             lease.finish(prompt_tokens)
-            raise GateRejected(503, f"the program's replica ({r.index}) is unhealthy; retry "
-                               "later", self.settings.retry_after_s)
+            raise AdmissionRejected(503, f"the program's replica ({r.index}) is unhealthy; retry "
+                                    "later", self.settings.retry_after_s)
         return lease
 
     async def admit(self, program_id: str, prompt_tokens: int, anonymous: bool = False,
@@ -179,24 +180,18 @@ class Controller:
         s = self.settings
         info = self.programs.get(program_id)
         if info is not None and info.in_flight:
-            raise GateRejected(409, "this program already has a request in flight; "
-                               "an agent program sends one request at a time")
+            raise AdmissionRejected(409, "this program already has a request in flight; "
+                                    "an agent program sends one request at a time")
         if info is not None and info.release_pending:
-            raise GateRejected(409, "this program was released")
+            raise AdmissionRejected(409, "this program was released")
         if not any(r.healthy for r in self.replicas.all):
-            raise GateRejected(503, "every engine replica is unhealthy; retry later",
-                               s.retry_after_s)
+            raise AdmissionRejected(503, "every engine replica is unhealthy; retry later",
+                                    s.retry_after_s)
         if info is None:
-            limit = s.max_programs_per_key
-            owner = self.owner_of(program_id)
-            if limit and len(self.owned.get(owner, ())) >= limit:
-                raise GateRejected(429, f"this key already has {limit} programs, the most "
-                                   "allowed (--max-programs-per-key); release finished ones "
-                                   "(POST /v1/programs/ID/release) or let idle ones expire",
-                                   s.retry_after_s)
+            self.quotas.check(program_id, s.retry_after_s)
             info = self.programs[program_id] = self._new_program(program_id, facts)
         info.anonymous = anonymous or info.agent.side
-        self._abandoned.pop(program_id, None)  # not left behind: it goes on
+        self.sessions.seen_again(program_id)  # not left behind: it goes on
         self.seen.seen(info, self.wall())
         if facts is not None and not (info.held is not None and info.held.waiting):
             info.arrived_wall = info.last_seen
@@ -214,9 +209,9 @@ class Controller:
             old.reject(409, "superseded by a retry")
             held = info.held = HeldRequest(loop.create_future(), old.arrived_wall)
         else:
-            if self.policy.held_count >= s.max_gated:
-                raise GateRejected(429, f"{self.policy.held_count} requests are already "
-                                   "waiting for GPU residency; retry later", s.retry_after_s)
+            if self.policy.held_count >= s.max_held:
+                raise AdmissionRejected(429, f"{self.policy.held_count} requests are already "
+                                        "waiting for GPU residency; retry later", s.retry_after_s)
             held = info.held = HeldRequest(loop.create_future(), self.wall())
             info.prompt_tokens = prompt_tokens
             self.policy.observe(RequestArrived(program_id, prompt_tokens), self.now())
@@ -226,13 +221,13 @@ class Controller:
             info.in_flight = True  # forwarded at once: nothing to wait for
             return fut.result()
         if held.waiting:
-            self.metrics.gated_total.inc()
+            self.metrics.held_total.inc()
         try:
-            adm = await asyncio.wait_for(asyncio.shield(fut), s.gate_timeout_s)
+            adm = await asyncio.wait_for(asyncio.shield(fut), s.hold_timeout_s)
         except TimeoutError:
             held.future.cancel()  # abandoned: still held in the policy, for a retry
-            raise GateRejected(503, f"the request waited {s.gate_timeout_s:g} s "
-                               "for GPU residency; retry later", s.retry_after_s) from None
+            raise AdmissionRejected(503, f"the request waited {s.hold_timeout_s:g} s "
+                                    "for GPU residency; retry later", s.retry_after_s) from None
         except BaseException:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 # forwarded just as the client went away: end the step at once, unchanged
@@ -271,9 +266,9 @@ class Controller:
 
     def _new_program(self, program_id: str, facts: RequestFacts | None) -> ProgramInfo:
         """A program's first request: its agent, its session and, within the session,
-        its parent (``_parent_of``)."""
+        its parent (``Sessions.join``)."""
         info = ProgramInfo(program_id)
-        self.owned.setdefault(self.owner_of(program_id), set()).add(program_id)
+        self.quotas.add(program_id)
         if facts is None:
             return info
         track = info.agent
@@ -283,80 +278,10 @@ class Controller:
         if facts.side:  # a one-step program: no member of its session, not recorded
             return info
         if facts.session is not None:
-            members = self.sessions.setdefault(facts.session, set())
-            track.parent = self._parent_of(members, facts.parent, facts.parent_session)
-            self._left_behind(members, track.parent)
-            members.add(program_id)
-        if self.recorder is not None:
-            self.recorder.start(program_id, recogniser=facts.recogniser, agent=facts.agent,
-                                session=facts.session, parent=track.parent,
-                                at=self.epoch(self.wall()))
+            track.parent = self.sessions.join(program_id, facts.session, facts.parent,
+                                              facts.parent_session)
+        self.recording.start(program_id, track)
         return info
-
-    def _parent_of(self, members: set[str], named: str | None,
-                   named_session: str | None = None) -> str | None:
-        """The parent of a program starting in a session of ``members``: the one the
-        client names (``named``: its id, or a prefix of it ending in ':', or in '/' for
-        any program of ``named_session``, another session), else the latest to begin
-        of the session's programs in a tool call or still answering (Claude Code starts
-        a tool as soon as its call has streamed, before the answer ends)."""
-        def latest(pids: list[str]) -> str | None:
-            times = [(max(p.agent.last_end or 0.0, p.arrived_wall), pid) for pid in pids
-                     if (p := self.programs.get(pid)) is not None]
-            return max(times)[1] if times else None
-
-        if named is not None:
-            pool = members if named_session is None else self.sessions.get(named_session, ())
-            found = latest([pid for pid in pool if pid == named
-                            or (named.endswith((":", "/")) and pid.startswith(named))])
-            if found is not None:
-                return found
-        return latest([pid for pid in members if (p := self.programs.get(pid)) is not None
-                       and (p.agent.in_tool or p.in_flight)])
-
-    def _waits_for_nothing(self, info: ProgramInfo) -> bool:
-        """Acting, not in a tool call, no request in flight or held."""
-        pol = self.policy.programs.get(info.program_id)
-        return (not info.in_flight and info.held is None and not info.agent.in_tool
-                and pol is not None and pol.status is Status.ACTING)
-
-    def _left_behind(self, members: set[str], parent: str | None) -> None:
-        """A new context of a session of ``members`` begins (its parent: ``parent``):
-        the session's programs that wait for nothing and started no live program are
-        released ``abandoned_grace_s`` from now unless seen again (the module doc)."""
-        grace = self.settings.abandoned_grace_s
-        if grace <= 0 or not members:
-            return
-        parents = {parent}
-        parents.update(p.agent.parent for pid in members
-                       if (p := self.programs.get(pid)) is not None)
-        due = self.wall() + grace
-        for pid in members:
-            info = self.programs.get(pid)
-            if info is not None and pid not in parents and self._waits_for_nothing(info):
-                self._abandoned.setdefault(pid, due)
-
-    def _release_abandoned(self) -> None:
-        """Release the contexts left behind whose grace is over (``_left_behind``), if
-        they still wait for nothing and started no live program since."""
-        if not self._abandoned:
-            return
-        now = self.wall()
-        for pid in [pid for pid, due in self._abandoned.items() if due <= now]:
-            del self._abandoned[pid]
-            info = self.programs.get(pid)
-            if info is None or not self._waits_for_nothing(info):
-                continue
-            session = self.sessions.get(info.agent.session or "", ())
-            if any((p := self.programs.get(m)) is not None and p.agent.parent == pid
-                   for m in session):
-                continue
-            log.info("program %s: a newer context of its session began; released", pid)
-            self._end(pid)
-
-    def epoch(self, wall: float) -> float:
-        """Unix time of a wall-clock reading (the recorded trace's clock)."""
-        return wall + self._epoch_offset
 
     def finished(self, program_id: str, context_tokens: int,
                  step: StepFacts | None = None) -> None:
@@ -370,8 +295,8 @@ class Controller:
         info.context_tokens = max(context_tokens, info.prompt_tokens)
         info.steps += 1
         info.agent.ended(step, info.last_seen)
-        if self.recorder is not None and not info.anonymous and step is not None:
-            self._record_step(info, step)
+        if not info.anonymous and step is not None:
+            self.recording.step(info, step)
         self.policy.observe(StepFinished(program_id, info.context_tokens), self.now())
         if info.anonymous or info.release_pending:
             self._end(program_id)
@@ -402,44 +327,16 @@ class Controller:
         self.decide()
         return True
 
-    def _record_step(self, info: ProgramInfo, s: StepFacts) -> None:
-        assert self.recorder is not None
-        prompt = s.prompt_tokens if s.prompt_tokens is not None else info.prompt_tokens
-        output = s.output_tokens if s.output_tokens is not None else max(
-            0, info.context_tokens - prompt)
-        rec = StepRecord(arrival=self.epoch(info.arrived_wall or info.last_seen),
-                         ended=self.epoch(info.last_seen), prompt_tokens=prompt,
-                         cached_tokens=s.cached_tokens, output_tokens=output,
-                         tool_names=s.tool_names, text=info.text)
-        try:
-            self.recorder.step(info.program_id, rec)
-        except Exception:  # recording must never take serving down
-            log.exception("recording a step of %s failed", info.program_id)
-
     def _end(self, program_id: str) -> None:
         if program_id in self.policy.programs:
             self.policy.observe(ProgramEnded(program_id), self.now())
         info = self.programs.pop(program_id, None)
         self.seen.forget(program_id)
-        self._abandoned.pop(program_id, None)
+        self.sessions.leave(program_id, info.agent.session if info is not None else None)
         if info is not None:
-            owner = self.owner_of(program_id)
-            mine = self.owned.get(owner)
-            if mine is not None:
-                mine.discard(program_id)
-                if not mine:
-                    del self.owned[owner]
-        if info is not None and info.agent.session is not None:
-            members = self.sessions.get(info.agent.session)
-            if members is not None:
-                members.discard(program_id)
-                if not members:
-                    del self.sessions[info.agent.session]
-        if self.recorder is not None and info is not None and not info.anonymous:
-            try:
-                self.recorder.end(program_id, self.epoch(self.wall()))
-            except Exception:
-                log.exception("recording the end of %s failed", program_id)
+            self.quotas.discard(program_id)
+            if not info.anonymous:
+                self.recording.end(program_id)
 
     def _expire_programs(self) -> None:
         """Release the programs unseen for ``program_ttl_s`` that wait for nothing
@@ -493,38 +390,19 @@ class Controller:
 
     async def restore(self, histories: Mapping[str, IdlenessHistory] | None = None) -> int:
         """Give back their places to the programs whose KV the engines still hold (a
-        restarted gateway): each engine that reports residency is asked; a program
-        found on several replicas goes to the one holding most of it on a GPU (then on
-        a CPU). ``histories``: idleness histories kept across the restart (``--state``);
-        a restored program found there keeps its rank. Returns how many programs were
-        restored."""
+        restarted gateway; ``mori.gateway.restore``). ``histories``: idleness histories
+        kept across the restart (``--state``); a restored program found there keeps its
+        rank. Returns how many programs were restored."""
         histories = histories or {}
-        found: dict[str, tuple[int, int, int, Tier]] = {}  # pid -> (rank, tokens, r, tier)
-        for r in self.replicas.all:
-            if not r.adapter.supports(Capability.RESIDENCY):
-                continue
-            try:
-                res = await r.adapter.residency()
-            except Exception as e:  # an engine that cannot say: nothing to restore there
-                log.warning("replica %d: residency unread at start (%s); its programs "
-                            "start afresh", r.index, e)
-                continue
-            for tier, held in ((Tier.GPU, res.gpu_tokens), (Tier.CPU, res.cpu_tokens)):
-                for pid, tokens in held.items():
-                    if pid in res.ended:  # released before the restart: not live
-                        continue
-                    rank = (2 if tier is Tier.GPU else 1) * (1 << 40) + tokens
-                    if tokens > 0 and (pid not in found or found[pid][0] < rank):
-                        found[pid] = (rank, tokens, r.index, tier)
+        found = await read_residency(self.replicas)
         now, wall = self.now(), self.wall()
-        for pid, (_, tokens, index, tier) in sorted(found.items(),
-                                                    key=lambda kv: -kv[1][0]):
-            self.policy.observe(ProgramRestored(pid, tokens, index, tier,
+        for pid, at in found.items():  # the best placed first
+            self.policy.observe(ProgramRestored(pid, at.tokens, at.replica, at.tier,
                                                 histories.get(pid)), now)
             info = self.programs.get(pid) or self._new_program(pid, None)
             self.programs[pid] = info
             self.seen.seen(info, wall)
-            info.context_tokens = tokens
+            info.context_tokens = at.tokens
         if found:
             placed = sum(1 for pid in found if self.policy.programs[pid].tier is not Tier.NONE)
             kept = sum(1 for pid in found if pid in histories)
@@ -560,7 +438,7 @@ class Controller:
             return
         info.held = None
         waited = self.wall() - held.arrived_wall
-        self.metrics.gate_wait.observe(waited)
+        self.metrics.hold_wait.observe(waited)
         held.future.set_result(Admission(replica, reload, waited))
 
     # -- inspection -------------------------------------------------------------------------
@@ -585,20 +463,12 @@ class Controller:
             **(info.agent.as_dict() if info is not None else {}),
         }
 
-    def owner_of(self, program_id: str) -> str:
-        """The key namespace a program belongs to ("" without keys): the prefix the
-        gateway gives the ids of each key's programs (``mori.gateway.auth``)."""
-        if not self._keyed:
-            return ""
-        owner, sep, _ = program_id.partition("/")
-        return owner if sep else ""
-
     def describe_page(self, owner: str | None, after: str | None, limit: int
                       ) -> tuple[list[dict[str, Any]], bool]:
         """One page of program descriptions, by id: those of the key namespace ``owner``
         (None: every program), with ids after ``after``, at most ``limit``; and whether
         more follow. A key's page costs what its own programs do, not every program's."""
-        ids = self.policy.programs.keys() if owner is None else self.owned.get(owner, ())
+        ids = self.policy.programs.keys() if owner is None else self.quotas.programs_of(owner)
         chosen = sorted(pid for pid in ids if after is None or pid > after)
         rows = [d for pid in chosen[:limit] if (d := self.describe(pid)) is not None]
         return rows, len(chosen) > limit

@@ -2,8 +2,9 @@
 
 Every completion passes here, so this path skips what the rest of the app gets from
 Starlette (routing, middleware, request objects): ``GatewayApp`` hands ``POST`` to the
-two completion paths straight to ``CompletionEndpoint``. It checks the caller's key
-(``mori.gateway.auth``), reads the body within ``max_body_bytes``, parses it
+completion paths (every API of ``mori.protocol.apis``) straight to
+``CompletionEndpoint``. It checks the caller's key (``mori.gateway.auth``), reads the
+body within ``max_body_bytes``, parses it
 (``mori.gateway.parsing``), maps the program id into the caller's namespace and serves it
 (``mori.gateway.proxy``), while watching for the client to leave: a client that
 disconnects before its answer starts has its request cancelled (held: it stays held in
@@ -49,7 +50,7 @@ from mori.protocol.responses import (
 )
 
 if TYPE_CHECKING:
-    from mori.gateway.interfaces import Serving as Gateway
+    from mori.gateway.interfaces import Serving
 
 log = logging.getLogger("mori.gateway")
 
@@ -93,7 +94,7 @@ class CompletionEndpoint:
 
     __slots__ = ("gw", "_counters", "_loop", "_conversations")
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Serving) -> None:
         self.gw = gw
         self._counters: dict[tuple[str, int], Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -44,7 +44,7 @@ starts another program of the same session. The session is kept beside the id, s
 ``/v1/programs`` and the recorded trace can group a session's programs. Where the client
 names a program's parent (Claude Code's ``x-claude-code-parent-agent-id`` for a subagent
 started by a subagent, Codex's ``x-codex-parent-thread-id``), ``Recognised.parent`` says
-which; otherwise the gateway infers it (``mori.gateway.control``). An opencode subagent
+which; otherwise the gateway infers it (``mori.gateway.sessions``). An opencode subagent
 is a session of its own that names its parent session (``x-parent-session-id``): its
 parent is the program of that session that was last active (``parent_session``).
 

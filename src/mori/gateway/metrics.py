@@ -98,7 +98,7 @@ class GatewayState:
     promotions (by source tier) and demotions (by destination)."""
 
     programs: dict[tuple[str, str], int]
-    gated: int
+    held: int
     replicas: list[ReplicaRow]
     oldest_wait_s: float = 0.0
     promotions: dict[str, int] = field(default_factory=dict)
@@ -130,7 +130,7 @@ class _StateCollector(Collector):
             g.add_metric([tier, status], n)
         yield g
         yield GaugeMetricFamily("mori_gate_queue_length", "Requests held in the gateway now",
-                                value=s.gated)
+                                value=s.held)
         yield GaugeMetricFamily("mori_gate_oldest_wait_seconds", "How long the request held "
                                 "longest has waited so far (0 when none is held): a program "
                                 "kept waiting shows here before its request ends; "
@@ -221,9 +221,11 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter("mori_requests", "Client requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
-        self.gated_total = Counter("mori_gated_requests", "Requests that had to wait for "
-                                   "GPU residency before being forwarded", registry=r)
-        self.gate_wait = Histogram("mori_gate_wait_seconds", "Time a request was held in the "
+        # the held requests' metrics keep their first names (``gate``/``gated``: what
+        # dashboards and alerts already query), though the gateway now says "held"
+        self.held_total = Counter("mori_gated_requests", "Requests that had to wait for "
+                                  "GPU residency before being forwarded", registry=r)
+        self.hold_wait = Histogram("mori_gate_wait_seconds", "Time a request was held in the "
                                    "gateway before being forwarded", buckets=_LATENCY_BUCKETS,
                                    registry=r)
         self.ttft = Recorded(Histogram(

@@ -31,7 +31,7 @@ from mori.core.types import Capability
 from mori.engines.base import RequestHints, ResponseTooLarge, UpstreamError, UpstreamResponse
 from mori.gateway.agents import RequestFacts, StepFacts
 from mori.gateway.answers import Answer, StepUsage, read_answer, watcher_for
-from mori.gateway.held import GateRejected
+from mori.gateway.held import AdmissionRejected
 from mori.gateway.idle_watch import IdleWatch
 from mori.gateway.parsing import ClientRequest, estimate_prompt_tokens, max_output_tokens
 from mori.protocol.apis import stream_error
@@ -43,13 +43,12 @@ from mori.protocol.responses import EventStream, PassThrough, api_error_response
 from mori.protocol.sse import LineTooLong
 
 if TYPE_CHECKING:
-    from mori.gateway.interfaces import LeaseLike
-    from mori.gateway.interfaces import Serving as Gateway
+    from mori.gateway.interfaces import LeaseLike, Serving
 
 log = logging.getLogger("mori.gateway")
 
 
-async def resolve_model(gw: Gateway, req: ClientRequest) -> Response | None:
+async def resolve_model(gw: Serving, req: ClientRequest) -> Response | None:
     """Map the asked model onto a served one (``--model-alias``; the body is rewritten);
     the API's not-found error when neither served nor mapped (None: go on)."""
     if not gw.model_ids:  # the engines did not say: pass the name on
@@ -69,7 +68,7 @@ async def resolve_model(gw: Gateway, req: ClientRequest) -> Response | None:
     return None
 
 
-async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
+async def serve_completion(gw: Serving, req: ClientRequest, anonymous: bool,
                            facts: RequestFacts | None = None) -> Response:
     """The gateway's answer to one parsed model call, whose ``program_id`` is the
     gateway's id (namespaced; made up for an ``anonymous`` one-step program); ``facts``:
@@ -88,7 +87,7 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
                                   "messages", "context_length_exceeded")
     try:
         lease = await ctl.lease(pid, tokens, anonymous, facts)
-    except GateRejected as e:
+    except AdmissionRejected as e:
         return api_error_response(spec, e.status, e.message, "program_id", None,
                                   e.retry_after_s)
     try:
@@ -141,8 +140,8 @@ async def serve_completion(gw: Gateway, req: ClientRequest, anonymous: bool,
                        on_write_timeout=stalled)
 
 
-async def serve_count_tokens(gw: Gateway, req: ClientRequest) -> Response:
-    """``/v1/messages/count_tokens``: no model call, so not gated. The first engine that
+async def serve_count_tokens(gw: Serving, req: ClientRequest) -> Response:
+    """``/v1/messages/count_tokens``: no model call, so never held. The first engine that
     counts answers (an exact count); where none does (no such path, or unreachable),
     the gateway's estimate (``mori.protocol.tokens``). The Gemini API's ``countTokens``:
     the prompt size of its chat translation (``prompt_tokens``)."""
@@ -178,7 +177,7 @@ class _Relay:
 
     __slots__ = ("gw", "up", "lease", "req", "arrived", "refused")
 
-    def __init__(self, gw: Gateway, up: UpstreamResponse, lease: LeaseLike,
+    def __init__(self, gw: Serving, up: UpstreamResponse, lease: LeaseLike,
                  req: ClientRequest, arrived: float) -> None:
         self.gw = gw
         self.up = up
@@ -292,7 +291,7 @@ def for_client(e: UpstreamError, url: str) -> str:
     return head if url not in head and "://" not in head else f"the engine failed ({e.status})"
 
 
-def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
+def _book(gw: Serving, lease: LeaseLike, req: ClientRequest, ans: Answer,
           output: int) -> None:
     """End the step with its counts: the engine's (its prompt count unless the request
     is synthetic, whose size the gateway knows) else the gateway's estimate, clamped to
@@ -322,7 +321,7 @@ def _book(gw: Gateway, lease: LeaseLike, req: ClientRequest, ans: Answer,
                                                         usage.output, tuple(ans.tool_names)))
 
 
-def context_window(gw: Gateway, model: str) -> int | None:
+def context_window(gw: Serving, model: str) -> int | None:
     """The most tokens one request can hold: one replica's GPU KV capacity, and the
     served model's ``max_model_len`` where its engine reports one (None: unknown)."""
     limits = [gw.gpu_tokens()]
@@ -334,7 +333,7 @@ def context_window(gw: Gateway, model: str) -> int | None:
     return min(limits) if limits else None
 
 
-async def prompt_tokens(gw: Gateway, req: ClientRequest) -> int:
+async def prompt_tokens(gw: Serving, req: ClientRequest) -> int:
     """The request's prompt size: the synthetic size, an engine's exact count (with
     ``exact_tokens``), or the gateway's estimate scaled by what the engines counted for
     earlier estimates (``TokenRatio``)."""

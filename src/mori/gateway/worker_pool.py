@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from mori.engines.base import UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
-from mori.gateway.held import GateRejected
+from mori.gateway.held import AdmissionRejected
 from mori.gateway.ipc import FrameWriter, frame_limit, read_frame
 from mori.gateway.lease import RequestLease
 from mori.gateway.metrics import WORKER_TALLIES
@@ -174,7 +174,7 @@ class WorkerHub:
         try:
             lease = await ctl.lease(str(msg["pid"]), int(msg["tokens"]), bool(msg["anon"]),
                                     RequestFacts.from_msg(msg.get("facts")))
-        except GateRejected as e:
+        except AdmissionRejected as e:
             peer.send({"op": "reject", "id": rid, "status": e.status, "message": e.message,
                        "retry_after": e.retry_after_s})
             return

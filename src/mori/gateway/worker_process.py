@@ -2,21 +2,23 @@
 policy consulted in the policy process (``mori.gateway.worker_pool``).
 
 The worker serves the connections the policy process hands it (``mori.gateway.handoff``:
-they arrive on a socket pair whose end the worker inherits). Completions run the same path as in the policy process
-(``mori.gateway.endpoint`` and ``mori.gateway.proxy``), with the controller replaced by
-``RemoteAdmitter``: admission is a round trip to the policy process, and the lease's
-events (KV ready, an engine failure, the step's end) are sent there as they happen. The
-worker forwards to the engines itself, through its own adapters (built from the same
-backend specs, used for forwarding only). Every other endpoint (programs, decisions,
-metrics, ...) is passed on to the policy process (``passthrough``: keys checked and the
-body bounded before anything is read). The served models that ``--model-alias`` maps
-onto are the policy process's list (``WorkerGateway.refresh_models`` asks it; it sends
-the list at ``hello`` and on every change), so a name resolves alike in every process. Connections are served within the same bounds as
-in the policy process (``mori.gateway.bounds``). The worker's metric increments are
-sent to the policy process twice a second, so ``/metrics`` counts every process.
+they arrive on a socket pair whose end the worker inherits). Completions run the same
+path as in the policy process (``mori.gateway.endpoint`` and ``mori.gateway.proxy``),
+with the controller replaced by ``RemoteAdmitter``: admission is a round trip to the
+policy process, and the lease's events (KV ready, an engine failure, the step's end) are
+sent there as they happen. The worker forwards to the engines itself, through its own
+adapters (built from the same backend specs, used for forwarding only). Every other
+endpoint (programs, decisions, metrics, ...) is passed on to the policy process
+(``passthrough``: keys checked and the body bounded before anything is read). The served
+models that ``--model-alias`` maps onto are the policy process's list
+(``WorkerGateway.refresh_models`` asks it; it sends the list at ``hello`` and on every
+change), so a name resolves alike in every process. Connections are served within the
+same bounds as in the policy process (``mori.gateway.bounds``). The worker's metric
+increments are sent to the policy process twice a second, so ``/metrics`` counts every
+process.
 
-Run by the policy process as ``python -m mori.gateway.worker`` with a ``WorkerSpec`` as
-JSON on standard input.
+Run by the policy process (``worker_pool.spawn_worker``) as
+``python -m mori.gateway.worker_process``, with a ``WorkerSpec`` as JSON on standard input.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from mori.gateway.endpoint import (
     unauthorized,
 )
 from mori.gateway.handoff import Served, protocol_factory, take_connections
-from mori.gateway.held import GateRejected
+from mori.gateway.held import AdmissionRejected
 from mori.gateway.ipc import FrameTooLarge, LinkClosed, WorkerLink, frame_limit
 from mori.gateway.lease import warm_up
 from mori.gateway.metrics import WORKER_TALLIES
@@ -215,17 +217,17 @@ class RemoteAdmitter:
                                         "tokens": prompt_tokens, "anon": anonymous,
                                         "facts": None if facts is None else facts.as_msg()})
         except LinkClosed:
-            raise GateRejected(503, "the gateway's policy process is unavailable; retry later",
-                               5.0) from None
+            raise AdmissionRejected(503, "the gateway's policy process is unavailable; retry later",
+                                    5.0) from None
         except FrameTooLarge as e:  # refused before it was sent: the link goes on
-            raise GateRejected(413, f"the request is too large to admit: {e}; lower its "
-                               "size (or raise --max-body-bytes)") from None
+            raise AdmissionRejected(413, f"the request is too large to admit: {e}; lower its "
+                                    "size (or raise --max-body-bytes)") from None
         except BaseException:  # the client left while its request waited
             with contextlib.suppress(LinkClosed):
                 self.link.send({"op": "abandon", "id": rid})
             raise
         if ans["op"] == "reject":
-            raise GateRejected(int(ans["status"]), str(ans["message"]), ans.get("retry_after"))
+            raise AdmissionRejected(int(ans["status"]), str(ans["message"]), ans.get("retry_after"))
         return RemoteLease(self.link, rid, program_id, prompt_tokens,
                            self.adapters[int(ans["replica"])], int(ans["priority"]),
                            bool(ans["reloaded"]))

@@ -330,7 +330,8 @@ def check_exposure(endpoint: str, secret: LabelSecret | None, *, side: str) -> N
             f"MORI label channel: refusing to bind {endpoint} without a secret: anyone who "
             "reaches it could read every program the engine holds and drive its eviction. "
             "Give the engine a secret file (mori vllm-args --label-secret-file FILE puts it "
-            f"in --additional-config; or set {SECRET_FILE_ENV}=FILE), the same file to the "
+            f"in vLLM's --additional-config; or, for either engine, set {SECRET_FILE_ENV}="
+            "FILE), the same file to the "
             "gateway (labels=...,label_secret_file=FILE or mori serve --label-secret-file "
             f"FILE); {HOW_TO_MAKE}. Or bind tcp://127.0.0.1:PORT or ipc://PATH")
     raise ExposureError(

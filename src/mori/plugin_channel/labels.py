@@ -1,7 +1,10 @@
-"""Which label each KV block has: side tables kept by the MORI scheduler inside vLLM.
+"""Which label each program and each KV block has: the side tables a MORI plug-in keeps
+inside its engine.
 
-vLLM's ``KVCacheBlock`` has ``__slots__``, so nothing can be attached to a block; these
-tables hold what MORI knows instead:
+The SGLang plug-in (``mori.sglang_plugin``) reads the program labels only (its tree nodes
+carry their programs). The vLLM plug-in's scheduler (``mori.vllm_plugin``) reads the
+block labels too: vLLM's ``KVCacheBlock`` has ``__slots__``, so nothing can be attached to
+a block; these tables hold what MORI knows instead:
 
 - program -> label, as the gateway sent it (``busy``, ``idle``, ``cold``, ``inactive``:
   on the GPU, parked on the CPU tier, parked on the disk tier, on no tier); bounded
@@ -18,8 +21,8 @@ prefix that a busy program shares with an inactive one is still needed.
 
 The default label — of a program the gateway has not labelled, and of a block no known
 program used (requests without ``session_id``) — is ``busy``, the most protective one:
-labels only ever *demote* blocks below the unlabelled ones. So an engine whose gateway is
-silent, restarting or not there at all evicts exactly as plain vLLM does (LRU), and a
+labels only ever *demote* blocks below the unlabelled ones. So a vLLM engine whose gateway
+is silent, restarting or not there at all evicts exactly as plain vLLM does (LRU), and a
 client that talks to the engine directly is never penalised for not being a MORI program;
 only what MORI positively knows to be idle or inactive goes first.
 """

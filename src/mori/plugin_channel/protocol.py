@@ -1,4 +1,5 @@
-"""The label channel between the gateway and the MORI plug-in in each vLLM engine.
+"""The label channel between the gateway and the MORI plug-in in each engine (vLLM's
+scheduler, ``mori.vllm_plugin``, or SGLang's radix cache, ``mori.sglang_plugin``).
 
 Transport: ZMQ. The plug-in binds a ``ROUTER`` socket at the label endpoint (default
 ``tcp://127.0.0.1:5558``; one endpoint per engine, i.e. per data-parallel rank); the

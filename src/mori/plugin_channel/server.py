@@ -3,10 +3,11 @@
 A background thread owns a ZMQ ``ROUTER`` socket bound at the label endpoint and answers
 every message at once: ``hello`` with what the engine is (``info()``), ``residency`` with
 what it holds of each program (``residency()``, read from the scheduler's tables while the
-scheduler runs: it must copy what it reads and tolerate a table changing under it), and the label
-operations (``set``, ``replace``, ``drop``, ``clear``) with ``ok: true`` meaning *accepted*:
-they are queued here and applied by the scheduler thread at its next step
-(:meth:`LabelServer.drain`), because only that thread may touch vLLM's block pool. A
+scheduler runs: it must copy what it reads and tolerate a table changing under it), and
+the label operations (``set``, ``replace``, ``drop``, ``clear``) with ``ok: true`` meaning
+*accepted*: they are queued here and applied by the scheduler thread at its next step
+(:meth:`LabelServer.drain`), because only that thread may touch the engine's KV cache
+(vLLM's block pool, SGLang's radix tree). A
 malformed message or an unknown op is logged and answered ``ok: false`` with the error;
 nothing here ever raises into the engine.
 
@@ -24,8 +25,9 @@ bound: any other is refused at start-up (:class:`~mori.plugin_channel.auth.Expos
 The socket drops the connection of a peer that sends a frame over ``max_frame_bytes``
 before reading it (ZMQ's ``MAXMSGSIZE``) and queues at most ``RCVHWM`` messages per peer.
 
-The endpoint: ``mori_label_endpoint`` in vLLM's ``--additional-config`` JSON, else
-``$MORI_LABEL_ENDPOINT``, else ``protocol.DEFAULT_LABEL_ENDPOINT``; each data-parallel rank
+The endpoint: ``mori_label_endpoint`` in the plug-in's ``config`` (vLLM's
+``--additional-config`` JSON; the SGLang plug-in passes only an endpoint it was given),
+else ``$MORI_LABEL_ENDPOINT``, else ``protocol.DEFAULT_LABEL_ENDPOINT``; each data-parallel rank
 ``r`` > 0 binds the TCP port plus ``r`` (one endpoint per engine). The secret:
 ``mori_label_secret_file`` there, else ``$MORI_LABEL_SECRET_FILE``, else
 ``$MORI_LABEL_SECRET`` (:func:`configured_server` reads them all).
@@ -72,8 +74,8 @@ from .protocol import (
 _default_logger = logging.getLogger("mori.plugin_channel.server")
 
 ENDPOINT_ENV = "MORI_LABEL_ENDPOINT"
-ENDPOINT_KEY = "mori_label_endpoint"  # in vLLM's --additional-config
-SECRET_FILE_KEY = "mori_label_secret_file"  # in vLLM's --additional-config
+ENDPOINT_KEY = "mori_label_endpoint"  # in a plug-in's config (vLLM's --additional-config)
+SECRET_FILE_KEY = "mori_label_secret_file"  # the same (vLLM's --additional-config)
 MAX_PENDING_LABELS = MAX_PROGRAMS
 RCVHWM = 64  # messages queued per peer before ZMQ stops reading from it
 POLL_MS = 100
@@ -103,8 +105,8 @@ def configured_server(info: Callable[[], dict[str, Any]], *, rank: int = 0,
                       residency: Callable[[], dict[str, Any]] | None = None,
                       logger: logging.Logger | None = None) -> LabelServer:
     """The label server a plug-in starts: its endpoint and secret from ``config`` (vLLM's
-    ``--additional-config``: ``mori_label_endpoint``, ``mori_label_secret_file``) or the
-    environment. Raises ``ValueError`` (``auth.SecretError``, ``auth.ExposureError``,
+    ``--additional-config``, or what the SGLang plug-in passes: ``mori_label_endpoint``,
+    ``mori_label_secret_file``) or the environment. Raises ``ValueError`` (``auth.SecretError``, ``auth.ExposureError``,
     saying how to fix it) for a secret that cannot be read and for an endpoint others can
     reach without a secret: the engine must not start so."""
     config = config or {}
