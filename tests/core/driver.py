@@ -287,7 +287,7 @@ class FakeWorld:
                 r = self.p.programs[pid].replica
                 if r is not None:
                     loads[r] += 1
-            self.p.set_replica_loads(loads)
+            self.p.set_foreign_loads(loads)
         out = checked_decide(self.p, self.now, reasoning, self.pending_end)
         self.pending_end.clear()
         self.trace.append((self.now, out))

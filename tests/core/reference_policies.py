@@ -54,7 +54,7 @@ class StraightMori(MoriPolicy):
             if gq.over():
                 members = [self.programs[pid] for pid in gq.members]
                 acting = [p for p in members if p.status is Status.ACTING]
-                held = [p for p in members if p.status is Status.GATED]
+                held = [p for p in members if p.status is Status.HELD]
                 order = (sorted(acting, key=rnd.idleness.desc)
                          + sorted(held, key=rnd.idleness.desc))
                 for p in order:

@@ -86,7 +86,7 @@ def admission_costs(name: str, held: int, cpu_programs: int, replicas: int, gap:
 @pytest.mark.parametrize("name", ["mori", "mori-strict", "mori-ski", "mori-pack"])
 @pytest.mark.parametrize(("cpu_programs", "replicas", "gap", "idle_s"), [
     (5, 1, 1.0, 0.0),  # a small CPU tier: the held programs are on no tier
-    (5, 1, 0.001, 0.0),  # their drops do not pay yet: new programs wait in Waiting
+    (5, 1, 0.001, 0.0),  # their drops do not pay yet: new programs wait in Uncached
     (400, 1, 0.001, 60.0),  # a CPU tier full of parked programs
     (400, 2, 1.0, 60.0),  # two replicas
 ])

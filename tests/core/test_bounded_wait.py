@@ -54,7 +54,7 @@ def test_without_a_bound_the_waiting_program_starves() -> None:
     for r in rounds:
         assert [type(d) for d in r] == [Demote, Promote, Forward]
         assert r[1].program_id != "W"
-    assert p.programs["W"].status is Status.GATED and where(p, "W") == (NONE, None)
+    assert p.programs["W"].status is Status.HELD and where(p, "W") == (NONE, None)
 
 
 def test_a_request_past_the_bound_goes_first() -> None:
@@ -63,12 +63,12 @@ def test_a_request_past_the_bound_goes_first() -> None:
     assert rounds[-1] == [Demote("C", 0, GPU, CPU), Promote("A", 0, CPU), Forward("A", 0)]
     # t = 12: W has waited 10 s, A is reasoning (60 of 100): W cannot fit until A's step
     # ends, and nobody is promoted ahead of it (C's request, sent at 11.5, waits on the CPU)
-    assert p.programs["C"].status is Status.GATED
+    assert p.programs["C"].status is Status.HELD
     assert step(p, 12.0) == []
     # t = 13: A's step ends; it makes room for W, and C keeps waiting
     assert step(p, 13.0, fin("A", 60)) == [Demote("A", 0, GPU, CPU), Promote("W", 0, NONE),
                                            Forward("W", 0)]
-    assert p.programs["C"].status is Status.GATED and where(p, "C") == (CPU, 0)
+    assert p.programs["C"].status is Status.HELD and where(p, "C") == (CPU, 0)
 
 
 def test_the_bound_is_checked() -> None:

@@ -9,7 +9,7 @@ from mori.core.types import Tier
 
 
 def totals(pl: Placement) -> tuple[int, ...]:
-    return (sum(pl.waiting.values()),
+    return (sum(pl.uncached.values()),
             *(q.used for q in pl.gpu), *(q.used for q in pl.cpu))
 
 
@@ -43,7 +43,7 @@ def test_add_places_in_waiting() -> None:
     pl.add("a", 10)
     assert pl.where("a") == (Tier.NONE, None)
     assert "a" in pl and len(pl) == 1
-    assert pl.waiting == {"a": 10}
+    assert pl.uncached == {"a": 10}
     with pytest.raises(ValueError):
         pl.add("a", 5)
     pl.check_integrity()
@@ -74,7 +74,7 @@ def test_resize_in_place() -> None:
     pl = make()
     pl.add("a", 30)
     pl.resize("a", 35)
-    assert pl.waiting == {"a": 35}
+    assert pl.uncached == {"a": 35}
     pl.move("a", Tier.GPU, 0)
     pl.resize("a", 70)
     assert pl.where("a") == (Tier.GPU, 0)
@@ -116,7 +116,7 @@ def test_failed_move_keeps_program() -> None:
     with pytest.raises(ValueError):
         pl.move("a", Tier.GPU, 5)
     pl.check_integrity()
-    assert pl.waiting == {"a": 7}
+    assert pl.uncached == {"a": 7}
 
 
 def test_capacity_none_is_unbounded() -> None:
@@ -216,10 +216,10 @@ def test_catches_index_disagreement() -> None:
     with pytest.raises(IntegrityError, match="index"):
         pl.check_integrity()
     pl = _placed()
-    del pl.waiting["c"]  # indexed but in no queue
+    del pl.uncached["c"]  # indexed but in no queue
     with pytest.raises(IntegrityError):
         pl.check_integrity()
     pl = _placed()
-    pl.waiting["ghost"] = 3  # in a queue but not indexed
+    pl.uncached["ghost"] = 3  # in a queue but not indexed
     with pytest.raises(IntegrityError):
         pl.check_integrity()

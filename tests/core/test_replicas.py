@@ -32,7 +32,7 @@ def test_program_in_replica_2_cpu_tier_returns_to_replica_2() -> None:
     assert where(p, "P") == (CPU, 2)
     # Q's step ends: Q (acting) makes room, P reloads on replica 2; the CPU tier (P's 55
     # of 100 until P leaves it) cannot take Q's 80, and P is not pushed out for it, so Q
-    # goes to Waiting
+    # goes to Uncached
     assert step(p, 5.0, fin("Q", 80)) == [Demote("Q", 2, GPU, NONE), Promote("P", 2, CPU),
                                           Forward("P", 2)]
 
@@ -144,20 +144,20 @@ def test_smg_returning_program_goes_back_to_its_replica() -> None:
 
 def test_spread_by_load_prefers_the_replica_serving_fewest_requests() -> None:
     p = make("mori-paper", gpu=100, cpu=100, replicas=3, spread_by_load=True)
-    p.set_replica_loads([4, 1, 0])  # the engines' reports (other clients' requests too)
+    p.set_foreign_loads([4, 1, 0])  # the engines' reports (other clients' requests too)
     # all three empty of MORI's programs: replica 2 reports nothing running
     assert step(p, 0.0, arrive("A", 30)) == [Promote("A", 2, NONE), Forward("A", 2)]
     # A runs on 2: replicas 1 and 2 serve one request each; then the most room: 1
-    p.set_replica_loads([4, 1, 1])
+    p.set_foreign_loads([4, 1, 1])
     assert step(p, 0.0, arrive("B", 10)) == [Promote("B", 1, NONE), Forward("B", 1)]
     # arriving together, largest first, each counted as one more request where it goes:
     # Y (50) onto 2 (load 1), then X: 1 and 2 tie at 2 requests, 1 has more room
-    p.set_replica_loads([4, 2, 1])
+    p.set_foreign_loads([4, 2, 1])
     out = step(p, 1.0, arrive("X", 20), arrive("Y", 50))
     assert out == [Promote("Y", 2, NONE), Forward("Y", 2), Promote("X", 1, NONE),
                    Forward("X", 1)]
     # the least loaded among those it fits: Z (80) fits only replica 0, busy as it is
-    p.set_replica_loads([9, 0, 0])
+    p.set_foreign_loads([9, 0, 0])
     assert step(p, 2.0, arrive("Z", 80)) == [Promote("Z", 0, NONE), Forward("Z", 0)]
 
 
@@ -166,16 +166,16 @@ def test_spread_by_load_off_or_untold_is_the_most_room() -> None:
         p = make("mori-paper", gpu=100, cpu=100, replicas=2, spread_by_load=flag)
         step(p, 0.0, arrive("A", 30))
         if told:
-            p.set_replica_loads([0, 7])
+            p.set_foreign_loads([0, 7])
         # replica 1 has the most room (100 against 70): loads are not weighed
         assert step(p, 0.0, arrive("B", 20)) == [Promote("B", 1, NONE), Forward("B", 1)]
 
 
-def test_replica_loads_are_checked() -> None:
+def test_foreign_loads_are_checked() -> None:
     p = make("mori-paper", replicas=2, spread_by_load=True)
     for bad in ([1], [0, 0, 0], [0, -1]):
         with pytest.raises(ValueError):
-            p.set_replica_loads(bad)
+            p.set_foreign_loads(bad)
 
 
 def test_room_is_made_where_the_demoted_program_keeps_its_kv_in_dram() -> None:

@@ -42,7 +42,7 @@ def test_a_new_arrivals_admitted_smallest_first_placed_largest_first(name: str) 
     # priority (smallest context first) admits Z, X, Y (90 of 100); W (50) must wait even
     # though it arrived before Z; the admitted three are placed largest first
     assert out == [d for pid in "YXZ" for d in (Promote(pid, 0, NONE), Forward(pid, 0))]
-    assert p.programs["W"].status is Status.GATED and where(p, "W") == (NONE, None)
+    assert p.programs["W"].status is Status.HELD and where(p, "W") == (NONE, None)
 
 
 # -- (b) a third program needs room ---------------------------------------------------------
@@ -101,14 +101,14 @@ def test_c_priority_levels() -> None:
     step(p, 1.0, fin("A", 40))
     step(p, 2.0, fin("B", 40))
     # C (100) needs the whole GPU: A (idleness 0.9) goes first, to CPU; then B (0.8) does not
-    # fit the CPU, A is more idle than B so A is pushed on to Waiting and B takes the CPU
+    # fit the CPU, A is more idle than B so A is pushed on to Uncached and B takes the CPU
     assert step(p, 10.0, arrive("C", 100)) == [
         Demote("A", 0, GPU, CPU), Demote("A", 0, CPU, NONE), Demote("B", 0, GPU, CPU),
         Promote("C", 0, NONE), Forward("C", 0)]
     assert where(p, "A") == (NONE, None) and where(p, "B") == (CPU, 0)
     step(p, 11.0, fin("C", 100))
     assert step(p, 12.0, ProgramEnded("C")) == [Release("C", 0)]
-    # arrivals in the reverse of their priority: D (new, 30), E (new, 20), A (Waiting,
+    # arrivals in the reverse of their priority: D (new, 30), E (new, 20), A (Uncached,
     # returning), B (CPU queue); 130 tokens for 100
     out = step(p, 20.0, arrive("D", 30), arrive("E", 20), arrive("A", 40), arrive("B", 40))
     assert out == [Promote("B", 0, CPU), Forward("B", 0),
@@ -142,7 +142,7 @@ def test_c_strict_cpu_program_first_waits_for_someone_more_idle() -> None:
     assert step(p, 4.0) == []
     assert step(p, 5.0) == []
     # t = 6: X at 3/4 is demoted; the CPU (B 60 of 100) cannot take X's 100 and B is not
-    # more idle than X, so X drops to Waiting; then B reloads, then W fits
+    # more idle than X, so X drops to Uncached; then B reloads, then W fits
     assert step(p, 6.0) == [Demote("X", 0, GPU, NONE), Promote("B", 0, CPU), Forward("B", 0),
                             Promote("W", 0, NONE), Forward("W", 0)]
 
@@ -185,7 +185,7 @@ def test_c_returning_before_new_smallest_new_first() -> None:
 
 
 def test_c_candidate_not_evicted_from_cpu_two_replicas() -> None:
-    # regression: the candidate X was evicted to Waiting by the room made for it, then
+    # regression: the candidate X was evicted to Uncached by the room made for it, then
     # held (its turn in the round was over) although replica 1 was empty (packed
     # placement, as this was found: MORI itself spreads the first programs)
     p = make("mori-pack", gpu=100, cpu=60, replicas=2)

@@ -93,7 +93,7 @@ def test_the_gated_queue_is_in_arrival_order_with_its_waits() -> None:
         t += 1.0
     snap = take_snapshot(pol, 5.0, time_scale=2.0)
     assert [(g.program_id, g.waited_s, g.tier) for g in snap.gated] == [("p2", 1.5, Tier.NONE)]
-    assert snap.count(status=Status.GATED) == 1 and snap.count(tier=Tier.GPU) == 2
+    assert snap.count(status=Status.HELD) == 1 and snap.count(tier=Tier.GPU) == 2
 
 
 @settings(max_examples=40, deadline=None)
@@ -118,7 +118,7 @@ def test_every_program_is_shown_once_and_no_tier_over_capacity(
         snap = take_snapshot(pol, t)
         assert sorted(p.program_id for p in snap.programs) == sorted(pol.programs)
         assert {g.program_id for g in snap.gated} == {
-            p.program_id for p in snap.programs if p.status is Status.GATED}
+            p.program_id for p in snap.programs if p.status is Status.HELD}
         for row in snap.tiers:
             assert row.gpu_tokens <= row.gpu_capacity and row.cpu_tokens <= row.cpu_capacity
         f = frame(snap, None)
@@ -142,7 +142,7 @@ def test_reasons_say_why_from_the_programs_state() -> None:
 
 def test_a_records_context_is_not_part_of_its_equality() -> None:
     d = Forward("a", 0)
-    ctx = DecisionContext(Status.GATED, 0.5, 10, 1.0)
+    ctx = DecisionContext(Status.HELD, 0.5, 10, 1.0)
     assert DecisionRecord(1.0, d, ctx) == DecisionRecord(1.0, d)
     assert DecisionRecord(1.0, d, ctx).as_dict()["reason"].startswith("its KV is on")
     assert "reason" not in DecisionRecord(1.0, d).as_dict()
@@ -239,7 +239,7 @@ def test_svg_escapes_every_text_and_breaks_lines_at_gaps() -> None:
     path = re.search(r'<path d="([^"]+)"', svg)
     assert path is not None and path.group(1).count("M") == 2  # the NaN split the line
     marks = spectrum([(0.1, Status.REASONING, Tier.GPU), (0.9, Status.ACTING, Tier.CPU),
-                      (0.5, Status.GATED, Tier.NONE), (0.2, Status.REASONING, Tier.GPU)])
+                      (0.5, Status.HELD, Tier.NONE), (0.2, Status.REASONING, Tier.GPU)])
     assert sum(d.count("M") for d in re.findall(r'<path d="([^"]+)"', marks)) == 4
 
 

@@ -157,7 +157,7 @@ def test_a_held_request_times_out_then_its_orphan_forward_ends_the_step() -> Non
         with pytest.raises(AdmissionRejected) as e:
             await ctl.lease("b", 600)
         assert e.value.status == 503
-        assert ctl.policy.programs["b"].status is Status.GATED  # still held for a retry
+        assert ctl.policy.programs["b"].status is Status.HELD  # still held for a retry
         clock.t += 1.0
         la.finish(900)  # a acting: b is forwarded, nobody waits, its step ends at once
         assert ctl.programs["b"].orphan_forwards == 1

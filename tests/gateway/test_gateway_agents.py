@@ -78,7 +78,7 @@ def test_agent_loops_are_gated_released_and_all_complete(loop_thread: LoopThread
     seen_gated = False
     while any(t.is_alive() for t in threads):
         progs = httpx.get(url + "/v1/programs").json()["data"]
-        seen_gated |= any(p["status"] == "gated" for p in progs)
+        seen_gated |= any(p["status"] == "held" for p in progs)
         time.sleep(0.02)
     for t in threads:
         t.join()

@@ -201,7 +201,7 @@ def test_gated_request_times_out_with_retry_after_and_queue_is_bounded(
         assert rb.status_code == 503
         assert rb.headers["retry-after"] == "2"
         assert "waited" in rb.json()["error"]["message"]
-        assert program(gw, "b")["status"] == "gated"  # still held for a retry
+        assert program(gw, "b")["status"] == "held"  # still held for a retry
         rc = httpx.post(gw.url + "/v1/chat/completions", json=dict(body_b, program_id="c"))
         assert rc.status_code == 429
         assert rc.headers["retry-after"] == "2"

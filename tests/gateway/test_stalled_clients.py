@@ -124,7 +124,7 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
     held = raw_request(gw, chat(model, "held", 20_000, 8))
     try:
         wait_for(lambda: status(gw, "long") == ("reasoning", True), "the first request runs")
-        wait_for(lambda: status(gw, "held") == ("gated", False), "the second is held")
+        wait_for(lambda: status(gw, "held") == ("held", False), "the second is held")
         assert metric(engine, "mori_engine_requests_total") == 1
         # the gauge of the longest wait counts the held request's wait as it grows
         first = metric(gw.url, "mori_gate_oldest_wait_seconds")
@@ -135,7 +135,7 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
         held.close()  # the client leaves while its request is held
         wait_for(lambda: metric(gw.url, "mori_requests_total", status="499") == 1,
                  "the gateway noticed the client leave")
-        assert status(gw, "held") == ("gated", False)  # held for a retry, not forwarded
+        assert status(gw, "held") == ("held", False)  # held for a retry, not forwarded
 
         long.close()  # the client leaves while its request runs: the engine aborts it
         wait_for(lambda: metric(engine, "mori_engine_requests_aborted_total") == 1,

@@ -48,7 +48,7 @@ class ProgramEnded:
 @dataclass(frozen=True, slots=True)
 class ReplicaDown:
     """A replica stopped serving (its engine died, hangs, or cannot be reached): every
-    program placed on it loses its KV there and goes to the Waiting queue (its next
+    program placed on it loses its KV there and goes to the Uncached queue (its next
     request is a recompute elsewhere), and nothing is placed on it until ``ReplicaUp``.
     A program whose step was running there stays Reasoning until the world reports the
     step's end (its request failed) with ``StepFinished``."""
@@ -68,7 +68,7 @@ class ProgramRestored:
     """A program the policy does not know holds ``context_tokens`` of KV on ``replica``,
     in ``tier`` (GPU or CPU), as the engine reports it (a restarted world reading its
     engines): the program is taken in, Acting (between steps), in that place if it fits
-    there, else in the Waiting queue. Ignored for a program the policy already knows.
+    there, else in the Uncached queue. Ignored for a program the policy already knows.
     ``history``: its idleness history, where one was kept (``--state``); without one
     it starts with none."""
 

@@ -11,7 +11,7 @@ first, then least recently used within a rank.
 
 The labels (``KVLabel``, set by the policy): ``busy`` (the program's KV belongs on the
 GPU), ``idle`` (parked on the CPU tier), ``cold`` (parked on the replica's disk tier),
-``inactive`` (on no tier: Waiting, dropped, or ended). A label that is not known (no
+``inactive`` (on no tier: Uncached, dropped, or ended). A label that is not known (no
 gateway, or a program it never labelled) counts as ``busy`` in the plug-ins, so they
 evict as plain LRU until MORI says otherwise.
 

@@ -106,7 +106,7 @@ def engine_actions(d: Decision, profile: EngineProfile, caps: frozenset[Capabili
         return (SetLabel(d.program_id, d.replica, _DEMOTE_LABEL[d.to]),)
     if d.source is not Tier.GPU or not profile.drops_on_demote:
         return ()  # an untyped engine's LRU decides (a CPU-queue program pushed to
-        #            Waiting; a ThunderAgent pause, which tells the engine nothing)
+        #            Uncached; a ThunderAgent pause, which tells the engine nothing)
     if Capability.OFFLOAD in caps:
         return (Offload(d.program_id, d.replica),)
     if d.to is Tier.NONE and Capability.DROP in caps:

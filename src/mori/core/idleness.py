@@ -91,13 +91,13 @@ class IdlenessTracker:
             self._push(self._cur_reason, max(0.0, now - self._t0))
         elif self._phase is not None:
             raise ValueError(f"arrived while {self._phase.value}")
-        self._phase = Status.GATED
+        self._phase = Status.HELD
         self._t0 = now
 
     def started(self, now: float) -> None:
         """Reasoning starts now (forwarded, KV ready)."""
         self._check_time(now)
-        if self._phase is Status.GATED:
+        if self._phase is Status.HELD:
             self._end_gated(now)
         elif self._phase is Status.REASONING:
             # the KV became ready later than the forward: that interval was gated
@@ -151,7 +151,7 @@ class IdlenessTracker:
     # -- queries --------------------------------------------------------------------
     @property
     def status(self) -> Status | None:
-        """The phase: GATED, REASONING or ACTING; None before the first request."""
+        """The phase: HELD, REASONING or ACTING; None before the first request."""
         return self._phase
 
     def idleness(self, now: float) -> float:
@@ -165,7 +165,7 @@ class IdlenessTracker:
         elif phase is Status.ACTING:
             r += self._cur_reason
             a += max(0.0, now - self._t0)
-        elif phase is Status.GATED and not self._exclude_gated and self._cycles:
+        elif phase is Status.HELD and not self._exclude_gated and self._cycles:
             a += max(0.0, now - self._t0)
         total = r + a
         return a / total if total > 0.0 else 0.0

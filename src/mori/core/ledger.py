@@ -1,7 +1,7 @@
 """Tier ledgers: who is where, and how many bytes each tier holds.
 
 Per replica a GPU queue, a CPU queue and a disk queue with capacities in bytes (the disk
-queue's is 0 unless the cluster has a disk tier); one global Waiting queue (tier NONE)
+queue's is 0 unless the cluster has a disk tier); one global Uncached queue (tier NONE)
 for programs that hold no cache. ``check_integrity()`` asserts every
 invariant: each program in exactly one place, byte totals equal to the members' sizes,
 no tier over capacity. A capacity of ``None`` means the tier is not managed by the
@@ -61,7 +61,7 @@ class TierQueue:
 
 
 class Placement:
-    """The GPU, CPU and disk queues of every replica plus the global Waiting queue."""
+    """The GPU, CPU and disk queues of every replica plus the global Uncached queue."""
 
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
@@ -69,7 +69,7 @@ class Placement:
         self.cpu = [TierQueue(spec.cpu_bytes) for _ in range(spec.replicas)]
         self.disk = [TierQueue(spec.disk_bytes) for _ in range(spec.replicas)]
         self.down: set[int] = set()  # replicas out of service: capacity 0, no members
-        self.waiting: dict[str, int] = {}
+        self.uncached: dict[str, int] = {}
         self._where: dict[str, tuple[Tier, int | None]] = {}
 
     # -- queries --------------------------------------------------------------------
@@ -84,7 +84,7 @@ class Placement:
 
     def queue(self, tier: Tier, replica: int | None) -> dict[str, int]:
         if tier is Tier.NONE:
-            return self.waiting
+            return self.uncached
         assert replica is not None
         return self.tier_queue(tier, replica).members
 
@@ -117,10 +117,10 @@ class Placement:
                     or self.disk[replica].members)
 
     def add(self, program_id: str, nbytes: int) -> None:
-        """A new program enters the Waiting queue."""
+        """A new program enters the Uncached queue."""
         if program_id in self._where:
             raise ValueError(f"program {program_id!r} is already placed")
-        self.waiting[program_id] = nbytes
+        self.uncached[program_id] = nbytes
         self._where[program_id] = (Tier.NONE, None)
 
     def move(self, program_id: str, tier: Tier, replica: int | None) -> None:
@@ -141,7 +141,7 @@ class Placement:
     def _take(self, program_id: str) -> int:
         tier, replica = self._where[program_id]
         if tier is Tier.NONE:
-            return self.waiting.pop(program_id)
+            return self.uncached.pop(program_id)
         assert replica is not None
         q = self.tier_queue(tier, replica)
         nbytes = q.members.pop(program_id)
@@ -150,7 +150,7 @@ class Placement:
 
     def _put(self, program_id: str, tier: Tier, replica: int | None, nbytes: int) -> None:
         if tier is Tier.NONE:
-            self.waiting[program_id] = nbytes
+            self.uncached[program_id] = nbytes
             self._where[program_id] = (Tier.NONE, None)
             return
         if replica is None or not 0 <= replica < self.spec.replicas:
@@ -171,7 +171,7 @@ class Placement:
                 raise IntegrityError(f"program {pid!r} is in {seen[pid]} and in {place}")
             seen[pid] = place
 
-        for pid in self.waiting:
+        for pid in self.uncached:
             claim(pid, (Tier.NONE, None))
         for tier, queues in ((Tier.GPU, self.gpu), (Tier.CPU, self.cpu),
                              (Tier.DISK, self.disk)):

@@ -79,7 +79,7 @@ class PolicyConfig:
     of every other promotion (None or 0: no bound, the paper's rule).
     ``spread_by_load``: MORI's spreading of admitted cacheless programs (while memory
     does not bind) prefers the replica with the fewest requests that are not the
-    policy's own, as last told by ``Policy.set_replica_loads`` (in the gateway: what the
+    policy's own, as last told by ``Policy.set_foreign_loads`` (in the gateway: what the
     engines report beyond the gateway's requests, i.e. other clients'), then the most
     room; off (the default), or with no loads told, the most room alone. The policy's
     own programs are already weighed by the room they take.
@@ -196,7 +196,7 @@ class Policy(ABC):
         self._releases: list[Release] = []
         self._seq = 0
         self.decisions_taken = 0
-        self.replica_loads: tuple[int, ...] | None = None  # see set_replica_loads
+        self.foreign_loads: tuple[int, ...] | None = None  # see set_foreign_loads
         self.load = ReplicaLoad(self.cluster.replicas,
                                 self.config.load_window_s or DEFAULT_LOAD_WINDOW_S)
         self.engine_costs: list[EngineCosts | None] = [None] * self.cluster.replicas
@@ -247,7 +247,7 @@ class Policy(ABC):
         self.decisions_taken += 1
         return out
 
-    def set_replica_loads(self, loads: Sequence[int]) -> None:
+    def set_foreign_loads(self, loads: Sequence[int]) -> None:
         """Tell the policy how many requests that are not its own each replica is serving
         or queueing now (a world's reading of its engines: other clients' requests;
         used with ``PolicyConfig.spread_by_load``)."""
@@ -256,7 +256,7 @@ class Policy(ABC):
                              "replicas")
         if any(n < 0 for n in loads):
             raise ValueError(f"replica loads must be >= 0, got {list(loads)}")
-        self.replica_loads = tuple(loads)
+        self.foreign_loads = tuple(loads)
 
     def set_engine_queues(self, waiting: Sequence[int | None], now: float) -> None:
         """Tell the policy how many requests each replica's engine reports waiting for
@@ -275,7 +275,7 @@ class Policy(ABC):
         for pid, p in self.programs.items():
             tier, replica = self.placement.where(pid)
             assert (p.tier, p.replica) == (tier, replica), f"{pid}: program/ledger disagree"
-            assert (pid in self._ready) == (p.status is Status.GATED), (
+            assert (pid in self._ready) == (p.status is Status.HELD), (
                 f"{pid}: {p.status.value} but {'in' if pid in self._ready else 'not in'} "
                 "the index of held requests")
             assert (pid in self._ready_gpu) == (p.ready and p.tier is Tier.GPU), (
@@ -307,7 +307,7 @@ class Policy(ABC):
     # -- read-only queries (inspection; they change nothing) ------------------------------
     @property
     def held_count(self) -> int:
-        """How many programs have a request held (status GATED)."""
+        """How many programs have a request held (status HELD)."""
         return len(self._ready)
 
     def view(self, program_id: str, now: float) -> ProgramView | None:
@@ -477,7 +477,7 @@ class Policy(ABC):
                 f"program {ev.program_id!r} sent a request while {p.status.value}: "
                 "a program has at most one request in flight"
             )
-        p.tracker.arrived(now)  # status: GATED, the request is held
+        p.tracker.arrived(now)  # status: HELD, the request is held
         self._seq += 1
         p.ready_seq = self._seq
         p.ready_at = now
@@ -505,7 +505,7 @@ class Policy(ABC):
             p.history[-1].finished = now
 
     def _on_replica(self, replica: int, down: bool, now: float) -> None:
-        """``ReplicaDown``: every program on the replica goes to Waiting (its KV there is
+        """``ReplicaDown``: every program on the replica goes to Uncached (its KV there is
         lost: its next step recomputes), then the replica takes nothing until
         ``ReplicaUp``. No decision is issued for the moves: the engine is gone."""
         if not 0 <= replica < self.cluster.replicas:
@@ -525,7 +525,7 @@ class Policy(ABC):
 
     def _on_restored(self, ev: ProgramRestored, now: float) -> None:
         """A program found on an engine (``ProgramRestored``): Acting (with its history,
-        if the event brings one), in its place if that fits, else in Waiting."""
+        if the event brings one), in its place if that fits, else in Uncached."""
         if ev.program_id in self.programs:
             return
         if not 0 <= ev.replica < self.cluster.replicas or ev.tier is Tier.NONE:
@@ -539,7 +539,7 @@ class Policy(ABC):
         self.programs[ev.program_id] = p
         self.placement.add(ev.program_id, 0)
         self._resize(p, max(0, ev.context_tokens))
-        self._hook(p, None)  # a new program, in Waiting (as a first arrival is)
+        self._hook(p, None)  # a new program, in Uncached (as a first arrival is)
         if self.placement.tier_queue(ev.tier, ev.replica).fits(p.kv_bytes):
             self._move(p, ev.tier, ev.replica)
 

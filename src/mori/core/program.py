@@ -23,7 +23,7 @@ class Program:
 
     ``tokens`` is the context the ledger accounts for: the prompt of its latest request,
     then prompt + output once the step finished. ``status`` is read from the idleness
-    tracker, the program's one phase machine: GATED means a request is held.
+    tracker, the program's one phase machine: HELD means a request is held.
     ``ready_seq`` orders held requests by arrival, and ``ready_at`` is the time of the
     latest. ``returning`` means it has completed
     at least one step.
@@ -47,12 +47,12 @@ class Program:
     def status(self) -> Status:
         # a program exists from its first request on, so the tracker has a phase; a
         # tracker that has seen nothing yet reads as gated (about to be held)
-        return self.tracker.status or Status.GATED
+        return self.tracker.status or Status.HELD
 
     @property
     def ready(self) -> bool:
         """A request is held (not yet forwarded)."""
-        return self.tracker.status is Status.GATED
+        return self.tracker.status is Status.HELD
 
     def idleness(self, now: float) -> float:
         return self.tracker.idleness(now)

@@ -10,7 +10,7 @@ class Status(StrEnum):
 
     REASONING = "reasoning"  # its request is executing on an engine
     ACTING = "acting"  # its response ended; it is in a tool call, its KV sits idle
-    GATED = "gated"  # a request arrived but the scheduler holds it
+    HELD = "held"  # a request arrived and the scheduler holds it (not yet forwarded)
 
 
 class Tier(StrEnum):
@@ -19,7 +19,7 @@ class Tier(StrEnum):
     GPU = "gpu"
     CPU = "cpu"
     DISK = "disk"  # the replica's disk tier (NVMe): a return reads it back from disk
-    NONE = "none"  # the global Waiting queue: no cache, a return means recompute
+    NONE = "none"  # the global Uncached queue: no cache, a return means recompute
 
 
 class KVLabel(StrEnum):
@@ -28,7 +28,7 @@ class KVLabel(StrEnum):
     BUSY = "busy"  # GPU queue
     IDLE = "idle"  # CPU queue
     COLD = "cold"  # disk queue: keep it on the replica's disk, leave the faster tiers
-    INACTIVE = "inactive"  # not scheduled anywhere (Waiting, or ended)
+    INACTIVE = "inactive"  # not scheduled anywhere (Uncached, or ended)
 
 
 class Capability(StrEnum):

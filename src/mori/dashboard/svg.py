@@ -15,7 +15,7 @@ from mori.core.types import Status, Tier
 
 PALETTE = ("#2563eb", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6", "#0891b2", "#db2777",
            "#65a30d", "#ea580c", "#475569")
-STATUS_COLOUR = {Status.REASONING: "#2563eb", Status.ACTING: "#f59e0b", Status.GATED: "#ef4444"}
+STATUS_COLOUR = {Status.REASONING: "#2563eb", Status.ACTING: "#f59e0b", Status.HELD: "#ef4444"}
 TIER_LANES = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.NONE)
 """The spectrum's lanes, top to bottom (the disk's only where a program is on a disk)."""
 

@@ -23,7 +23,7 @@ the contexts it left behind are released ``abandoned_grace_s`` later unless a re
 their own comes first (``mori.gateway.sessions``).
 
 A replica marked unhealthy (``mori.gateway.replicas``: refused, dead, or missing its
-health probes) is reported to the policy as ``ReplicaDown``: its programs go to Waiting
+health probes) is reported to the policy as ``ReplicaDown``: its programs go to Uncached
 and are placed again on the healthy replicas, where their next step recomputes; its
 requests in flight end at once (503, or an error event in a stream), in this process and
 in the workers (``replica_listeners``). When it answers again it rejoins
@@ -203,7 +203,7 @@ class Controller:
         loop = self._loop
         if loop is None:  # kept: get_running_loop makes a system call (mori.engines.http1_client)
             loop = self._loop = asyncio.get_running_loop()
-        if pol is not None and pol.status is Status.GATED and info.held is not None:
+        if pol is not None and pol.status is Status.HELD and info.held is not None:
             # a retry of a request still held by the policy: take its place
             old = info.held
             old.reject(409, "superseded by a retry")
@@ -416,7 +416,7 @@ class Controller:
     def decide(self) -> None:
         now = self.now()
         if self.policy.config.spread_by_load:
-            self.policy.set_replica_loads(self.replicas.foreign_loads())
+            self.policy.set_foreign_loads(self.replicas.foreign_loads())
         self.policy.set_engine_queues(self.replicas.engine_waiting(), now)
         self.executor.execute(now, self.policy.decide(now))
         orphans, self._orphans = self._orphans, []

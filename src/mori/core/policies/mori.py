@@ -8,14 +8,14 @@ Every rule of section 4, and where a detail is ours:
   forwarded) ones, highest idleness first. Reasoning programs never grow in the ledger (it
   accounts a step's output when the step finishes), so they are never needed here.
 - A demoted program goes to its replica's CPU queue if it fits; if not, CPU programs
-  more idle than it are pushed to Waiting to make room (the CPU tier holds the next-best
-  ranked); failing that it goes to Waiting itself. CPU over capacity: highest idleness to
-  Waiting first.
-- Promotion order: (0) CPU-queue programs with a held request, (1) Waiting programs that
+  more idle than it are pushed to Uncached to make room (the CPU tier holds the next-best
+  ranked); failing that it goes to Uncached itself. CPU over capacity: highest idleness to
+  Uncached first.
+- Promotion order: (0) CPU-queue programs with a held request, (1) Uncached programs that
   are returning, (2) new programs, smallest context first; lowest idleness first within a
   level; then arrival order.
 - A candidate that fits is promoted and forwarded at once. A CPU-queue program goes back
-  to its own replica (affinity: it reloads locally). Cacheless (Waiting) programs are
+  to its own replica (affinity: it reloads locally). Cacheless (Uncached) programs are
   admitted in priority order while the replicas' free space together holds them, and
   placed the largest first, each onto the replica with the most free room, as long as
   that places all of them (memory does not bind); else by Best-Fit-Decreasing, each onto
@@ -39,7 +39,7 @@ Every rule of section 4, and where a detail is ours:
   program that would go to no tier is kept on the replica's disk where that pays, and
   programs more idle than it are pushed off a full disk for it; a held program on disk
   goes back to its own replica, promoted after the CPU-queue programs and before those
-  in Waiting (``mori_disk``).
+  in Uncached (``mori_disk``).
 - Work conservation (ours, not the paper's; ``PolicyConfig.fill_idle``): after the
   promotions, a replica with no step running takes the oldest held request that can go
   there, its Acting programs parking for it in free CPU room without waiting out the
@@ -108,7 +108,7 @@ class MoriPolicy(Policy):
     """
 
     name = "mori"
-    description = "MORI: idleness-ranked GPU/CPU/Waiting placement with typed offloading"
+    description = "MORI: idleness-ranked GPU/CPU/Uncached placement with typed offloading"
     engine_profile = EngineProfile(cpu_tier=True, typed_eviction=True)
     uses_cpu_queue = True
     uses_disk_queue = True
@@ -146,7 +146,7 @@ class MoriPolicy(Policy):
 
     def _foreign_load(self, replica: int) -> int:
         """Requests of other clients on ``replica`` as last told (0: none told)."""
-        loads = self.replica_loads
+        loads = self.foreign_loads
         return loads[replica] if loads is not None else 0
 
     def hold_reason(self, program_id: str, now: float) -> str | None:
@@ -219,7 +219,7 @@ class MoriPolicy(Policy):
         return self.recompute_s(p)
 
     def _spread_loads(self) -> tuple[int, ...] | None:
-        return self.replica_loads if self.config.spread_by_load else None
+        return self.foreign_loads if self.config.spread_by_load else None
 
     # -- the moves the parts make (``Moves``) -------------------------------------------
     def _drop(self, p: Program, rnd: Round) -> None:

@@ -134,6 +134,13 @@ class MoriBook:
         members = (self.programs[pid] for pid in self.placement.gpu[r].members)
         return sorted((p for p in members if p.status is Status.ACTING), key=idleness.desc)
 
+    def reasoning_bytes(self, r: int) -> int:
+        """The KV bytes of replica ``r``'s Reasoning GPU programs."""
+        if self.incremental:
+            return self.sums.reasoning[r]
+        return sum(p.kv_bytes for p in (self.programs[pid] for pid in self.placement.gpu[r].members)
+                   if p.status is Status.REASONING)
+
     def cap_of(self, r: int) -> int:
         """Replica ``r``'s GPU capacity now (0 while it is down)."""
         return 0 if r in self.placement.down else self.cap
@@ -241,7 +248,7 @@ class MoriBook:
             assert (r in self.open) == (smallest is not None and smallest <= self.avail[r])
         assert sorted(self.index.cpu_all) == sorted(t for o in self.index.cpu for t in o)
         assert all(c.tier is Tier.NONE and kv == c.kv_bytes
-                   for _, kv, c in self.index.waiting)
+                   for _, kv, c in self.index.uncached)
         self.avail.check()
         self._room.check()
 

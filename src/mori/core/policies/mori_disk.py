@@ -17,7 +17,7 @@ instead, when:
 A program on disk goes back to its own replica, as a CPU-queue program does (affinity:
 its KV is there), and reads its KV back from the disk; it is promoted with the
 CPU-queue programs, after them (its level is a returning program's: a read from disk
-costs more than a reload from DRAM), before the programs in Waiting. Should a part of the policy place it on another replica, its
+costs more than a reload from DRAM), before the programs in Uncached. Should a part of the policy place it on another replica, its
 disk copy is dropped first and it recomputes there. A disk queue over capacity (a held
 program's context grew) pushes out its most idle programs.
 

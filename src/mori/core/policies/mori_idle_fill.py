@@ -8,7 +8,7 @@ that protects the steps that run; on an idle one it only wastes the engine: hold
 request costs its whole wait of engine time for certain, while making room costs the
 programs that leave a return that may never come. So after the round's promotions, a
 replica with no step running (as the policy forwarded them, ``ReplicaLoad.running``;
-and, where the gateway reads it, no other client's request, ``Policy.replica_loads``)
+and, where the gateway reads it, no other client's request, ``Policy.foreign_loads``)
 takes the oldest held request that can go there: a program parked or kept on disk there,
 or one with no KV anywhere, whose context fits the replica's GPU tier once Acting
 programs leave. They leave, the most idle first, only if they all park in the free room

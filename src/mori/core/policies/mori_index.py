@@ -3,7 +3,7 @@ changed and what must move (``MoriPolicy``; the straightforward round that recom
 all of it is the differential test's reference).
 
 - ``CandidateIndex``: the held programs not on a GPU, in promotion order, per replica
-  for those in a CPU queue and one order for those in Waiting. A held program's
+  for those in a CPU queue and one order for those in Uncached. A held program's
   priority (its level, its context for a new one, its idleness, its arrival) does not
   change while it is held: idleness excludes gated time, so idleness is frozen from the
   arrival to the forward. ``mori-no-exclusion`` counts gated time, so it cannot use the
@@ -35,7 +35,7 @@ to is there, in its CPU or its disk queue."""
 
 def priority(p: Program, idleness: float) -> Key:
     """The promotion order (``mori`` module docstring): (0) CPU queue, (1) returning
-    (a program on disk is one, and goes before those in Waiting: it is promoted with the
+    (a program on disk is one, and goes before those in Uncached: it is promoted with the
     CPU-queue programs, onto its own replica), (2) new programs smallest context first;
     lowest idleness first; then arrival."""
     level = 0 if p.tier is Tier.CPU else 1 if p.returning else 2
@@ -44,17 +44,17 @@ def priority(p: Program, idleness: float) -> Key:
 
 class CandidateIndex:
     """Held programs in a CPU or disk queue (per replica: ``cpu``, ``cpu_all``, named for
-    the CPU queue that came first) or in Waiting, by priority."""
+    the CPU queue that came first) or in Uncached, by priority."""
 
-    __slots__ = ("cpu", "cpu_all", "waiting", "waiting_by_size", "_entry", "_cpu_nonempty")
+    __slots__ = ("cpu", "cpu_all", "uncached", "uncached_by_size", "_entry", "_cpu_nonempty")
 
     def __init__(self, replicas: int) -> None:
         self.cpu: list[SizedOrder[Program]] = [SizedOrder() for _ in range(replicas)]
         self.cpu_all: SizedOrder[Program] = SizedOrder()  # every replica's, one order
-        self.waiting: SizedOrder[Program] = SizedOrder()
+        self.uncached: SizedOrder[Program] = SizedOrder()
         # the same candidates by (size, key): the few small enough to fit, at once
-        self.waiting_by_size: list[tuple[int, Key, Program]] = []
-        # id -> key, CPU replica (None: Waiting), size
+        self.uncached_by_size: list[tuple[int, Key, Program]] = []
+        # id -> key, CPU replica (None: Uncached), size
         self._entry: dict[str, tuple[Key, int | None, int]] = {}
         self._cpu_nonempty: set[int] = set()
 
@@ -82,8 +82,8 @@ class CandidateIndex:
             self._entry[p.program_id] = (key, p.replica, p.kv_bytes)
         else:
             assert p.tier is Tier.NONE, f"{p.program_id} on a GPU is not a candidate"
-            self.waiting.add(key, p.kv_bytes, p)
-            insort(self.waiting_by_size, (p.kv_bytes, key, p))
+            self.uncached.add(key, p.kv_bytes, p)
+            insort(self.uncached_by_size, (p.kv_bytes, key, p))
             self._entry[p.program_id] = (key, None, p.kv_bytes)
 
     def discard(self, program_id: str) -> int | None:
@@ -93,8 +93,8 @@ class CandidateIndex:
             return None
         key, replica, kv = e
         if replica is None:
-            self.waiting.remove(key)
-            by_size = self.waiting_by_size
+            self.uncached.remove(key)
+            by_size = self.uncached_by_size
             del by_size[bisect_left(by_size, (kv, key))]
         else:
             order = self.cpu[replica]
@@ -104,12 +104,12 @@ class CandidateIndex:
                 self._cpu_nonempty.discard(replica)
         return replica
 
-    def waiting_up_to(self, size: float, after: Key | None = None,
+    def uncached_up_to(self, size: float, after: Key | None = None,
                       upto: Key | None = None) -> list[tuple[Key, int, Program]]:
-        """The Waiting candidates of at most ``size`` bytes with ``after`` < key <=
+        """The Uncached candidates of at most ``size`` bytes with ``after`` < key <=
         ``upto`` (None: no bound), in key order: from the size order when few are that
         small, else by a walk of the key order passing over blocks too large."""
-        by_size = self.waiting_by_size
+        by_size = self.uncached_by_size
         n = bisect_right(by_size, (size, _TOP))
         if n == 0:
             return []
@@ -117,29 +117,29 @@ class CandidateIndex:
             return sorted((k, kv, c) for kv, k, c in by_size[:n]
                           if (after is None or k > after) and (upto is None or k <= upto))
         out = []
-        for k, kv, c in self.waiting.walk(lambda: size, after):
+        for k, kv, c in self.uncached.walk(lambda: size, after):
             if upto is not None and k > upto:
                 break
             out.append((k, kv, c))
         return out
 
-    def waiting_fits(self, size: float) -> bool:
-        """Whether some Waiting candidate is no larger than ``size``."""
-        by_size = self.waiting_by_size
+    def uncached_fits(self, size: float) -> bool:
+        """Whether some Uncached candidate is no larger than ``size``."""
+        by_size = self.uncached_by_size
         return bool(by_size) and by_size[0][0] <= size
 
-    def waiting_fitting(self, limit: Callable[[], float], after: Key | None = None
+    def uncached_fitting(self, limit: Callable[[], float], after: Key | None = None
                         ) -> Iterator[Program]:
-        """The Waiting candidates with key > ``after`` and size <= ``limit()``, in key
-        order, as ``waiting_up_to(limit())`` would list them, but lazily: ``limit`` may
+        """The Uncached candidates with key > ``after`` and size <= ``limit()``, in key
+        order, as ``uncached_up_to(limit())`` would list them, but lazily: ``limit`` may
         shrink while walking, and whole blocks then too large are passed over."""
         size = limit()
-        if not self.waiting_fits(size):
+        if not self.uncached_fits(size):
             return
-        if bisect_right(self.waiting_by_size, (size, _TOP)) <= 2 * LOAD:
-            yield from (c for _, _, c in self.waiting_up_to(size, after))
+        if bisect_right(self.uncached_by_size, (size, _TOP)) <= 2 * LOAD:
+            yield from (c for _, _, c in self.uncached_up_to(size, after))
             return
-        yield from (c for _, _, c in self.waiting.walk(limit, after))
+        yield from (c for _, _, c in self.uncached.walk(limit, after))
 
     def entries(self) -> dict[str, tuple[Key, int | None]]:
         """A copy of id -> (key, CPU replica or None) (integrity checks)."""
@@ -263,6 +263,11 @@ class IdlenessOrder:
 
     def ids(self) -> set[str]:
         return set(self._entry)
+
+    def programs(self) -> Iterator[Program]:
+        """The programs, in no particular order."""
+        for _, item in self._entry.values():
+            yield item[2]
 
     def add(self, p: Program, held_idleness: float | None) -> None:
         """Index ``p``: Acting (its line), or held with idleness ``held_idleness``."""

@@ -12,7 +12,7 @@ replica there is no choice and nothing changes. Measured: docs/results.md, "Plac
 across replicas".
 
 With ``PolicyConfig.spread_by_load`` the spreading first prefers the replica serving the
-fewest requests that are not the policy's own (``Policy.set_replica_loads``: in the
+fewest requests that are not the policy's own (``Policy.set_foreign_loads``: in the
 gateway, what the engines report beyond its own requests), then the most room.
 """
 

@@ -87,7 +87,7 @@ class IndexedPromotion:
         order, as the plain loop emits them.
 
         Returns whether a candidate was blocked (it made room: nobody else may), and the
-        CPU candidates the room made pushed to Waiting (they join it ahead of the rest).
+        CPU candidates the room made pushed to Uncached (they join it ahead of the rest).
         """
         idx = self.book.index
         chunks: list[tuple[Key, list[Decision]]] = []
@@ -142,7 +142,7 @@ class IndexedPromotion:
         room = float(cap * (len(gpus) - len(self.placement.down))
                      - self.book.sums.gpu_used - held_back)
         head: list[Program] = []  # the batch's part among the pushed candidates
-        last: Key | None = None  # the batch's last key in the Waiting index
+        last: Key | None = None  # the batch's last key in the Uncached index
         total = 0
         for c in pushed:
             if c.kv_bytes > room:
@@ -151,25 +151,25 @@ class IndexedPromotion:
             room -= c.kv_bytes
             total += c.kv_bytes
         else:
-            # the batch's Waiting part matters only to spread (several replicas) or
-            # if some Waiting candidate fits the most room; otherwise it places
+            # the batch's Uncached part matters only to spread (several replicas) or
+            # if some Uncached candidate fits the most room; otherwise it places
             # nothing, and what is walked below without it is too large all the same
-            if len(gpus) > 1 or idx.waiting_fits(self.book.avail.most()):
-                last, in_index = idx.waiting.prefix(room)
+            if len(gpus) > 1 or idx.uncached_fits(self.book.avail.most()):
+                last, in_index = idx.uncached.prefix(room)
                 total += in_index
         n = len(gpus)
-        # the batch's Waiting candidates left unplaced that may fit later (key order),
+        # the batch's Uncached candidates left unplaced that may fit later (key order),
         # and the most room any replica had when they were chosen (None: unknown)
         unplaced: list[tuple[Key, Program]] = []
         most_then: int | None = None
         most = self.book.avail.most()
         if (n > 1 and total and all(c.kv_bytes <= most for c in head)
-                and (last is None or idx.waiting_fits(most))):
+                and (last is None or idx.uncached_fits(most))):
             # spreading needs the whole batch (memory binds if it does not place it):
             # not tried when a member is known to fit nowhere (it packs then)
             batch = list(head)
             if last is not None:
-                for k, _, c in idx.waiting:
+                for k, _, c in idx.uncached:
                     if k > last:
                         break
                     batch.append(c)
@@ -178,15 +178,15 @@ class IndexedPromotion:
             if spread is not None:  # every one is placed below
                 most_then = self.book.avail.most()
             else:
-                batch_waiting = [(k, c) for k, _, c in idx.waiting_up_to(
+                batch_waiting = [(k, c) for k, _, c in idx.uncached_up_to(
                     self.book.avail.most(), upto=last)] if last is not None else []
                 unplaced, most_then = batch_waiting, self.book.avail.most()
         else:
             # packing: a batch member larger than the most room any replica has now
             # fits nowhere then or later in this round, so only the others are tried
             fit = [c for c in head if c.kv_bytes <= most]
-            if last is not None and idx.waiting_fits(most):
-                unplaced = [(k, c) for k, _, c in idx.waiting_up_to(most, upto=last)]
+            if last is not None and idx.uncached_fits(most):
+                unplaced = [(k, c) for k, _, c in idx.uncached_up_to(most, upto=last)]
                 fit += [c for _, c in unplaced]
             most_then = most
             order = sorted(fit, key=lambda p: (-p.kv_bytes, p.ready_seq))
@@ -208,13 +208,13 @@ class IndexedPromotion:
         has can move: those few are taken from the size order."""
         idx = self.book.index
         placed, last, unplaced, most_then = admitted
-        after: Key | None = None  # the last Waiting index key looked at unblocked
+        after: Key | None = None  # the last Uncached index key looked at unblocked
         rest: list[Program] = pushed  # the pushed candidates left to look at
         if not blocked:
             rest = []
             ahead: Iterator[tuple[Key | None, int, Program]] = chain(
                 ((None, i, c) for i, c in enumerate(pushed)),
-                ((k, -1, c) for k, _, c in idx.waiting))
+                ((k, -1, c) for k, _, c in idx.uncached))
             for at, i, c in ahead:
                 if c.program_id in placed:
                     continue
@@ -232,7 +232,7 @@ class IndexedPromotion:
             else:
                 return  # every candidate was placed
         # blocked from here on: a candidate fits only if no larger than the most room.
-        # The batch's part of the Waiting order (keys up to ``last``) holds only
+        # The batch's part of the Uncached order (keys up to ``last``) holds only
         # placed candidates and those of ``unplaced``, unless room was made since
         # (the most room grew): then it is walked again
         most_now = self.book.avail.most()
@@ -244,9 +244,9 @@ class IndexedPromotion:
                            if (after is None or k > after) and c.kv_bytes <= most_now
                            and c.program_id not in placed]
             lo = last
-        if not rest and not ahead_small and not idx.waiting_fits(most_now):
+        if not rest and not ahead_small and not idx.uncached_fits(most_now):
             return  # nothing left is small enough (and the most room only shrinks)
-        small = chain(rest, ahead_small, idx.waiting_fitting(self.book.avail.most, after=lo))
+        small = chain(rest, ahead_small, idx.uncached_fitting(self.book.avail.most, after=lo))
         for c in small:
             if c.program_id not in placed and c.kv_bytes <= self.book.avail.most():
                 r2 = self.book.avail.tightest(c.kv_bytes)
@@ -259,7 +259,7 @@ class IndexedPromotion:
 
         It holds when ``c`` does not fit its replica, which has no Acting program to
         demote for it; no other replica can fit one of its CPU candidates (none is
-        open); and no Waiting candidate fits the most room any replica has, ``c``'s
+        open); and no Uncached candidate fits the most room any replica has, ``c``'s
         replica counted with none. No request is held on a GPU at this point (the
         round forwarded them), so ``c``'s replica has all of its capacity once its
         Reasoning programs' steps end: the full round would reserve all of its free
@@ -279,19 +279,19 @@ class IndexedPromotion:
                 or (opened and (len(opened) > 1 or r not in opened))):
             return False
         # r's room is all reserved: none is left for its smaller CPU candidates or for
-        # a Waiting one while the round runs
+        # a Uncached one while the round runs
         smallest = self.book.index.cpu[r].min_size()
         if smallest is not None and smallest <= 0:
             return False
-        return not self.book.index.waiting_fits(avail.most_but(r, 0))
+        return not self.book.index.uncached_fits(avail.most_but(r, 0))
 
 
 class _Admitted(NamedTuple):
     """What ``IndexedPromotion._admit_cacheless`` leaves to ``_backfill``."""
 
     placed: set[str]  # the programs placed
-    last: Key | None  # the batch's last key in the Waiting index
-    unplaced: list[tuple[Key, Program]]  # the batch's Waiting candidates left unplaced
+    last: Key | None  # the batch's last key in the Uncached index
+    unplaced: list[tuple[Key, Program]]  # the batch's Uncached candidates left unplaced
     # that may fit later (key order)
     most_then: int | None  # the most room any replica had when they were chosen (None:
     # unknown)

@@ -51,9 +51,9 @@ class Ranking:
 
     def victim_ok(self, victim_idleness: float, cand_idleness: float) -> bool:
         """May a program with ``victim_idleness`` make room for one with
-        ``cand_idleness``? (Requiring ``victim_idleness > cand_idleness`` instead leaves
-        the GPU idle while a ready program waits for a busy one's phase to change; we
-        measured it: -20% throughput at 20 programs, see docs/results.md.)"""
+        ``cand_idleness``? (Requiring ``victim_idleness > cand_idleness`` instead,
+        ``mori-strict``, leaves the GPU idle while a ready program waits for a busy one's
+        phase to change; measured among the ablations in docs/results.md.)"""
         return True
 
     def displaceable(self, p: Program, idleness: IdlenessAt) -> bool:
@@ -150,10 +150,8 @@ class ReturnCost(Ranking):
       tier, a program may park by pushing out of the CPU tier programs more idle than it
       whose drop pays (``cpu_droppable``). Where it is smaller, only free room parks; a
       program parks in a full one only once its own drop would pay, and then pushes out
-      the most idle as the paper does. Measured on the ``never-loses`` grid (docs/
-      results.md): pushing out whatever pays in a small tier doubled the drops and lost
-      to ThunderAgent with offloading by up to 17% at CPU ratio 0.25; never pushing out
-      in a large one lost to the paper's MORI by up to 10% at CPU ratio 2.
+      the most idle as the paper does. Why the size of the tier decides: measured on the
+      ``never-loses`` grid, docs/results.md ("MORI that never loses").
 
     - Kept on disk (a replica with a disk tier, ``mori_disk``): a program that would be
       dropped goes to its replica's disk where that pays; its return reads it back, which

@@ -192,15 +192,21 @@ class RoomMaker:
         plans = []
         for r in self.choice.replicas_for(c):
             gq = self.placement.gpu[r]
-            members = [self.programs[pid] for pid in gq.members]
-            acting = sorted((p for p in members if p.status is Status.ACTING
-                             and (every or ranking.victim_ok(idleness(p), mine))
-                             and ranking.displaceable(p, idleness)), key=idleness.desc)
-            if every and self.book.incremental:  # the kept sum of the same programs
-                reasoning = self.book.sums.reasoning[r]
+            members: list[Program] | None = None
+            if every:  # the replica's Acting programs, as the book keeps them
+                acting = sorted((p for p in self.book.gpu_acting[r].programs()
+                                 if ranking.displaceable(p, idleness)), key=idleness.desc)
             else:
+                members = [self.programs[pid] for pid in gq.members]
+                acting = sorted((p for p in members if p.status is Status.ACTING
+                                 and ranking.victim_ok(idleness(p), mine)
+                                 and ranking.displaceable(p, idleness)), key=idleness.desc)
+            if every:
+                reasoning = self.book.reasoning_bytes(r)
+            else:
+                assert members is not None
                 reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
-                                and (every or ranking.victim_ok(idleness(p), mine)))
+                                and ranking.victim_ok(idleness(p), mine))
             room = gq.free() - rnd.reserved(r) + sum(p.kv_bytes for p in acting)
             plans.append(RoomPlan(r, room, room + reasoning, acting))
         def free(t: RoomPlan) -> float:

@@ -15,7 +15,7 @@ Ablations (docs/system.md, "The workload" and "Idleness"):
   is idle when idleness >= ``binary_threshold``; idle Acting programs are offloaded to the
   CPU tier on every round whether or not the GPU needs the room (label decides tier),
   any idle Acting program may be demoted for any ready one, and a program demoted to a
-  full CPU tier goes to Waiting (no ranking to decide who deserves the CPU).
+  full CPU tier goes to Uncached (no ranking to decide who deserves the CPU).
 - ``mori-strict``: proactive demotion only of Acting programs *more idle than* the ready
   one (a literal reading of "a better-ranked program is ready"); it leaves the GPU idle
   while a ready program waits for a busy one's phase to change.

@@ -167,9 +167,9 @@ class ThunderAgentPolicy(Policy):
         pl = self.placement
         moved = [*pl.gpu[replica].members, *pl.cpu[replica].members] if down else []
         super()._on_replica(replica, down, now)
-        for pid in moved:  # now in Waiting: no pause to make, a held request to admit
+        for pid in moved:  # now in Uncached: no pause to make, a held request to admit
             self.marked.discard(pid)
-            if self.programs[pid].status is Status.GATED and pid not in self.paused:
+            if self.programs[pid].status is Status.HELD and pid not in self.paused:
                 self._events.append(("new", pid))
 
     def _on_finish(self, ev: StepFinished, now: float) -> None:

@@ -25,7 +25,7 @@
     var s = f.summary;
     $("summary").innerHTML = [
       card("programs", int(s.programs)), card("reasoning", int(s.reasoning)),
-      card("acting", int(s.acting)), card("gated", int(s.gated)),
+      card("acting", int(s.acting)), card("held", int(s.held)),
       card("on GPU", int(s.tier_gpu)), card("on CPU", int(s.tier_cpu)),
       card("no tier", int(s.tier_none)),
       card("output tok/s", s.tokens_per_s === null ? "–" : s.tokens_per_s.toFixed(1)),
