@@ -215,7 +215,7 @@ def test_mini_swe_agent_run_is_one_program(tmp_path: Path) -> None:
 
 SDK_TOOL = "wait_a_while"  # openai_agents_client.TOOL (that module imports the SDK)
 SDK_SCRIPT = {"steps": [
-    {"text": "Uncached.", "tool": {SDK_TOOL: {"reason": "the script says so"}}},
+    {"text": "Waiting.", "tool": {SDK_TOOL: {"reason": "the script says so"}}},
     {"text": "Done."}], "fallback": "OK."}
 
 

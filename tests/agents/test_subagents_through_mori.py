@@ -39,7 +39,7 @@ CODEX_SCRIPT = {"steps": [
     # the child is not offered multi_agent_v1: it runs the shell command
     {"text": "Asking a helper.",
      "tool": {"spawn_agent": {"message": TASK}, "exec_command": {"cmd": SHELL}}},
-    {"text": "Uncached for the helper.",
+    {"text": "Waiting for the helper.",
      "tool": {"wait_agent": {"targets": ["{{result.agent_id}}"], "timeout_ms": 30000}}},
     {"text": "Done."}], "fallback": "OK."}
 

@@ -16,7 +16,7 @@ import pytest
 from mori.cli.serve_cmd import EmbeddedServerFilter
 from support.serve_process import wait_listening
 
-SHUTDOWN_LINES = ("Shutting down", "Uncached for application shutdown.",
+SHUTDOWN_LINES = ("Shutting down", "Waiting for application shutdown.",
                   "Application shutdown complete.", "Finished server process")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 

@@ -279,7 +279,7 @@ class IndexedPromotion:
                 or (opened and (len(opened) > 1 or r not in opened))):
             return False
         # r's room is all reserved: none is left for its smaller CPU candidates or for
-        # a Uncached one while the round runs
+        # an Uncached one while the round runs
         smallest = self.book.index.cpu[r].min_size()
         if smallest is not None and smallest <= 0:
             return False
