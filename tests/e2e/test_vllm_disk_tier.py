@@ -1,7 +1,7 @@
 """MORI's disk tier on the real engine: vLLM's tiering spec with ``MoriDiskTier`` behind the
 host tier, chunk files evicted in MORI's order.
 
-Two fresh engines with the same GPU pool (48 blocks of 32 tokens), the same host tier (32
+Two fresh engines with the same GPU pool (40 blocks of 32 tokens), the same host tier (32
 chunks of one block) and the same disk tier (48 chunk files, in a temporary directory): one with MORI's plug-in (its scheduler binds the disk tier to the labels), one
 without (the same tier, unbound: least recently used first).
 
@@ -9,11 +9,11 @@ without (the same tier, unbound: least recently used first).
    to the host tier, and from it to the disk tier (33 files; the host tier keeps 32).
 2. On the plug-in engine the label channel labels A ``cold`` (MORI parked it on disk),
    B ``busy`` and C ``inactive``.
-3. D sends a prompt of about 40 blocks. The GPU gives up C's blocks, then A's, then a
-   few of B's (MORI's GPU order, ``mori.core.eviction_order``: inactive, cold, idle,
-   busy; LRU: A, the oldest, first), the host tier gives up A's, B's and C's chunks for
-   D's (inactive C and cold A first), and the disk tier (48) must give up about 24 files
-   for D's (MORI's order: inactive C, then busy B, keeping cold A; LRU: the oldest, A,
+3. D sends a prompt of about 28 blocks. The GPU (4 blocks free) gives up C's blocks, then
+   A's (MORI's GPU order, ``mori.core.eviction_order``: inactive, cold, idle, busy; LRU:
+   A, the oldest, first), the host tier gives up most of A's, B's and C's chunks for D's
+   (inactive C and cold A first), and the disk tier (48) must give up about 12 files for
+   D's (MORI's order: inactive C, then busy B, keeping cold A; LRU: the oldest, A,
    first).
 4. The plug-in's ``residency`` names each program's chunks on disk; then A and C are asked
    again.
@@ -39,7 +39,7 @@ from .plugin_engine import Engine, ask, ask_plugin, fit_prompt, label, metric, p
 
 pytestmark = pytest.mark.e2e
 
-NUM_BLOCKS = 48
+NUM_BLOCKS = 40  # A, B and C fill 36: D's 28 take C's and A's GPU blocks, B's stay
 CPU_CHUNKS = 32
 DISK_CHUNKS = 48
 CHUNK_BYTES = 2 * 2 * 1 * 64 * 2 * BLOCK_SIZE  # layers x (K, V) x KV heads x head dim x bf16
@@ -48,7 +48,7 @@ FILE_BYTES = CHUNK_BYTES + 56  # + mori.vllm_plugin.disk_tier.HEADER.size (the h
 CPU_GIB = CPU_CHUNKS * CHUNK_BYTES / (1 << 30)
 DISK_GIB = DISK_CHUNKS * FILE_BYTES / (1 << 30)
 PROGRAM_BLOCKS = 12
-PRESSURE_BLOCKS = 40  # C's and A's GPU blocks must all go (cold after inactive)
+PRESSURE_BLOCKS = 28
 READ = "vllm:kv_offload_tiering_read_bytes_total"
 WRITTEN = "vllm:kv_offload_tiering_write_bytes_total"
 
