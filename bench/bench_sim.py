@@ -8,7 +8,11 @@ invocation, since these machines are shared and noisy. A second figure, ``import
 cost included in every run.
 
     python bench/bench_sim.py [--programs 80] [--replicas 1] [--cpu-ratio 1]
-                              [--duration 3600] [--policies smg,mori,...]
+                              [--duration 3600] [--policies smg,mori,...] [--repeat 1]
+
+``--repeat N`` runs every policy N times, in rounds (each round runs the policies in
+turn, so that a slow spell of the machine falls on all of them) and reports the median
+wall time of each, and its ratio against the first policy's median.
 
 ``--programs`` is the total over all replicas (the fleet target: ``--programs 10000
 --replicas 128``).
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +57,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--preset", default="h200-qwen3-30b-a3b")
     ap.add_argument("--policies", default="smg,thunderagent,thunderagent+offload,mori")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each policy, in alternating rounds; the median is shown")
     args = ap.parse_args()
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import mori.sim.runner, mori.traces"], check=True)
@@ -59,15 +66,22 @@ def main() -> None:
     print(f"{args.programs} programs on {args.replicas} replicas (cpu ratio {args.cpu_ratio:g}), "
           f"{args.duration:.0f} simulated s on {args.preset}")
     print(f"bare import of the package in a fresh process: {imp:.2f} s")
+    policies = args.policies.split(",")
+    runs: dict[str, list[tuple[dict[str, float], float]]] = {pol: [] for pol in policies}
+    for i in range(max(1, args.repeat)):
+        for pol in policies:
+            runs[pol].append(run_child([pol, str(args.programs), str(args.duration),
+                                        args.preset, str(args.replicas), str(args.cpu_ratio)]))
+            if args.repeat > 1:
+                print(f"  round {i + 1}: {pol} {runs[pol][-1][0]['wall']:.2f} s", flush=True)
     print(f"{'policy':<22} {'sim wall s':>10} {'sim s/wall s':>13} {'events':>8} "
           f"{'peak RSS MiB':>13} {'wall vs ' + args.policies.split(',')[0]:>12}")
-    base = None
-    for pol in args.policies.split(","):
-        res, rss = run_child([pol, str(args.programs), str(args.duration), args.preset,
-                              str(args.replicas), str(args.cpu_ratio)])
-        base = base or res["wall"]
-        print(f"{pol:<22} {res['wall']:>10.2f} {args.duration / res['wall']:>13.0f} "
-              f"{int(res['events']):>8} {rss:>13.0f} {res['wall'] / base:>12.2f}")
+    base = statistics.median(res["wall"] for res, _ in runs[policies[0]])
+    for pol in policies:
+        wall = statistics.median(res["wall"] for res, _ in runs[pol])
+        res, rss = runs[pol][0]
+        print(f"{pol:<22} {wall:>10.2f} {args.duration / wall:>13.0f} "
+              f"{int(res['events']):>8} {max(r for _, r in runs[pol]):>13.0f} {wall / base:>12.2f}")
 
 
 if __name__ == "__main__":

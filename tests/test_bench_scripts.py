@@ -15,7 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.mark.parametrize("script, args, expect", [
-    ("bench_sim.py", ["--programs", "4", "--duration", "60", "--policies", "smg,mori"],
+    ("bench_sim.py", ["--programs", "4", "--duration", "60", "--policies", "smg,mori", "--repeat", "2"],
      "mori"),
     ("ta_churn.py", ["--programs", "4", "--replicas", "2"], "pause"),
     ("provider_shapes.py", ["--out", "{tmp}", "--sweep", "smoke", "--programs", "20"],

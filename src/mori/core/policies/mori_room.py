@@ -189,44 +189,55 @@ class RoomMaker:
         ranking, idleness = self.ranking, rnd.idleness
         every = ranking.any_victim  # victim_ok holds for all: no idleness to compute
         mine = 0.0 if every else idleness(c)
-        plans = []
+        kv = c.kv_bytes
+        gpus, cpus, reserve = self.placement.gpu, self.placement.cpu, rnd.reserve
+        # one pass; the victims are sorted only for the replica chosen (and the first
+        # victim's idleness read only where (lands, free) ties)
+        now_ok: list[tuple[bool, float, int, list[Program], float, float]] = []
+        later_best: tuple[float, bool, int] | None = None
+        later_plan: RoomPlan | None = None
+        book = self.book
+        gpu_acting, displaceable = book.gpu_acting, ranking.displaceable
         for r in self.choice.replicas_for(c):
-            gq = self.placement.gpu[r]
-            members: list[Program] | None = None
+            gq = gpus[r]
             if every:  # the replica's Acting programs, as the book keeps them
-                acting = sorted((p for p in self.book.gpu_acting[r].programs()
-                                 if ranking.displaceable(p, idleness)), key=idleness.desc)
+                ga = gpu_acting[r]
+                acting = [p for p in ga.programs() if displaceable(p, idleness)] if len(ga) else []
+                reasoning = book.reasoning_bytes(r)
             else:
                 members = [self.programs[pid] for pid in gq.members]
-                acting = sorted((p for p in members if p.status is Status.ACTING
-                                 and ranking.victim_ok(idleness(p), mine)
-                                 and ranking.displaceable(p, idleness)), key=idleness.desc)
-            if every:
-                reasoning = self.book.reasoning_bytes(r)
-            else:
-                assert members is not None
+                acting = [p for p in members if p.status is Status.ACTING
+                          and ranking.victim_ok(idleness(p), mine)
+                          and ranking.displaceable(p, idleness)]
                 reasoning = sum(p.kv_bytes for p in members if p.status is Status.REASONING
                                 and ranking.victim_ok(idleness(p), mine))
-            room = gq.free() - rnd.reserved(r) + sum(p.kv_bytes for p in acting)
-            plans.append(RoomPlan(r, room, room + reasoning, acting))
-        def free(t: RoomPlan) -> float:
-            return self.placement.gpu[t.replica].free() - rnd.reserved(t.replica)
-
-        def lands(t: RoomPlan) -> bool:
-            return self.cpu_takes(t.replica, c.kv_bytes - free(t))
-
-        def first_idleness(t: RoomPlan) -> float:
-            assert t.acting is not None
-            if c.kv_bytes - free(t) <= 0:
-                return math.inf
-            return idleness(t.acting[0]) if t.acting else -math.inf
-
-        now_ok = [t for t in plans if t.room_now >= c.kv_bytes]
+            free = gq.free() - reserve.get(r, 0)
+            room = free + sum(p.kv_bytes for p in acting)
+            cq = cpus[r]
+            lands = bool(cq.capacity) and cq.free() >= kv - free
+            if room >= kv:
+                now_ok.append((lands, free, r, acting, room, room + reasoning))
+            elif not now_ok:
+                key = (room + reasoning, lands, -r)
+                if later_best is None or key > later_best:
+                    later_best, later_plan = key, RoomPlan(r, room, room + reasoning, acting)
         if now_ok:  # placeable now: where the demoted keep their KV in DRAM, then the
             # fewest demotions, then where the first to leave is the most idle
-            return max(now_ok, key=lambda t: (lands(t), free(t), first_idleness(t), -t.replica))
+            top = max((t[0], t[1]) for t in now_ok)
+            tied = [t for t in now_ok if (t[0], t[1]) == top]
+            if len(tied) > 1:
+                def first_idleness(t: tuple[bool, float, int, list[Program], float,
+                                            float]) -> float:
+                    if kv - t[1] <= 0:
+                        return math.inf
+                    return idleness(min(t[3], key=idleness.desc)) if t[3] else -math.inf
+                pick = max(tied, key=lambda t: (first_idleness(t), -t[2]))
+            else:
+                pick = tied[0]
+            return RoomPlan(pick[2], pick[4], pick[5], sorted(pick[3], key=idleness.desc))
         # only after running steps end: the replica with the most room then
-        return max(plans, key=lambda t: (t.room_later, lands(t), -t.replica))
+        assert later_plan is not None
+        return later_plan._replace(acting=sorted(later_plan.acting or [], key=idleness.desc))
 
     def first_victim_idleness(self, r: int, need: float, idleness: IdlenessAt) -> float:
         """The idleness of the first program demoted to make ``need`` bytes of room on
