@@ -44,7 +44,7 @@ def test_no_exclusion_first_gated_interval_is_dropped() -> None:
     t.arrived(0.0)
     assert t.idleness(1.5) == 0.0  # no previous cycle to charge the gated time to
     t.started(2.0)
-    assert t.gated_time == 2.0
+    assert t.held_time == 2.0
     t.finished(3.0)
     assert t.idleness(3.0) == 0.0
     assert t.idleness(5.0) == pytest.approx(2.0 / 3.0)  # 1 s reasoning, 2 s acting
@@ -145,7 +145,7 @@ def _gated_history(t: IdlenessTracker) -> None:
     t.finished(11.0)  # reasoning 1
 
 
-def test_gated_time_is_excluded() -> None:
+def test_held_time_is_excluded() -> None:
     t = IdlenessTracker()
     t.arrived(0.0)
     t.started(0.0)
@@ -153,14 +153,14 @@ def test_gated_time_is_excluded() -> None:
     t.arrived(4.0)
     assert t.idleness(8.0) == pytest.approx(0.75)  # while gated: unchanged
     t.started(10.0)
-    assert t.gated_time == 6.0
+    assert t.held_time == 6.0
     assert t.idleness(10.0) == pytest.approx(0.75)
     t.finished(11.0)
     assert t.idleness(11.0) == pytest.approx(3.0 / 5.0)
     assert t.cycles == ((1.0, 3.0),)
 
 
-def test_gated_time_added_to_previous_acting_without_exclusion() -> None:
+def test_held_time_added_to_previous_acting_without_exclusion() -> None:
     t = IdlenessTracker(exclude_gated=False)
     t.arrived(0.0)
     t.started(0.0)
@@ -170,7 +170,7 @@ def test_gated_time_added_to_previous_acting_without_exclusion() -> None:
     assert t.idleness(8.0) == pytest.approx(7.0 / 8.0)
     t.started(10.0)
     assert t.cycles == ((1.0, 9.0),)
-    assert t.gated_time == 6.0
+    assert t.held_time == 6.0
     t.finished(11.0)
     assert t.idleness(11.0) == pytest.approx(9.0 / 11.0)
 
@@ -186,7 +186,7 @@ def test_kv_ready_after_forward_moves_start_and_counts_as_gated() -> None:
         t.started(4.0)  # forwarded
         assert t.idleness(5.0) == pytest.approx(3.0 / 5.0)  # provisional: reasoning since 4
         t.started(6.0)  # KV ready: 4..6 was gated
-        assert t.gated_time == 2.0
+        assert t.held_time == 2.0
         assert t.cycles == (cycle,)
         t.finished(7.0)  # reasoning 6..7
         assert t.idleness(7.0) == pytest.approx(expected)
@@ -197,7 +197,7 @@ def test_kv_ready_on_first_step() -> None:
     t.arrived(0.0)
     t.started(0.0)
     t.started(3.0)
-    assert t.gated_time == 3.0
+    assert t.held_time == 3.0
     t.finished(4.0)
     assert t.idleness(5.0) == pytest.approx(0.5)  # reasoning 1 (3..4), acting 1
 

@@ -84,7 +84,7 @@ def test_snapshot_ranks_by_idleness_and_reads_the_ledger() -> None:
     assert snap.decisions[1].move == "none → gpu"
 
 
-def test_the_gated_queue_is_in_arrival_order_with_its_waits() -> None:
+def test_the_held_requests_are_is_in_arrival_order_with_its_waits() -> None:
     pol = small_policy(replicas=1)
     t = 0.0
     for i in range(3):  # 3 x 4000 tokens: only two fit the GPU tier
@@ -92,7 +92,7 @@ def test_the_gated_queue_is_in_arrival_order_with_its_waits() -> None:
         pol.decide(t)
         t += 1.0
     snap = take_snapshot(pol, 5.0, time_scale=2.0)
-    assert [(g.program_id, g.waited_s, g.tier) for g in snap.gated] == [("p2", 1.5, Tier.NONE)]
+    assert [(g.program_id, g.waited_s, g.tier) for g in snap.held] == [("p2", 1.5, Tier.NONE)]
     assert snap.count(status=Status.HELD) == 1 and snap.count(tier=Tier.GPU) == 2
 
 
@@ -117,7 +117,7 @@ def test_every_program_is_shown_once_and_no_tier_over_capacity(
                 busy.add(d.program_id)
         snap = take_snapshot(pol, t)
         assert sorted(p.program_id for p in snap.programs) == sorted(pol.programs)
-        assert {g.program_id for g in snap.gated} == {
+        assert {g.program_id for g in snap.held} == {
             p.program_id for p in snap.programs if p.status is Status.HELD}
         for row in snap.tiers:
             assert row.gpu_tokens <= row.gpu_capacity and row.cpu_tokens <= row.cpu_capacity
@@ -177,7 +177,7 @@ def test_history_rates_and_ttft_over_the_trailing_window() -> None:
     h.record(5.0, tiers(0.6, 0.2), 1, 500, [1.0, 3.0])
     s = h.record(10.0, tiers(0.7, 0.3), 2, 1500, [2.0])
     assert s.tokens_per_s == 150.0  # 1500 tokens over the 10 s window
-    assert s.ttft[0] == 2.0 and s.gpu == (0.7,) and s.cpu == (0.3,) and s.gated == 2
+    assert s.ttft[0] == 2.0 and s.gpu == (0.7,) and s.cpu == (0.3,) and s.held == 2
     s = h.record(20.0, tiers(0.7, 0.3), 0, 1500, [])
     assert s.tokens_per_s == 0.0 and all(math.isnan(v) for v in s.ttft)  # nothing in 10 s
     h.record(45.0, tiers(0.1, 0.0), 0, 1600, [0.5])
@@ -265,7 +265,7 @@ def test_charts_cover_each_replica() -> None:
         h.record(float(t), [TierRow(r, 10 * t, 100, 0, 0, 1, 0) for r in range(3)], 0, 10 * t,
                  [0.1])
     out = charts(h, (0.0, 4.0), cursor=True)
-    assert set(out) == {"gpu", "cpu", "throughput", "ttft", "gated"}
+    assert set(out) == {"gpu", "cpu", "throughput", "ttft", "held"}
     assert out["gpu"].count("<path") == 3 and 'class="cursor"' in out["gpu"]
 
 
@@ -289,7 +289,7 @@ def test_a_timeline_changes_nothing_in_the_run_and_follows_it() -> None:
     assert any(f["decisions"] for f in frames)
     last = frames[-1]
     assert sum(r[5] for r in last["tiers"]) == last["summary"]["tier_gpu"]
-    assert set(data["charts"]) == {"gpu", "cpu", "throughput", "ttft", "gated"}
+    assert set(data["charts"]) == {"gpu", "cpu", "throughput", "ttft", "held"}
 
 
 def test_mori_simulate_writes_one_timeline_per_run(tmp_path: Path,

@@ -179,12 +179,12 @@ def test_the_gate_queue_is_bounded() -> None:
     run(body, max_held=1)
 
 
-def test_kv_ready_turns_the_wait_before_reasoning_into_gated_time() -> None:
+def test_kv_ready_turns_the_wait_before_reasoning_into_held_time() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         lease = await ctl.lease("p", 100)
         clock.t += 0.5  # the engine's controls and prefetch took 0.5 s of wall time
         await lease.prepare("/v1/completions", {}, stream=False)
-        assert ctl.policy.programs["p"].tracker.gated_time == pytest.approx(0.5 * 4.0)
+        assert ctl.policy.programs["p"].tracker.held_time == pytest.approx(0.5 * 4.0)
         lease.finish(120)
     run(body, time_scale=4.0)
 

@@ -62,7 +62,7 @@ class IdlenessTracker:
     """
 
     __slots__ = (
-        "_k", "_exclude_gated", "_cycles", "_phase", "_t0", "_cur_reason", "_gated_total",
+        "_k", "_exclude_gated", "_cycles", "_phase", "_t0", "_cur_reason", "_held_total",
         "_all", "_tail",
     )
 
@@ -75,7 +75,7 @@ class IdlenessTracker:
         self._phase: Status | None = None
         self._t0 = 0.0  # start of the current phase
         self._cur_reason = 0.0  # reasoning time of the cycle in progress (once acting)
-        self._gated_total = 0.0
+        self._held_total = 0.0
         self._all = (0.0, 0.0)  # sums (reasoning, acting) over the completed cycles kept
         self._tail = (0.0, 0.0)  # the same without the oldest when k are kept
 
@@ -102,7 +102,7 @@ class IdlenessTracker:
         elif self._phase is Status.REASONING:
             # the KV became ready later than the forward: that interval was gated
             extra = max(0.0, now - self._t0)
-            self._gated_total += extra
+            self._held_total += extra
             if not self._exclude_gated and self._cycles:
                 self._add_gated_to_last(extra)
         else:
@@ -183,9 +183,9 @@ class IdlenessTracker:
         return w, self._t0 - w - a
 
     @property
-    def gated_time(self) -> float:
+    def held_time(self) -> float:
         """Total seconds spent gated so far (completed gated intervals)."""
-        return self._gated_total
+        return self._held_total
 
     @property
     def cycles(self) -> tuple[tuple[float, float], ...]:
@@ -217,7 +217,7 @@ class IdlenessTracker:
 
     def _end_gated(self, now: float) -> None:
         gated = max(0.0, now - self._t0)
-        self._gated_total += gated
+        self._held_total += gated
         if not self._exclude_gated and self._cycles:
             self._add_gated_to_last(gated)
 

@@ -74,7 +74,7 @@ class ProgramView:
     idleness: float
     context_tokens: int
     kv_bytes: int
-    gated_s: float
+    held_s: float
     steps: int
     last_step: StepRecord | None  # a copy: the latest step's three timestamps
 
@@ -82,5 +82,5 @@ class ProgramView:
     def of(cls, p: Program, now: float) -> ProgramView:
         last = p.history[-1] if p.history else None
         return cls(p.program_id, p.status, p.tier, p.replica, p.idleness(now), p.tokens,
-                   p.kv_bytes, p.tracker.gated_time, p.steps_done,
+                   p.kv_bytes, p.tracker.held_time, p.steps_done,
                    StepRecord(last.arrived, last.forwarded, last.finished) if last else None)

@@ -1,4 +1,4 @@
-"""The dashboard: the idleness spectrum, tiers, the gated queue and the scheduler's
+"""The dashboard: the idleness spectrum, tiers, the held requests and the scheduler's
 decisions, live in ``mori serve`` (``/dashboard``) and over a simulated run
 (``mori simulate --timeline``).
 

@@ -1,4 +1,4 @@
-"""The dashboard's time series: tier occupancy, throughput, TTFT and the gated queue.
+"""The dashboard's time series: tier occupancy, throughput, TTFT and the held requests.
 
 A world records a sample now and then (the gateway once a second, a simulated run at
 evenly spaced instants): its tiers, the held requests, its output-token count so far and
@@ -35,7 +35,7 @@ class Sample:
     t: float
     gpu: tuple[float, ...]
     cpu: tuple[float, ...]
-    gated: int
+    held: int
     tokens_per_s: float
     ttft: tuple[float, float, float]
 
@@ -108,7 +108,7 @@ class History:
         self._tokens: deque[tuple[float, int]] = deque()  # (t, output tokens so far)
         self._ttft: deque[tuple[float, list[tuple[float, int]]]] = deque()  # (t, reduced)
 
-    def record(self, t: float, tiers: Sequence[TierRow], gated: int, tokens_total: int,
+    def record(self, t: float, tiers: Sequence[TierRow], held: int, tokens_total: int,
                ttfts: Iterable[float]) -> Sample:
         """Add the sample at ``t`` (not before the previous one)."""
         if self.samples and t < self.samples[-1].t:
@@ -126,7 +126,7 @@ class History:
             tt.popleft()
         p50, p90, p99 = weighted_percentiles([p for _, ps in tt for p in ps], (50, 90, 99))
         s = Sample(t, tuple(r.gpu_frac for r in tiers), tuple(r.cpu_frac for r in tiers),
-                   gated, rate, (p50, p90, p99))
+                   held, rate, (p50, p90, p99))
         self.samples.append(s)
         if self.keep_s is not None:
             while self.samples and self.samples[0].t < t - self.keep_s:

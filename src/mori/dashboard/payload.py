@@ -41,8 +41,8 @@ def frame(snap: Snapshot, sample: Sample | None) -> dict[str, Any]:
                       p.steps, p.agent, p.tools] for p in snap.programs],
         "tiers": [[r.replica, r.gpu_tokens, r.gpu_capacity, r.cpu_tokens, r.cpu_capacity,
                    r.gpu_programs, r.cpu_programs] for r in snap.tiers],
-        "gated": [[g.program_id, round(g.waited_s, 2), g.tier.value, g.replica,
-                   g.context_tokens] for g in snap.gated],
+        "held": [[g.program_id, round(g.waited_s, 2), g.tier.value, g.replica,
+                   g.context_tokens] for g in snap.held],
         "decisions": [[round(d.time, 3), d.kind, d.program_id, d.replica, d.move, d.reason]
                       for d in snap.decisions],
         "spectrum": spectrum([(p.idleness, p.status, p.tier) for p in snap.programs]),
@@ -74,7 +74,7 @@ def charts(history: History, x_range: tuple[float, float], origin: float = 0.0,
             for i, (name, colour) in enumerate((("p50", PALETTE[2]), ("p90", PALETTE[1]),
                                                 ("p99", PALETTE[3])))],
             unit="s", chart_id="chart-ttft", **common),
-        "gated": line_chart("Held requests", xs, [
-            Series("gated", [float(s.gated) for s in samples], PALETTE[3])],
-            chart_id="chart-gated", **common),
+        "held": line_chart("Held requests", xs, [
+            Series("held", [float(s.held) for s in samples], PALETTE[3])],
+            chart_id="chart-held", **common),
     }

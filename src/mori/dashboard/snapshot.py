@@ -56,7 +56,7 @@ class TierRow:
 
 
 @dataclass(frozen=True, slots=True)
-class GatedRow:
+class HeldRow:
     """A held request, in the order the policy considers them."""
 
     program_id: str
@@ -78,14 +78,14 @@ class DecisionRow:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """Programs ranked by idleness (busiest first), tiers per replica, the gated queue
+    """Programs ranked by idleness (busiest first), tiers per replica, the held requests
     (oldest first) and the latest decisions (newest first)."""
 
     time: float
     policy: str
     programs: tuple[ProgramRow, ...]
     tiers: tuple[TierRow, ...]
-    gated: tuple[GatedRow, ...]
+    held: tuple[HeldRow, ...]
     decisions: tuple[DecisionRow, ...]
 
     def count(self, status: Status | None = None, tier: Tier | None = None) -> int:
@@ -112,12 +112,12 @@ def take_snapshot(policy: Policy, now: float, decisions: Sequence[DecisionRecord
                                p.tokens, since, p.steps_done, agent, tools))
     rows.sort(key=lambda r: (r.idleness, r.program_id))
     held = sorted(policy.ready_programs, key=lambda p: p.ready_seq)
-    gated = tuple(
-        GatedRow(p.program_id,
+    held = tuple(
+        HeldRow(p.program_id,
                  (now - p.history[-1].arrived) / time_scale if p.history else 0.0,
                  p.tier, p.replica, p.tokens)
         for p in held)
-    return Snapshot(now, policy.name, tuple(rows), tier_rows(policy), gated,
+    return Snapshot(now, policy.name, tuple(rows), tier_rows(policy), held,
                     tuple(decision_row(r) for r in decisions))
 
 

@@ -51,7 +51,7 @@ class TimelineRecorder:
         snap = take_snapshot(sim.policy, now, recent)
         ttfts = sim.c.ttft[self._ttfts_seen:]
         self._ttfts_seen = len(sim.c.ttft)
-        sample = self.history.record(now, snap.tiers, len(snap.gated), sim.c.output_tokens,
+        sample = self.history.record(now, snap.tiers, len(snap.held), sim.c.output_tokens,
                                      ttfts)
         self.frames.append(frame(snap, sample))
         self._last_t = now

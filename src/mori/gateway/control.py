@@ -452,7 +452,7 @@ class Controller:
             "program_id": program_id, "status": v.status.value, "tier": v.tier.value,
             "replica": v.replica, "idleness": round(v.idleness, 6),
             "context_tokens": v.context_tokens, "kv_bytes": v.kv_bytes,
-            "gated_s": round(v.gated_s, 6), "steps": v.steps,
+            "held_s": round(v.held_s, 6), "steps": v.steps,
             # the three timestamps of the latest step (policy seconds): arrival at the
             # gateway, forward to the engine (the gated interval between), response end
             "last_step": ({"arrived": last.arrived, "forwarded": last.forwarded,

@@ -71,8 +71,8 @@
     $("programs").tBodies[0].innerHTML = rows.join("");
   }
 
-  function renderGated(f) {
-    $("gated").tBodies[0].innerHTML = f.gated.map(function (g) {
+  function renderHeld(f) {
+    $("held").tBodies[0].innerHTML = f.held.map(function (g) {
       return '<tr><td class="id" title="' + esc(g[0]) + '">' + esc(g[0]) + "</td><td>" + secs(g[1]) +
         '</td><td class="t-' + esc(g[2]) + '">' + esc(g[2]) + "</td><td>" + dash(g[3]) +
         "</td><td>" + int(g[4]) + "</td></tr>";
@@ -100,7 +100,7 @@
     $("spectrum").innerHTML = f.spectrum;  // SVG drawn and escaped by the server
     renderTiers(f);
     renderPrograms(f);
-    renderGated(f);
+    renderHeld(f);
     renderDecisions(f);
     document.body.dataset.frameTime = String(f.t);
   }
