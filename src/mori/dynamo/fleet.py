@@ -37,10 +37,14 @@ class SlotChange:
 
 @dataclass(slots=True)
 class WorkerSlots:
-    """Which Dynamo worker serves each of MORI's ``size`` replicas."""
+    """Which Dynamo worker serves each of MORI's ``size`` replicas. A worker counts as
+    gone once it is missing from ``misses`` discovery readings in a row (a reading can
+    miss a live worker while another registers)."""
 
     size: int
+    misses: int = 3
     workers: list[int | None] = field(default_factory=list)
+    _missing: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -61,23 +65,36 @@ class WorkerSlots:
     def live(self) -> int:
         return sum(w is not None for w in self.workers)
 
-    def update(self, live_ids: Iterable[int]) -> list[SlotChange]:
-        """Take the live workers now; return the slots that changed. A slot's worker that
-        is gone frees it; new workers take free slots, the lowest id first (so that the
-        same fleet maps the same way whatever order discovery lists it in)."""
+    def update(self, live_ids: Iterable[int], failed: Iterable[int] = ()) -> list[SlotChange]:
+        """Take a reading of the live workers; return the slots that changed. A slot's
+        worker gone (``misses`` readings) frees it; new workers take free slots, the
+        lowest id first (the same fleet maps the same way whatever order discovery lists
+        it in), and then the slots of ``failed`` workers (their requests fail: a killed
+        worker stays in discovery until its lease runs out)."""
         live = set(live_ids)
         changes: list[SlotChange] = []
         for slot, wid in enumerate(self.workers):
-            if wid is not None and wid not in live:
+            if wid is None:
+                continue
+            if wid in live:
+                self._missing.pop(wid, None)
+                continue
+            n = self._missing[wid] = self._missing.get(wid, 0) + 1
+            if n >= self.misses:
+                del self._missing[wid]
                 self.workers[slot] = None
                 changes.append(SlotChange(slot, None, wid))
         placed = {w for w in self.workers if w is not None}
+        broken = [s for s, w in enumerate(self.workers) if w is not None and w in set(failed)]
         for wid in sorted(live - placed):
-            try:
+            if None in self.workers:
                 slot = self.workers.index(None)
-            except ValueError:
+                previous = next((c.previous for c in changes if c.slot == slot), None)
+            elif broken:
+                slot = broken.pop(0)
+                previous = self.workers[slot]
+            else:
                 break  # every slot is taken: the rest wait for one to free
-            previous = next((c.previous for c in changes if c.slot == slot), None)
             self.workers[slot] = wid
             changes.append(SlotChange(slot, wid, previous))
         return changes

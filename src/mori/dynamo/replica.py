@@ -5,7 +5,8 @@ adapters: it reads their capacity, probes their health, reads their load and cal
 KV controls they declare. ``DynamoReplica`` is that adapter for one of the router's
 worker slots (``mori.dynamo.fleet.WorkerSlots``), read from a ``FleetView`` the router
 keeps up to date from Dynamo: healthy while a worker holds the slot and no request to it
-failed in the last ``failure_hold_s``; its load is the requests Dynamo's router counts
+failed lately (``failure_hold_s`` after a failure, doubled on each failure in a row, up
+to ``MAX_FAILURE_HOLD_S``; an answer resets it); its load is the requests Dynamo's router counts
 on that worker. It declares no KV control: a Dynamo router cannot offload, drop or label
 one program's KV (docs/dynamo.md), so MORI's decisions act through admission and
 placement only. Requests do not go through ``forward``: the router sends them with
@@ -26,6 +27,8 @@ from mori.engines.base import (
     UpstreamError,
     UpstreamResponse,
 )
+
+MAX_FAILURE_HOLD_S = 60.0
 
 
 class FleetView(Protocol):
@@ -55,18 +58,34 @@ class DynamoReplica(EngineAdapter):
         self.failure_hold_s = failure_hold_s
         self.failed_worker: int | None = None
         self.failed_at = float("-inf")
+        self.failures = 0  # in a row, of ``failed_worker``
 
     def request_failed(self, worker_id: int) -> None:
         """A request to ``worker_id`` failed: the slot counts as down for a while (a
         killed worker stays in discovery until its lease runs out)."""
+        self.failures = self.failures + 1 if worker_id == self.failed_worker else 1
         self.failed_worker, self.failed_at = worker_id, self.clock()
+
+    def request_answered(self, worker_id: int) -> None:
+        """A request to ``worker_id`` was answered: it works."""
+        if worker_id == self.failed_worker:
+            self.failed_worker, self.failures = None, 0
+
+    @property
+    def failing(self) -> int | None:
+        """The slot's worker, if its last request failed (a new worker may take the
+        slot)."""
+        wid = self.fleet.worker(self.slot)
+        return wid if wid is not None and wid == self.failed_worker else None
+
+    def hold_s(self) -> float:
+        return min(MAX_FAILURE_HOLD_S, self.failure_hold_s * 2.0 ** max(0, self.failures - 1))
 
     async def health(self) -> bool:
         wid = self.fleet.worker(self.slot)
         if wid is None:
             return False
-        return not (wid == self.failed_worker
-                    and self.clock() - self.failed_at < self.failure_hold_s)
+        return not (wid == self.failed_worker and self.clock() - self.failed_at < self.hold_s())
 
     async def capacity(self) -> KVCapacity:
         cap = self.fleet.capacity(self.slot)

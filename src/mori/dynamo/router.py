@@ -180,17 +180,20 @@ async def wait_for_workers(fleet: DynamoFleet, config: RouterConfig) -> list[int
         await asyncio.sleep(0.25)
 
 
-async def refresh_loop(fleet: DynamoFleet, ctl: Controller, period_s: float) -> None:
-    """Keep the slots, the cards and the loads up to date; a worker that left marks its
-    replica down at once."""
+async def refresh_loop(fleet: DynamoFleet, ctl: Controller, replicas: list[DynamoReplica],
+                       period_s: float) -> None:
+    """Keep the slots, the cards and the loads up to date; a worker that left (or whose
+    slot a new worker took from a failing one) marks its replica down at once."""
     while True:
         await asyncio.sleep(period_s)
         fleet.read_cards()
         live = [w for w in fleet.live_ids() if w in fleet.capacities]
-        for change in fleet.slots.update(live):
+        failing = [w for r in replicas if (w := r.failing) is not None]
+        for change in fleet.slots.update(live, failing):
             if change.previous is not None:
-                ctl.replicas.mark_unhealthy(change.slot, f"worker {change.previous} left "
-                                            "Dynamo's discovery")
+                why = ("its requests failed and a new worker took its place"
+                       if change.worker_id is not None else "it left Dynamo's discovery")
+                ctl.replicas.mark_unhealthy(change.slot, f"worker {change.previous}: {why}")
             if change.worker_id is not None:
                 log.info("replica %d: worker %d", change.slot, change.worker_id)
                 ctl.replicas.probe_soon(change.slot)
@@ -247,7 +250,8 @@ async def serve(runtime: Any, config: RouterConfig) -> None:
         return await kv_router.generate_from_request(request)  # type: ignore[no-any-return]
 
     handler = TurnHandler(ctl, slots, replicas, forward, overlaps,
-                          config.settings.max_program_id_bytes)
+                          config.settings.max_program_id_bytes,
+                          max_prompt_tokens=min(c.gpu_tokens for c in capacities))
 
     async def generate(request: dict[str, Any]) -> AsyncIterator[Any]:
         try:
@@ -261,7 +265,7 @@ async def serve(runtime: Any, config: RouterConfig) -> None:
         yield handler.status()
 
     ctl.start()
-    refresher = asyncio.create_task(refresh_loop(fleet, ctl, config.refresh_s))
+    refresher = asyncio.create_task(refresh_loop(fleet, ctl, replicas, config.refresh_s))
     generate_ep = runtime.endpoint(f"{config.namespace}.{COMPONENT}.generate")
     status_ep = runtime.endpoint(f"{config.namespace}.{COMPONENT}.status")
     await register_model(model_input=ModelInput.Tokens,

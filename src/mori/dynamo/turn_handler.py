@@ -89,6 +89,8 @@ class TurnHandler:
     forward: Forward
     overlaps: OverlapReader | None = None
     max_id_bytes: int = 256
+    max_prompt_tokens: int | None = None
+    """The most tokens a turn may bring (a worker's GPU KV); None: no check."""
     counts: TurnCounts = field(default_factory=TurnCounts)
     _anonymous: Iterator[int] = field(default_factory=itertools.count)
 
@@ -107,6 +109,12 @@ class TurnHandler:
             log.info("program %s: session_final, %s", turn.program_id,
                      "released" if known else "not known (already released?)")
             return
+        if self.max_prompt_tokens is not None and turn.prompt_tokens > self.max_prompt_tokens:
+            self.counts.refused += 1
+            raise RouterError(400, f"the prompt has {turn.prompt_tokens} tokens and a "
+                              f"worker's GPU KV cache holds {self.max_prompt_tokens}: "
+                              "shorten the context (compact it), or serve workers with a "
+                              "larger KV cache")
         anonymous = turn.program_id is None
         pid = turn.program_id or f"dynamo-one-off-{next(self._anonymous)}"
         facts = None if anonymous else RequestFacts(
@@ -144,6 +152,7 @@ class TurnHandler:
                     if first:
                         first = False
                         lease.answering()
+                        self.replicas[slot].request_answered(worker)
                     seen.read(chunk)
                     if report and seen.finish_reason is not None:
                         chunk = with_engine_data(chunk, ENGINE_DATA_KEY, self._report(
