@@ -128,7 +128,8 @@ class ChunkFacts:
         if isinstance(usage, Mapping):
             if isinstance(usage.get("prompt_tokens"), int):
                 self.prompt_tokens = usage["prompt_tokens"]
-            if isinstance(usage.get("completion_tokens"), int):
+            # the first chunk's usage counts its own token; only the last one's the answer
+            if isinstance(reason, str) and isinstance(usage.get("completion_tokens"), int):
                 self.reported_output = usage["completion_tokens"]
             details = usage.get("prompt_tokens_details")
             if isinstance(details, Mapping) and isinstance(details.get("cached_tokens"), int):
