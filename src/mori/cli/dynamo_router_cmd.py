@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TypeVar
 
 from mori.core.policies import POLICIES
 from mori.gateway.config import GatewaySettings
@@ -36,7 +37,11 @@ example (CPU, Dynamo's mocker engine; docs/dynamo.md has the whole fleet):
 """
 
 
-def add_dynamo_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+P = TypeVar("P", bound=argparse.ArgumentParser)
+
+
+def add_dynamo_router_parser(sub: argparse._SubParsersAction[P]) -> P:
+    """Add the ``dynamo-router`` subcommand to ``sub``; returns its parser."""
     p = sub.add_parser(
         "dynamo-router", help="run MORI as a router service inside NVIDIA Dynamo",
         description="Schedule agentic programs on Dynamo's workers with MORI's policy: "
@@ -73,6 +78,7 @@ def add_dynamo_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--log-level", default="INFO",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="the router's log level (default: %(default)s)")
+    return p
 
 
 def run_dynamo_router(args: argparse.Namespace) -> int:
