@@ -14,112 +14,37 @@ tokens by tier).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.e2e.conftest import CACHE, ROOT, SCRIPTS, _install_venv, free_port, stop_group
+from tests.e2e.conftest import CACHE, SCRIPTS, _install_venv
+
+from bench.dynamo_fleet import DynamoFleet, FleetError, WorkerShape, http_json, words
 
 pytestmark = pytest.mark.e2e
 
 PUBLIC_MODEL = "agent"
-BACKEND_MODEL = "mocker-backend"
-GPU_BLOCKS = 64
-BLOCK = 16
-HOST_BLOCKS = 256
-START_TIMEOUT_S = 120.0
+SHAPE = WorkerShape(gpu_blocks=64, host_blocks=256, block_size=16, speedup=10.0)
+GPU_BLOCKS, BLOCK = SHAPE.gpu_blocks, SHAPE.block_size
 
 
-@dataclass
-class Fleet:
-    """The running fleet: its frontend's URL, its processes by name, their logs."""
-
-    url: str
-    venv: Path
-    tokenizer: Path
-    logs: Path
-    env: dict[str, str]
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-
-    def start(self, name: str, args: list[str], extra_env: dict[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (kept for the process)
-        proc = subprocess.Popen([str(self.venv / "bin" / "python"), *args], stdout=log,
-                                stderr=subprocess.STDOUT, env={**self.env, **(extra_env or {})},
-                                start_new_session=True, cwd=self.logs)
-        self.procs[name] = proc
-        return proc
-
-    def start_worker(self, name: str) -> None:
-        self.start(name, ["-m", "dynamo.mocker", "--model-path", str(self.tokenizer),
-                          "--model-name", BACKEND_MODEL,
-                          "--num-gpu-blocks-override", str(GPU_BLOCKS),
-                          "--block-size", str(BLOCK), "--num-host-blocks", str(HOST_BLOCKS),
-                          "--speedup-ratio", "10"])
-
-    def worker_id(self, name: str, timeout_s: float = 60.0) -> int:
-        """The Dynamo instance id the worker ``name`` registered (from its log)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            m = re.search(r"WorkerKvQuery endpoint starting for worker (\d+)", self.log(name))
-            if m:
-                return int(m.group(1))
-            if self.procs[name].poll() is not None:
-                pytest.fail(f"{name} exited:\n{self.tail(name)}", pytrace=False)
-            time.sleep(0.2)
-        pytest.fail(f"{name} registered no worker in {timeout_s:.0f} s:\n{self.tail(name)}",
-                    pytrace=False)
-
-    def log(self, name: str) -> str:
-        try:
-            return (self.logs / f"{name}.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def tail(self, name: str, n: int = 30) -> str:
-        return "\n".join(self.log(name).splitlines()[-n:])
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def http_json(url: str, body: dict[str, Any] | None = None,
-              headers: dict[str, str] | None = None, timeout: float = 60.0
-              ) -> tuple[int, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"content-type": "application/json",
-                                             **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read().decode()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read().decode(), e.code
-    except OSError:
-        return 0, None
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw
+def instance(f: DynamoFleet, name: str) -> int:
+    wid = f.worker_id(name)
+    if wid is None:
+        pytest.fail(f"{name} registered no worker:\n{f.tail(name)}", pytrace=False)
+    return wid
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DynamoFleet]:
     if os.environ.get("MORI_SKIP_DYNAMO") == "1":
         pytest.skip("MORI_SKIP_DYNAMO=1: the Dynamo tests are skipped")
     t0 = time.monotonic()
@@ -130,63 +55,21 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                           timeout=300, check=False)
     if made.returncode != 0:
         pytest.fail(f"building the tokenizer failed:\n{made.stderr[-3000:]}", pytrace=False)
-    logs = tmp_path_factory.mktemp("dynamo")
-    (logs / "discovery").mkdir()
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(logs / "discovery"),
-           "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq",
-           "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-           "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
-           "PYTHONPATH": str(ROOT / "src")}
-    f = Fleet(f"http://127.0.0.1:{port}", venv, tokenizer, logs, env)
+    f = DynamoFleet(venv, tokenizer, tmp_path_factory.mktemp("dynamo"), PUBLIC_MODEL,
+                    "mori", SHAPE, ("--hold-timeout", "20", "--startup-wait", "90"))
     try:
-        f.start("frontend", ["-m", "dynamo.frontend", "--http-host", "127.0.0.1",
-                             "--http-port", str(port), "--router-mode", "round-robin"])
-        f.start_worker("worker-a")
-        f.start_worker("worker-b")
-        f.start("router", ["-m", "mori", "dynamo-router", "--model-name", PUBLIC_MODEL,
-                           "--model-path", str(tokenizer), "--workers", "2",
-                           "--block-size", str(BLOCK),
-                           "--host-tokens", str(HOST_BLOCKS * BLOCK),
-                           "--hold-timeout", "20", "--startup-wait", "90"])
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            status, body = http_json(f.url + "/v1/models", timeout=5)
-            ids = {m.get("id") for m in body.get("data", [])} if isinstance(body, dict) else set()
-            if PUBLIC_MODEL in ids:
-                break
-            for name, proc in f.procs.items():
-                if proc.poll() is not None:
-                    pytest.fail(f"{name} exited with {proc.returncode} while starting:\n"
-                                f"{f.tail(name)}", pytrace=False)
-            if time.monotonic() > deadline:
-                pytest.fail(f"the router did not register {PUBLIC_MODEL!r} within "
-                            f"{START_TIMEOUT_S:.0f} s:\n{f.tail('router')}", pytrace=False)
-            time.sleep(0.5)
+        try:
+            f.start_fleet(workers=2)
+        except FleetError as e:
+            pytest.fail(str(e), pytrace=False)
         print(f"Dynamo fleet up in {time.monotonic() - t0:.0f} s (venv included)",
               file=sys.stderr)
         yield f
     finally:
-        for name in list(f.procs):
-            stop_group(f.procs[name], grace_s=5)
-        if os.environ.get("MORI_DYNAMO_LOGS"):
-            for name in ("router", "frontend"):
-                print(f"--- {name}\n{f.tail(name, 60)}", file=sys.stderr)
+        f.stop()
 
 
-# one token each in the tiny tokenizer (its training text)
-COMMON = ("the", "agent", "reads", "a", "file", "then", "runs", "the", "tests", "and", "edits",
-          "the", "code", "until", "the", "build", "passes")
-
-
-def words(n: int, seed: str) -> str:
-    """About ``n`` tokens of text, distinct per ``seed`` from its first block on (prefix
-    caching hashes each block with the ones before it)."""
-    return f"{seed} " + " ".join(COMMON[i % len(COMMON)] for i in range(n))
-
-
-def turn(f: Fleet, program: str | None, text: str, *, final: bool = False,
+def turn(f: DynamoFleet, program: str | None, text: str, *, final: bool = False,
          stream: bool = False, max_tokens: int = 8) -> tuple[int, Any]:
     headers = {}
     if program is not None:
@@ -217,7 +100,7 @@ def mori_report(body: Any) -> dict[str, Any]:
     return report
 
 
-def ok_turn(f: Fleet, program: str, text: str) -> dict[str, Any]:
+def ok_turn(f: DynamoFleet, program: str, text: str) -> dict[str, Any]:
     status, body = turn(f, program, text)
     assert status == 200, (status, body, f.tail("router"))
     report = mori_report(body)
@@ -226,7 +109,7 @@ def ok_turn(f: Fleet, program: str, text: str) -> dict[str, Any]:
     return report
 
 
-def test_programs_stay_on_their_replica(fleet: Fleet) -> None:
+def test_programs_stay_on_their_replica(fleet: DynamoFleet) -> None:
     """Four programs, three turns each: every turn of a program goes to the worker its
     first went to, and from its second turn the engine serves its prefix from cache."""
     texts = {p: words(200, p) for p in ("pinA", "pinB", "pinC", "pinD")}
@@ -248,13 +131,13 @@ def test_programs_stay_on_their_replica(fleet: Fleet) -> None:
     release(fleet, *texts)
 
 
-def release(f: Fleet, *programs: str) -> None:
+def release(f: DynamoFleet, *programs: str) -> None:
     for p in programs:
         status, body = turn(f, p, "done", final=True)
         assert status == 200, (p, status, body)
 
 
-def test_parked_program_comes_back_from_the_host_tier(fleet: Fleet) -> None:
+def test_parked_program_comes_back_from_the_host_tier(fleet: DynamoFleet) -> None:
     """A program whose GPU blocks other programs pushed out comes back on its worker
     with its prefix served from the host tier."""
     parked = words(600, "park")
@@ -271,7 +154,7 @@ def test_parked_program_comes_back_from_the_host_tier(fleet: Fleet) -> None:
     release(fleet, "parked", *(f"filler{i}" for i in range(8)))
 
 
-def test_bad_input_gets_clean_errors(fleet: Fleet) -> None:
+def test_bad_input_gets_clean_errors(fleet: DynamoFleet) -> None:
     status, body = turn(fleet, "too-big", words(GPU_BLOCKS * BLOCK + 50, "big"))
     assert status == 400, (status, body)
     assert "GPU KV cache holds 1024" in json.dumps(body), body
@@ -288,7 +171,7 @@ def test_bad_input_gets_clean_errors(fleet: Fleet) -> None:
     ok_turn(fleet, "after-bad", "hello again")
 
 
-def test_session_final_frees_the_program(fleet: Fleet) -> None:
+def test_session_final_frees_the_program(fleet: DynamoFleet) -> None:
     r1 = ok_turn(fleet, "finishing", words(100, "fin"))
     r2 = ok_turn(fleet, "finishing", words(100, "fin") + " more")
     assert r2["steps"] == 2
@@ -303,18 +186,18 @@ def test_session_final_frees_the_program(fleet: Fleet) -> None:
     assert "program finishing: session_final, released" in fleet.log("router")
 
 
-def test_one_off_requests_are_served(fleet: Fleet) -> None:
+def test_one_off_requests_are_served(fleet: DynamoFleet) -> None:
     status, body = turn(fleet, None, "no session here")
     assert status == 200, body
     assert mori_report(body)["program_id"].startswith("dynamo-one-off-")
 
 
-def test_killed_workers_programs_are_placed_again(fleet: Fleet) -> None:
+def test_killed_workers_programs_are_placed_again(fleet: DynamoFleet) -> None:
     """Kill the worker a program is on: its next turns get clean errors at most, then
     run on the other worker; a new worker takes the free slot."""
     text = words(150, "survivor")
     r1 = ok_turn(fleet, "survivor", text)
-    ids = {name: fleet.worker_id(name) for name in ("worker-a", "worker-b")}
+    ids = {name: instance(fleet, name) for name in ("worker-a", "worker-b")}
     victim = next(n for n, w in ids.items() if w == r1["worker_id"])
     other = next(w for n, w in ids.items() if n != victim)
     fleet.kill(victim)
@@ -332,7 +215,7 @@ def test_killed_workers_programs_are_placed_again(fleet: Fleet) -> None:
     assert r2["replica"] != r1["replica"] or r2["worker_id"] != r1["worker_id"]
     # a new worker joins into the free slot and gets new programs again
     fleet.start_worker("worker-c")
-    new_id = fleet.worker_id("worker-c")
+    new_id = instance(fleet, "worker-c")
     deadline = time.monotonic() + 30
     seen: set[int] = set()
     i = 0
