@@ -51,7 +51,7 @@ _DOCKER = "docker run's flag (the GPU guides' container commands)"
 _CLAUDE = "Claude Code's CLI flag (docs/agents.md: driving it through mori serve)"
 _CODEX = "Codex CLI's flag (docs/agents.md)"
 _PYTEST = "pytest's flag"
-_DYNAMO = "NVIDIA Dynamo's mocker's flag (docs/dynamo.md: its host tier)"
+_DYNAMO = "NVIDIA Dynamo's own flag (docs/dynamo.md: the mocker's host tier, the frontend's router)"
 EXTERNAL_FLAGS: dict[str, str] = {
     "--additional-config": _VLLM,
     "--data-parallel-size": _VLLM,
@@ -59,6 +59,7 @@ EXTERNAL_FLAGS: dict[str, str] = {
     "--enable-prompt-tokens-details": _VLLM,
     "--kv-events-config": _VLLM,
     "--num-host-blocks": _DYNAMO,
+    "--router-mode": _DYNAMO,
     "--kv-offloading-backend": _VLLM,
     "--kv-offloading-size": _VLLM,
     "--kv-transfer-config": _VLLM,
