@@ -88,6 +88,7 @@ class DynamoFleet:
         self.capacities: dict[int, KVCapacity] = {}
         self.loads: dict[int, int] = {}
         self.card_errors: dict[int, str] = {}
+        self.unplaced: list[int] = []  # live workers without a slot, as last said
 
     def live_ids(self) -> list[int]:
         try:
@@ -186,18 +187,30 @@ async def refresh_loop(fleet: DynamoFleet, ctl: Controller, replicas: list[Dynam
     slot a new worker took from a failing one) marks its replica down at once."""
     while True:
         await asyncio.sleep(period_s)
-        fleet.read_cards()
-        live = [w for w in fleet.live_ids() if w in fleet.capacities]
-        failing = [w for r in replicas if (w := r.failing) is not None]
-        for change in fleet.slots.update(live, failing):
-            if change.previous is not None:
-                why = ("its requests failed and a new worker took its place"
-                       if change.worker_id is not None else "it left Dynamo's discovery")
-                ctl.replicas.mark_unhealthy(change.slot, f"worker {change.previous}: {why}")
-            if change.worker_id is not None:
-                log.info("replica %d: worker %d", change.slot, change.worker_id)
-                ctl.replicas.probe_soon(change.slot)
-        await fleet.read_loads()
+        try:
+            await refresh(fleet, ctl, replicas)
+        except Exception:  # a bug here must not stop the router following its workers
+            log.exception("reading the workers failed")
+
+
+async def refresh(fleet: DynamoFleet, ctl: Controller, replicas: list[DynamoReplica]) -> None:
+    fleet.read_cards()
+    live = [w for w in fleet.live_ids() if w in fleet.capacities]
+    failing = [w for r in replicas if (w := r.failing) is not None]
+    for change in fleet.slots.update(live, failing):
+        if change.previous is not None:
+            why = ("its requests failed and a new worker took its place"
+                   if change.worker_id is not None else "it left Dynamo's discovery")
+            ctl.replicas.mark_unhealthy(change.slot, f"worker {change.previous}: {why}")
+        if change.worker_id is not None:
+            log.info("replica %d: worker %d", change.slot, change.worker_id)
+            ctl.replicas.probe_soon(change.slot)
+    unplaced = fleet.slots.unplaced(live)
+    if unplaced and unplaced != fleet.unplaced:
+        log.warning("workers %s have no slot (--workers %d): they get no programs",
+                    unplaced, fleet.slots.size)
+    fleet.unplaced = unplaced
+    await fleet.read_loads()
 
 
 def dynamo_error(e: RouterError) -> Exception:
