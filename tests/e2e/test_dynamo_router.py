@@ -138,8 +138,8 @@ def release(f: DynamoFleet, *programs: str) -> None:
 
 
 def test_parked_program_comes_back_from_the_host_tier(fleet: DynamoFleet) -> None:
-    """A program whose GPU blocks other programs pushed out comes back on its worker
-    with its prefix served from the host tier."""
+    """A program MORI parked (demoted to its CPU tier while others ran) comes back on its
+    worker, promoted as a reload, with its prefix served from the engine's host tier."""
     parked = words(600, "park")
     r1 = ok_turn(fleet, "parked", parked)
     worker = r1["worker_id"]
@@ -148,6 +148,7 @@ def test_parked_program_comes_back_from_the_host_tier(fleet: DynamoFleet) -> Non
         ok_turn(fleet, f"filler{i}", words(700, f"fill{i}"))
     r2 = ok_turn(fleet, "parked", parked + " " + words(30, "back"))
     assert r2["worker_id"] == worker, (r1, r2)
+    assert r2["reloaded"], f"MORI did not park it on its CPU tier and bring it back: {r2}"
     tiers = r2["tiers"]
     assert tiers is not None and tiers["host"] > 0, f"nothing of it on the host tier: {r2}"
     assert r2["usage_cached"] >= 500, f"its prefix was recomputed: {r2}"
