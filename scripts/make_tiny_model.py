@@ -1,10 +1,11 @@
 """Build a tiny random-weight Llama and a small BPE tokenizer in a folder, for running a
 real vLLM on a CPU in tests without downloading any weights.
 
-    python scripts/make_tiny_model.py OUT_DIR [--seed 0] [--vocab 1024]
+    python scripts/make_tiny_model.py OUT_DIR [--seed 0] [--vocab 1024] [--no-weights]
 
 Runs in the vLLM venv (scripts/vllm_cpu_env.sh): it needs torch, transformers and
-tokenizers. The tokenizer is a byte-level BPE trained with ``tokenizers`` on a text built
+tokenizers (with --no-weights, no torch: the tokenizer and configs for Dynamo's mocker,
+which simulates the model, built in Dynamo's venv, scripts/dynamo_cpu_env.sh). The tokenizer is a byte-level BPE trained with ``tokenizers`` on a text built
 into this script, so any input text encodes (no unknown tokens); it carries a chat template,
 so the server's ``/v1/chat/completions`` works. The model is a 2-layer Llama with hidden
 size 128 and head dim 64 (vLLM's CPU attention rejects smaller heads), seeded, so the same
@@ -18,6 +19,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -74,16 +76,34 @@ def build_tokenizer(out: Path, vocab: int) -> int:
     return int(tok.get_vocab_size())
 
 
-def build_model(out: Path, vocab: int, seed: int, max_len: int) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+def llama_config(vocab: int, max_len: int) -> Any:
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=3,
         tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def build_config(out: Path, vocab: int, max_len: int) -> None:
+    """The model's config and generation config without weights (no torch): enough for
+    an engine that only simulates the model (Dynamo's mocker) and a frontend that
+    tokenizes for it."""
+    from transformers import GenerationConfig
+
+    cfg = llama_config(vocab, max_len)
+    cfg.architectures = ["LlamaForCausalLM"]  # a model card needs it (save_pretrained of the
+    cfg.save_pretrained(str(out))             # model adds it; of the config alone, not)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(str(out))
+
+
+def build_model(out: Path, vocab: int, seed: int, max_len: int) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = llama_config(vocab, max_len)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=3).save_pretrained(str(out))
@@ -95,15 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--no-weights", action="store_true",
+                    help="the tokenizer and configs only, without torch (for Dynamo's mocker)")
     args = ap.parse_args(argv)
-    settings = {"seed": args.seed, "vocab": args.vocab, "max_len": args.max_len, "v": 1}
+    settings: dict[str, Any] = {"seed": args.seed, "vocab": args.vocab,
+                                "max_len": args.max_len, "v": 1}
+    if args.no_weights:
+        settings["weights"] = False
+        settings["config"] = 2
     stamp = args.out / ".mori-tiny-model.json"
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
         print(args.out)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(args.out, args.vocab)
-    build_model(args.out, vocab, args.seed, args.max_len)
+    if args.no_weights:
+        build_config(args.out, vocab, args.max_len)
+    else:
+        build_model(args.out, vocab, args.seed, args.max_len)
     stamp.write_text(json.dumps(settings))
     print(args.out)
     return 0

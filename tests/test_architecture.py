@@ -57,6 +57,8 @@ LAYERS = {
     "dashboard": {"core", "sim", "traces"},
     "gateway": {"core", "protocol", "engines", "enginesim", "dashboard", "sim", "traces"},
     "sweep": {"core", "sim", "traces"},
+    # MORI inside NVIDIA Dynamo: the gateway's control loop behind Dynamo's router API
+    "dynamo": {"core", "protocol", "engines", "gateway"},
     # the label channel's engine end: messages, server, label table (neither engine)
     "plugin_channel": set(),
     # run inside vLLM's and SGLang's processes: nothing of MORI but themselves and the
@@ -154,6 +156,27 @@ def test_sglang_plugin_imports_without_sglang() -> None:
     code = ("import sys, mori, mori.sglang_plugin, mori.sglang_plugin.order, "
             "mori.cli.main; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+def test_dynamo_is_imported_only_by_the_router_and_only_when_it_runs() -> None:
+    """Only ``mori.dynamo.router`` imports NVIDIA Dynamo (its ``dynamo`` package), and only
+    inside the functions that run in Dynamo's environment: the translation modules, the
+    router module and ``mori dynamo-router --help`` import where Dynamo is not installed."""
+    for path in package_files("dynamo"):
+        tree = ast.parse(path.read_text(), str(path))
+        top = {n for node in tree.body for n in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])}
+        assert not {n for n in top if n.split(".")[0] in ("dynamo", "uvloop")}, (
+            f"{path.relative_to(ROOT)} imports Dynamo at module level")
+        if path.name != "router.py":
+            assert not {n for n in imports_of(path) if n.split(".")[0] == "dynamo"}, path
+    code = ("import sys, mori.dynamo.router, mori.dynamo.turn_handler, mori.cli.main; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'dynamo'))")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stderr

@@ -51,12 +51,15 @@ _DOCKER = "docker run's flag (the GPU guides' container commands)"
 _CLAUDE = "Claude Code's CLI flag (docs/agents.md: driving it through mori serve)"
 _CODEX = "Codex CLI's flag (docs/agents.md)"
 _PYTEST = "pytest's flag"
+_DYNAMO = "NVIDIA Dynamo's own flag (docs/dynamo.md: the mocker's host tier, the frontend's router)"
 EXTERNAL_FLAGS: dict[str, str] = {
     "--additional-config": _VLLM,
     "--data-parallel-size": _VLLM,
     "--enable-prefix-caching": _VLLM,
     "--enable-prompt-tokens-details": _VLLM,
     "--kv-events-config": _VLLM,
+    "--num-host-blocks": _DYNAMO,
+    "--router-mode": _DYNAMO,
     "--kv-offloading-backend": _VLLM,
     "--kv-offloading-size": _VLLM,
     "--kv-transfer-config": _VLLM,
@@ -108,10 +111,11 @@ _AGENT_NAMES = {  # Claude Code's tools and content kinds, as its transcripts na
 }
 _PYTHON_NAMES = {"None", "TypeError", "ClientOSError", "ServerDisconnectedError",
                  "VmHWM"}  # Python, aiohttp's errors, /proc/PID/status's field
+_DYNAMO_NAMES = {"KvRouter"}  # NVIDIA Dynamo's router client (docs/dynamo.md)
 _HTTP_NAMES = {"Allow", "Origin", "Host"}  # headers
 _WORDS = {"PCIe"}  # the bus, written as its name is
 EXTERNAL_NAMES = (_VLLM_NAMES | _SGLANG_NAMES | _AGENT_NAMES | _PYTHON_NAMES | _HTTP_NAMES
-                  | _WORDS)
+                  | _DYNAMO_NAMES | _WORDS)
 
 # Dotted names starting ``mori.`` that name fields on the wire, not code.
 WIRE_FIELDS = {

@@ -1,5 +1,5 @@
 """The ``mori`` command: ``simulate``, ``sweep``, ``trace``, ``traces``, ``serve``,
-``replay``, ``engine-sim``, ``vllm-args``, ``sglang-args``, ``policies``, ``presets`` and
+``replay``, ``engine-sim``, ``vllm-args``, ``sglang-args``, ``dynamo-router``, ``policies``, ``presets`` and
 ``--version``.
 
 ``main(argv)`` returns the exit status: 0 on success, 2 for a usage error (reported in
@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from mori import __version__
 from mori.cli.config_file import ConfigError, load_config, valid_keys
+from mori.cli.dynamo_router_cmd import add_dynamo_router_parser, run_dynamo_router
 from mori.cli.engine_sim_cmd import add_engine_sim_parser, run_engine_sim
 from mori.cli.options import OPTIONS, add_options
 from mori.cli.replay_cmd import add_replay_parser, run_replay
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_sim_parser(sub)
     add_vllm_args_parser(sub)
     add_sglang_args_parser(sub)
+    add_dynamo_router_parser(sub)
     sub.add_parser("policies", help="list the registered policies",
                    description="List the registered scheduling policies.")
     sub.add_parser("presets", help="list the hardware presets and the disk tiers",
@@ -189,6 +191,8 @@ def _run(argv: list[str] | None) -> int:
         return run_vllm_args(args)
     if args.command == "sglang-args":
         return run_sglang_args(args)
+    if args.command == "dynamo-router":
+        return run_dynamo_router(args)
     try:
         return _simulate(args)
     except (UsageError, ConfigError) as e:
