@@ -111,12 +111,11 @@ def take_snapshot(policy: Policy, now: float, decisions: Sequence[DecisionRecord
         rows.append(ProgramRow(p.program_id, p.idleness(now), p.status, p.tier, p.replica,
                                p.tokens, since, p.steps_done, agent, tools))
     rows.sort(key=lambda r: (r.idleness, r.program_id))
-    held = sorted(policy.ready_programs, key=lambda p: p.ready_seq)
     held = tuple(
         HeldRow(p.program_id,
-                 (now - p.history[-1].arrived) / time_scale if p.history else 0.0,
-                 p.tier, p.replica, p.tokens)
-        for p in held)
+                (now - p.history[-1].arrived) / time_scale if p.history else 0.0,
+                p.tier, p.replica, p.tokens)
+        for p in sorted(policy.ready_programs, key=lambda p: p.ready_seq))
     return Snapshot(now, policy.name, tuple(rows), tier_rows(policy), held,
                     tuple(decision_row(r) for r in decisions))
 
