@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -58,6 +60,8 @@ class Turn:
 class ArmResult:
     router: str
     programs: int
+    host_ratio: float = 0.0
+    round: int = 0
     turns: int = 0
     errors: int = 0
     abandoned: int = 0
@@ -65,6 +69,8 @@ class ArmResult:
     turns_per_s: float = 0.0
     latency_mean_s: float = 0.0
     latency_p90_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_share: float = 0.0
@@ -73,9 +79,10 @@ class ArmResult:
 
 
 def plan(programs: list[ProgramTrace], steps: int, token_scale: float, time_scale: float,
-         max_tokens: int, max_output: int) -> dict[str, list[Turn]]:
+         max_tokens: int, max_output: int, max_gap_s: float = float("inf")
+         ) -> dict[str, list[Turn]]:
     """Each program's turns: context and output tokens scaled (a context never shrinks,
-    and fits ``max_tokens``), tool time scaled."""
+    and fits ``max_tokens``), tool time scaled (and at most ``max_gap_s``)."""
     out: dict[str, list[Turn]] = {}
     for i, p in enumerate(programs):
         name = f"p{i:03d}"
@@ -83,31 +90,58 @@ def plan(programs: list[ProgramTrace], steps: int, token_scale: float, time_scal
         for s in p.steps[:steps]:
             ctx = min(max_tokens, max(ctx + 16, int(s.prompt_tokens / token_scale)))
             out_tokens = max(1, min(max_output, int(s.output_tokens / token_scale * 4)))
-            turns.append(Turn(name, ctx, out_tokens, s.gap_s / time_scale))
+            turns.append(Turn(name, ctx, out_tokens, min(max_gap_s, s.gap_s / time_scale)))
         out[name] = turns
     return out
 
 
+async def one_turn(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                   headers: dict[str, str]) -> tuple[int, float, dict[str, Any], str]:
+    """One streamed turn: the status, the seconds to its first chunk, the usage of its last
+    chunk, and what went wrong (empty when nothing did)."""
+    t0 = time.monotonic()
+    ttft = -1.0
+    usage: dict[str, Any] = {}
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            return r.status, ttft, usage, f"{r.status}: {(await r.text())[:200]}"
+        async for raw in r.content:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft < 0:
+                ttft = time.monotonic() - t0
+            try:
+                chunk = json.loads(line[5:])
+            except ValueError:
+                continue
+            if isinstance(chunk, dict) and chunk.get("usage"):
+                usage = chunk["usage"]
+            if isinstance(chunk, dict) and "error" in chunk:
+                return 500, ttft, usage, str(chunk["error"])[:200]
+    return 200, ttft, usage, ""
+
+
 async def run_program(session: aiohttp.ClientSession, url: str, turns: list[Turn],
                       start_s: float, final: bool, res: ArmResult,
-                      latencies: list[float]) -> None:
+                      latencies: list[float], ttfts: list[float]) -> None:
     await asyncio.sleep(start_s)
     headers = {"x-dynamo-session-id": turns[0].program}
     for t in turns:
         body = {"model": MODEL, "messages": [{"role": "user",
                                               "content": words(t.tokens, t.program)}],
-                "max_tokens": t.output}
+                "max_tokens": t.output, "stream": True,
+                "stream_options": {"include_usage": True}}
         t0 = time.monotonic()
         for _attempt in range(5):
             try:
-                async with session.post(url + "/v1/chat/completions", json=body,
-                                        headers=headers) as r:
-                    data: Any = await r.json(content_type=None)
-                    if r.status == 200:
-                        break
-                    why = f"{r.status}: {str(data)[:200]}"
+                status, ttft, usage, why = await one_turn(session, url, body, headers)
+                if status == 200:
+                    break
             except TimeoutError:
                 why = f"no answer within {session.timeout.total:g} s"
+            except aiohttp.ClientError as e:
+                why = f"{type(e).__name__}: {e}"[:200]
             res.errors += 1
             if len(res.error_samples) < 5:
                 res.error_samples.append(f"{turns[0].program}: {why}")
@@ -116,8 +150,9 @@ async def run_program(session: aiohttp.ClientSession, url: str, turns: list[Turn
             res.abandoned += 1  # the program gives up: its remaining turns are not run
             return
         latencies.append(time.monotonic() - t0)
+        if ttft >= 0:
+            ttfts.append(ttft)
         res.turns += 1
-        usage = data.get("usage") or {}
         res.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         res.cached_tokens += int((usage.get("prompt_tokens_details") or {})
                                  .get("cached_tokens") or 0)
@@ -129,19 +164,26 @@ async def run_program(session: aiohttp.ClientSession, url: str, turns: list[Turn
             pass
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank below; 0 for none)."""
+    return sorted(xs)[int(q * (len(xs) - 1))] if xs else 0.0
+
+
 async def drive(url: str, router: str, turns: dict[str, list[Turn]], stagger_s: float,
                 res: ArmResult, turn_timeout_s: float) -> None:
     latencies: list[float] = []
+    ttfts: list[float] = []
     timeout = aiohttp.ClientTimeout(total=turn_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.monotonic()
         await asyncio.gather(*(run_program(session, url, ts, i * stagger_s, router != "kv",
-                                           res, latencies)
+                                           res, latencies, ttfts)
                                for i, ts in enumerate(turns.values())))
         res.makespan_s = time.monotonic() - t0
     if latencies:
         res.latency_mean_s = statistics.fmean(latencies)
-        res.latency_p90_s = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+        res.latency_p90_s = pct(latencies, 0.9)
+    res.ttft_p50_s, res.ttft_p90_s = pct(ttfts, 0.5), pct(ttfts, 0.9)
     res.turns_per_s = res.turns / res.makespan_s if res.makespan_s else 0.0
     res.cached_share = res.cached_tokens / res.prompt_tokens if res.prompt_tokens else 0.0
 
@@ -166,47 +208,123 @@ def tokenizer_path(venv: Path) -> Path:
     return out
 
 
+def schedule(routers: list[str], ratios: list[float], rounds: int
+             ) -> list[tuple[float, int, str]]:
+    """The runs, in order: for each host ratio, ``rounds`` rounds of every router, the
+    order rotated by one each round (mori, thunderagent, kv; thunderagent, kv, mori; ...)
+    so that no router always runs first or last in a cell."""
+    out = []
+    for ratio in ratios:
+        for r in range(rounds):
+            k = r % len(routers)
+            out += [(ratio, r + 1, router) for router in routers[k:] + routers[:k]]
+    return out
+
+
+METRICS = ("turns_per_s", "ttft_p50_s", "ttft_p90_s", "cached_share", "errors", "abandoned")
+
+
+def summarize(results: list[ArmResult]) -> list[dict[str, Any]]:
+    """Per (host ratio, router): the median over rounds of each metric, and the MORI
+    router's steps per second over ThunderAgent's and over the KV router's."""
+    cells: dict[tuple[float, str], list[ArmResult]] = {}
+    for r in results:
+        cells.setdefault((r.host_ratio, r.router), []).append(r)
+    rows = [{"host_ratio": ratio, "router": router, "rounds": len(rs),
+             **{m: statistics.median(getattr(r, m) for r in rs) for m in METRICS}}
+            for (ratio, router), rs in cells.items()]
+    tps = {(row["host_ratio"], row["router"]): row["turns_per_s"] for row in rows}
+    for row in rows:
+        if row["router"] == "mori":
+            for other in ("thunderagent", "kv"):
+                base = tps.get((row["host_ratio"], other))
+                row[f"x_{other}"] = row["turns_per_s"] / base if base else None
+    return sorted(rows, key=lambda row: (row["host_ratio"], ROUTERS.index(row["router"])))
+
+
+NAMES = {"mori": "MORI", "thunderagent": "ThunderAgent", "kv": "KV"}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def ratio(x: Any) -> str:
+        return "" if x is None else f"{x:.2f}x"
+    lines = ["| host tier (x GPU) | router | steps/s | TTFT p50 | TTFT p90 | cached share "
+             "| errors / abandoned | MORI / ThunderAgent | MORI / KV |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        lines.append(
+            f"| {row['host_ratio']:g} | {NAMES[row['router']]} | {row['turns_per_s']:.2f} "
+            f"| {row['ttft_p50_s'] * 1000:.0f} ms | {row['ttft_p90_s'] * 1000:.0f} ms "
+            f"| {row['cached_share']:.1%} | {row['errors']:g} / {row['abandoned']:g} "
+            f"| {ratio(row.get('x_thunderagent'))} | {ratio(row.get('x_kv'))} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--routers", default=",".join(ROUTERS),
                     help="comma-separated, of: " + ", ".join(ROUTERS))
     ap.add_argument("--traces", default=None, help="a trace file (default: the shipped set)")
-    ap.add_argument("--programs", type=int, default=16)
+    ap.add_argument("--programs", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6, help="steps replayed per program")
-    ap.add_argument("--token-scale", type=float, default=50.0,
+    ap.add_argument("--token-scale", type=float, default=200.0,
                     help="trace tokens per replayed token")
-    ap.add_argument("--time-scale", type=float, default=20.0,
+    ap.add_argument("--time-scale", type=float, default=100.0,
                     help="trace tool seconds per replayed second")
-    ap.add_argument("--max-output", type=int, default=64)
-    ap.add_argument("--stagger", type=float, default=0.2, help="seconds between starts")
-    ap.add_argument("--turn-timeout", type=float, default=30.0,
+    ap.add_argument("--max-gap", type=float, default=1.0,
+                    help="the longest replayed tool call, seconds (so that the longest "
+                         "program's tools do not set the time to finish)")
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--context-cap", type=float, default=0.25,
+                    help="the largest context, as a share of one worker's GPU KV")
+    ap.add_argument("--stagger", type=float, default=0.1, help="seconds between starts")
+    ap.add_argument("--turn-timeout", type=float, default=60.0,
                     help="seconds a turn may take before it is retried (5 tries, then the "
                          "program is abandoned)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--gpu-blocks", type=int, default=256)
-    ap.add_argument("--host-blocks", type=int, default=1024)
+    ap.add_argument("--gpu-blocks", type=int, default=128)
+    ap.add_argument("--host-ratio", default="1",
+                    help="comma-separated host tier sizes as multiples of --gpu-blocks "
+                         "(each worker's --num-host-blocks = ratio x --gpu-blocks)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds per host ratio, the routers' order rotated each round")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--speedup", type=float, default=10.0, help="the mocker's speedup ratio")
+    ap.add_argument("--thunderagent-args", default="--scheduler-interval-seconds 0.5",
+                    help="extra flags for dynamo.thunderagent_router (its scheduler runs "
+                         "every 5 s by default; the replay's tool time is scaled down)")
+    ap.add_argument("--mori-args", default="", help="extra flags for mori dynamo-router")
+    ap.add_argument("--logs", type=Path, default=None,
+                    help="keep each run's process logs under this folder")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     routers = [r.strip() for r in args.routers.split(",") if r.strip()]
     bad = [r for r in routers if r not in ROUTERS]
     if bad:
         ap.error(f"unknown router(s) {bad}; choose from {', '.join(ROUTERS)}")
+    ratios = [float(x) for x in args.host_ratio.split(",") if x.strip()]
     traces = load_traces(args.traces) if args.traces else default_traces()
     progs = list(traces.programs)
     chosen = [progs[i % len(progs)] for i in range(args.programs)]
-    shape = WorkerShape(args.gpu_blocks, args.host_blocks, args.block_size, args.speedup)
     gpu_tokens = args.gpu_blocks * args.block_size
     turns = plan(chosen, args.steps, args.token_scale, args.time_scale,
-                 int(gpu_tokens * 0.9) - args.max_output, args.max_output)
+                 int(gpu_tokens * args.context_cap), args.max_output, args.max_gap)
+    demand = sum(max(t.tokens for t in ts) for ts in turns.values())
+    print(f"{len(turns)} programs, {sum(map(len, turns.values()))} turns; their largest "
+          f"contexts add up to {demand} tokens = {demand / (gpu_tokens * args.workers):.1f}x "
+          f"the fleet's GPU KV ({args.workers} x {gpu_tokens})", flush=True)
+    extra = {"mori": tuple(shlex.split(args.mori_args)),
+             "thunderagent": tuple(shlex.split(args.thunderagent_args)), "kv": ()}
     venv = venv_path()
     tokenizer = tokenizer_path(venv)
     results = []
-    for router in routers:
-        res = ArmResult(router, len(turns))
+    for ratio, rnd, router in schedule(routers, ratios, args.rounds):
+        shape = WorkerShape(args.gpu_blocks, round(ratio * args.gpu_blocks), args.block_size,
+                            args.speedup)
+        res = ArmResult(router, len(turns), ratio, rnd)
         with tempfile.TemporaryDirectory(prefix=f"mori-dynamo-{router}-") as folder:
-            fleet = DynamoFleet(venv, tokenizer, Path(folder), MODEL, router, shape)
+            fleet = DynamoFleet(venv, tokenizer, Path(folder), MODEL, router, shape,
+                                extra[router])
             try:
                 res.fleet_start_s = fleet.start_fleet(args.workers)
                 asyncio.run(drive(fleet.url, router, turns, args.stagger, res,
@@ -215,14 +333,23 @@ def main(argv: list[str] | None = None) -> int:
                 sys.exit(str(e))
             finally:
                 fleet.stop()
+                if args.logs is not None:
+                    keep = args.logs / f"host{ratio:g}-round{rnd}-{router}"
+                    shutil.copytree(folder, keep, dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("discovery"))
         results.append(res)
-        print(f"{router:13s} {res.makespan_s:7.1f} s  {res.turns_per_s:6.2f} turns/s  "
-              f"latency {res.latency_mean_s:6.3f} s (p90 {res.latency_p90_s:6.3f})  cached "
-              f"{res.cached_share:6.1%}  errors {res.errors}  abandoned {res.abandoned}", flush=True)
+        print(f"host {ratio:4g}x round {rnd} {router:13s} {res.makespan_s:6.1f} s "
+              f"{res.turns_per_s:6.2f} steps/s  TTFT p50 {res.ttft_p50_s * 1000:5.0f} ms "
+              f"p90 {res.ttft_p90_s * 1000:5.0f} ms  cached {res.cached_share:6.1%}  "
+              f"errors {res.errors}  abandoned {res.abandoned}  (fleet start "
+              f"{res.fleet_start_s:.1f} s)", flush=True)
         for sample in res.error_samples:
             print(f"    {sample}", flush=True)
+    rows = summarize(results)
+    print(table(rows))
     if args.json is not None:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                         "summary": rows,
                                          "results": [asdict(r) for r in results]}, indent=2))
     return 0
 

@@ -46,7 +46,8 @@ def free_port() -> int:
 
 @dataclass(frozen=True, slots=True)
 class WorkerShape:
-    """Each mocker worker: GPU and host KV blocks, block size, time compression."""
+    """Each mocker worker: GPU and host KV blocks (0: no host tier), block size, time
+    compression."""
 
     gpu_blocks: int = 64
     host_blocks: int = 256
@@ -95,8 +96,8 @@ class DynamoFleet:
         self.start(name, ["-m", "dynamo.mocker", "--model-path", str(self.tokenizer),
                           "--model-name", served, "--num-gpu-blocks-override",
                           str(s.gpu_blocks), "--block-size", str(s.block_size),
-                          "--num-host-blocks", str(s.host_blocks),
-                          "--speedup-ratio", str(s.speedup)])
+                          *(["--num-host-blocks", str(s.host_blocks)] if s.host_blocks else []),
+                          "--speedup-ratio", str(s.speedup)])  # the mocker takes no 0 host
 
     def start_fleet(self, workers: int = 2, timeout_s: float = 120.0) -> float:
         """Start the frontend, ``workers`` workers and the router; wait until the public
@@ -113,7 +114,8 @@ class DynamoFleet:
             self.start("router", ["-m", "mori", "dynamo-router", "--model-name", self.model,
                                   "--model-path", str(self.tokenizer), "--workers",
                                   str(workers), "--block-size", str(s.block_size),
-                                  "--host-tokens", str(s.host_blocks * s.block_size),
+                                  *(["--host-tokens", str(s.host_blocks * s.block_size)]
+                                    if s.host_blocks else []),
                                   *self.router_args])
         elif self.router == "thunderagent":
             self.start("router", ["-m", "dynamo.thunderagent_router", "--endpoint",
