@@ -52,6 +52,8 @@ _CLAUDE = "Claude Code's CLI flag (docs/agents.md: driving it through mori serve
 _CODEX = "Codex CLI's flag (docs/agents.md)"
 _PYTEST = "pytest's flag"
 _DYNAMO = "NVIDIA Dynamo's own flag (docs/dynamo.md: the mocker's host tier, the frontend's router)"
+_DYNAMO_TA = ("Dynamo's ThunderAgent router's flag (docs/dynamo.md: how the benchmark runs "
+              "it, why it stalled)")
 EXTERNAL_FLAGS: dict[str, str] = {
     "--additional-config": _VLLM,
     "--data-parallel-size": _VLLM,
@@ -60,6 +62,10 @@ EXTERNAL_FLAGS: dict[str, str] = {
     "--kv-events-config": _VLLM,
     "--num-host-blocks": _DYNAMO,
     "--router-mode": _DYNAMO,
+    "--pause-threshold": _DYNAMO_TA,
+    "--resume-hysteresis": _DYNAMO_TA,
+    "--resume-timeout-seconds": _DYNAMO_TA,
+    "--scheduler-interval-seconds": _DYNAMO_TA,
     "--kv-offloading-backend": _VLLM,
     "--kv-offloading-size": _VLLM,
     "--kv-transfer-config": _VLLM,
