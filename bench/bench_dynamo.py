@@ -1,25 +1,31 @@
 """The same agentic trace set through Dynamo's frontend with three routers on the same
 mocker fleet: MORI's (``mori dynamo-router``), Dynamo's ThunderAgent router and Dynamo's
-KV router.
+KV router, over host tier sizes, in rounds.
 
-    python bench/bench_dynamo.py --programs 16 --steps 6 --json out.json
+    python bench/bench_dynamo.py --host-ratio 0,0.25,1,2 --speedup 1 --rounds 3 --json out.json
 
-Each router gets a fresh fleet (``bench/dynamo_fleet.py``: the frontend, ``--workers``
-mocker workers with ``--gpu-blocks`` GPU and ``--host-blocks`` host KV blocks, the
-router) from the venv of ``scripts/dynamo_cpu_env.sh``. Every program replays the first
-``--steps`` steps of a trace (``--traces``: a file, or the shipped default set) closed
-loop: its prompt is its context (the trace's tokens divided by ``--token-scale``, as
-text that extends the previous turn's, so the engine can reuse its prefix), it asks for
-the step's output tokens (scaled, at most ``--max-output``), then waits the step's tool
-time divided by ``--time-scale`` before its next turn; after its last turn, the MORI and
-ThunderAgent arms send ``x-dynamo-session-final``. Programs start ``--stagger`` seconds
-apart. Reported per router: the time to finish every program, turns per second, the
-turns' latency (mean, p90), the share of prompt tokens the engine served from its cache
-(``cached_tokens``), the errors (a turn not answered within ``--turn-timeout`` is
-retried, five times at most) and the programs abandoned after five failures.
+Each run is a fresh fleet (``bench/dynamo_fleet.py``: the frontend, ``--workers`` mocker
+workers with ``--gpu-blocks`` GPU KV blocks and ``ratio x --gpu-blocks`` host blocks for
+each ``--host-ratio``, the router) from the venv of ``scripts/dynamo_cpu_env.sh``; in
+each host size, ``--rounds`` rounds of every router, the order rotated each round.
+Every program replays the first ``--steps`` steps of a trace (``--traces``: a file, or
+the shipped default set) closed loop: its prompt is its context (the trace's tokens
+divided by ``--token-scale``, at most ``--context-cap`` of one worker's GPU KV, as text
+that extends the previous turn's, so the engine can reuse its prefix), it asks for the
+step's output tokens (scaled, at most ``--max-output``), streamed, then waits the step's
+tool time divided by ``--time-scale`` (at most ``--max-gap``) before its next turn; after
+its last turn, the MORI and ThunderAgent arms send ``x-dynamo-session-final``. Programs
+start ``--stagger`` seconds apart. Reported per run, and per host size and router as the
+median over rounds: steps (turns) completed per second, TTFT p50/p90 (the first streamed
+chunk), the share of prompt tokens the engine served from its cache (``cached_tokens``),
+the errors (a turn not answered within ``--turn-timeout`` is retried, five times at
+most) and the programs abandoned after five failures; and the MORI router's steps per
+second over ThunderAgent's and over the KV router's. ``--mori-report`` also asks the
+MORI router for its report on each turn: the turns it held, for how long, per replica.
 
-The mocker simulates an engine's KV cache, batching and timing without a model; the
-figures compare routers on one machine's CPUs, not GPUs.
+The mocker simulates an engine's KV cache, batching and timing without a model (it
+streams no text: TTFT is the time to the role chunk); the figures compare routers on
+one machine's CPUs, not GPUs.
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ class ArmResult:
     cached_tokens: int = 0
     cached_share: float = 0.0
     fleet_start_s: float = 0.0
+    held_turns: int = 0  # the MORI router's turns it held (with --mori-report)
+    held_s: float = 0.0
+    replica_turns: dict[str, int] = field(default_factory=dict)  # turns, prompt tokens
+    replica_tokens: dict[str, int] = field(default_factory=dict)  # per MORI replica
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -116,7 +126,12 @@ async def one_turn(session: aiohttp.ClientSession, url: str, body: dict[str, Any
             except ValueError:
                 continue
             if isinstance(chunk, dict) and chunk.get("usage"):
-                usage = chunk["usage"]
+                usage = {**usage, **chunk["usage"]}
+            mori = ((chunk.get("nvext") or {}).get("engine_data") or {}).get("mori") \
+                if isinstance(chunk, dict) else None
+            if isinstance(mori, dict):
+                usage = {**usage, "mori_held_s": float(mori.get("held_s") or 0.0),
+                         "mori_replica": int(mori.get("replica") or 0)}
             if isinstance(chunk, dict) and "error" in chunk:
                 return 500, ttft, usage, str(chunk["error"])[:200]
     return 200, ttft, usage, ""
@@ -124,14 +139,16 @@ async def one_turn(session: aiohttp.ClientSession, url: str, body: dict[str, Any
 
 async def run_program(session: aiohttp.ClientSession, url: str, turns: list[Turn],
                       start_s: float, final: bool, res: ArmResult,
-                      latencies: list[float], ttfts: list[float]) -> None:
+                      latencies: list[float], ttfts: list[float],
+                      report: bool = False) -> None:
     await asyncio.sleep(start_s)
     headers = {"x-dynamo-session-id": turns[0].program}
     for t in turns:
         body = {"model": MODEL, "messages": [{"role": "user",
                                               "content": words(t.tokens, t.program)}],
                 "max_tokens": t.output, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True},
+                **({"nvext": {"extra_fields": ["engine_data"]}} if report else {})}
         t0 = time.monotonic()
         for _attempt in range(5):
             try:
@@ -153,6 +170,14 @@ async def run_program(session: aiohttp.ClientSession, url: str, turns: list[Turn
         if ttft >= 0:
             ttfts.append(ttft)
         res.turns += 1
+        if "mori_replica" in usage:
+            slot = str(usage["mori_replica"])
+            res.replica_turns[slot] = res.replica_turns.get(slot, 0) + 1
+            res.replica_tokens[slot] = (res.replica_tokens.get(slot, 0)
+                                        + int(usage.get("prompt_tokens") or 0))
+        if usage.get("mori_held_s"):
+            res.held_turns += 1
+            res.held_s += usage["mori_held_s"]
         res.prompt_tokens += int(usage.get("prompt_tokens") or 0)
         res.cached_tokens += int((usage.get("prompt_tokens_details") or {})
                                  .get("cached_tokens") or 0)
@@ -170,14 +195,15 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def drive(url: str, router: str, turns: dict[str, list[Turn]], stagger_s: float,
-                res: ArmResult, turn_timeout_s: float) -> None:
+                res: ArmResult, turn_timeout_s: float, report: bool = False) -> None:
     latencies: list[float] = []
     ttfts: list[float] = []
     timeout = aiohttp.ClientTimeout(total=turn_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.monotonic()
         await asyncio.gather(*(run_program(session, url, ts, i * stagger_s, router != "kv",
-                                           res, latencies, ttfts)
+                                           res, latencies, ttfts,
+                                           report and router == "mori")
                                for i, ts in enumerate(turns.values())))
         res.makespan_s = time.monotonic() - t0
     if latencies:
@@ -294,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra flags for dynamo.thunderagent_router (its scheduler runs "
                          "every 5 s by default; the replay's tool time is scaled down)")
     ap.add_argument("--mori-args", default="", help="extra flags for mori dynamo-router")
+    ap.add_argument("--mori-report", action="store_true",
+                    help="ask the MORI router for its report on each turn (engine_data) and "
+                         "count the turns it held and for how long (it also reads each "
+                         "prompt's overlap, a cost the other arms do not have)")
     ap.add_argument("--logs", type=Path, default=None,
                     help="keep each run's process logs under this folder")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -328,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 res.fleet_start_s = fleet.start_fleet(args.workers)
                 asyncio.run(drive(fleet.url, router, turns, args.stagger, res,
-                                  args.turn_timeout))
+                                  args.turn_timeout, args.mori_report))
             except FleetError as e:
                 sys.exit(str(e))
             finally:
@@ -342,7 +372,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{res.turns_per_s:6.2f} steps/s  TTFT p50 {res.ttft_p50_s * 1000:5.0f} ms "
               f"p90 {res.ttft_p90_s * 1000:5.0f} ms  cached {res.cached_share:6.1%}  "
               f"errors {res.errors}  abandoned {res.abandoned}  (fleet start "
-              f"{res.fleet_start_s:.1f} s)", flush=True)
+              f"{res.fleet_start_s:.1f} s)"
+              + (f"  held {res.held_turns} turns ({res.held_s:.1f} s), turns (prompt tokens) "
+                 f"per replica: " + ", ".join(f"{k}: {v} ({res.replica_tokens[k]})" for k, v in
+                                              sorted(res.replica_turns.items()))
+                 if res.replica_turns else ""),
+              flush=True)
         for sample in res.error_samples:
             print(f"    {sample}", flush=True)
     rows = summarize(results)
