@@ -15,9 +15,9 @@ a block; these tables hold what MORI knows instead:
   new content. A block used by more than ``max_programs_per_block`` programs is marked
   *widely shared* and kept busy (which one of them runs next is anyone's guess).
 
-A block's label is the most protective label of its programs on the GPU (``busy`` >
-``idle`` > ``cold`` > ``inactive``, the GPU's order of ``mori.core.eviction_order``): a
-prefix that a busy program shares with an inactive one is still needed.
+A block's label is the most protective label of its programs on the GPU (the highest
+rank in the GPU's order of ``mori.core.eviction_order``): a prefix that a busy program
+shares with an inactive one is still needed.
 
 The default label — of a program the gateway has not labelled, and of a block no known
 program used (requests without ``session_id``) — is ``busy``, the most protective one:

@@ -13,9 +13,9 @@ next is anyone's guess). Its class, on each tier:
 
 Eviction takes the smallest key first: ``(class rank, last access time)``. ``unowned``
 ranks 0, below every label (a plug-in-local class); the labels follow, in the tier's
-order of ``mori.core.eviction_order``: on the GPU inactive 1, cold 2, idle 3, busy 4; on
-HiCache's host tier inactive 1, cold 2, busy 3, idle 4 (a busy program's KV is on the
-GPU as well; an idle one's host copy is what saves its recompute). While no label is
+order of ``mori.core.eviction_order`` from 1 (the GPU's order on the device, the CPU
+tier's on HiCache's host tier; that module says why each tier keeps what it keeps).
+While no label is
 known (no gateway has spoken, or it cleared the table) every node has rank 0: SGLang's
 own LRU, exactly.
 """

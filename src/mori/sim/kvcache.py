@@ -26,8 +26,8 @@ lost, except those labelled inactive; pages evicted from the disk pool are lost.
 CPU pool, pages evicted from the GPU go to disk directly (through a host buffer).
 
 Eviction order: with ``typed`` (MORI), by type label first, in each tier's order of
-``mori.core.eviction_order`` (GPU: inactive, cold, idle, busy; CPU: inactive, cold, busy,
-idle; disk: inactive, busy, idle, cold), then least recently used; otherwise plain LRU.
+``mori.core.eviction_order`` (one order per tier, read from there), then least recently
+used; otherwise plain LRU.
 Pinned programs (a request running) are never evicted.
 """
 

@@ -1,8 +1,8 @@
 """A simulated engine replica: continuous batching over a paged GPU/CPU KV cache.
 
 What it models (docs/costmodel.md; the names follow SGLang):
-- Admission: waiting requests enter in order (under typed eviction, busy-labelled
-  first, then idle, cold, inactive: ``mori.core.eviction_order``; docs/system.md, "Typed
+- Admission: waiting requests enter in order (under typed eviction, by the admission
+  order of ``mori.core.eviction_order``, the GPU's reversed; docs/system.md, "Typed
   offloading in the engine"; otherwise first come first served). Admitting one pins
   its program's pages and reserves pages for prompt + output (the engine is told the
   output length; a real engine reserves an estimate); if the GPU cannot be made to hold
@@ -351,7 +351,7 @@ class EngineReplica:
     def _admit(self, now: float) -> None:
         if not self.waiting:
             return
-        if self.typed_admission:  # busy, idle, cold, inactive (mori.core.eviction_order)
+        if self.typed_admission:  # mori.core.eviction_order's admission order
             entry, rank = self.pools.entry, _ADMISSION_RANK
             self.waiting.sort(key=lambda r: (rank[entry(r.program_id).label], r.seq))
         admitted = 0

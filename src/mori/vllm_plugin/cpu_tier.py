@@ -12,11 +12,9 @@ installed ``vllm`` package, lines as of 0.32 unless a release is named.
 
 This module provides :class:`MoriCachePolicy`, that ``CachePolicy`` (the CPU build's copy
 worker and host spec are in ``host_tier``; ``connector_config.kv_transfer_config`` is the
-flag that loads them). It evicts host chunks by class, in this order: ``inactive`` first,
-then ``cold`` (a program MORI parked on the disk tier, which holds its chunks), then
-``busy``, then ``idle`` (kept longest: an idle program's next turn is the one the host
-tier saves; a busy program's KV is on the GPU anyway; ``mori.core.eviction_order``), least
-recently used first within a class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
+flag that loads them). It evicts host chunks by class, in the CPU tier's order of
+``mori.core.eviction_order`` (read from there; that module says why each class goes when
+it goes), least recently used first within a class, recency kept exactly as the installed vLLM's ``LRUCachePolicy`` keeps it
 (``v1/kv_offload/cpu/policies/lru.py``; see :class:`MoriCachePolicy` for what changed in
 0.33). A chunk's class is the most protective (``idle`` >
 ``busy`` > ``cold`` > ``inactive``) label among the programs whose requests used it; a chunk no known

@@ -4,13 +4,9 @@ vLLM 0.32 keeps every free KV block (the cached ones that are eviction candidate
 included) in one ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``): a doubly
 linked list threaded through the blocks' own ``prev_free_block`` / ``next_free_block``
 fields, whose head is evicted first. :class:`TypedFreeBlockQueue` has the same methods with
-the same meaning, and keeps five such lists instead of one, evicted in this order:
-
-1. blocks without a hash (``block.block_hash is None``: never a prefix-cache hit);
-2. ``inactive`` blocks; 3. ``cold`` blocks (a program parked on the disk tier); 4.
-   ``idle`` blocks; 5. ``busy`` blocks.
-
-The labelled lists follow the GPU's order of ``mori.core.eviction_order``.
+the same meaning, and keeps five such lists instead of one: first the blocks without a
+hash (``block.block_hash is None``: never a prefix-cache hit), then one list per label,
+in the GPU's order of ``mori.core.eviction_order`` (read from there).
 
 Within a list the order is vLLM's: ``append`` / ``append_n`` put blocks at the tail (most
 recently used, evicted last), ``prepend_n`` at the head (evicted first), so a list is LRU.
@@ -48,7 +44,7 @@ from mori.core.eviction_order import eviction_order, ranks
 from mori.core.types import Tier
 
 # the lists, evicted first .. last: blocks without a hash, then one list per label in the
-# GPU's order of mori.core.eviction_order (inactive, cold, idle, busy)
+# GPU's order of mori.core.eviction_order (read from there)
 UNHASHED = 0
 LABEL_CLASS = {label.value: 1 + rank for label, rank in ranks(Tier.GPU).items()}
 INACTIVE, COLD, IDLE, BUSY = (LABEL_CLASS[n] for n in ("inactive", "cold", "idle", "busy"))
