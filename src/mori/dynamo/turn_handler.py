@@ -28,6 +28,7 @@ from typing import Any
 from mori.dynamo.fleet import TierOverlap, WorkerSlots
 from mori.dynamo.replica import DynamoReplica
 from mori.dynamo.turns import (
+    ONE_OFF_PREFIX,
     ChunkFacts,
     TurnError,
     forwarded,
@@ -116,7 +117,7 @@ class TurnHandler:
                               "shorten the context (compact it), or serve workers with a "
                               "larger KV cache")
         anonymous = turn.program_id is None
-        pid = turn.program_id or f"dynamo-one-off-{next(self._anonymous)}"
+        pid = turn.program_id or f"{ONE_OFF_PREFIX}{next(self._anonymous)}"
         facts = None if anonymous else RequestFacts(
             recogniser="dynamo-session", agent="dynamo", session=pid, parent=turn.parent,
             parent_session=turn.parent)

@@ -21,7 +21,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES
+from mori.protocol.errors import RequestError
+from mori.protocol.fields import DEFAULT_MAX_PROGRAM_ID_BYTES, check_program_id
+
+ONE_OFF_PREFIX = "dynamo-one-off-"
+"""The prefix of the ids the router gives requests without a session; reserved: a
+client's session id may not start with it (it would join an anonymous request)."""
 
 
 class TurnError(ValueError):
@@ -50,10 +55,15 @@ def _session_field(ctx: Mapping[str, Any], key: str, header: str,
     value = value.strip()
     if not value:
         return None
-    if len(value.encode()) > max_bytes:
-        raise TurnError(f"agent_context.{key} is {len(value.encode())} bytes; at most "
-                        f"{max_bytes} are taken: send a shorter {header}")
-    return value
+    if value.startswith(ONE_OFF_PREFIX):
+        raise TurnError(f"agent_context.{key} may not start with {ONE_OFF_PREFIX!r}: the "
+                        f"router names requests without a session so; send another {header}")
+    try:  # the gateway's rules for a program id: size, valid Unicode, no control characters
+        return check_program_id(value, max_bytes)
+    except RequestError as e:
+        rule = e.message.removeprefix("invalid 'program_id': ")
+        raise TurnError(f"agent_context.{key} is not a usable program id: {rule}; send "
+                        f"another {header}") from None
 
 
 def read_turn(request: Mapping[str, Any],
