@@ -318,31 +318,41 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(argv: list[str]) -> 
 
 def test_former_spellings_still_work_and_warn(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """--hardware, --window, --pcie-gbps and --time-scale (and their config keys) became
-    --preset, --idleness-window, --reload-gbps and --engine-slowdown: the old ones give the
-    same runs, with a warning."""
+    """--hardware, --window and --time-scale (and their config keys) became --preset,
+    --idleness-window and --engine-slowdown: the old ones give the same runs, with a
+    warning."""
     new = run_json(tmp_path, "--preset", "h200-80g-qwen2.5-7b", "--idleness-window", "3",
-                   "--reload-gbps", "7", "--engine-slowdown", "2")
+                   "--engine-slowdown", "2")
     assert "deprecated" not in capsys.readouterr().err
     old = run_json(tmp_path, "--hardware", "h200-80g-qwen2.5-7b", "--window", "3",
-                   "--pcie-gbps", "7", "--time-scale", "2")
+                   "--time-scale", "2")
     err = capsys.readouterr().err
     for flag, instead in (("--hardware", "--preset"), ("--window", "--idleness-window"),
-                          ("--pcie-gbps", "--reload-gbps"),
                           ("--time-scale", "--engine-slowdown")):
         assert f"mori: {flag} is deprecated and will be removed; use {instead}" in err
     def settings(r: dict[str, Any]) -> tuple[Any, ...]:
-        return r["hardware"], r["idleness_window"], r["reload_gbps"], r["engine_slowdown"]
+        return r["hardware"], r["idleness_window"], r["engine_slowdown"]
     assert [settings(r) for r in old] == [settings(r) for r in new] == [
-        ("h200-80g-qwen2.5-7b", 3, 7.0, 2.0)] * len(new)
+        ("h200-80g-qwen2.5-7b", 3, 2.0)] * len(new)
     cfg = tmp_path / "old.toml"
-    cfg.write_text('hardware = "h200-80g-qwen2.5-7b"\nwindow = 3\npcie-gbps = 7\n'
-                   'time-scale = 2\n')
+    cfg.write_text('hardware = "h200-80g-qwen2.5-7b"\nwindow = 3\ntime-scale = 2\n')
     rows = run_json(tmp_path, "--config", str(cfg))
     err = capsys.readouterr().err
     assert "config key 'hardware'" in err and "use 'preset'" in err
     assert "config key 'time-scale'" in err and "use 'engine-slowdown'" in err
-    assert [settings(r) for r in rows] == [("h200-80g-qwen2.5-7b", 3, 7.0, 2.0)] * len(rows)
+    assert [settings(r) for r in rows] == [("h200-80g-qwen2.5-7b", 3, 2.0)] * len(rows)
+
+
+def test_the_removed_pcie_gbps_is_an_unknown_flag_and_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--pcie-gbps (now --reload-gbps) is no longer read: the flag and the config key get
+    the errors of any unknown option."""
+    assert main([*SMALL, "--pcie-gbps", "7"]) == 2
+    assert "unrecognized arguments: --pcie-gbps 7" in capsys.readouterr().err
+    cfg = tmp_path / "old.toml"
+    cfg.write_text("pcie-gbps = 7\n")
+    assert main([*SMALL, "--config", str(cfg)]) == 2
+    assert "unknown key 'pcie-gbps'" in capsys.readouterr().err
 
 
 def test_disk_tier_flags_and_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

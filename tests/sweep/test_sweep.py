@@ -22,6 +22,7 @@ from mori.sim.metrics import NONDETERMINISTIC_FIELDS, RunResult
 from mori.sim.runner import simulate
 from mori.sweep import SWEEPS, expand, settings_of
 from mori.sweep.grid import Run, Setting
+from mori.sweep.run import partition
 from mori.sweep.store import RECORD_FORMAT, RunStore, config_dict, result_from_dict, run_key
 from mori.traces import default_traces
 
@@ -319,18 +320,29 @@ def test_settings_added_later_keep_the_keys_and_records_of_earlier_runs() -> Non
     assert result_from_dict({k: v for k, v in row.items() if k != "fill_idle"}).to_dict() == row
 
 
-def test_records_with_the_former_reload_names_still_load() -> None:
+def test_records_with_the_former_reload_names_are_run_again(tmp_path: Path) -> None:
     """A record written before the simulated link's reload bandwidth was ``reload_gbps``
-    holds it as ``pcie_gbps``, and the policy's estimate as ``reload_gbps``."""
+    holds it as ``pcie_gbps`` (and the policy's estimate as ``reload_gbps``): it is not
+    read, so its run is run again, as that of any record that does not match."""
     cfg = SimConfig(programs=2, duration_s=30.0, reload_gbps=20.0,
                     policy_config=PolicyConfig(reload_gbps=7.0))
-    row = simulate(cfg, default_traces()).to_dict()
+    traces = default_traces()
+    row = simulate(cfg, traces).to_dict()
     assert (row["reload_gbps"], row["policy_reload_gbps"]) == (20.0, 7.0)
     older = {k: v for k, v in row.items() if k not in ("reload_gbps", "policy_reload_gbps")}
     older |= {"pcie_gbps": 20.0, "reload_gbps": 7.0}
-    loaded = result_from_dict(older)
-    assert loaded.config.reload_gbps == 20.0 and loaded.config.policy_config.reload_gbps == 7.0
-    assert loaded.to_dict() == row
+    with pytest.raises(ValueError, match="fields"):
+        result_from_dict(older)
+    store = RunStore(tmp_path, traces)
+    store.prepare()
+    run = Run(Setting(cfg.hardware, cfg.cpu_ratio, cfg.replicas), 2, cfg)
+    store.save(run, simulate(cfg, traces))
+    assert store.load(run) is not None
+    record = json.loads(store.path(run).read_text())
+    record["result"] = older
+    store.path(run).write_text(json.dumps(record))
+    assert store.load(run) is None
+    assert partition([run], store, fresh=False) == ({}, [run])
 
 
 def test_records_with_the_former_slowdown_name_keep_their_keys_and_load(

@@ -256,7 +256,6 @@ OPTIONS: tuple[Option, ...] = (
            help="every engine duration (steps, KV reloads) is multiplied by T, as when a "
                 "trace is replayed with `mori replay --time-scale T` against a real engine"),
     Option("reload_gbps", float, _SIM.reload_gbps, metavar="GB/S",
-           old=("pcie_gbps",),  # the former spelling (flag and config key), still read
            help="KV reload bandwidth from the CPU tier, GB/s per GPU: the simulated "
                 "host-to-GPU link, which the policies also estimate with (default: the "
                 "preset's, see `mori presets`; 0: no usable link, no CPU tier is "

@@ -180,19 +180,12 @@ field's name is a :class:`SimConfig` field's too)."""
 
 
 def _renamed_settings(data: dict[str, Any]) -> dict[str, Any]:
-    """A flat record with the settings' present names (the old names are still read,
-    never written). A record written before the simulated link's reload bandwidth was
-    named ``reload_gbps`` has it as ``pcie_gbps`` and the policy's ``reload_gbps`` under
-    that name: a record has ``policy_reload_gbps`` from then on. One written before the
-    engine's slowdown was named ``engine_slowdown`` has it as ``time_scale``."""
+    """A flat record with the settings' present names (the old name is still read, never
+    written): one written before the engine's slowdown was named ``engine_slowdown`` has
+    it as ``time_scale``."""
     if "time_scale" in data and "engine_slowdown" not in data:
         data = {("engine_slowdown" if k == "time_scale" else k): v for k, v in data.items()}
-    if "policy_reload_gbps" in data:
-        return data
-    data = dict(data)
-    policy = data.pop("reload_gbps", None)
-    link = data.pop("pcie_gbps", None)
-    return {**data, "reload_gbps": link, "policy_reload_gbps": policy}
+    return data
 
 
 def atomic_write_text(path: Path, text: str) -> None:
