@@ -1,6 +1,6 @@
 """Hand-worked scenarios of the ablations that change what MORI observes or how it
 ranks: ``mori-binary`` (a threshold instead of a ranking) and ``mori-no-exclusion``
-(gated time counted as acting)."""
+(held time counted as acting)."""
 
 from __future__ import annotations
 
@@ -28,20 +28,20 @@ def test_f_binary_offloads_idle_program_with_room_mori_keeps_it(cpu: int, to: Ti
     assert where(ps["mori-binary"], "B") == (GPU, 0)
 
 
-# -- (g) gated time in idleness ----------------------------------------------------------------
+# -- (g) held time in idleness -----------------------------------------------------------------
 def test_g_no_exclusion_counts_kv_reload_time() -> None:
     ps = {n: make(n) for n in ("mori-paper", "mori-no-exclusion")}
     for p in ps.values():
         step(p, 0.0, arrive("A", 10))
         step(p, 2.0, fin("A", 10))
         assert step(p, 3.0, arrive("A", 10)) == [Forward("A", 0)]
-        step(p, 5.0, KVReady("A"))  # 3..5 gated (reload)
+        step(p, 5.0, KVReady("A"))  # 3..5 held (reload)
         step(p, 6.0, fin("A", 10))
     assert ps["mori-paper"].programs["A"].idleness(6.0) == pytest.approx(1.0 / 4.0)
     assert ps["mori-no-exclusion"].programs["A"].idleness(6.0) == pytest.approx(3.0 / 6.0)
 
 
-def test_g_no_exclusion_ranks_the_longest_gated_as_most_idle() -> None:
+def test_g_no_exclusion_ranks_the_longest_held_as_most_idle() -> None:
     expected = {}
     ps = {n: make(n, gpu=100, cpu=300) for n in ("mori-paper", "mori-no-exclusion")}
     for p in ps.values():
@@ -58,7 +58,7 @@ def test_g_no_exclusion_ranks_the_longest_gated_as_most_idle() -> None:
         assert step(p, 20.0) == []
         expected[p.name] = (p.programs["A"].idleness(30.0), p.programs["B"].idleness(30.0))
     assert expected["mori-paper"] == pytest.approx((2.0 / 3.0, 8.0 / 9.0))
-    # gated time counted as acting: A (gated since 3) 29 of 30, B (since 10) 28 of 29
+    # held time counted as acting: A (held since 3) 29 of 30, B (since 10) 28 of 29
     assert expected["mori-no-exclusion"] == pytest.approx((29.0 / 30.0, 28.0 / 29.0))
     # G finishes: one of the two CPU-queue programs fits; lowest idleness goes first
     assert step(ps["mori-paper"], 30.0, fin("G", 100)) == [

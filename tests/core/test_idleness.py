@@ -11,9 +11,9 @@ from mori.core.policy import PolicyConfig
 
 
 def run_cycles(t: IdlenessTracker, cycles: list[tuple[float, float]], start: float = 0.0) -> float:
-    """Feed complete cycles (reasoning, acting) with no gating; return the time reached.
+    """Feed complete cycles (reasoning, acting) with no held time; return the time reached.
 
-    After the call the tracker is gated (the request that ends the last tool call has
+    After the call the tracker is held (the request that ends the last tool call has
     arrived and is not yet started).
     """
     now = start
@@ -33,16 +33,16 @@ def test_new_program_is_busy() -> None:
     assert t.idleness(0.0) == 0.0
     assert t.idleness(100.0) == 0.0
     t.arrived(1.0)
-    assert t.idleness(50.0) == 0.0  # gated, no history
+    assert t.idleness(50.0) == 0.0  # held, no history
     t.started(2.0)
     assert t.idleness(3.0) == 0.0  # reasoning only
     assert t.cycles == ()
 
 
-def test_no_exclusion_first_gated_interval_is_dropped() -> None:
-    t = IdlenessTracker(exclude_gated=False)
+def test_no_exclusion_first_held_interval_is_dropped() -> None:
+    t = IdlenessTracker(exclude_held=False)
     t.arrived(0.0)
-    assert t.idleness(1.5) == 0.0  # no previous cycle to charge the gated time to
+    assert t.idleness(1.5) == 0.0  # no previous cycle to charge the held time to
     t.started(2.0)
     assert t.held_time == 2.0
     t.finished(3.0)
@@ -60,7 +60,7 @@ def test_one_cycle_one_second_reasoning_three_acting() -> None:
     t.arrived(4.0)
     assert t.cycles == ((1.0, 3.0),)
     assert t.idleness(4.0) == pytest.approx(0.75)
-    assert t.idleness(9.0) == pytest.approx(0.75)  # gated time does not count
+    assert t.idleness(9.0) == pytest.approx(0.75)  # held time does not count
 
 
 def test_in_progress_gap_counts() -> None:
@@ -80,7 +80,7 @@ def test_in_progress_gap_counts() -> None:
 
 def test_reasoning_in_progress_counts() -> None:
     t = IdlenessTracker()
-    run_cycles(t, [(1.0, 3.0)])  # ends gated at 4
+    run_cycles(t, [(1.0, 3.0)])  # ends held at 4
     t.started(4.0)
     assert t.idleness(4.0) == pytest.approx(3.0 / 4.0)
     assert t.idleness(6.0) == pytest.approx(3.0 / 6.0)  # reasoning 1 + 2, acting 3
@@ -94,7 +94,7 @@ def test_k5_window_drops_the_oldest_cycle() -> None:
     t = IdlenessTracker(k=5)
     end = run_cycles(t, SIX)
     assert end == 27.0
-    # gated: the last five completed cycles: acting 2+3+4+5+6 = 20, reasoning 5
+    # held: the last five completed cycles: acting 2+3+4+5+6 = 20, reasoning 5
     assert t.cycles == tuple(SIX[1:])
     assert t.idleness(end) == pytest.approx(20.0 / 25.0)
     # all six would give 21/27
@@ -103,7 +103,7 @@ def test_k5_window_drops_the_oldest_cycle() -> None:
 
 def test_while_acting_the_in_progress_cycle_is_one_of_k() -> None:
     t = IdlenessTracker(k=5)
-    end = run_cycles(t, SIX[:5])  # five completed cycles, gated at 20
+    end = run_cycles(t, SIX[:5])  # five completed cycles, held at 20
     assert end == 20.0
     t.started(20.0)
     # reasoning: window = cycles 2..5 (acting 2+3+4+5 = 14, reasoning 4) + current
@@ -118,7 +118,7 @@ def test_while_acting_the_in_progress_cycle_is_one_of_k() -> None:
 
 def test_window_smaller_than_k() -> None:
     t = IdlenessTracker(k=5)
-    run_cycles(t, [(2.0, 2.0), (1.0, 5.0)])  # gated at 10
+    run_cycles(t, [(2.0, 2.0), (1.0, 5.0)])  # held at 10
     assert t.idleness(10.0) == pytest.approx(7.0 / 10.0)
     t.started(10.0)
     t.finished(13.0)  # reasoning 3
@@ -127,7 +127,7 @@ def test_window_smaller_than_k() -> None:
 
 def test_k1_only_the_current_cycle() -> None:
     t = IdlenessTracker(k=1)
-    run_cycles(t, [(1.0, 9.0)])  # gated at 10: window = last completed cycle
+    run_cycles(t, [(1.0, 9.0)])  # held at 10: window = last completed cycle
     assert t.idleness(10.0) == pytest.approx(0.9)
     t.started(10.0)
     assert t.idleness(12.0) == 0.0  # the in-progress cycle is the whole window
@@ -135,13 +135,13 @@ def test_k1_only_the_current_cycle() -> None:
     assert t.idleness(14.0) == pytest.approx(0.5)
 
 
-# -- gated time ---------------------------------------------------------------------
-def _gated_history(t: IdlenessTracker) -> None:
+# -- held time ----------------------------------------------------------------------
+def _held_history(t: IdlenessTracker) -> None:
     t.arrived(0.0)
     t.started(0.0)
     t.finished(1.0)
     t.arrived(4.0)  # cycle (1, 3)
-    t.started(10.0)  # gated 6 s
+    t.started(10.0)  # held 6 s
     t.finished(11.0)  # reasoning 1
 
 
@@ -151,7 +151,7 @@ def test_held_time_is_excluded() -> None:
     t.started(0.0)
     t.finished(1.0)
     t.arrived(4.0)
-    assert t.idleness(8.0) == pytest.approx(0.75)  # while gated: unchanged
+    assert t.idleness(8.0) == pytest.approx(0.75)  # while held: unchanged
     t.started(10.0)
     assert t.held_time == 6.0
     assert t.idleness(10.0) == pytest.approx(0.75)
@@ -161,12 +161,12 @@ def test_held_time_is_excluded() -> None:
 
 
 def test_held_time_added_to_previous_acting_without_exclusion() -> None:
-    t = IdlenessTracker(exclude_gated=False)
+    t = IdlenessTracker(exclude_held=False)
     t.arrived(0.0)
     t.started(0.0)
     t.finished(1.0)
     t.arrived(4.0)
-    # while gated the gap in progress counts as acting of the previous cycle
+    # while held the gap in progress counts as acting of the previous cycle
     assert t.idleness(8.0) == pytest.approx(7.0 / 8.0)
     t.started(10.0)
     assert t.cycles == ((1.0, 9.0),)
@@ -175,17 +175,17 @@ def test_held_time_added_to_previous_acting_without_exclusion() -> None:
     assert t.idleness(11.0) == pytest.approx(9.0 / 11.0)
 
 
-def test_kv_ready_after_forward_moves_start_and_counts_as_gated() -> None:
+def test_kv_ready_after_forward_moves_start_and_counts_as_held() -> None:
     for exclude, cycle, expected in ((True, (1.0, 3.0), 3.0 / 5.0),
                                      (False, (1.0, 5.0), 5.0 / 7.0)):
-        t = IdlenessTracker(exclude_gated=exclude)
+        t = IdlenessTracker(exclude_held=exclude)
         t.arrived(0.0)
         t.started(0.0)
         t.finished(1.0)
         t.arrived(4.0)
         t.started(4.0)  # forwarded
         assert t.idleness(5.0) == pytest.approx(3.0 / 5.0)  # provisional: reasoning since 4
-        t.started(6.0)  # KV ready: 4..6 was gated
+        t.started(6.0)  # KV ready: 4..6 was held
         assert t.held_time == 2.0
         assert t.cycles == (cycle,)
         t.finished(7.0)  # reasoning 6..7
@@ -245,11 +245,11 @@ def test_a_history_taken_back_gives_the_same_idleness(
     gives the idleness the old tracker gives at ``then``, now and as time goes on."""
     old = IdlenessTracker(k)
     t = 0.0
-    for gated, reason, act in steps:
+    for held, reason, act in steps:
         old.arrived(t)
-        old.started(t + gated)
-        old.finished(t + gated + reason)
-        t += gated + reason + act
+        old.started(t + held)
+        old.finished(t + held + reason)
+        t += held + reason + act
     then = t + tail
     h = old.history(then)
     assert len(h.cycles) <= k and h.acting_s == then - (t - steps[-1][2])

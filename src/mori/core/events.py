@@ -24,7 +24,7 @@ class KVReady:
     """The forwarded request's KV is loaded (reload or recompute can start prefilling).
 
     Optional: a world that cannot tell reports nothing and reasoning is taken to start at
-    the forward. Reported, the interval between forward and this event is gated time.
+    the forward. Reported, the interval between forward and this event is held time.
     """
 
     program_id: str

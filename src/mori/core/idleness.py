@@ -4,10 +4,10 @@
 
 over the last ``k`` reasoning-acting cycles. The window is the cycle in progress (if one
 has started: the program is reasoning or acting) plus the last completed cycles, ``k``
-in all; while the program is gated no cycle is in progress and the window is the last
+in all; while the program is held no cycle is in progress and the window is the last
 ``k`` completed cycles. The in-progress part counts: an ongoing tool call's elapsed time
-keeps growing. Time spent gated (queued by the scheduler, or waiting for its KV to
-reload) is excluded from both terms unless ``exclude_gated`` is False (the
+keeps growing. Time spent held (queued by the scheduler, or waiting for its KV to
+reload) is excluded from both terms unless ``exclude_held`` is False (the
 ``mori-no-exclusion`` ablation), in which case it is added to the acting term of the
 cycle that preceded it (for a program's very first request there is no such cycle and it
 is dropped). A program with no history has idleness = 0 (busy): it is about to run.
@@ -55,22 +55,22 @@ class IdlenessTracker:
     Observations must come in order: ``arrived`` -> ``started`` -> ``finished`` ->
     ``arrived`` ... with non-decreasing times. ``started`` marks the start of reasoning
     (the request was forwarded and its KV is ready); calling it again while reasoning
-    moves the start later (the extra interval becomes gated time).
+    moves the start later (the extra interval becomes held time).
 
     The tracker is the program's only phase machine: ``status`` (None before the first
     request) is what ``Program.status`` reads.
     """
 
     __slots__ = (
-        "_k", "_exclude_gated", "_cycles", "_phase", "_t0", "_cur_reason", "_held_total",
+        "_k", "_exclude_held", "_cycles", "_phase", "_t0", "_cur_reason", "_held_total",
         "_all", "_tail",
     )
 
-    def __init__(self, k: int = 5, exclude_gated: bool = True) -> None:
+    def __init__(self, k: int = 5, exclude_held: bool = True) -> None:
         if k < 1:
             raise ValueError(f"idleness window k must be >= 1, got {k}")
         self._k = k
-        self._exclude_gated = exclude_gated
+        self._exclude_held = exclude_held
         self._cycles: deque[tuple[float, float]] = deque()
         self._phase: Status | None = None
         self._t0 = 0.0  # start of the current phase
@@ -85,7 +85,7 @@ class IdlenessTracker:
             raise ValueError(f"time went backwards: {now} < {self._t0}")
 
     def arrived(self, now: float) -> None:
-        """A request arrived: the tool call (if any) ended, the program is gated."""
+        """A request arrived: the tool call (if any) ended, the program is held."""
         self._check_time(now)
         if self._phase is Status.ACTING:
             self._push(self._cur_reason, max(0.0, now - self._t0))
@@ -98,13 +98,13 @@ class IdlenessTracker:
         """Reasoning starts now (forwarded, KV ready)."""
         self._check_time(now)
         if self._phase is Status.HELD:
-            self._end_gated(now)
+            self._end_held(now)
         elif self._phase is Status.REASONING:
-            # the KV became ready later than the forward: that interval was gated
+            # the KV became ready later than the forward: that interval was held
             extra = max(0.0, now - self._t0)
             self._held_total += extra
-            if not self._exclude_gated and self._cycles:
-                self._add_gated_to_last(extra)
+            if not self._exclude_held and self._cycles:
+                self._add_held_to_last(extra)
         else:
             raise ValueError(f"started while {self._state()}")
         self._phase = Status.REASONING
@@ -165,7 +165,7 @@ class IdlenessTracker:
         elif phase is Status.ACTING:
             r += self._cur_reason
             a += max(0.0, now - self._t0)
-        elif phase is Status.HELD and not self._exclude_gated and self._cycles:
+        elif phase is Status.HELD and not self._exclude_held and self._cycles:
             a += max(0.0, now - self._t0)
         total = r + a
         return a / total if total > 0.0 else 0.0
@@ -184,7 +184,7 @@ class IdlenessTracker:
 
     @property
     def held_time(self) -> float:
-        """Total seconds spent gated so far (completed gated intervals)."""
+        """Total seconds spent held so far (completed held intervals)."""
         return self._held_total
 
     @property
@@ -215,13 +215,13 @@ class IdlenessTracker:
         self._all = (r_all, a_all)
         self._tail = (r_tail, a_tail)
 
-    def _end_gated(self, now: float) -> None:
-        gated = max(0.0, now - self._t0)
-        self._held_total += gated
-        if not self._exclude_gated and self._cycles:
-            self._add_gated_to_last(gated)
+    def _end_held(self, now: float) -> None:
+        held = max(0.0, now - self._t0)
+        self._held_total += held
+        if not self._exclude_held and self._cycles:
+            self._add_held_to_last(held)
 
-    def _add_gated_to_last(self, gated: float) -> None:
+    def _add_held_to_last(self, held: float) -> None:
         r, a = self._cycles[-1]
-        self._cycles[-1] = (r, a + gated)
+        self._cycles[-1] = (r, a + held)
         self._resum()

@@ -60,7 +60,7 @@ class PolicyConfig:
 
     ``tick_s``: period of the control loop (docs/system.md, "Placement: rank, then fill each tier to capacity": 5 s).
     ``idleness_window``: k, cycles in the idleness window (docs/system.md, "Idleness": 5).
-    ``exclude_gated``: leave scheduler-imposed time out of idleness.
+    ``exclude_held``: leave held (scheduler-imposed) time out of idleness.
     ``binary_threshold``: idleness at or above which ``mori-binary`` calls a program idle.
     ``page_tokens``: KV is accounted in whole pages of this many tokens.
     ``acting_token_weight``: the weight of an Acting program's tokens in ThunderAgent's
@@ -97,7 +97,7 @@ class PolicyConfig:
 
     tick_s: float = 5.0
     idleness_window: int = 5
-    exclude_gated: bool = True
+    exclude_held: bool = True
     binary_threshold: float = 0.5
     page_tokens: int = 64
     acting_token_weight: float = 1.0
@@ -212,7 +212,7 @@ class Policy(ABC):
         if isinstance(event, KVReady):  # no change of status, tier or size
             p = self.programs.get(event.program_id)
             if p is not None and p.status is Status.REASONING:
-                p.tracker.started(now)  # the interval since the forward becomes gated
+                p.tracker.started(now)  # the interval since the forward becomes held
             return
         if isinstance(event, ReplicaDown | ReplicaUp):
             self._on_replica(event.replica, isinstance(event, ReplicaDown), now)
@@ -469,7 +469,7 @@ class Policy(ABC):
         p = self.programs.get(ev.program_id)
         if p is None:
             p = Program(ev.program_id, IdlenessTracker(self.config.idleness_window,
-                                                       self.config.exclude_gated))
+                                                       self.config.exclude_held))
             self.programs[ev.program_id] = p
             self.placement.add(ev.program_id, 0)
         elif p.status is not Status.ACTING:
@@ -531,7 +531,7 @@ class Policy(ABC):
         if not 0 <= ev.replica < self.cluster.replicas or ev.tier is Tier.NONE:
             raise ValueError(f"bad place {ev.tier.value}[{ev.replica}]")
         p = Program(ev.program_id, IdlenessTracker(self.config.idleness_window,
-                                                   self.config.exclude_gated))
+                                                   self.config.exclude_held))
         p.tracker.restored(now, ev.history)
         p.returning = True
         self._seq += 1

@@ -46,7 +46,7 @@ class Program:
     @property
     def status(self) -> Status:
         # a program exists from its first request on, so the tracker has a phase; a
-        # tracker that has seen nothing yet reads as gated (about to be held)
+        # tracker that has seen nothing yet reads as held (its first request is)
         return self.tracker.status or Status.HELD
 
     @property

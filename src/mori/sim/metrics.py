@@ -33,7 +33,7 @@ class Counters:
     programs_started: int = 0
     programs_finished: int = 0
     ttft: list[float] = field(default_factory=list)
-    gate_wait: list[float] = field(default_factory=list)
+    held: list[float] = field(default_factory=list)
     decisions: int = 0  # decision rounds (calls of ``decide``)
     policy_time_s: float = 0.0
     churn: ChurnCounter = field(default_factory=lambda: ChurnCounter())
@@ -125,7 +125,7 @@ class RunResult(RunTotals):
     requests_waiting_at_end: int
     wait_max_at_end_s: float
     ttft_p99_with_waiting_s: float
-    gate_wait_mean_s: float
+    held_mean_s: float
     gpu_busy_frac: float
     gpu_busy_frac_per_replica: list[float]
     running_requests_per_replica: list[float]

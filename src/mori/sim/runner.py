@@ -291,7 +291,7 @@ class Simulation:
     def submit(self, program_id: str, replica: int, reload: bool) -> None:
         live = self.live[program_id]
         assert live.req is not None, f"forward of {program_id} without a held request"
-        self.c.gate_wait.append(self.loop.now - live.req.arrived - self._front_s)
+        self.c.held.append(self.loop.now - live.req.arrived - self._front_s)
         live.req.switched = self.c.churn.forwarded(program_id, replica)
         self.engines[replica].submit(live.req)
 
@@ -372,7 +372,7 @@ class Simulation:
             requests_waiting_at_end=len(waits),
             wait_max_at_end_s=max(waits, default=0.0),
             ttft_p99_with_waiting_s=percentile(c.ttft + waits, 99),
-            gate_wait_mean_s=sum(c.gate_wait) / len(c.gate_wait) if c.gate_wait else float("nan"),
+            held_mean_s=sum(c.held) / len(c.held) if c.held else float("nan"),
             gpu_busy_frac=sum(busy) / len(busy), gpu_busy_frac_per_replica=busy,
             running_requests_per_replica=[s.running_area / dur for s in st],
             churn_programs_frac=len(c.churn.switched) / max(1, c.programs_started),

@@ -29,8 +29,10 @@ from mori.sim.metrics import RESULT_CONTEXT, RESULT_SETTINGS, RunResult
 from mori.sweep.grid import Run
 from mori.traces.model import TraceSet
 
-RECORD_FORMAT = 1
-"""Version of the run-record layout; part of every key."""
+RECORD_FORMAT = 2
+"""Version of the run-record layout; part of every key. 2: the time a request is held is
+named so everywhere (``held_mean_s``, ``PolicyConfig.exclude_held``); a record of an
+earlier format is not read, and its run is run again."""
 
 RUNS_DIR = "runs"
 

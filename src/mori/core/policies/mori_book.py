@@ -42,9 +42,9 @@ class MoriBook:
         n = cluster.replicas
         cap = cluster.gpu_bytes
         # kept up to date as events arrive (mori_index); the index needs a held
-        # program's priority to stay fixed, so gated time must be excluded from idleness,
+        # program's priority to stay fixed, so held time must be excluded from idleness,
         # and it needs managed GPU capacities
-        self.incremental = config.exclude_gated and cap is not None
+        self.incremental = config.exclude_held and cap is not None
         self.cap = cap or 0
         self.index = CandidateIndex(n)
         self.sums = ReplicaSums(n)

@@ -5,8 +5,8 @@ all of it is the differential test's reference).
 - ``CandidateIndex``: the held programs not on a GPU, in promotion order, per replica
   for those in a CPU queue and one order for those in Uncached. A held program's
   priority (its level, its context for a new one, its idleness, its arrival) does not
-  change while it is held: idleness excludes gated time, so idleness is frozen from the
-  arrival to the forward. ``mori-no-exclusion`` counts gated time, so it cannot use the
+  change while it is held: idleness excludes held time, so idleness is frozen from the
+  arrival to the forward. ``mori-no-exclusion`` counts held time, so it cannot use the
   index and scans instead.
 - ``ReplicaSums``: per replica, the KV bytes of its Acting and of its Reasoning GPU
   programs, and the GPU bytes in use over all replicas.

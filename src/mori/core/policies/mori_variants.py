@@ -19,7 +19,7 @@ Ablations (docs/system.md, "The workload" and "Idleness"):
 - ``mori-strict``: proactive demotion only of Acting programs *more idle than* the ready
   one (a literal reading of "a better-ranked program is ready"); it leaves the GPU idle
   while a ready program waits for a busy one's phase to change.
-- ``mori-no-exclusion``: MORI with the scheduler's gated time counted as acting time in
+- ``mori-no-exclusion``: MORI with the scheduler's held time counted as acting time in
   the idleness window, to show the feedback loop the exclusion prevents.
 - ``mori-pack``: the paper's placement of cacheless programs, Best-Fit-Decreasing
   always; MORI spreads them (the most room) while memory does not bind
@@ -73,13 +73,13 @@ class MoriBinaryPolicy(MoriPolicy):
 
 class MoriNoExclusionPolicy(MoriPolicy):
     name = "mori-no-exclusion"
-    description = "ablation: gated (scheduler-imposed) time counted in idleness"
+    description = "ablation: held (scheduler-imposed) time counted in idleness"
 
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None) -> None:
         base = config or PolicyConfig()
         super().__init__(cluster, kv_bytes_per_token,
-                         dataclasses.replace(base, exclude_gated=False), ranking=Ranking())
+                         dataclasses.replace(base, exclude_held=False), ranking=Ranking())
 
 
 class MoriStrictPolicy(MoriPolicy):
