@@ -21,8 +21,8 @@ growth of the last third's mean over the middle third's (it levels off if that i
 The defaults (first prompt 256 tokens, +32 a step, 10 steps, 3 s mean tool gaps, time
 scale 20) give about 350 requests/s at 1,000 programs on a 2-core machine, below where the
 gateway and its in-process simulated engine saturate one core; every context fits the
-preset's GPU KV, so nothing is gated (``--prompt-tokens 1000 --growth-tokens 200``
-exercises gating, at a far lower request rate).
+preset's GPU KV, so nothing is held (``--prompt-tokens 1000 --growth-tokens 200``
+exercises holding, at a far lower request rate).
 
     python bench/bench_soak.py [--programs 1000] [--seconds 300] [--steps-per-program 10]
         [--tool-time 3] [--never-release-share 0.2] [--stream 0.5] [--time-scale 20]
@@ -450,7 +450,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ttl_released = sum("idle for over" in ln for ln in log_lines)
         bad_lines = [ln.rstrip() for ln in log_lines
                      if any(w in ln for w in ("WARNING", "ERROR", "Traceback", "CRITICAL"))]
-        metric_names = ("mori_requests_total", "mori_gated_requests_total",
+        metric_names = ("mori_requests_total", "mori_held_requests_total",
                         "mori_upstream_errors_total", "mori_client_disconnects_total",
                         "mori_promotions_total", "mori_demotions_total", "mori_programs",
                         "mori_failover_programs_total")

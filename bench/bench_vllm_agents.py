@@ -404,7 +404,7 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             **latency_split(_wall(result.ttft_mean_s, s.time_scale),
                             timer_means(timers_before, timers_after)),
             **turn_split(result.events),
-            "gated_requests": result.gated_requests, "promotions": result.promotions,
+            "held_requests": result.held_requests, "promotions": result.promotions,
             "demotions_to_none": result.demotions_to_none,
         })
         if arm in ("c", "d"):  # the engine's prices as the gateway learned them

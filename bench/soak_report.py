@@ -212,8 +212,8 @@ def report(res: dict[str, Any], table_rows: int) -> None:
           f"({verdict}" + ("; the samples span the gateway's restart, two processes)"
                            if restarted else ")"))
     g = res["gateway_metrics"]
-    print(f"gateway metrics: requests {g['mori_requests_total']}, gated "
-          f"{g['mori_gated_requests_total']}, upstream errors "
+    print(f"gateway metrics: requests {g['mori_requests_total']}, held "
+          f"{g['mori_held_requests_total']}, upstream errors "
           f"{g['mori_upstream_errors_total'] or 0}, client disconnects "
           f"{g['mori_client_disconnects_total']}")
     print(f"serve log ({res['serve_log']}): {res['serve_warning_count']} warning/error "

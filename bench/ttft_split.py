@@ -19,7 +19,7 @@ from mori.engines.http import parse_prometheus
 TIMERS = {  # histograms whose mean over an arm is read from their _sum and _count
     "engine_ttft": "vllm:time_to_first_token_seconds",  # from the engine's own arrival
     "gateway_ttft": "mori_ttft_seconds",  # from the gateway's arrival (arms c and d)
-    "gateway_held": "mori_gate_wait_seconds",  # held at the gateway (arms c and d)
+    "gateway_held": "mori_held_seconds",  # held at the gateway (arms c and d)
 }
 
 

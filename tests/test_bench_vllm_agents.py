@@ -162,9 +162,9 @@ class _Timers(http.server.BaseHTTPRequestHandler):
 def test_the_mean_ttft_is_split_between_engine_gateway_and_hops(agents: ModuleType) -> None:
     _Timers.readings = [
         {"vllm:time_to_first_token_seconds": (1.0, 10), "mori_ttft_seconds": (2.0, 10),
-         "mori_gate_wait_seconds": (0.5, 10)},
+         "mori_held_seconds": (0.5, 10)},
         {"vllm:time_to_first_token_seconds": (3.0, 30), "mori_ttft_seconds": (8.0, 30),
-         "mori_gate_wait_seconds": (2.5, 30)},
+         "mori_held_seconds": (2.5, 30)},
     ]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Timers)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -203,7 +203,7 @@ class GatewayRun:
         return (
             f"vLLM e2e: {len(self.results)} requests from {AGENTS} agents, last contexts "
             f"{sum(self.last.values())} tokens against a {self.kv_tokens}-token pool; "
-            f"gated {metric(self.metrics, 'mori_gated_requests_total'):.0f}, promotions "
+            f"held {metric(self.metrics, 'mori_held_requests_total'):.0f}, promotions "
             f"{metric(self.metrics, 'mori_promotions_total'):.0f}, demotions "
             f"{metric(self.metrics, 'mori_demotions_total'):.0f}; prompt tokens "
             f"{sum(r['prompt_tokens'] for r in self.results)}, cached "
@@ -387,11 +387,11 @@ def test_resident_programs_next_turn_hits_the_prefix_cache(gateway_run: GatewayR
         f"{gateway_run.final} (residency {gateway_run.residency})"
 
 
-def test_requests_were_gated(gateway_run: GatewayRun) -> None:
+def test_requests_were_held(gateway_run: GatewayRun) -> None:
     # how many depends on timing (a request waits when it arrives while the programs the GPU
     # tier holds are all mid-answer)
-    assert metric(gateway_run.metrics, "mori_gated_requests_total") > 0, \
-        f"mori_gated_requests_total is 0:\n{gateway_run.metrics}"
+    assert metric(gateway_run.metrics, "mori_held_requests_total") > 0, \
+        f"mori_held_requests_total is 0:\n{gateway_run.metrics}"
 
 
 def test_gateway_reports_the_engines_load(gateway_run: GatewayRun) -> None:

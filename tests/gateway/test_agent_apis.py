@@ -116,7 +116,7 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread, via:
     assert 0.4 <= row["last_tool_s"] < 1.5
     metrics = httpx.get(url + "/metrics").text
     assert 'mori_tool_call_seconds_count{agent="claude-code"} 1.0' in metrics
-    # count_tokens: answered, not gated, no program made
+    # count_tokens: answered, not held, no program made
     n = c.messages.count_tokens(model=model, messages=msgs, system=system)
     assert n.input_tokens > 0 and len(programs(url)) == 1
     # the dashboard lists the program with its agent kind and tools

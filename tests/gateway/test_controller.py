@@ -165,7 +165,7 @@ def test_a_held_request_times_out_then_its_orphan_forward_ends_the_step() -> Non
     run(body, hold_timeout_s=0.05)
 
 
-def test_the_gate_queue_is_bounded() -> None:
+def test_the_held_requests_are_bounded() -> None:
     async def body(ctl: Controller, a: RecordingAdapter, clock: FakeClock) -> None:
         await ctl.lease("a", 900)
         first = asyncio.ensure_future(ctl.lease("b", 600))

@@ -1,5 +1,5 @@
 """Concurrent agent loops through ``mori serve`` with simulated engines, more KV demand
-than the GPU tier holds: programs are gated and released, every request completes, and
+than the GPU tier holds: programs are held and released, every request completes, and
 ``/v1/programs``, ``/v1/decisions`` and ``/metrics`` agree with what happened."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def agent(url: str, model: str, pid: str, seed: int, out: dict[str, Any]) -> Non
 
 
 @pytest.mark.parametrize("policy,replicas", [("mori", 1), ("mori", 2), ("thunderagent", 1)])
-def test_agent_loops_are_gated_released_and_all_complete(loop_thread: LoopThread, policy: str,
-                                                         replicas: int) -> None:
+def test_agent_loops_are_held_released_and_all_complete(loop_thread: LoopThread, policy: str,
+                                                        replicas: int) -> None:
     url, gw = start_gateway(loop_thread, policy, replicas)
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     n = 8 * replicas  # 8 x ~40k tokens per replica against 120k of GPU KV
@@ -75,10 +75,10 @@ def test_agent_loops_are_gated_released_and_all_complete(loop_thread: LoopThread
                for i in range(n)]
     for t in threads:
         t.start()
-    seen_gated = False
+    seen_held = False
     while any(t.is_alive() for t in threads):
         progs = httpx.get(url + "/v1/programs").json()["data"]
-        seen_gated |= any(p["status"] == "held" for p in progs)
+        seen_held |= any(p["status"] == "held" for p in progs)
         time.sleep(0.02)
     for t in threads:
         t.join()
@@ -87,7 +87,7 @@ def test_agent_loops_are_gated_released_and_all_complete(loop_thread: LoopThread
     for texts, status in out.values():
         assert status == 200
         assert len(texts) == STEPS and all(len(t.split()) == 16 for t in texts)
-    assert seen_gated
+    assert seen_held
     # the policy's state: all released, ledger consistent
     assert httpx.get(url + "/v1/programs").json()["data"] == []
     gw.ctl.policy.check_integrity()
@@ -106,9 +106,9 @@ def test_agent_loops_are_gated_released_and_all_complete(loop_thread: LoopThread
     assert 'status="200"' in m and 'status="5' not in m
     assert metric(m, "mori_promotions_total") == len(promotes)
     assert metric(m, "mori_demotions_total") == len(demotes)
-    assert metric(m, "mori_gated_requests_total") >= 1
-    assert metric(m, "mori_gate_wait_seconds_count") == n * STEPS
+    assert metric(m, "mori_held_requests_total") >= 1
+    assert metric(m, "mori_held_seconds_count") == n * STEPS
     assert metric(m, "mori_ttft_seconds_count") == n * STEPS
     assert metric(m, "mori_completion_tokens_total") == n * STEPS * 16
     assert metric(m, "mori_programs") == 0
-    assert metric(m, "mori_gate_queue_length") == 0
+    assert metric(m, "mori_held_queue_length") == 0

@@ -185,7 +185,7 @@ def test_client_leaving_mid_stream_cancels_upstream(loop_thread: LoopThread) -> 
     assert "mori_client_disconnects_total 1.0" in httpx.get(gw.url + "/metrics").text
 
 
-def test_gated_request_times_out_with_retry_after_and_queue_is_bounded(
+def test_held_request_times_out_with_retry_after_and_queue_is_bounded(
         loop_thread: LoopThread) -> None:
     fake = FakeEngine(token_delay_s=0.02)
     # 3 programs of ~300 tokens; the GPU holds one at a time

@@ -127,9 +127,9 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
         wait_for(lambda: status(gw, "held") == ("held", False), "the second is held")
         assert metric(engine, "mori_engine_requests_total") == 1
         # the gauge of the longest wait counts the held request's wait as it grows
-        first = metric(gw.url, "mori_gate_oldest_wait_seconds")
+        first = metric(gw.url, "mori_held_oldest_seconds")
         time.sleep(0.3)
-        second = metric(gw.url, "mori_gate_oldest_wait_seconds")
+        second = metric(gw.url, "mori_held_oldest_seconds")
         assert first > 0 and first + 0.25 <= second <= time.monotonic() - sent
 
         held.close()  # the client leaves while its request is held
@@ -154,7 +154,7 @@ def test_a_client_that_leaves_while_held_never_reaches_the_engine(loop_thread: L
         r = httpx.post(gw.url + CHAT, json=chat(model, "held", 20_000, 3), timeout=60)
         assert r.status_code == 200, r.text
         assert metric(engine, "mori_engine_requests_total") == 2
-        assert metric(gw.url, "mori_gate_oldest_wait_seconds") == 0  # none is held
+        assert metric(gw.url, "mori_held_oldest_seconds") == 0  # none is held
     finally:
         long.close()
         held.close()

@@ -122,8 +122,8 @@ def test_held_requests_are_admitted_across_processes() -> None:
         progs = httpx.get(url + "/v1/programs").json()["data"]
         assert sorted(p["steps"] for p in progs) == [3] * 6
         assert all(p["status"] != Status.REASONING.value for p in progs)
-        gated = metric(url, "mori_gated_requests_total")
-        assert sum(gated.values()) > 0
+        held = metric(url, "mori_held_requests_total")
+        assert sum(held.values()) > 0
     finally:
         stop(proc)
 

