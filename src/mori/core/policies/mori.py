@@ -35,6 +35,13 @@ Every rule of section 4, and where a detail is ours:
   leave is the most idle (``RoomMaker.plan``, ``mori_room``): the lowest index among equals
   alone sent every newcomer to replica 0 once all GPU tiers were full, and pushed
   programs from its full CPU tier to no tier while replica 1's stayed empty.
+- Room on every replica (ours, not the paper's): the promotions let only the first
+  candidate that does not fit make room, which keeps the priority order on one replica
+  but, with several, held a request whose own replica's Acting programs could make room
+  at once behind another replica's candidate waiting for running steps to end. After
+  the promotions, each replica where no room was made or reserved this round makes room
+  for its own first parked candidate, if it can now (``RoomMaker.each_replica``; the
+  ablations keep the paper's rule).
 - A disk tier (ours; the paper names it future work): where a replica has one, a
   program that would go to no tier is kept on the replica's disk where that pays, and
   programs more idle than it are pushed off a full disk for it; a held program on disk
@@ -58,11 +65,12 @@ from typing import ClassVar, Protocol
 
 from mori.core.decisions import Decision
 from mori.core.ledger import ClusterSpec
+from mori.core.ordered import Key
 from mori.core.policies.mori_aged import WaitBound
 from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_disk import DiskTier
 from mori.core.policies.mori_idle_fill import IdleFill
-from mori.core.policies.mori_index import AFFINE
+from mori.core.policies.mori_index import AFFINE, priority
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_promote import IndexedPromotion
 from mori.core.policies.mori_promote_scan import ScanPromotion
@@ -140,9 +148,38 @@ class MoriPolicy(Policy):
             else ScanPromotion(self.placement, self.cluster, self._ready, self.choice,
                                self.room, self.moves))
         self.rebalancer: Rebalancer | None = None
+        self.replica_room = ranking is None
+        """Whether every replica makes room for its own first parked candidate
+        (``RoomMaker.each_replica``): MORI's own rule, not the paper's ablations'."""
         self.idle_fill = (IdleFill(self.placement, self.book, self.load, self.held_since,
                                    self._foreign_load, self.room, self.moves)
                           if ranking is None and self.config.fill_idle else None)
+
+    def _replica_heads(self, rnd: Round) -> list[tuple[int, Program]]:
+        """Per replica, its first held candidate in priority order among the programs
+        parked or kept on disk there, ascending by replica; only where that candidate
+        fits the replica's free room beyond the round's reservation and its Acting
+        programs' KV (``RoomMaker.each_replica`` needs no more: elsewhere no room can be
+        made now)."""
+        gpus, acting = self.placement.gpu, self.book.sums.acting
+        heads: list[tuple[int, Program]] = []
+        if self.book.incremental:
+            idx = self.book.index
+            for r in idx.cpu_nonempty():
+                first = idx.cpu[r].first()
+                if (first is not None
+                        and gpus[r].free() - rnd.reserved(r) + acting[r] >= first[1]):
+                    heads.append((r, first[2]))
+            heads.sort(key=lambda t: t[0])
+            return heads
+        best: dict[int, tuple[Key, Program]] = {}
+        for p in self._ready.values():
+            if p.tier in AFFINE and p.replica is not None:
+                k = priority(p, rnd.idleness(p))
+                if p.replica not in best or k < best[p.replica][0]:
+                    best[p.replica] = (k, p)
+        return [(r, p) for r, (_, p) in sorted(best.items())
+                if gpus[r].free() - rnd.reserved(r) + acting[r] >= p.kv_bytes]
 
     def _foreign_load(self, replica: int) -> int:
         """Requests of other clients on ``replica`` as last told (0: none told)."""
@@ -292,6 +329,11 @@ class MoriPolicy(Policy):
                 self._forward(p, now, out)
         # 5. the other held requests, by priority
         self.promotion.run(rnd)
-        # 6. an idle replica takes a held request
+        # 6. every other replica makes room for its own first parked candidate
+        if self.replica_room and self._ready:
+            heads = self._replica_heads(rnd)
+            if heads:
+                self.room.each_replica(heads, rnd)
+        # 7. an idle replica takes a held request
         if self.idle_fill is not None and self._ready:
             self.idle_fill.fill(rnd)

@@ -68,6 +68,10 @@ class CandidateIndex:
         e = self._entry.get(program_id)
         return None if e is None else e[0]
 
+    def cpu_nonempty(self) -> set[int]:
+        """The replicas whose CPU queue holds a candidate (not to be changed)."""
+        return self._cpu_nonempty
+
     def cpu_replicas(self) -> list[int]:
         """The replicas whose CPU queue holds a candidate, ascending."""
         return sorted(self._cpu_nonempty)

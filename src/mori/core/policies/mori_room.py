@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from mori.core.decisions import Demote
 from mori.core.ledger import Placement
 from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_placement import ReplicaChoice
@@ -297,6 +298,42 @@ class RoomMaker:
         # what is free for c
         rnd.reserve[r] = max(rnd.reserved(r), int(gq.free()))
         self.book.sync(r)
+
+    def each_replica(self, heads: list[tuple[int, Program]], rnd: Round) -> None:
+        """Every other replica makes room for its own first held candidate
+        (``heads``: (replica, the first in priority order of the held programs parked or
+        kept on disk there), ascending by replica), if that room can be made now.
+
+        The promotions let only the first candidate that does not fit make room: with
+        one replica that keeps the priority order. Across replicas it held a request
+        on one replica, whose Acting programs could make room at once, behind a
+        candidate of another waiting for running steps to end (measured:
+        docs/results.md, "Room on every replica"). A parked program goes back only to
+        its own replica, so its room competes with nobody else's. Passed over: a
+        replica where room was made or reserved this round, and one where the room
+        can be made only once running steps end (nothing is reserved here)."""
+        touched = set(rnd.reserve)
+        if rnd.held_for is not None:
+            touched.add(rnd.held_for)
+        touched.update(d.replica for d in rnd.out
+                       if isinstance(d, Demote) and d.source is Tier.GPU)
+        down = self.placement.down
+        acting = self.book.sums.acting
+        for r, c in heads:
+            if r in touched or r in down or c.tier is Tier.GPU:
+                continue
+            gq = self.placement.gpu[r]
+            if gq.free() - rnd.reserved(r) + acting[r] < c.kv_bytes:
+                continue  # not even with every Acting program gone (cheap test first)
+            plan = self.plan(c, rnd)
+            if plan.replica != r or plan.room_now < c.kv_bytes:
+                continue
+            for p in plan.acting or ():
+                if gq.free() - rnd.reserved(r) >= c.kv_bytes:
+                    break
+                self.offload(p, r, rnd, keep=c)
+            if gq.free() - rnd.reserved(r) >= c.kv_bytes:
+                self.moves.place(c, r, rnd)
 
 
 class RoomPlan(NamedTuple):

@@ -14,7 +14,9 @@ each handed the round explicitly:
 5. **promote**: the other held requests by priority (``mori_index.priority``), from the
    kept-up-to-date index (``mori_promote``) or by scanning every held request
    (``mori_promote_scan``, the reference and the path of ``mori-no-exclusion``);
-6. **idle fill**: an idle replica takes a held request (``mori_idle_fill``; off by default).
+6. **each replica**: every replica where no room was made or reserved makes room for
+   its own first parked candidate, if it can now (``RoomMaker.each_replica``);
+7. **idle fill**: an idle replica takes a held request (``mori_idle_fill``; off by default).
 
 What lives for one round only lives here: the time, the idleness of each program as
 computed this round (``IdlenessAt``), the decisions taken, the GPU space reserved for a
