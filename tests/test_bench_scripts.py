@@ -75,3 +75,29 @@ def test_disk_tier_reads_a_sweep(tmp_path: Path) -> None:
     ratio = runs[("mori", 4.0)] / runs[("mori", 0.0)]
     assert f"disk ratio 4: {ratio:.3f}" in res.stdout
     assert (tmp_path / "d.png").stat().st_size > 0
+
+
+def test_results_table_per_replica(tmp_path: Path) -> None:
+    """scripts/results_table.py --replicas 2 on a two-replica sweep: one row per policy
+    with its throughput and a figure per replica; the one-replica table skips it."""
+    from mori.cli.main import main
+
+    out = tmp_path / "dp2"
+    assert main(["sweep", "--out", str(out), "--policy", "mori,thunderagent",
+                 "--programs", "3", "--replicas", "2", "--duration", "60", "--jobs", "1",
+                 "--quiet"]) == 0
+    script = BENCH.parent / "scripts" / "results_table.py"
+    res = subprocess.run([sys.executable, str(script), str(out / "sweep.json"),
+                          "--replicas", "2"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    import json
+
+    runs = json.loads((out / "sweep.json").read_text())["runs"]
+    mori = next(r for r in runs if r["policy"] == "mori")
+    row = next(line for line in res.stdout.splitlines() if "| MORI |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == f"{mori['output_tokens_per_s']:.0f}"
+    assert len(cells[5].split(" / ")) == 2  # GPU busy, one figure per replica
+    one = subprocess.run([sys.executable, str(script), str(out / "sweep.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and "MORI" not in one.stdout
