@@ -96,7 +96,14 @@ def test_a_new_program_goes_where_the_engine_serves_fewer(loop_thread: LoopThrea
                                    max_tokens=2, extra_body={"program_id": "fresh"})
         where = httpx.get(sg.url + "/v1/programs/fresh").json()["replica"]
         assert where == (1 if spread_by_load else 0)
-        metrics = httpx.get(sg.url + "/metrics").text
-        assert 'mori_replica_engine_requests{replica="0",state="running"} 1.0' in metrics
+        # the engine's count as last read (every 0.05 s): a reading taken while "fresh"
+        # ran on engine 0 counts it too, so wait for one taken after it ended
+        want = 'mori_replica_engine_requests{replica="0",state="running"} 1.0'
+        deadline = time.monotonic() + 10
+        while want not in (metrics := httpx.get(sg.url + "/metrics").text):
+            assert time.monotonic() < deadline, [
+                line for line in metrics.splitlines()
+                if line.startswith("mori_replica_engine_requests")]
+            time.sleep(0.05)
     finally:
         stream.close()
