@@ -48,6 +48,39 @@ def test_never_loses_reads_a_sweep(tmp_path: Path) -> None:
     ratio = runs["mori"] / max(runs["thunderagent"], runs["lru-offload"])
     assert f"{ratio:8.3f}".strip() in res.stdout
     assert (tmp_path / "nl.png").stat().st_size > 0
+    # the bar of never losing: met at a bar below the ratio, not above it (--strict: exit 1)
+    low = subprocess.run([sys.executable, str(BENCH / "never_loses.py"), str(out), "--strict",
+                          "--cell-bar", f"{ratio - 0.01:.3f}", "--run-bar", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert low.returncode == 0 and ": met" in low.stdout, low.stdout[-1000:]
+    high = subprocess.run([sys.executable, str(BENCH / "never_loses.py"), str(out), "--strict",
+                           "--cell-bar", f"{ratio + 0.01:.3f}"],
+                          capture_output=True, text=True, timeout=300)
+    assert high.returncode == 1 and "NOT met" in high.stdout, high.stdout[-1000:]
+
+
+def test_never_loses_takes_the_median_over_seeds(tmp_path: Path) -> None:
+    """Two seeds' folders read together: the cell's figure is the median of the seeds'
+    ratios (the mean of two), and the lowest run is the lower of them."""
+    from mori.cli.main import main
+    import json
+
+    per_seed = []
+    for seed in (0, 1):
+        out = tmp_path / f"nl-{seed}"
+        assert main(["sweep", "--out", str(out), "--policy", "mori,thunderagent,lru-offload",
+                     "--programs", "6", "--duration", "120", "--seed", str(seed),
+                     "--jobs", "1", "--quiet"]) == 0
+        runs = {r["policy"]: r["output_tokens_per_s"]
+                for r in json.loads((out / "sweep.json").read_text())["runs"]}
+        per_seed.append(runs["mori"] / max(runs["thunderagent"], runs["lru-offload"]))
+    res = subprocess.run([sys.executable, str(BENCH / "never_loses.py"),
+                          str(tmp_path / "nl-0"), str(tmp_path / "nl-1")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "median over seeds 0,1" in res.stdout
+    assert f"{sum(per_seed) / 2:8.3f}".strip() in res.stdout
+    assert f"lowest {min(per_seed):.3f}" in res.stdout
 
 
 def test_disk_tier_reads_a_sweep(tmp_path: Path) -> None:
