@@ -62,8 +62,9 @@ def test_never_loses_reads_a_sweep(tmp_path: Path) -> None:
 def test_never_loses_takes_the_median_over_seeds(tmp_path: Path) -> None:
     """Two seeds' folders read together: the cell's figure is the median of the seeds'
     ratios (the mean of two), and the lowest run is the lower of them."""
-    from mori.cli.main import main
     import json
+
+    from mori.cli.main import main
 
     per_seed = []
     for seed in (0, 1):
