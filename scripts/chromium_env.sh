@@ -92,7 +92,9 @@ for deb in "$DIR"/debs/*.deb; do
 done
 [ -x "$ROOT/usr/lib/chromium/chromium" ] \
     || fail 1 "unpack" "no $ROOT/usr/lib/chromium/chromium in the unpacked packages"
-LIBS="$ROOT/usr/lib/chromium:$ROOT/usr/lib/x86_64-linux-gnu:$ROOT/lib/x86_64-linux-gnu:$ROOT/usr/lib"
+# libpulse0 keeps libpulsecommon in a subfolder its RUNPATH names absolutely (the system's
+# /usr/lib/x86_64-linux-gnu/pulseaudio, absent where libpulse0 is not installed)
+LIBS="$ROOT/usr/lib/chromium:$ROOT/usr/lib/x86_64-linux-gnu:$ROOT/usr/lib/x86_64-linux-gnu/pulseaudio:$ROOT/lib/x86_64-linux-gnu:$ROOT/usr/lib"
 cat >"$WRAPPER" <<EOF
 #!/bin/sh
 # Debian's Chromium unpacked by scripts/chromium_env.sh; its libraries are not installed.
