@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from mori.core.decisions import Decision
 from mori.core.policies import POLICIES, MoriPolicy
-from mori.core.policies.mori_index import AFFINE, priority
+from mori.core.policies.mori_index import AFFINE
 from mori.core.policies.mori_promote_scan import ScanPromotion
 from mori.core.policies.mori_round import Round
 from mori.core.policies.thunderagent import BUFFER_PER_PROGRAM, ThunderAgentPolicy
@@ -40,11 +40,11 @@ class StraightMori(MoriPolicy):
             if p.tier is Tier.GPU:
                 self._forward(p, now, out)
         ScanPromotion(self.placement, self.cluster, self._ready, self.choice, self.room,
-                      self.moves).run(rnd)
+                      self.moves, self.book.priority).run(rnd)
         if self.replica_room:  # each replica's first parked candidate, by a full scan
             heads: dict[int, Program] = {}
             for p in sorted(self._ready.values(),
-                            key=lambda q: priority(q, rnd.idleness(q))):
+                            key=lambda q: self.book.priority(q, rnd.idleness(q))):
                 if p.tier in AFFINE and p.replica is not None:
                     heads.setdefault(p.replica, p)
             self.room.each_replica(sorted(heads.items()), rnd)

@@ -13,7 +13,10 @@ Every rule of section 4, and where a detail is ours:
   Uncached first.
 - Promotion order: (0) CPU-queue programs with a held request, (1) Uncached programs that
   are returning, (2) new programs, smallest context first; lowest idleness first within a
-  level; then arrival order.
+  level; then arrival order. Ours (the default ``mori``; the ablations keep the paper's):
+  the Uncached programs, returning or new, all smallest context first
+  (``mori_index.priority_smallest_first``): each costs a recompute of its whole context
+  and takes that much GPU room, and on a full GPU the number running sets the throughput.
 - A candidate that fits is promoted and forwarded at once. A CPU-queue program goes back
   to its own replica (affinity: it reloads locally). Cacheless (Uncached) programs are
   admitted in priority order while the replicas' free space together holds them, and
@@ -70,7 +73,7 @@ from mori.core.policies.mori_aged import WaitBound
 from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_disk import DiskTier
 from mori.core.policies.mori_idle_fill import IdleFill
-from mori.core.policies.mori_index import AFFINE, priority
+from mori.core.policies.mori_index import AFFINE, priority, priority_smallest_first
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_promote import IndexedPromotion
 from mori.core.policies.mori_promote_scan import ScanPromotion
@@ -126,8 +129,10 @@ class MoriPolicy(Policy):
     def __init__(self, cluster: ClusterSpec, kv_bytes_per_token: int,
                  config: PolicyConfig | None = None, ranking: Ranking | None = None) -> None:
         super().__init__(cluster, kv_bytes_per_token, config)
+        own = ranking is None  # MORI's own rules; the ablations keep the paper's
         self.book = MoriBook(self.placement, self.programs, self._ready, self.cluster,
-                             self.config)
+                             self.config,
+                             priority_smallest_first if own else priority)
         self.disk = (DiskTier(self.placement, self.programs, self.disk_reload_s,
                               self.recompute_s, self._demote_to)
                      if self.cluster.disk_bytes else None)
@@ -146,9 +151,9 @@ class MoriPolicy(Policy):
             IndexedPromotion(self.placement, self._ready_gpu, self.book, self.choice,
                              self.room, self.moves) if self.book.incremental
             else ScanPromotion(self.placement, self.cluster, self._ready, self.choice,
-                               self.room, self.moves))
+                               self.room, self.moves, self.book.priority))
         self.rebalancer: Rebalancer | None = None
-        self.replica_room = ranking is None
+        self.replica_room = own
         """Whether every replica makes room for its own first parked candidate
         (``RoomMaker.each_replica``): MORI's own rule, not the paper's ablations'."""
         self.idle_fill = (IdleFill(self.placement, self.book, self.load, self.held_since,
@@ -175,7 +180,7 @@ class MoriPolicy(Policy):
         best: dict[int, tuple[Key, Program]] = {}
         for p in self._ready.values():
             if p.tier in AFFINE and p.replica is not None:
-                k = priority(p, rnd.idleness(p))
+                k = self.book.priority(p, rnd.idleness(p))
                 if p.replica not in best or k < best[p.replica][0]:
                     best[p.replica] = (k, p)
         return [(r, p) for r, (_, p) in sorted(best.items())

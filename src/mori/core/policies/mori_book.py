@@ -17,6 +17,7 @@ from mori.core.policies.mori_index import (
     AFFINE,
     CandidateIndex,
     IdlenessOrder,
+    Priority,
     ReplicaOrder,
     ReplicaSums,
     priority,
@@ -31,11 +32,13 @@ class MoriBook:
     """MORI's indexes over a policy's programs (see the module docstring).
 
     ``placement``, ``programs`` and ``ready`` are the policy's own (shared, not copied).
+    ``priority``: the promotion order its candidates are kept in (``mori_index``).
     """
 
     def __init__(self, placement: Placement, programs: dict[str, Program],
                  ready: dict[str, Program], cluster: ClusterSpec,
-                 config: PolicyConfig) -> None:
+                 config: PolicyConfig, priority: Priority = priority) -> None:
+        self.priority = priority
         self.placement = placement
         self.programs = programs
         self.ready = ready
@@ -204,7 +207,7 @@ class MoriBook:
                 self.unindex(pid)
             if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self.cap
                     and self.programs.get(pid) is p):
-                idx.put(p, priority(p, p.tracker.idleness(0.0)))
+                idx.put(p, self.priority(p, p.tracker.idleness(0.0)))
                 if p.replica is not None:
                     self._stale.add(p.replica)
         self._touched.clear()
@@ -233,7 +236,7 @@ class MoriBook:
         if not self.incremental:
             return
         self.flush()
-        want = {pid: (priority(p, p.tracker.idleness(0.0)),
+        want = {pid: (self.priority(p, p.tracker.idleness(0.0)),
                       p.replica if p.tier in AFFINE else None)
                 for pid, p in self.ready.items()
                 if p.tier is not Tier.GPU and p.kv_bytes <= self.cap}

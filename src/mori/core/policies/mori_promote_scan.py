@@ -13,7 +13,7 @@ replica. Its decisions are the reference for ``IndexedPromotion``'s
 from __future__ import annotations
 
 from mori.core.ledger import ClusterSpec, Placement
-from mori.core.policies.mori_index import AFFINE, priority
+from mori.core.policies.mori_index import AFFINE, Priority, priority
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_room import RoomMaker
 from mori.core.policies.mori_round import Round
@@ -29,7 +29,9 @@ class ScanPromotion:
     (shared)."""
 
     def __init__(self, placement: Placement, cluster: ClusterSpec, ready: dict[str, Program],
-                 choice: ReplicaChoice, room: RoomMaker, moves: Moves) -> None:
+                 choice: ReplicaChoice, room: RoomMaker, moves: Moves,
+                 priority: Priority = priority) -> None:
+        self.priority = priority
         self.placement = placement
         self.cluster = cluster
         self.ready = ready
@@ -48,7 +50,7 @@ class ScanPromotion:
         if not cands:
             return
         idleness = rnd.idleness
-        cands.sort(key=lambda p: priority(p, idleness(p)))
+        cands.sort(key=lambda p: self.priority(p, idleness(p)))
         gpus = pl.gpu
         if rnd.held_for is not None:  # a request past the bound waits for it (mori_aged)
             rnd.reserve[rnd.held_for] = int(gpus[rnd.held_for].free())
