@@ -56,9 +56,8 @@ def priority_smallest_first(p: Program, idleness: float) -> Key:
     takes that much GPU room however busy it has been, and on an engine whose GPU
     memory is full the number of requests it runs at once sets its throughput. The
     paper's order admits returning programs by idleness whatever their size, which
-    filled the GPU with the longest contexts: measured on the paper-like synthetic set
-    (70B, CPU 0.25x, 80 programs), 10.3 requests running at once against
-    ThunderAgent's 13.3 (docs/results.md, "The smallest first")."""
+    filled the GPU with the longest contexts and ran fewer requests at once than
+    ThunderAgent (measured: docs/results.md, "The smallest first")."""
     if p.tier is Tier.CPU:
         return (0, 0, idleness, p.ready_seq)
     if p.tier is Tier.DISK:
