@@ -5,7 +5,8 @@ The index (``mori_promote``) needs a held program's priority to stay fixed while
 waits (``MoriBook.incremental``). ``mori-no-exclusion`` counts the time a request is
 held as acting time, so its priority moves: for it, ``ScanPromotion``, a part of
 ``MoriPolicy`` (its ``promotion`` field, in place of ``IndexedPromotion``), sorts the
-held requests by priority (``mori_index.priority``) each round and tries each on every
+held requests by the policy's promotion order (``MoriBook.priority``: ``mori_index``'s
+``priority``, the paper's, or ``priority_smallest_first``) each round and tries each on every
 replica. Its decisions are the reference for ``IndexedPromotion``'s
 (``test_differential``, through ``tests/core/reference_policies.py``).
 """
