@@ -170,12 +170,11 @@ class MoriPolicy(Policy):
         heads: list[tuple[int, Program]] = []
         if self.book.incremental:
             idx = self.book.index
-            for r in idx.cpu_nonempty():
+            for r in sorted(self.book.heads_fitting()):
                 first = idx.cpu[r].first()
                 if (first is not None
                         and gpus[r].free() - rnd.reserved(r) + acting[r] >= first[1]):
                     heads.append((r, first[2]))
-            heads.sort(key=lambda t: t[0])
             return heads
         best: dict[int, tuple[Key, Program]] = {}
         for p in self._ready.values():

@@ -63,6 +63,10 @@ class MoriBook:
         self.gpu_acting = [IdlenessOrder() for _ in range(n)]
         self.cpu_idle = [IdlenessOrder() for _ in range(n)]
         self._touched: dict[str, Program] = {}  # to re-index before the next round
+        # replicas whose first CPU candidate (in priority order) fits their GPU's free
+        # space plus their Acting programs' KV (``heads_fitting``), and those to recheck
+        self._heads_ok: set[int] = set()
+        self._heads_stale: set[int] = set()
         self.grown: set[tuple[Tier, int]] = set()  # queues that may be over capacity
 
     # -- bookkeeping around every change of a program -----------------------------------
@@ -163,6 +167,7 @@ class MoriBook:
             self.avail.set(r, avail)
             self._stale.add(r)  # whether a CPU candidate of r fits may have changed
         self._room_stale.add(r)  # read rarely: brought up to date then
+        self._heads_stale.add(r)
 
     def fresh_room(self) -> ReplicaOrder:
         """Each replica's GPU free space plus its Acting programs' KV, up to date."""
@@ -172,10 +177,30 @@ class MoriBook:
         self._room_stale.clear()
         return self._room
 
+    def _head_fits(self, r: int) -> bool:
+        first = self.index.cpu[r].first()
+        return (first is not None
+                and self.placement.gpu[r].free() + self.sums.acting[r] >= first[1])
+
+    def heads_fitting(self) -> set[int]:
+        """The replicas whose first CPU candidate in priority order fits their GPU's free
+        space plus their Acting programs' KV, no reservation counted (incremental book
+        only; not to be changed): rechecked only where something changed since the last
+        call, so that a round reads the few replicas where room may be made, not all."""
+        ok = self._heads_ok
+        for r in self._heads_stale:
+            if self._head_fits(r):
+                ok.add(r)
+            else:
+                ok.discard(r)
+        self._heads_stale.clear()
+        return ok
+
     def unindex(self, pid: str) -> None:
         r = self.index.discard(pid)
         if r is not None:
             self._stale.add(r)
+            self._heads_stale.add(r)
 
     def attach(self, rnd: Round) -> None:
         """Count ``rnd``'s reservations in ``avail`` until ``detach``: the indexed
@@ -210,6 +235,7 @@ class MoriBook:
                 idx.put(p, self.priority(p, p.tracker.idleness(0.0)))
                 if p.replica is not None:
                     self._stale.add(p.replica)
+                    self._heads_stale.add(p.replica)
         self._touched.clear()
         for r in self._stale:
             smallest = idx.cpu[r].min_size()
@@ -249,6 +275,8 @@ class MoriBook:
             assert self.fresh_room()[r] == self.cap_of(r) - gq.used + self.sums.acting[r]
             smallest = order.min_size()
             assert (r in self.open) == (smallest is not None and smallest <= self.avail[r])
+            if r not in self._heads_stale:
+                assert (r in self._heads_ok) == self._head_fits(r), f"head of replica {r}"
         assert sorted(self.index.cpu_all) == sorted(t for o in self.index.cpu for t in o)
         assert all(c.tier is Tier.NONE and kv == c.kv_bytes
                    for _, kv, c in self.index.uncached)
