@@ -1,7 +1,7 @@
 """``mori``'s work conservation (``PolicyConfig.fill_idle``, ``mori_idle_fill``): a
 replica with no step running takes a held request at once when the Acting programs in
-its way can all park in free CPU room, without waiting out the reload's price; never
-by drops that do not pay yet.
+its way can all park in free CPU room, without waiting out the reload's price; by
+drops only once the held request has waited as long as their recomputes will take.
 
 Capacities in tokens (1 byte each); ``recompute_tok_s=10``: a 60-token context takes
 6 s to recompute; the engine charges 2 s per reload (``EngineCosts.reload_fixed_s``).
@@ -76,3 +76,16 @@ def test_a_parked_program_comes_back_to_an_idle_replica_at_once() -> None:
     step(p, 2.0, fin("B", 60))
     step(p, 2.1, arrive("A", 60))  # A (parked) returns: B parks for it at once
     assert where(p, "A") == (GPU, 0) and where(p, "B") == (CPU, 0)
+
+
+def test_a_drop_is_made_once_the_wait_has_paid_for_it() -> None:
+    """No CPU tier: B arrives while A reasons and waits. Once the replica is idle, A
+    leaves for B when B has waited A's recompute (6 s, at t = 6.5), before A's own drop
+    pays (away 6 s, at t = 7)."""
+    p = policy(cpu=0, fill=True)
+    step(p, 0.0, arrive("A", 60))
+    assert step(p, 0.5, arrive("B", 60)) == []
+    step(p, 1.0, fin("A", 60))
+    assert step(p, 6.4) == []
+    assert step(p, 6.5) == [Demote("A", 0, GPU, NONE), Promote("B", 0, NONE),
+                            Forward("B", 0)]

@@ -157,7 +157,8 @@ class MoriPolicy(Policy):
         """Whether every replica makes room for its own first parked candidate
         (``RoomMaker.each_replica``): MORI's own rule, not the paper's ablations'."""
         self.idle_fill = (IdleFill(self.placement, self.book, self.load, self.held_since,
-                                   self._foreign_load, self.room, self.moves)
+                                   self._foreign_load, self.room, self.moves,
+                                   self.recompute_s)
                           if ranking is None and self.config.fill_idle else None)
 
     def _replica_heads(self, rnd: Round) -> list[tuple[int, Program]]:

@@ -11,13 +11,18 @@ replica with no step running (as the policy forwarded them, ``ReplicaLoad.runnin
 and, where the gateway reads it, no other client's request, ``Policy.foreign_loads``)
 takes the oldest held request that can go there: a program parked or kept on disk there,
 or one with no KV anywhere, whose context fits the replica's GPU tier once Acting
-programs leave. They leave, the most idle first, only if they all park in the free room
-of the replica's CPU tier: a park waits out no reload price on an idle engine
-(``ReturnCost.park_pays``), but a drop still waits until it pays. One request per idle
-replica per round: once it runs, the replica is no longer idle.
+programs leave. They leave, the most idle first, at once if they all park in the free
+room of the replica's CPU tier: a park waits out no reload price on an idle engine
+(``ReturnCost.park_pays``). Those that find no room there are dropped only once the held
+request has waited as long as their recomputes will take (``drops_s``): the ski-rental
+rule of a drop (``ReturnCost.pays``) read from the other side, since an idle engine
+loses for certain every second the request waits, and a drop costs its recompute only
+if the program returns. One request per idle replica per round: once it runs, the
+replica is no longer idle.
 
-Off by default, as measured so far (it lost throughput in the simulator). Measured:
-docs/results.md, "Filling an idle replica (`--fill-idle`)".
+Off by default: a wash on the simulated GPUs, a gain where a real engine is fast enough
+to stand idle between requests. Measured: docs/results.md, "Filling an idle replica
+(`--fill-idle`)".
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class IdleFill:
 
     def __init__(self, placement: Placement, book: MoriBook, load: ReplicaLoad,
                  held_since: Callable[[float], Iterator[Program]],
-                 foreign: Callable[[int], int], room: RoomMaker, moves: Moves) -> None:
+                 foreign: Callable[[int], int], room: RoomMaker, moves: Moves,
+                 recompute_s: Callable[[Program], float]) -> None:
+        self.recompute_s = recompute_s
         self.placement = placement
         self.book = book
         self.load = load
@@ -75,13 +82,25 @@ class IdleFill:
                 continue
             gq = gpus[r]
             leave = self.book.most_idle_acting(r, c.kv_bytes - gq.free(), rnd.idleness)
-            cq = self.placement.cpu[r]
-            if sum(p.kv_bytes for p in leave) > (cq.free() if cq.capacity else 0):
-                continue  # room only by drops: those wait until they pay
+            if rnd.now - c.ready_at < self.drops_s(leave, r):
+                continue  # the wait has not yet paid for the recomputes of the drops
             for p in leave:
                 self.room.offload(p, r, rnd, keep=c)
             self.moves.place(c, r, rnd)
             idle.remove(r)
+
+    def drops_s(self, leave: list[Program], r: int) -> float:
+        """The engine seconds the recomputes of those of ``leave`` (most idle first) that
+        find no free room in replica ``r``'s CPU tier will take, should they return."""
+        cq = self.placement.cpu[r]
+        free = cq.free() if cq.capacity else 0
+        price = 0.0
+        for p in leave:
+            if p.kv_bytes <= free:
+                free -= p.kv_bytes
+            else:
+                price += self.recompute_s(p)
+        return price
 
     def _where(self, c: Program, idle: list[int]) -> int | None:
         """The idle replica ``c`` can go to: its own where its KV is kept (CPU or disk
