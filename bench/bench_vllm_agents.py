@@ -599,6 +599,27 @@ def split_cpus(spec: str) -> tuple[frozenset[int] | None, frozenset[int] | None]
     return engine, rest
 
 
+FLAG_VALUED = ("--mori-args",)
+"""Options whose value is itself flags (``--mori-args '--fill-idle'``)."""
+
+
+def glue_flag_values(argv: list[str]) -> list[str]:
+    """``argv`` with each option of ``FLAG_VALUED`` joined to its value
+    (``--mori-args=--fill-idle``): argparse would take a separate value that starts with
+    ``-`` for an option of its own and say the option has no value."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in FLAG_VALUED and i + 1 < len(argv):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -646,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                          "and bench/sim_fidelity.py simulates with it; the same engine "
                          "runs several times slower on some days than on others "
                          "(default: on; --no-calibrate: the preset's constants)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(glue_flag_values(sys.argv[1:] if argv is None else argv))
     named = SETTINGS[args.setting]
     for key in ("programs", "duration", "time_scale", "blocks"):
         if getattr(args, key) is None:

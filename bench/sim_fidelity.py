@@ -165,7 +165,21 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
         token_scale=float(settings["token_scale"]),
         engine_slowdown=float(settings["time_scale"]),
         max_output_tokens=max_output, front_s=front_s,
-        policy_config=PolicyConfig(recompute_tok_s=recompute, reload_gbps=reload))
+        policy_config=PolicyConfig(
+            recompute_tok_s=recompute, reload_gbps=reload,
+            fill_idle=arm["arm"] in MORI_SERVE_ARMS and bool(serve_flag(settings, "fill-idle"))))
+
+
+def serve_flag(settings: dict[str, Any], name: str) -> bool | None:
+    """Whether the run's ``--mori-args`` turned ``mori serve``'s ``--NAME`` on (True) or
+    off (``--no-NAME``: False), the last one said winning; None where they say neither."""
+    said = None
+    for flag in str(settings.get("mori_args", "")).split():
+        if flag == f"--{name}":
+            said = True
+        elif flag == f"--no-{name}":
+            said = False
+    return said
 
 
 def front_of(runs: list[dict[str, Any]]) -> float | None:

@@ -31,6 +31,19 @@ def test_cpu_blocks_take_a_list(agents: ModuleType) -> None:
             agents.parse_cpu_blocks(bad)
 
 
+def test_mori_args_take_flags_as_their_value(agents: ModuleType) -> None:
+    """``--mori-args '--fill-idle'``, as its help shows it, reaches the option whole;
+    argparse alone would read ``--fill-idle`` as an unknown option of the bench's."""
+    glue = agents.glue_flag_values
+    assert glue(["--seed", "5", "--mori-args", "--fill-idle --no-learn-costs"]) == [
+        "--seed", "5", "--mori-args=--fill-idle --no-learn-costs"]
+    assert glue(["--mori-args=--fill-idle"]) == ["--mori-args=--fill-idle"]
+    assert glue(["--mori-args"]) == ["--mori-args"]  # no value: argparse says so
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mori-args", default="")
+    assert ap.parse_args(glue(["--mori-args", "--fill-idle"])).mori_args == "--fill-idle"
+
+
 def test_engine_cpus_split(agents: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agents.os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert agents.split_cpus("auto") == ({2}, {0, 1})

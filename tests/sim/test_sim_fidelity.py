@@ -238,3 +238,21 @@ def test_the_tokenize_call_is_charged_where_the_gateway_made_it(
     assert overhead("d") == pytest.approx(base + extra)
     doc["settings"]["mori_args"] = "--no-exact-tokens --no-fill-idle"
     assert overhead("d") == pytest.approx(base)
+
+
+def test_the_runs_fill_idle_is_simulated(fidelity_mod: ModuleType) -> None:
+    """``--mori-args=--fill-idle`` turned the rule on in ``mori serve`` (arms c and d):
+    the simulation of those arms has it too, the last of ``--fill-idle`` and
+    ``--no-fill-idle`` winning; plain vLLM's arm is not a MORI policy."""
+    doc = bench_doc(cpu_blocks=256)
+    arms = {a["arm"]: a for a in doc["arms"]}
+
+    def fill(arm: str) -> bool:
+        return bool(fidelity_mod.sim_config(doc["settings"], arms[arm], "mori")
+                    .policy_config.fill_idle)
+
+    assert not fill("d")
+    doc["settings"]["mori_args"] = "--fill-idle"
+    assert fill("c") and fill("d") and not fill("a")
+    doc["settings"]["mori_args"] = "--fill-idle --no-fill-idle"
+    assert not fill("d")
