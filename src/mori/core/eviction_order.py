@@ -49,8 +49,8 @@ from mori.core.types import KVLabel, Tier
 
 __all__ = [
     "ADMISSION_ORDER", "CPU_ORDER", "DISK_ORDER", "EVICTION_ORDER", "GPU_ORDER",
-    "admission_rank", "eviction_order", "eviction_rank", "label_ranks", "most_protected",
-    "ranks",
+    "UNKEPT", "admission_rank", "eviction_order", "eviction_rank", "label_ranks",
+    "most_protected", "ranks",
 ]
 
 # each tier's labels, evicted first .. last
@@ -60,6 +60,12 @@ DISK_ORDER: tuple[KVLabel, ...] = (KVLabel.INACTIVE, KVLabel.BUSY, KVLabel.IDLE,
 
 EVICTION_ORDER: Mapping[Tier, tuple[KVLabel, ...]] = MappingProxyType(
     {Tier.GPU: GPU_ORDER, Tier.CPU: CPU_ORDER, Tier.DISK: DISK_ORDER})
+
+UNKEPT: KVLabel = KVLabel.INACTIVE
+"""The label every tier evicts first: KV no tier keeps (the simulator writes none of it
+to disk; the plug-ins start a block's most protective label from it, and a host tier
+that only mirrors the GPU renews a program's chunks when it turns so)."""
+assert all(order[0] is UNKEPT for order in EVICTION_ORDER.values())
 
 # admitted first .. last: the GPU's order reversed
 ADMISSION_ORDER: tuple[KVLabel, ...] = tuple(reversed(GPU_ORDER))

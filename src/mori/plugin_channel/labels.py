@@ -33,11 +33,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from mori.core.eviction_order import label_ranks
+from mori.core.eviction_order import UNKEPT, label_ranks, most_protected
 from mori.core.types import Tier
 
 # label -> protection of a GPU block (higher is evicted later): the GPU's eviction order
 PROTECTION = label_ranks(Tier.GPU)
+GPU_KEEPS_LONGEST = most_protected(Tier.GPU).value
 DEFAULT_LABEL = "busy"
 MAX_PROGRAMS = 65536
 MAX_PROGRAMS_PER_BLOCK = 64
@@ -117,12 +118,12 @@ class LabelTable:
         programs = self._block_programs.get(block_id)
         if not programs:
             return self.default
-        best = "inactive"
+        best = UNKEPT.value
         for p in programs:
             label = self._labels.get(p, self.default)
             if PROTECTION[label] > PROTECTION[best]:
                 best = label
-                if label == "busy":
+                if label == GPU_KEEPS_LONGEST:
                     break
         return best
 

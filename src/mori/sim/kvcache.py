@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 
-from mori.core.eviction_order import ranks
+from mori.core.eviction_order import UNKEPT, ranks
 from mori.core.types import KVLabel, Tier
 
 _GPU_RANK = ranks(Tier.GPU)
@@ -298,7 +298,7 @@ class KVPools:
         else lost (with the disk-only pages after them: a prefix must stay whole)."""
         if n <= 0:
             return
-        if self.disk_cap == 0 or (self.typed and e._label is KVLabel.INACTIVE):
+        if self.disk_cap == 0 or (self.typed and e._label is UNKEPT):
             self.dropped_pages += n + e.disk
             self.disk_used -= e.disk
             e.disk = 0

@@ -58,7 +58,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-from mori.core.eviction_order import eviction_order, label_ranks, most_protected
+from mori.core.eviction_order import UNKEPT, eviction_order, label_ranks, most_protected
 from mori.core.types import Tier
 from mori.plugin_channel import kv_hints
 from mori.plugin_channel.labels import DEFAULT_LABEL, MAX_PROGRAMS_PER_BLOCK
@@ -256,7 +256,7 @@ class MoriCachePolicy(CachePolicy):  # type: ignore[misc]
         """Give the chunks of each program that turned ``inactive`` fresh recency, in
         their present order (:meth:`set_mirror_only`)."""
         for program in programs:
-            if self._label_of(program) != "inactive":
+            if self._label_of(program) != UNKEPT.value:
                 self._turned_inactive.discard(program)
                 continue
             if program in self._turned_inactive:
