@@ -1,7 +1,7 @@
 """``mori replay`` against a tiny in-test OpenAI-compatible server.
 
-Time scales are large (20-25 simulated seconds a wall second), so each replay takes
-about a wall second or two; tolerances on times are in simulated seconds.
+Time scales are large (10 simulated seconds a wall second), so each replay takes a
+few wall seconds; tolerances on times are in simulated seconds.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from mori.traces.model import GapKind, ProgramTrace, Step, SubagentSpawn, TraceS
 from support.fake_engine import FakeEngine
 from support.loop_thread import LoopThread
 
-SCALE = 20.0
-LATE = 3.0  # simulated seconds a request may come after its due time (150 ms of wall time:
-# a loaded 2-core machine has been seen to run 75 ms late)
+SCALE = 10.0
+LATE_WALL_S = 0.3  # wall seconds a request may come after its due time (a loaded 2-core
+# machine has been seen to run 160 ms late)
+LATE = LATE_WALL_S * SCALE  # the same, in simulated seconds
 EARLY = 0.05
 
 CHILD = ProgramTrace("C", (Step(50, 4, 2.0, GapKind.TOOL),
