@@ -411,6 +411,7 @@ def run_arm(arm: str, s: Settings, traces: TraceSet, logs: Path,
             with contextlib.suppress(Exception):
                 rows = json.loads(http_get(target + "/v1/replicas")[1])["data"]
                 row["engine_costs"] = rows[0]["costs"]
+                row["gpu_tier_end"] = rows[0].get("gpu_tier")  # the tier as the run ended
         if gateway_log is not None and arm == "d":
             # the gateway warns when the plug-in does not answer, or stops answering
             text = gateway_log.read_text(errors="replace")

@@ -167,7 +167,11 @@ def sim_config(settings: dict[str, Any], arm: dict[str, Any], policy: str,
         max_output_tokens=max_output, front_s=front_s,
         policy_config=PolicyConfig(
             recompute_tok_s=recompute, reload_gbps=reload,
-            fill_idle=arm["arm"] in MORI_SERVE_ARMS and bool(serve_flag(settings, "fill-idle"))))
+            fill_idle=arm["arm"] in MORI_SERVE_ARMS and bool(serve_flag(settings, "fill-idle")),
+            gpu_overcommit=(float(serve_value(settings, "gpu-overcommit") or 1.0)
+                            if arm["arm"] in MORI_SERVE_ARMS else 1.0),
+            gpu_overcommit_max=(float(serve_value(settings, "gpu-overcommit-max") or 1.0)
+                                if arm["arm"] in MORI_SERVE_ARMS else 1.0)))
 
 
 def serve_flag(settings: dict[str, Any], name: str) -> bool | None:
@@ -179,6 +183,19 @@ def serve_flag(settings: dict[str, Any], name: str) -> bool | None:
             said = True
         elif flag == f"--no-{name}":
             said = False
+    return said
+
+
+def serve_value(settings: dict[str, Any], name: str) -> str | None:
+    """The value the run's ``--mori-args`` gave ``mori serve``'s ``--NAME`` (``--NAME V``
+    or ``--NAME=V``), the last one said winning; None where they give none."""
+    flags = str(settings.get("mori_args", "")).split()
+    said = None
+    for i, flag in enumerate(flags):
+        if flag == f"--{name}" and i + 1 < len(flags):
+            said = flags[i + 1]
+        elif flag.startswith(f"--{name}="):
+            said = flag.split("=", 1)[1]
     return said
 
 

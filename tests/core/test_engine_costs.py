@@ -191,3 +191,20 @@ def test_engine_readings_are_checked() -> None:
         p.set_engine_queues([0], 0.0)
     with pytest.raises(ValueError, match=">= 0"):
         p.set_engine_queues([0, -1], 0.0)
+    with pytest.raises(ValueError, match="2 replicas"):
+        p.set_engine_queues([0, 0], 0.0, running=[1])
+    with pytest.raises(ValueError, match=">= 0"):
+        p.set_engine_queues([0, 0], 0.0, running=[1, -2])
+
+
+def test_the_engines_running_count_is_its_busy_share() -> None:
+    """Read, the engine's running count makes the busy share ``mori_overcommit`` reads;
+    unread, the policy's own count of the steps it forwarded stands in."""
+    p = make("mori", gpu=100, cpu=100, replicas=2, load_window_s=10.0)
+    step(p, 0.0, arrive("A", 50))  # A's step runs on a replica from t = 0
+    r = p.programs["A"].replica
+    assert r is not None
+    assert p.load.engine_busy_share(r, 10.0) == p.load.share(r, 10.0) == 1.0
+    p.set_engine_queues([0, 0], 0.0, running=[0, 0])  # the engines say: nothing runs
+    assert p.load.engine_busy_share(r, 10.0) == pytest.approx(math.exp(-1.0))
+    assert p.load.share(r, 10.0) == 1.0

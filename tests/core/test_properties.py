@@ -100,6 +100,9 @@ def worlds(draw: st.DrawFn) -> dict[str, object]:
             idleness_window=draw(st.integers(1, 5)),
             binary_threshold=draw(st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0])),
             page_tokens=page,
+            gpu_overcommit=draw(st.sampled_from([1.0, 1.0, 1.5, 3.0])),
+            gpu_overcommit_max=draw(st.sampled_from([1.0, 1.0, 4.0])),
+            load_window_s=draw(st.sampled_from([60.0, 60.0, 2.0])),
         ),
     )
 

@@ -34,6 +34,9 @@ def test_requests_that_ran_alone_price_the_engine(loop_thread: LoopThread,
     # queued none of them (each was sent after the last ended)
     shares = rows[0]["shares"]
     assert 0 < shares["busy"] <= 1 and shares["queued"] == 0
+    # the GPU tier the policy fills: the engine's pool (no overcommit asked for)
+    pool = sg.gw.ctl.policy.pool_gpu_bytes // sg.gw.ctl.policy.kv_bytes_per_token
+    assert rows[0]["gpu_tier"] == {"tokens": pool, "pool_tokens": pool} and pool > 0
     costs = rows[0]["costs"]
     measured = costs["measured"]
     # one stretch a request; the last one stays open until a next first byte ends it

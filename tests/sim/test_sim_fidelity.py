@@ -256,3 +256,24 @@ def test_the_runs_fill_idle_is_simulated(fidelity_mod: ModuleType) -> None:
     assert fill("c") and fill("d") and not fill("a")
     doc["settings"]["mori_args"] = "--fill-idle --no-fill-idle"
     assert not fill("d")
+
+
+def test_the_runs_gpu_overcommit_is_simulated(fidelity_mod: ModuleType) -> None:
+    """``--mori-args='--gpu-overcommit X'`` (or ``=X``) sized the GPU tier of ``mori
+    serve``'s policy (arms c and d): their simulation has the same, the last value said
+    winning; plain vLLM's arm is not a MORI policy."""
+    doc = bench_doc(cpu_blocks=256)
+    arms = {a["arm"]: a for a in doc["arms"]}
+
+    def x(arm: str) -> float:
+        return fidelity_mod.sim_config(doc["settings"], arms[arm], "mori") \
+            .policy_config.gpu_overcommit
+
+    assert x("d") == 1.0
+    doc["settings"]["mori_args"] = "--fill-idle --gpu-overcommit 4"
+    assert x("c") == x("d") == 4.0 and x("a") == 1.0
+    doc["settings"]["mori_args"] = "--gpu-overcommit 4 --gpu-overcommit=2.5"
+    assert x("d") == 2.5
+    doc["settings"]["mori_args"] = "--gpu-overcommit-max 8"
+    config = fidelity_mod.sim_config(doc["settings"], arms["d"], "mori").policy_config
+    assert (config.gpu_overcommit, config.gpu_overcommit_max) == (1.0, 8.0)

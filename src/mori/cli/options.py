@@ -186,6 +186,14 @@ _VARIANT_KNOBS: tuple[Option, ...] = (
            help="mori: a replica with no step running takes the oldest held request that "
                 "can go there at once, its Acting programs leaving for it (work "
                 "conservation; default: off)"),
+    Option("gpu_overcommit", float, _POLICY.gpu_overcommit, metavar="X",
+           help="mori and its variants: fill a GPU tier X times the engine's GPU KV pool "
+                "(X >= 1): fewer requests held, the engine evicting the cached KV that "
+                "does not fit in MORI's label order, the most idle first (default: 1)"),
+    Option("gpu_overcommit_max", float, _POLICY.gpu_overcommit_max, metavar="X",
+           help="mori: let the GPU tier follow the engine, up to X times its pool: larger "
+                "while requests are held on engines that keep up, halved when the requests "
+                "in flight need more KV than the pool (default: 1, a fixed tier)"),
 )
 """The knobs of single policies that `mori simulate` and `mori serve` both take."""
 

@@ -78,6 +78,8 @@ class Settings:
     max_wait: float | None
     load_window: float | None
     fill_idle: bool
+    gpu_overcommit: float
+    gpu_overcommit_max: float
     jobs: int
     quiet: bool
 

@@ -7,6 +7,9 @@ seconds): a replica busy for the last ``window_s`` reads about 0.63 if it was id
 before, 1.0 after many windows of being busy. A replica nobody has used yet reads 1.0,
 the cautious guess (MORI's drop price assumes a busy engine until it learns otherwise).
 
+Where the engine is read, its own running count gives a second busy share
+(``engine_busy_share``): the engine's, not the policy's view of it.
+
 A replica is *queued* while its engine reports requests waiting for admission (its own
 batching full, or loads of KV in progress): ``queued``, told by whoever reads the
 engines (the gateway, from each engine's running and waiting counts). Its queue share is
@@ -60,6 +63,8 @@ class ReplicaLoad:
         self.window_s = window_s
         self._busy = [DecayedShare(window_s, 1.0) for _ in range(replicas)]
         self._queue = [DecayedShare(window_s, 0.0) for _ in range(replicas)]
+        # the engine's own running count, where it is read (None: never read)
+        self._engine_busy: list[DecayedShare | None] = [None] * replicas
         self._running = [0] * replicas
         self._where: dict[str, int] = {}  # program -> the replica its step runs on
 
@@ -100,6 +105,29 @@ class ReplicaLoad:
     def queued(self, replica: int, waiting: bool, now: float) -> None:
         """``replica``'s engine reports requests waiting (``waiting``) from ``now``."""
         self._queue[replica].set(waiting, now)
+
+    def engine_running(self, replica: int, running: bool, now: float) -> None:
+        """``replica``'s engine reports requests running (``running``) from ``now``."""
+        share = self._engine_busy[replica]
+        if share is None:
+            share = self._engine_busy[replica] = DecayedShare(self.window_s, 1.0)
+        share.set(running, now)
+
+    def engine_read(self, replica: int) -> bool:
+        """Whether ``replica``'s engine's running count was ever read."""
+        return self._engine_busy[replica] is not None
+
+    def engine_busy_share(self, replica: int, now: float) -> float:
+        """The recent share of time ``replica``'s engine reported requests running,
+        where it is read; else the busy share as the policy forwarded steps (``share``,
+        which in a gateway also counts a request's time outside the engine: its way
+        through the gateway, the engine's front end and the answer's streaming)."""
+        share = self._engine_busy[replica]
+        return self.share(replica, now) if share is None else share.at(now)
+
+    def queued_now(self, replica: int) -> bool:
+        """Whether ``replica``'s engine reported requests waiting at its last reading."""
+        return self._queue[replica].on
 
     def queue_share(self, replica: int, now: float) -> float:
         """``replica``'s queue share at ``now``, in [0, 1] (0: never told of a queue)."""

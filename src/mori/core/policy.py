@@ -9,6 +9,7 @@ state the decisions lead to and ``check_integrity()`` holds, capacities included
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections import deque
@@ -93,6 +94,17 @@ class PolicyConfig:
     assumes an engine that is always busy.
     ``fill_idle``: ``mori``'s work conservation: a replica with no step running takes a
     held request at once, its Acting programs leaving for it (``mori_idle_fill``).
+    ``gpu_overcommit``: the GPU tier a policy with typed eviction fills, as a multiple of
+    the engine's GPU KV pool (1: the pool, the paper's rule). Above 1 the policy places
+    more programs on the GPU than the pool holds and holds fewer requests; the engine
+    keeps what fits and evicts the rest of the cached KV in MORI's label order, the most
+    idle first (``Policy._overcommitted``). ``gpu_overcommit_max``: above
+    ``gpu_overcommit``, ``mori``'s tier follows the engine between the two
+    (``mori_overcommit``): larger while requests are held and the engine keeps up,
+    smaller when the requests in flight overrun its pool, looking every
+    ``gpu_overcommit_period_s`` (None: the load window; a gateway makes it at least four
+    of its readings of the engines). Measured: docs/benchmarks.md ("The GPU tier
+    overcommitted").
     """
 
     tick_s: float = 5.0
@@ -110,8 +122,19 @@ class PolicyConfig:
     disk_latency_s: float = 0.0
     load_window_s: float | None = DEFAULT_LOAD_WINDOW_S
     fill_idle: bool = False
+    gpu_overcommit: float = 1.0
+    gpu_overcommit_max: float = 1.0
+    gpu_overcommit_period_s: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("gpu_overcommit", "gpu_overcommit_max"):
+            x = getattr(self, name)
+            if not (x >= 1 and math.isfinite(x)):
+                raise ValueError(f"{name} must be a finite number >= 1, got {x}")
+        period = self.gpu_overcommit_period_s
+        if period is not None and not (period > 0 and math.isfinite(period)):
+            raise ValueError("gpu_overcommit_period_s must be a positive number of seconds, "
+                             f"got {period}")
         if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
             raise ValueError(f"tick_s must be a positive number of seconds, got {self.tick_s}")
         if self.idleness_window < 1:
@@ -185,7 +208,10 @@ class Policy(ABC):
             raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
         self.config = config or PolicyConfig()
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.cluster = self._ledger_spec(cluster)
+        spec = self._ledger_spec(cluster)
+        self.pool_gpu_bytes = spec.gpu_bytes
+        """Each replica's engine GPU pool (None: not managed), before any overcommit."""
+        self.cluster = self._overcommitted(spec)
         self.placement = Placement(self.cluster)
         self.programs: dict[str, Program] = {}
         self._ready: dict[str, Program] = {}  # programs holding a request
@@ -258,17 +284,26 @@ class Policy(ABC):
             raise ValueError(f"replica loads must be >= 0, got {list(loads)}")
         self.foreign_loads = tuple(loads)
 
-    def set_engine_queues(self, waiting: Sequence[int | None], now: float) -> None:
+    def set_engine_queues(self, waiting: Sequence[int | None], now: float,
+                          running: Sequence[int | None] | None = None) -> None:
         """Tell the policy how many requests each replica's engine reports waiting for
-        admission at ``now`` (None: no reading; taken as no queue). Each replica's queue
-        share (``ReplicaLoad.queue_share``) follows these readings."""
-        if len(waiting) != self.cluster.replicas:
-            raise ValueError(f"{len(waiting)} engine readings for {self.cluster.replicas} "
-                             "replicas")
+        admission at ``now`` (None: no reading; taken as no queue), and, where given, how
+        many it reports running (None: no reading). Each replica's queue share
+        (``ReplicaLoad.queue_share``) follows the waiting counts, its engine's busy share
+        (``ReplicaLoad.engine_busy_share``) the running ones."""
+        n_rep = self.cluster.replicas
+        if len(waiting) != n_rep or (running is not None and len(running) != n_rep):
+            raise ValueError(f"{len(waiting)} waiting and "
+                             f"{'no' if running is None else len(running)} running engine "
+                             f"readings for {n_rep} replicas")
+        for counts in (waiting, running or ()):
+            if any(n is not None and n < 0 for n in counts):
+                raise ValueError(f"engine counts must be >= 0, got {list(counts)}")
         for r, n in enumerate(waiting):
-            if n is not None and n < 0:
-                raise ValueError(f"waiting counts must be >= 0, got {list(waiting)}")
             self.load.queued(r, bool(n), now)
+        for r, m in enumerate(running or ()):
+            if m is not None:
+                self.load.engine_running(r, m > 0, now)
 
     def check_integrity(self) -> None:
         self.placement.check_integrity(capacity=True)
@@ -365,6 +400,15 @@ class Policy(ABC):
                 return cluster
             return ClusterSpec(cluster.replicas, cluster.gpu_bytes, cluster.cpu_bytes)
         return ClusterSpec(cluster.replicas, cluster.gpu_bytes, 0)
+
+    def _overcommitted(self, spec: ClusterSpec) -> ClusterSpec:
+        """``spec`` with its GPU tier ``PolicyConfig.gpu_overcommit`` times the engine's
+        pool, for a policy whose engine evicts by its labels (an untyped engine's LRU
+        would not evict the programs the policy ranks last)."""
+        x = self.config.gpu_overcommit
+        if x == 1 or spec.gpu_bytes is None or not self.engine_profile.typed_eviction:
+            return spec
+        return dataclasses.replace(spec, gpu_bytes=int(spec.gpu_bytes * x))
 
     def set_engine_costs(self, replica: int, costs: EngineCosts) -> None:
         """Price ``replica``'s moves by what its engine was measured to charge

@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import build_policy
-from mori.core.policy import Policy
+from mori.core.policy import DEFAULT_LOAD_WINDOW_S, Policy
 from mori.core.types import Capability, Tier
 from mori.engines.base import EngineAdapter, KVCapacity, NotSupportedError, UpstreamError
 from mori.gateway.aliases import ModelAliases
@@ -73,7 +73,25 @@ def policy_for(settings: GatewaySettings, capacities: list[KVCapacity]) -> Polic
     cluster = ClusterSpec(len(capacities), gpu_tokens // page * page * kvb,
                           cpu_tokens // page * page * kvb, disk_tokens // page * page * kvb)
     config = dataclasses.replace(settings.policy_config, page_tokens=page)
+    if config.gpu_overcommit_period_s is None and settings.load_interval_s > 0:
+        # the tier's size follows the engines' queues as read: four readings a look
+        window = config.load_window_s or DEFAULT_LOAD_WINDOW_S
+        config = dataclasses.replace(config, gpu_overcommit_period_s=max(
+            window, OVERCOMMIT_READINGS * settings.load_interval_s * settings.time_scale))
     return build_policy(settings.policy, cluster, kvb, config)
+
+
+OVERCOMMIT_READINGS = 4
+"""Readings of the engines' load per look of an adaptive GPU tier (``mori_overcommit``)."""
+
+
+def tier_tokens(policy: Policy, replica: int) -> dict[str, int | None]:
+    """``replica``'s GPU tier as the policy fills it and the engine's pool, in tokens
+    (None: not managed)."""
+    kvb = policy.kv_bytes_per_token
+    cap, pool = policy.gpu_capacity(replica), policy.pool_gpu_bytes
+    return {"tokens": None if cap is None else cap // kvb,
+            "pool_tokens": None if pool is None else pool // kvb}
 
 
 class Gateway:
@@ -387,7 +405,10 @@ class Routes:
                          # the policy's recent shares: a step running, requests waiting
                          "shares": {"busy": ctl.policy.load.share(r.index, now),
                                     "queued": ctl.policy.load.queue_share(r.index, now)},
-                         "costs": ctl.prices.view(r.index)})
+                         "costs": ctl.prices.view(r.index),
+                         # the GPU tier the policy fills against the engine's pool
+                         # (larger where it is overcommitted: --gpu-overcommit[-max])
+                         "gpu_tier": tier_tokens(ctl.policy, r.index)})
         return JSONResponse({"object": "list", "data": rows})
 
     async def residency(self, request: Request) -> Response:

@@ -417,7 +417,8 @@ class Controller:
         now = self.now()
         if self.policy.config.spread_by_load:
             self.policy.set_foreign_loads(self.replicas.foreign_loads())
-        self.policy.set_engine_queues(self.replicas.engine_waiting(), now)
+        self.policy.set_engine_queues(self.replicas.engine_waiting(), now,
+                                      self.replicas.engine_running())
         self.executor.execute(now, self.policy.decide(now))
         orphans, self._orphans = self._orphans, []
         for pid in orphans:  # after this round's decisions, so rounds do not interleave

@@ -94,6 +94,11 @@ class Replicas:
         return [r.engine_load.waiting if r.engine_load is not None else None
                 for r in self.all]
 
+    def engine_running(self) -> list[int | None]:
+        """Each replica's engine's latest running count, in order (None: no reading)."""
+        return [r.engine_load.running if r.engine_load is not None else None
+                for r in self.all]
+
     def foreign_loads(self) -> list[int]:
         """Each replica's ``Replica.foreign_load``, in order."""
         return [r.foreign_load for r in self.all]

@@ -174,7 +174,8 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
     record carries are ``tick_s``, ``idleness_window``, ``binary_threshold`` and
     ThunderAgent's ``acting_token_weight`` and ``acting_token_decay``, and the
     ``policy_reload_gbps`` (the policy's ``reload_gbps``) and ``recompute_tok_s`` asked
-    for (None: the simulated link's and the cost model's), and MORI's ``max_wait_s``, ``load_window_s`` and ``fill_idle``;
+    for (None: the simulated link's and the cost model's), and MORI's ``max_wait_s``, ``load_window_s``, ``fill_idle``,
+    ``gpu_overcommit`` and ``gpu_overcommit_max``;
     ``max_context`` is the length programs were cut at (trace tokens); ``gpu_kv_tokens``
     and ``cpu_kv_tokens`` are the overrides asked for (None: none; the pools simulated
     are ``gpu_kv_capacity_tokens`` and ``cpu_kv_capacity_tokens``); ``reload_gbps`` the
@@ -199,7 +200,9 @@ def settings_dict(config: SimConfig, traces: str, max_context: int) -> dict[str,
             "acting_token_decay": p.acting_token_decay,
             "policy_reload_gbps": p.reload_gbps,
             "max_wait_s": p.max_wait_s, "recompute_tok_s": p.recompute_tok_s,
-            "load_window_s": p.load_window_s, "fill_idle": p.fill_idle}
+            "load_window_s": p.load_window_s, "fill_idle": p.fill_idle,
+            "gpu_overcommit": p.gpu_overcommit,
+            "gpu_overcommit_max": p.gpu_overcommit_max}
 
 
 RESULT_SETTINGS: tuple[str, ...] = tuple(settings_dict(SimConfig(), "", 0))

@@ -70,6 +70,10 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
         del policy["spread_by_load"]
     if isinstance(policy, dict) and policy.get("fill_idle") is False:
         del policy["fill_idle"]  # added later, off by default: earlier runs keep their keys
+    if isinstance(policy, dict):
+        for name in ("gpu_overcommit", "gpu_overcommit_max"):
+            if policy.get(name) == 1.0:
+                del policy[name]  # added later: earlier runs keep their keys
     return out
 
 
@@ -79,7 +83,8 @@ OPTIONAL_SETTINGS: dict[str, Any] = {"reload_gbps": None, "acting_token_weight":
                                      "max_wait_s": None, "recompute_tok_s": None,
                                      "disk_ratio": 0.0, "disk_kv_tokens": None,
                                      "disk": "nvme-gen5", "load_window_s": None,
-                                     "max_output_tokens": None, "fill_idle": False}
+                                     "max_output_tokens": None, "fill_idle": False,
+                                     "gpu_overcommit": 1.0, "gpu_overcommit_max": 1.0}
 """Settings a record written before they existed lacks, with the value it meant."""
 
 OPTIONAL_MEASURES: dict[str, Any] = {"disk_hit_rate": 0.0, "disk_read_tokens": 0,

@@ -55,6 +55,11 @@ Every rule of section 4, and where a detail is ours:
   there, its Acting programs parking for it in free CPU room without waiting out the
   reload's price (``mori_idle_fill``; off by default): holding a request on an idle
   engine wastes it.
+- A GPU tier sized to the engine (ours, not the paper's; ``PolicyConfig.gpu_overcommit``
+  and ``gpu_overcommit_max``): the tier may be larger than the engine's pool, whose own
+  eviction in MORI's label order then keeps what fits; fixed, or following the engine
+  at each round (``mori_overcommit``: larger while requests are held on engines that
+  keep up, smaller when the requests in flight overrun the pool).
 - Bounded waiting (ours, not the paper's, which lets a request wait for ever): before
   the promotions above, requests held ``max_wait_s`` or longer are served oldest first
   (``mori_aged``), Acting programs demoted for them; one that must wait for running
@@ -74,6 +79,7 @@ from mori.core.policies.mori_book import MoriBook
 from mori.core.policies.mori_disk import DiskTier
 from mori.core.policies.mori_idle_fill import IdleFill
 from mori.core.policies.mori_index import AFFINE, priority, priority_smallest_first
+from mori.core.policies.mori_overcommit import Overcommit
 from mori.core.policies.mori_placement import ReplicaChoice
 from mori.core.policies.mori_promote import IndexedPromotion
 from mori.core.policies.mori_promote_scan import ScanPromotion
@@ -160,6 +166,14 @@ class MoriPolicy(Policy):
                                    self._foreign_load, self.room, self.moves,
                                    self.recompute_s)
                           if ranking is None and self.config.fill_idle else None)
+        c = self.config
+        self.overcommit = (
+            Overcommit(self.placement, self.book, self.load, self.pool_gpu_bytes,
+                       c.gpu_overcommit, max(c.gpu_overcommit, c.gpu_overcommit_max),
+                       c.gpu_overcommit_period_s or self.load.window_s,
+                       lambda: bool(self._ready))
+            if (ranking is None and self.book.incremental and self.pool_gpu_bytes
+                and c.gpu_overcommit_max > c.gpu_overcommit) else None)
 
     def _replica_heads(self, rnd: Round) -> list[tuple[int, Program]]:
         """Per replica, its first held candidate in priority order among the programs
@@ -303,6 +317,8 @@ class MoriPolicy(Policy):
         self.book.hook(p, was)
 
     def _capacity_changed(self, replica: int) -> None:
+        if self.overcommit is not None and replica not in self.placement.down:
+            self.placement.gpu[replica].capacity = self.overcommit.capacity()
         self.book.capacity_changed(replica)
 
     def check_integrity(self) -> None:
@@ -311,6 +327,16 @@ class MoriPolicy(Policy):
 
     # -- the decision round (``mori_round``) --------------------------------------------
     def _decide(self, now: float, out: list[Decision]) -> None:
+        oc = self.overcommit
+        if oc is None:
+            self._round(now, out)
+            return
+        oc.observe(now)  # the steps that ended since the last round
+        oc.adjust(now)
+        self._round(now, out)
+        oc.observe(now)  # and the ones this round forwarded
+
+    def _round(self, now: float, out: list[Decision]) -> None:
         if not self._ready and not self.book.grown and self.rebalancer is None:
             # no request held and no tier grew: no rule below has anything to do (the
             # most common round in a gateway, after each step's end); the candidate

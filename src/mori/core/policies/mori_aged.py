@@ -79,9 +79,9 @@ class WaitBound:
             return c.replica
         if self.cluster.gpu_bytes is None:
             return self.choice.best_fit(c)
-        cap = self.cluster.gpu_bytes
-        if c.kv_bytes > cap:
+        if c.kv_bytes > self.book.max_kv:
             return None
+        cap = self.book.cap  # each up replica's now (``mori_overcommit`` may change it)
         r = self.choice.best_fit(c)
         if r is not None:
             return r

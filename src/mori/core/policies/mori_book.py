@@ -49,6 +49,9 @@ class MoriBook:
         # and it needs managed GPU capacities
         self.incremental = config.exclude_held and cap is not None
         self.cap = cap or 0
+        """Each up replica's GPU capacity (one for all; ``mori_overcommit`` may change it)."""
+        self.max_kv = self.cap
+        """The largest context a candidate may have (the tiers as built)."""
         self.index = CandidateIndex(n)
         self.sums = ReplicaSums(n)
         self.avail = ReplicaOrder(n, self.cap)  # GPU free space beyond the reservation
@@ -230,7 +233,7 @@ class MoriBook:
         for pid, p in self._touched.items():
             if pid in idx:
                 self.unindex(pid)
-            if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self.cap
+            if (p.ready and p.tier is not Tier.GPU and p.kv_bytes <= self.max_kv
                     and self.programs.get(pid) is p):
                 idx.put(p, self.priority(p, p.tracker.idleness(0.0)))
                 if p.replica is not None:
@@ -265,7 +268,7 @@ class MoriBook:
         want = {pid: (self.priority(p, p.tracker.idleness(0.0)),
                       p.replica if p.tier in AFFINE else None)
                 for pid, p in self.ready.items()
-                if p.tier is not Tier.GPU and p.kv_bytes <= self.cap}
+                if p.tier is not Tier.GPU and p.kv_bytes <= self.max_kv}
         assert self.index.entries() == want, "candidate index disagrees with the programs"
         for r, order in enumerate(self.index.cpu):
             assert all(c.tier in AFFINE and c.replica == r and kv == c.kv_bytes
