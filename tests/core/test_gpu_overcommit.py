@@ -18,6 +18,7 @@ from scenario_steps import GPU, NONE, arrive, fin, make, step, where
 from mori.core.decisions import Demote, Forward, Promote
 from mori.core.ledger import ClusterSpec
 from mori.core.policies import MoriPolicy
+from mori.core.policies.mori_overcommit import Overcommit
 from mori.core.policy import EngineProfile, PolicyConfig
 
 RATE = {"recompute_tok_s": 10.0}
@@ -74,20 +75,25 @@ def test_overcommitted_the_newcomer_goes_at_once_and_the_acting_one_stays() -> N
 # pressure shares
 
 
-def adaptive(**cfg: object) -> MoriPolicy:
+def adaptive(**cfg: object) -> tuple[MoriPolicy, Overcommit]:
     p = make("mori", gpu=100, cpu=0, gpu_overcommit_max=4.0, load_window_s=1.0,
              **RATE, **cfg)
     assert isinstance(p, MoriPolicy) and p.overcommit is not None
-    return p
+    return p, p.overcommit
+
+
+def b_held_while_s_runs(p: MoriPolicy) -> None:
+    """A (60 tokens) acts, S (20) keeps reasoning, B (60) is held from t = 1.5."""
+    step(p, 0.0, arrive("A", 60), arrive("S", 20))
+    step(p, 1.0, fin("A", 60))
+    step(p, 1.5, arrive("B", 60))
 
 
 def test_held_on_an_idle_engine_the_tier_grows_until_the_request_goes() -> None:
     """A (80 tokens) acts; B (80) is held: A's drop pays only at t = 9. The engine stands
     idle, so the tier grows by half once a second after the busy share is below 0.8,
     and B goes beside A when it is 2.25 pools."""
-    p = adaptive()
-    oc = p.overcommit
-    assert oc is not None
+    p, oc = adaptive()
     step(p, 0.0, arrive("A", 80))
     step(p, 1.0, fin("A", 80))
     assert step(p, 1.5, arrive("B", 80)) == [] and oc.x == 1.0  # looked at t = 1
@@ -103,12 +109,8 @@ def test_held_on_an_idle_engine_the_tier_grows_until_the_request_goes() -> None:
 
 def test_a_busy_engine_never_grows_the_tier() -> None:
     """S reasons all along (the busy share stays 1): B is held as with a fixed tier."""
-    p = adaptive()
-    oc = p.overcommit
-    assert oc is not None
-    step(p, 0.0, arrive("A", 60), arrive("S", 20))
-    step(p, 1.0, fin("A", 60))
-    step(p, 1.5, arrive("B", 60))
+    p, oc = adaptive()
+    b_held_while_s_runs(p)
     for t in range(2, 8):
         assert step(p, float(t)) == []
     assert oc.x == 1.0 and p.placement.gpu[0].capacity == 100
@@ -118,9 +120,7 @@ def test_requests_in_flight_beyond_the_pool_halve_the_tier() -> None:
     """The tier grew to 2.25 pools for B; then A, B and C reason at once (220 tokens in
     flight against the pool's 100) for long enough: the tier halves, though not below
     what runs (220) until those steps end."""
-    p = adaptive()
-    oc = p.overcommit
-    assert oc is not None
+    p, oc = adaptive()
     step(p, 0.0, arrive("A", 80))
     step(p, 1.0, fin("A", 80))
     step(p, 1.5, arrive("B", 80))
@@ -147,12 +147,8 @@ def test_where_the_engine_is_read_its_queue_decides() -> None:
     when the tier runs ahead of it. S's step stays on the policy's books all along (as a
     gateway counts a request streaming back), but the engine reports it idle: the tier
     grows for B; then the engine's queue stays full: it halves."""
-    p = adaptive()
-    oc = p.overcommit
-    assert oc is not None
-    step(p, 0.0, arrive("A", 60), arrive("S", 20))
-    step(p, 1.0, fin("A", 60))
-    step(p, 1.5, arrive("B", 60))
+    p, oc = adaptive()
+    b_held_while_s_runs(p)
     for t in (2.0, 3.0, 4.0, 5.0):
         p.set_engine_queues([0], t, running=[0])
         step(p, t)
