@@ -29,7 +29,9 @@ class StraightMori(MoriPolicy):
     the promotions by scanning every held request (``ScanPromotion``, the reference of
     the indexed ones)."""
 
-    def _decide(self, now: float, out: list[Decision]) -> None:
+    def _round(self, now: float, out: list[Decision]) -> None:
+        # the round alone: what runs around it (the adaptive GPU tier, mori_overcommit)
+        # is MoriPolicy's, the same for both
         rnd = Round.at(now, out)
         if self.rebalancer is not None:
             self.rebalancer.rebalance(rnd)

@@ -95,7 +95,7 @@ def test_reference_is_the_straightforward_round() -> None:
             assert ref is POLICIES.get(name)
         else:
             assert ref is not POLICIES.get(name) and issubclass(ref, POLICIES.get(name))
-            step = "_to_resume" if name.startswith("thunderagent") else "_decide"
+            step = "_to_resume" if name.startswith("thunderagent") else "_round"
             assert getattr(ref, step) is not getattr(POLICIES.get(name), step)
 
 

@@ -71,8 +71,9 @@ def config_dict(config: SimConfig) -> dict[str, Any]:
     if isinstance(policy, dict) and policy.get("fill_idle") is False:
         del policy["fill_idle"]  # added later, off by default: earlier runs keep their keys
     if isinstance(policy, dict):
-        for name in ("gpu_overcommit", "gpu_overcommit_max"):
-            if policy.get(name) == 1.0:
+        for name, default in (("gpu_overcommit", 1.0), ("gpu_overcommit_max", 1.0),
+                              ("gpu_overcommit_period_s", None)):
+            if name in policy and policy[name] == default:
                 del policy[name]  # added later: earlier runs keep their keys
     return out
 
