@@ -135,3 +135,20 @@ def test_results_table_per_replica(tmp_path: Path) -> None:
     one = subprocess.run([sys.executable, str(script), str(out / "sweep.json")],
                          capture_output=True, text=True, timeout=120)
     assert one.returncode == 0 and "MORI" not in one.stdout
+
+
+def test_predicted_returns_reads_the_tools_off_recorded_claude_code_sessions(
+        tmp_path: Path) -> None:
+    """On the recorded Claude Code sessions, the tools a response called predict its tool
+    call's length better than the program's own history or the fleet's (the measured
+    claim of ``mori.core.returns``)."""
+    import json
+    data = Path(__file__).resolve().parent / "data" / "claude-code"
+    out = subprocess.run([sys.executable, str(BENCH / "predicted_returns.py"), str(data),
+                          "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["rule"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert rows["tools"]["calls"] > 200
+    assert rows["tools"]["median_abs_s"] < rows["own"]["median_abs_s"]
+    assert rows["tools"]["within_2x"] > rows["kind"]["within_2x"] + 0.1
