@@ -20,6 +20,7 @@ import pytest
 from gateway_harness import BASH, SHELL, LoopThread
 from through_workers import WorkersGateway, workers_config
 
+from mori.core.returns import ReturnConfig
 from mori.gateway.app import create_app
 from mori.gateway.config import GatewaySettings
 from mori.gateway.identity import CONVERSATION, DEFAULT_ORDER
@@ -102,6 +103,8 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread, via:
     assert (row["agent"], row["recogniser"], row["session"]) == ("claude-code", "claude-code",
                                                                   SID)
     assert row["in_tool"] == ["Bash"] and row["tools"] == {"Bash": 1}
+    # its length predicted: nothing known yet of Bash or of Claude Code, so the prior
+    assert row["expected_tool_s"] == ReturnConfig().prior_s
     time.sleep(0.4)  # the tool runs
     msgs += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
@@ -114,8 +117,13 @@ def test_claude_code_like_session_through_messages(loop_thread: LoopThread, via:
     assert row["program_id"] == programs(url)[0]["program_id"]  # one program, two steps
     assert row["steps"] == 2 and row["tool_steps"] == 1 and row["in_tool"] == []
     assert 0.4 <= row["last_tool_s"] < 1.5
+    assert row["expected_tool_s"] is None  # no call pending
+    assert row["last_tool_error_s"] == pytest.approx(ReturnConfig().prior_s - row["last_tool_s"],
+                                                     abs=1e-5)
     metrics = httpx.get(url + "/metrics").text
     assert 'mori_tool_call_seconds_count{agent="claude-code"} 1.0' in metrics
+    assert ('mori_tool_call_prediction_error_seconds_count{agent="claude-code"} 1.0'
+            in metrics)
     # count_tokens: answered, not held, no program made
     n = c.messages.count_tokens(model=model, messages=msgs, system=system)
     assert n.input_tokens > 0 and len(programs(url)) == 1

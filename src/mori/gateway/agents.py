@@ -7,19 +7,24 @@ A request says which recogniser named its program, the agent kind and the sessio
 which tools it called (``StepFacts``, from ``mori.gateway.answers``). ``AgentTrack``
 keeps them per program: an answer that ends in a tool call leaves the program Acting in
 that tool until its next request, and when that request carries the tool results, the
-time between is the tool's time (``tool_s``). Both kinds of facts travel between the
+time between is the tool's time (``tool_s``). When a tool call starts, the gateway
+predicts its length (``expected_tool_s``, ``mori.core.returns``: from the tools called,
+else the agent kind's recent calls) and, when it ends, keeps the error
+(``last_tool_error_s``, predicted minus actual). Both kinds of facts travel between the
 gateway's processes as plain dicts (``as_msg`` / ``from_msg``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOOL_NAMES = 64
 """The most distinct tool names kept per program (an agent with more: the first ones)."""
 MAX_TOOL_NAME_CHARS = 64
+RECENT_TOOL_CALLS = 5
+"""A program's own tool times kept for predicting its next one (the idleness window)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +105,9 @@ class AgentTrack:
     tool_steps: int = 0
     tool_s: float = 0.0
     last_tool_s: float | None = None
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TOOL_CALLS))
+    expected_tool_s: float | None = None  # the pending call's predicted length
+    last_tool_error_s: float | None = None  # the last call's, predicted minus actual
 
     def arrived(self, facts: RequestFacts, wall: float) -> float | None:
         """A request came: the tool time it ends, if it returns the tool results of the
@@ -110,7 +118,11 @@ class AgentTrack:
             self.tool_steps += 1
             self.tool_s += took
             self.last_tool_s = took
+            self.recent.append(took)
+            if self.expected_tool_s is not None:
+                self.last_tool_error_s = self.expected_tool_s - took
         self.pending_tools = ()
+        self.expected_tool_s = None
         return took
 
     def ended(self, facts: StepFacts | None, wall: float) -> None:
@@ -132,4 +144,10 @@ class AgentTrack:
                 "tools": dict(self.tools.most_common()),
                 "in_tool": list(self.pending_tools), "tool_steps": self.tool_steps,
                 "tool_s": round(self.tool_s, 6),
-                "last_tool_s": None if self.last_tool_s is None else round(self.last_tool_s, 6)}
+                "last_tool_s": _round(self.last_tool_s),
+                "expected_tool_s": _round(self.expected_tool_s),
+                "last_tool_error_s": _round(self.last_tool_error_s)}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)

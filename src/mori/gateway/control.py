@@ -58,6 +58,7 @@ from mori.core.execution import DecisionExecutor
 from mori.core.explain import context_reader
 from mori.core.idleness import IdlenessHistory
 from mori.core.policy import Policy
+from mori.core.returns import ReturnPredictor
 from mori.core.types import Capability, KVLabel, Status, Tier
 from mori.engines.base import EngineAdapter, UpstreamError
 from mori.gateway.agents import RequestFacts, StepFacts
@@ -113,6 +114,7 @@ class Controller:
         self._ticker: asyncio.Task[None] | None = None
         self.sessions = Sessions(self.programs, policy, self._wall, settings.abandoned_grace_s)
         self.recording = Recording(self._wall)  # its recorder set by the gateway (--record)
+        self.returns = ReturnPredictor()  # a tool call's predicted length (mori.core.returns)
         self.prices = EnginePrices(policy, len(adapters), settings.time_scale,
                                    settings.learn_costs)
 
@@ -196,9 +198,15 @@ class Controller:
         if facts is not None and not (info.held is not None and info.held.waiting):
             info.arrived_wall = info.last_seen
             info.text = facts.text
-            took = info.agent.arrived(facts, info.last_seen)
+            track = info.agent
+            tools, expected = track.pending_tools, track.expected_tool_s
+            took = track.arrived(facts, info.last_seen)
             if took is not None:
-                self.metrics.tool_time.labels(info.agent.agent).observe(took)
+                self.metrics.tool_time.labels(track.agent).observe(took)
+                self.returns.observe(took, tools, track.agent)
+                if expected is not None:
+                    self.metrics.tool_time_error.labels(track.agent).observe(
+                        abs(expected - took))
         pol = self.policy.programs.get(program_id)
         loop = self._loop
         if loop is None:  # kept: get_running_loop makes a system call (mori.engines.http1_client)
@@ -294,7 +302,11 @@ class Controller:
         self.seen.seen(info, self.wall())
         info.context_tokens = max(context_tokens, info.prompt_tokens)
         info.steps += 1
-        info.agent.ended(step, info.last_seen)
+        track = info.agent
+        track.ended(step, info.last_seen)
+        if track.in_tool:
+            track.expected_tool_s = self.returns.expect_s(track.recent, track.pending_tools,
+                                                          track.agent)
         if not info.anonymous and step is not None:
             self.recording.step(info, step)
         self.policy.observe(StepFinished(program_id, info.context_tokens), self.now())

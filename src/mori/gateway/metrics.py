@@ -268,6 +268,11 @@ class GatewayMetrics:
                                    "a tool call to the request returning its results, by "
                                    "agent kind", ["agent"], buckets=_LATENCY_BUCKETS,
                                    registry=r)
+        self.tool_time_error = Histogram(
+            "mori_tool_call_prediction_error_seconds", "How far a tool call's predicted "
+            "length (made when the answer ended in the call: mori.core.returns) was from "
+            "its length measured on the wire, absolute, by agent kind", ["agent"],
+            buckets=_LATENCY_BUCKETS, registry=r)
         self.completion_tokens = Recorded(Counter("mori_completion_tokens",
                                                   "Completion tokens returned", registry=r),
                                           keep=0)  # the dashboard reads only the total
