@@ -269,6 +269,13 @@ def test_sweep_policy_knobs_reach_every_run(tmp_path: Path, counter: Counter) ->
     assert {(r["tick_s"], r["idleness_window"]) for r in rows} == {(2.0, 3)}
 
 
+def test_sweep_takes_the_gpu_tiers_size(tmp_path: Path, counter: Counter) -> None:
+    assert smoke(tmp_path / "out", "--jobs", "1", "--gpu-overcommit", "2",
+                 "--gpu-overcommit-max", "8") == 0
+    assert {c.policy_config for c in counter.configs} == {
+        PolicyConfig(gpu_overcommit=2.0, gpu_overcommit_max=8.0)}
+
+
 def test_ray_gives_the_local_results(tmp_path: Path) -> None:
     try:
         import ray

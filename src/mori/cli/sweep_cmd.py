@@ -34,7 +34,8 @@ from mori.traces import TraceError, default_traces, load_traces
 GRID_KEYS = ("policy", "programs", "preset", "cpu_ratio", "disk_ratio", "replicas")
 """Options that define a custom grid (not allowed with a named sweep)."""
 SHARED_KEYS = ("duration", "seed", "human_gap", "human_gap_cap", "max_context",
-               "share_prefix", "tick", "idleness_window", "disk")
+               "share_prefix", "tick", "idleness_window", "disk", "gpu_overcommit",
+               "gpu_overcommit_max")
 """The options every run of a sweep shares (SimConfig fields and policy knobs)."""
 
 SWEEP_OPTIONS: tuple[Option, ...] = tuple(dataclasses.replace(o, help=o.help.replace(
