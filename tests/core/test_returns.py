@@ -56,7 +56,18 @@ def test_only_the_last_calls_are_kept() -> None:
     assert p.expect_s() == 2.0
 
 
+def test_only_so_many_distinct_tools_are_tracked() -> None:
+    p = ReturnPredictor(ReturnConfig(rule="tools", min_tool=1, max_names=2, prior_s=0.0))
+    for k in range(100):  # a client inventing tool names
+        p.observe(float(k + 1), [f"tool-{k}"])
+    assert p.expect_s(tools=["tool-0"]) == 1.0 and p.expect_s(tools=["tool-1"]) == 2.0
+    # not tracked: the kind's median, over every call
+    assert p.expect_s(tools=["tool-99"]) == statistics.median(range(1, 101))
+    assert len(p._tools) == 2
+
+
 @pytest.mark.parametrize("bad", [dict(rule="mean"), dict(min_own=0), dict(keep=0),
+                                 dict(max_names=0),
                                  dict(prior_s=-1.0), dict(prior_s=float("nan"))])
 def test_a_bad_config_says_what_is_wrong(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):

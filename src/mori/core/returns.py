@@ -49,20 +49,22 @@ RULES = ("own", "tools", "own-then-tools", "tools-then-own", "kind")
 class ReturnConfig:
     """``rule``: one of ``RULES``. ``min_own``: the program's own tool times needed
     before they are used; ``min_tool``: a tool's recent calls needed; ``min_kind``: the
-    kind's; ``keep``: recent calls kept per tool and per kind; ``prior_s``: the answer
-    with nothing known."""
+    kind's; ``keep``: recent calls kept per tool and per kind; ``max_names``: the most
+    distinct tools (and kinds) tracked, the first ones seen (names come from clients: a
+    gateway must not grow without bound); ``prior_s``: the answer with nothing known."""
 
     rule: str = "tools"
     min_own: int = 2
     min_tool: int = 3
     min_kind: int = 5
     keep: int = 200
+    max_names: int = 1024
     prior_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"unknown return rule {self.rule!r}: one of {', '.join(RULES)}")
-        if min(self.min_own, self.min_tool, self.min_kind, self.keep) < 1:
+        if min(self.min_own, self.min_tool, self.min_kind, self.keep, self.max_names) < 1:
             raise ValueError(f"the sample counts must be >= 1: {self!r}")
         if not self.prior_s >= 0.0:
             raise ValueError(f"prior_s must be >= 0 seconds, got {self.prior_s}")
@@ -82,10 +84,17 @@ class ReturnPredictor:
         """A tool call of ``seconds`` ended; it ran ``tools`` in a program of ``kind``."""
         if not seconds >= 0.0:
             raise ValueError(f"a tool call lasts >= 0 seconds, got {seconds}")
-        keep = self.config.keep
         for name in set(tools):
-            self._tools.setdefault(name, deque(maxlen=keep)).append(seconds)
-        self._kinds.setdefault(kind, deque(maxlen=keep)).append(seconds)
+            self._add(self._tools, name, seconds)
+        self._add(self._kinds, kind, seconds)
+
+    def _add(self, table: dict[str, deque[float]], name: str, seconds: float) -> None:
+        h = table.get(name)
+        if h is None:
+            if len(table) >= self.config.max_names:
+                return
+            h = table[name] = deque(maxlen=self.config.keep)
+        h.append(seconds)
 
     def expect_s(self, own: Sequence[float] = (), tools: Sequence[str] = (),
                  kind: str = "") -> float:
