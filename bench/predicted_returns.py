@@ -33,7 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # `bench.` when run as a script
 
+from bench.benchutil import pct  # noqa: E402
 from mori.cli.table import format_table  # noqa: E402
 from mori.core.returns import RULES, ReturnConfig, ReturnPredictor  # noqa: E402
 from mori.traces import GapKind, ProgramTrace, TraceSet, default_traces, load_traces  # noqa: E402
@@ -62,12 +64,6 @@ def programs(traces: TraceSet) -> Iterator[ProgramTrace]:
         yield p
         for step in p.steps:
             stack.extend(s.program for s in step.subagents)
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs`` (nearest rank)."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def errors(traces: TraceSet, rule: str, window: int) -> tuple[list[tuple[float, float]], int]:
@@ -100,10 +96,10 @@ def measure(traces: TraceSet, name: str, window: int) -> list[RuleError]:
         pairs, skipped = errors(traces, rule, window)
         if not pairs:
             continue
-        err = [p - a for p, a in pairs]
+        err = sorted(p - a for p, a in pairs)
         within = sum(1 for p, a in pairs if a / 2 <= p <= 2 * a) / len(pairs)
         rows.append(RuleError(name, rule, len(pairs), skipped, statistics.median(err),
-                              quantile(err, 0.1), quantile(err, 0.9),
+                              pct(err, 10), pct(err, 90),
                               statistics.median(abs(e) for e in err), within))
     return rows
 
